@@ -1,0 +1,1 @@
+"""Building blocks of the decoder: single-device math whose parameters carry logical axes."""

@@ -1,0 +1,163 @@
+"""The device mesh, and the map from logical axis names to mesh axes.
+
+Layer code names only logical axes (``embed``, ``heads``, ``mlp``, ``vocab``, ``batch``...);
+``mesh.rules`` in the config says which mesh axes each one is sharded over. Changing a
+parallelism strategy is therefore a config change, never a model change.
+
+Sharding mode: every mesh axis is ``AxisType.Auto``. jax now defaults to Explicit axes, under
+which every ambiguous op (embedding gathers, matmuls contracting a sharded dim) must carry an
+``out_sharding``; that would spread mesh knowledge through every layer. With Auto axes the
+layers stay single-device math, parameters get their shardings from their logical names, a few
+activation constraints (`constrain`) pin the batch layout at layer boundaries, and XLA's
+partitioner fills in the collectives.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import math
+from collections.abc import Iterator, Sequence
+
+import jax
+import numpy as np
+from jax.experimental import mesh_utils
+from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from maxtrain.config import MESH_AXES, ConfigError, MeshConfig
+
+LogicalAxes = tuple[str | None, ...]
+
+
+def _resolve_degrees(cfg: MeshConfig, devices_per_slice: int) -> list[int]:
+    """ICI degree per mesh axis, with the one allowed -1 filled from the device count."""
+    degrees = [getattr(cfg, axis) for axis in MESH_AXES]
+    unknown = [axis for axis, d in zip(MESH_AXES, degrees, strict=True) if d == -1]
+    bad = [axis for axis, d in zip(MESH_AXES, degrees, strict=True) if d == 0 or d < -1]
+    if bad:
+        raise ConfigError(
+            f"mesh.{bad[0]} must be a positive degree or -1, got {getattr(cfg, bad[0])}"
+        )
+    if len(unknown) > 1:
+        raise ConfigError(f"only one mesh axis may be -1, got -1 for {', '.join(unknown)}")
+    known = math.prod(d for d in degrees if d != -1)
+    if unknown:
+        if devices_per_slice % known:
+            raise ConfigError(
+                f"mesh.{unknown[0]}=-1 cannot fill {devices_per_slice} devices per slice: the "
+                f"other ICI degrees multiply to {known}, which does not divide it"
+            )
+        degrees[MESH_AXES.index(unknown[0])] = devices_per_slice // known
+    elif known != devices_per_slice:
+        shape = " x ".join(f"{a}={d}" for a, d in zip(MESH_AXES, degrees, strict=True) if d != 1)
+        raise ConfigError(
+            f"mesh ICI degrees ({shape or 'all 1'}) use {known} devices per slice but "
+            f"{devices_per_slice} are available; set one axis to -1 or fix the degrees"
+        )
+    return degrees
+
+
+def _slices(devices: Sequence[jax.Device], num_slices: int) -> list[list[jax.Device]]:
+    """Groups devices by TPU slice; devices without a slice index (CPU, GPU) are cut in order.
+
+    Cutting simulated CPU devices into contiguous groups lets tests exercise the DCN path.
+    """
+    if all(hasattr(d, "slice_index") for d in devices):
+        groups: dict[int, list[jax.Device]] = {}
+        for d in devices:
+            groups.setdefault(d.slice_index, []).append(d)
+        if len(groups) != num_slices:
+            raise ConfigError(
+                f"mesh.num_slices={num_slices} but the devices span {len(groups)} slices"
+            )
+        return [groups[k] for k in sorted(groups)]
+    if len(devices) % num_slices:
+        raise ConfigError(
+            f"mesh.num_slices={num_slices} does not divide the {len(devices)} devices"
+        )
+    per = len(devices) // num_slices
+    return [list(devices[i * per : (i + 1) * per]) for i in range(num_slices)]
+
+
+def build_mesh(cfg: MeshConfig, devices: Sequence[jax.Device] | None = None) -> Mesh:
+    """A mesh over all axes in MESH_AXES; its shape is ICI degree x DCN degree per axis."""
+    devices = list(devices if devices is not None else jax.devices())
+    dcn = [getattr(cfg.dcn, axis) for axis in MESH_AXES]
+    if math.prod(dcn) != cfg.num_slices:
+        raise ConfigError(
+            f"mesh.dcn degrees multiply to {math.prod(dcn)} but mesh.num_slices={cfg.num_slices}"
+        )
+    slices = _slices(devices, cfg.num_slices)
+    ici = _resolve_degrees(cfg, len(slices[0]))
+    per_slice = [mesh_utils.create_device_mesh(ici, devices=s) for s in slices]
+    grid = np.empty(dcn + ici, dtype=object)  # [dcn axes..., ici axes...]
+    for index, slice_mesh in zip(np.ndindex(*dcn), per_slice, strict=True):
+        grid[index] = slice_mesh
+    # Interleave to (dcn_0, ici_0, dcn_1, ici_1, ...) then merge pairs: DCN is the outer
+    # (slower) part of every axis, so collectives along an axis stay inside a slice first.
+    n = len(MESH_AXES)
+    order = [i for pair in zip(range(n), range(n, 2 * n), strict=True) for i in pair]
+    shape = [d * i for d, i in zip(dcn, ici, strict=True)]
+    grid = grid.transpose(order).reshape(shape)
+    return Mesh(grid, MESH_AXES, axis_types=(AxisType.Auto,) * n)
+
+
+# ---- logical axes -> PartitionSpec ------------------------------------------------------------
+
+
+def logical_to_spec(
+    axes: LogicalAxes, rules: dict[str, list[str]], mesh: Mesh, shape: Sequence[int] | None = None
+) -> P:
+    """PartitionSpec for an array whose dims carry the given logical names.
+
+    A mesh axis is used at most once per array (first dim wins), axes of size 1 are dropped, and
+    a dim that the mesh axes do not divide stays replicated rather than failing to compile
+    (e.g. 2 kv heads on a tensor axis of 4).
+    """
+    used: set[str] = set()
+    spec: list[str | tuple[str, ...] | None] = []
+    for dim, name in enumerate(axes):
+        mesh_axes = [
+            a for a in (rules.get(name, []) if name else []) if a not in used and mesh.shape[a] > 1
+        ]
+        size = math.prod(mesh.shape[a] for a in mesh_axes)
+        if shape is not None and shape[dim] % size:
+            mesh_axes = []
+        used.update(mesh_axes)
+        spec.append(
+            None if not mesh_axes else mesh_axes[0] if len(mesh_axes) == 1 else tuple(mesh_axes)
+        )
+    return P(*spec)
+
+
+def batch_degree(rules: dict[str, list[str]], mesh: Mesh) -> int:
+    """How many ways the batch dimension is split (data-parallel degree)."""
+    return math.prod(mesh.shape[a] for a in rules.get("batch", []))
+
+
+# ---- activation constraints --------------------------------------------------------------------
+
+_ACTIVE: contextvars.ContextVar[tuple[Mesh, dict[str, list[str]]] | None] = contextvars.ContextVar(
+    "maxtrain_sharding_rules", default=None
+)
+
+
+@contextlib.contextmanager
+def sharding_rules(mesh: Mesh, rules: dict[str, list[str]]) -> Iterator[None]:
+    """Makes `constrain` active while tracing model code for this mesh."""
+    token = _ACTIVE.set((mesh, rules))
+    try:
+        yield
+    finally:
+        _ACTIVE.reset(token)
+
+
+def constrain(x: jax.Array, axes: LogicalAxes) -> jax.Array:
+    """Pins an activation's layout by logical axis names; a no-op outside `sharding_rules`."""
+    active = _ACTIVE.get()
+    if active is None:
+        return x
+    mesh, rules = active
+    spec = logical_to_spec(axes, rules, mesh, x.shape)
+    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))

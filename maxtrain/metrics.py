@@ -1,0 +1,253 @@
+"""Throughput accounting and metric sinks: FLOPs per token, MFU, JSONL/TensorBoard, console line.
+
+Why this module exists: "is the run fast?" only has an answer against a fixed yardstick. We use
+*model* FLOPs (what the architecture needs per token, the PaLM / "6ND" convention), not hardware
+FLOPs, so remat recomputation and kernel choice change the step time but never the FLOP count,
+and MFU stays comparable across configs and across frameworks that quote the same convention.
+The per-part counts are small separate functions so a mixture-of-experts model can substitute
+its *active* MLP parameters without touching the rest.
+
+Metrics go to ``run_dir/metrics.jsonl`` (one flushed JSON object per write, so a crash loses
+nothing already logged and any tool can read it) and to TensorBoard; only the writer process
+(process 0) writes, and the caller decides which process that is.
+"""
+
+from __future__ import annotations
+
+import json
+import numbers
+from pathlib import Path
+from typing import IO, Any
+
+from maxtrain.config import ModelConfig
+
+# ---- FLOP counting ------------------------------------------------------------------------
+
+
+def attention_proj_params(model: ModelConfig) -> int:
+    """Per-layer q, k, v and o projection weights (GQA: k and v have num_kv_heads heads)."""
+    d, h = model.emb_dim, model.resolved_head_dim
+    q = d * model.num_heads * h
+    kv = 2 * d * model.num_kv_heads * h
+    o = model.num_heads * h * d
+    return q + kv + o
+
+
+def mlp_params(model: ModelConfig) -> int:
+    """Per-layer SwiGLU weights: gate and up (emb -> mlp) and down (mlp -> emb).
+
+    A mixture-of-experts model passes the parameters of the experts a token is routed to
+    (top-k experts plus any shared expert, plus the router), not the total.
+    """
+    return 3 * model.emb_dim * model.mlp_dim
+
+
+def head_params(model: ModelConfig) -> int:
+    """The LM head (emb -> vocab). Counted even with tied embeddings: it is a matmul either way.
+
+    The input embedding is a gather, not a matmul, so it never enters the FLOP count.
+    """
+    return model.vocab_size * model.emb_dim
+
+
+def matmul_params(model: ModelConfig) -> int:
+    """Parameters each token multiplies against: all layers' projections and MLPs plus the head.
+
+    Excludes the input embedding lookup and norm scales (including qk-norm), which are not
+    matmuls.
+    """
+    per_layer = attention_proj_params(model) + mlp_params(model)
+    return model.num_layers * per_layer + head_params(model)
+
+
+def attention_flops_per_token(model: ModelConfig, seq_len: int) -> float:
+    """Training FLOPs per token of the score (QK^T) and value (AV) matmuls, causal.
+
+    Forward with a full mask: 2 matmuls x 2 FLOPs/MAC x seq_len x (num_heads x head_dim) per
+    token per layer. The causal mask halves it (the standard, mask-aware count), leaving
+    2 x seq_len x N x H; training is 3x the forward (backward = 2x forward).
+    """
+    n_h = model.num_heads * model.resolved_head_dim
+    return 6.0 * seq_len * n_h * model.num_layers
+
+
+def train_flops_per_token(model: ModelConfig, seq_len: int) -> float:
+    """Model FLOPs to train on one token (forward + backward), the MFU numerator.
+
+        flops/token = 6 * P_matmul + 6 * L * seq_len * N * H
+
+    where P_matmul is ``matmul_params`` (weights a token multiplies against: 2 FLOPs per MAC
+    forward, 4 backward, hence 6 -- the "6ND" rule of Kaplan et al. and PaLM appendix B) and the
+    second term is causal self-attention over ``seq_len`` (see ``attention_flops_per_token``;
+    PaLM's 6*L*H*(2Q)*T counts the full mask, we count the causal half as most frameworks now do).
+    Recomputation from remat is deliberately NOT counted: these are model FLOPs, not hardware
+    FLOPs, so MFU does not reward recomputing activations.
+    """
+    return 6.0 * matmul_params(model) + attention_flops_per_token(model, seq_len)
+
+
+# ---- peak throughput --------------------------------------------------------------------------
+
+# Peak dense bf16 TFLOP/s per chip (per GPU), matched by case-insensitive substring of
+# jax.Device.device_kind. ORDER MATTERS: the first match wins, so more specific names come
+# before their prefixes ("tpu v5 lite" before "tpu v5", which is how v5p reports itself).
+PEAK_BF16_TFLOPS: tuple[tuple[str, float], ...] = (
+    ("tpu v6 lite", 918.0),  # v6e / Trillium
+    ("tpu v6e", 918.0),
+    ("tpu v5 lite", 197.0),  # v5e
+    ("tpu v5e", 197.0),
+    ("tpu v5p", 459.0),
+    ("tpu v5", 459.0),  # v5p reports device_kind "TPU v5"
+    ("tpu v4", 275.0),
+    ("b200", 2250.0),
+    ("h200", 989.0),
+    ("h100", 989.0),  # "NVIDIA H100 80GB HBM3", "NVIDIA H100 PCIe", ...
+    ("a100", 312.0),
+)
+
+
+def peak_tflops(device_kind: str) -> float | None:
+    """Peak dense bf16 TFLOP/s of one device, or None when unknown (CPU): MFU is not reported."""
+    kind = device_kind.lower()
+    for needle, tflops in PEAK_BF16_TFLOPS:
+        if needle in kind:
+            return tflops
+    return None
+
+
+# ---- step statistics --------------------------------------------------------------------------
+
+
+def step_stats(
+    step_time_s: float,
+    tokens_per_step: int,
+    num_devices: int,
+    flops_per_token: float,
+    peak_tflops_per_device: float | None,
+) -> dict[str, float | None]:
+    """Throughput of one optimizer step: tokens/s and TFLOP/s per device, and MFU (0..1).
+
+    ``tokens_per_step`` is global (all devices); ``mfu`` is None when the peak is unknown.
+    """
+    tokens_per_sec_per_device = tokens_per_step / step_time_s / num_devices
+    tflops_per_device = tokens_per_sec_per_device * flops_per_token / 1e12
+    mfu = None if peak_tflops_per_device is None else tflops_per_device / peak_tflops_per_device
+    return {
+        "tokens_per_sec_per_device": tokens_per_sec_per_device,
+        "tflops_per_device": tflops_per_device,
+        "mfu": mfu,
+    }
+
+
+# ---- writers ----------------------------------------------------------------------------------
+
+
+def _to_number(value: Any) -> int | float:
+    """Python int/float from a Python, NumPy or 0-d JAX scalar (JSON cannot hold the others)."""
+    dtype = getattr(value, "dtype", None)
+    if isinstance(value, numbers.Integral) or (dtype is not None and dtype.kind in "iub"):
+        return int(value)
+    return float(value)
+
+
+class MetricsWriter:
+    """Appends scalars to ``run_dir/metrics.jsonl`` and TensorBoard; a no-op unless is_writer.
+
+    ``is_writer`` is required (pass ``jax.process_index() == 0``) so that multi-host runs never
+    have every process appending to the same file by accident.
+    """
+
+    def __init__(
+        self, run_dir: str | Path, enable_tensorboard: bool = True, *, is_writer: bool
+    ) -> None:
+        self.run_dir = Path(run_dir)
+        self.is_writer = is_writer
+        self._jsonl: IO[str] | None = None
+        self._tb: Any = None
+        if not is_writer:
+            return
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self._jsonl = (self.run_dir / "metrics.jsonl").open("a", encoding="utf-8")
+        if enable_tensorboard:
+            from tensorboardX import SummaryWriter
+
+            self._tb = SummaryWriter(str(self.run_dir / "tensorboard"))
+
+    def write(self, step: int, scalars: dict[str, float | int | None], prefix: str) -> None:
+        """One JSON line {"step": step, "<prefix>/<key>": value, ...}; None values are skipped."""
+        if self._jsonl is None:
+            return
+        record: dict[str, int | float] = {"step": int(step)}
+        for key, value in scalars.items():
+            if value is not None:
+                record[f"{prefix}/{key}" if prefix else key] = _to_number(value)
+        self._jsonl.write(json.dumps(record) + "\n")
+        self._jsonl.flush()
+        if self._tb is not None:
+            for tag, value in record.items():
+                if tag != "step":
+                    self._tb.add_scalar(tag, value, int(step))
+            self._tb.flush()
+
+    def close(self) -> None:
+        if self._jsonl is not None:
+            self._jsonl.close()
+            self._jsonl = None
+        if self._tb is not None:
+            self._tb.close()
+            self._tb = None
+
+    def __enter__(self) -> MetricsWriter:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+# ---- console ----------------------------------------------------------------------------------
+
+
+def _si(value: float) -> str:
+    """12400 -> '12.4k', 1.5e6 -> '1.50M', 950 -> '950'."""
+    if value >= 1e6:
+        return f"{value / 1e6:.2f}M"
+    if value >= 1e3:
+        return f"{value / 1e3:.1f}k"
+    return f"{value:.0f}"
+
+
+def _hms(seconds: float) -> str:
+    total = max(0, round(seconds))
+    hours, rest = divmod(total, 3600)
+    minutes, secs = divmod(rest, 60)
+    return f"{hours}:{minutes:02d}:{secs:02d}"
+
+
+def format_console_line(step: int, total_steps: int, scalars: dict[str, Any]) -> str:
+    """One compact progress line; each piece is shown only when its scalar is present.
+
+    Reads ``loss``, ``lr``, ``grad_norm``, ``step_time_s`` (seconds), and the ``step_stats``
+    keys ``tokens_per_sec_per_device``, ``tflops_per_device``, ``mfu`` (fraction, shown as %).
+    ETA = (total_steps - step) * step_time_s.
+    """
+    width = max(5, len(str(total_steps)))
+    parts = [f"step {step:>{width}}/{total_steps}"]
+    get = scalars.get
+    if (loss := get("loss")) is not None:
+        parts.append(f"loss {float(loss):.4f}")
+    if (lr := get("lr")) is not None:
+        parts.append(f"lr {float(lr):.1e}")
+    if (gnorm := get("grad_norm")) is not None:
+        parts.append(f"gnorm {float(gnorm):.3f}")
+    step_time = get("step_time_s")
+    if step_time is not None:
+        parts.append(f"{float(step_time) * 1e3:.1f} ms")
+    if (tok := get("tokens_per_sec_per_device")) is not None:
+        parts.append(f"{_si(float(tok))} tok/s/dev")
+    if (tflops := get("tflops_per_device")) is not None:
+        parts.append(f"{float(tflops):.1f} TFLOP/s/dev")
+    if (mfu := get("mfu")) is not None:
+        parts.append(f"MFU {float(mfu) * 100:.1f}%")
+    if step_time is not None:
+        parts.append(f"ETA {_hms(max(0, total_steps - step) * float(step_time))}")
+    return " | ".join(parts)

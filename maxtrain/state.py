@@ -1,0 +1,95 @@
+"""The train state (step, params, optimizer state), created directly in its sharded layout.
+
+Parameters are kept as a plain nested dict of arrays (`nnx.to_pure_dict`): what optax, Orbax
+and the checkpoint converters all handle natively. The model's graph definition and logical
+axis metadata are kept beside it to rebuild the module inside jit.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx, struct
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from maxtrain import models
+from maxtrain.config import Config
+from maxtrain.mesh import logical_to_spec
+
+
+@struct.dataclass
+class TrainState:
+    step: jax.Array
+    params: Any
+    opt_state: Any
+
+
+@dataclass(frozen=True)
+class ModelDef:
+    """Everything needed to run the model on a params dict inside jit."""
+
+    graphdef: nnx.GraphDef
+    abstract_state: nnx.State  # nnx.Param tree with shapes and logical-axis metadata
+
+    def apply(self, params: Any, tokens, positions, segment_ids) -> jax.Array:
+        state = jax.tree.map(lambda v: v, self.abstract_state)  # a fresh copy to fill
+        nnx.replace_by_pure_dict(state, params)
+        return nnx.merge(self.graphdef, state)(tokens, positions, segment_ids)
+
+
+def model_def(cfg: Config) -> ModelDef:
+    graphdef, abstract_state = nnx.split(models.abstract(cfg.model))
+    return ModelDef(graphdef, abstract_state)
+
+
+def param_shardings(mdef: ModelDef, cfg: Config, mesh: Mesh) -> Any:
+    """NamedSharding per parameter, from its logical axes and the config's rules."""
+
+    def sharding(var: nnx.Variable) -> NamedSharding:
+        axes = var.get_metadata().get("out_sharding") or (None,) * var.get_value().ndim
+        return NamedSharding(
+            mesh, logical_to_spec(axes, cfg.mesh.rules, mesh, var.get_value().shape)
+        )
+
+    shardings = jax.tree.map(
+        sharding, mdef.abstract_state, is_leaf=lambda x: isinstance(x, nnx.Variable)
+    )
+    return nnx.to_pure_dict(shardings)
+
+
+def state_shardings(
+    mdef: ModelDef, cfg: Config, mesh: Mesh, tx: optax.GradientTransformation
+) -> TrainState:
+    params = param_shardings(mdef, cfg, mesh)
+    abstract_params = nnx.to_pure_dict(mdef.abstract_state)
+    replicated = NamedSharding(mesh, P())
+    abstract_opt = jax.eval_shape(tx.init, abstract_params)
+    # Optimizer moments mirror the params they belong to; counters and the like replicate.
+    opt = optax.tree_map_params(
+        tx,
+        lambda _, s: s,
+        abstract_opt,
+        params,
+        transform_non_params=lambda _: replicated,
+    )
+    return TrainState(step=replicated, params=params, opt_state=opt)
+
+
+def init_state(
+    cfg: Config, mesh: Mesh, tx: optax.GradientTransformation
+) -> tuple[TrainState, ModelDef, TrainState]:
+    """Returns (state, model definition, shardings of the state), parameters born sharded."""
+    mdef = model_def(cfg)
+    shardings = state_shardings(mdef, cfg, mesh, tx)
+
+    def create() -> TrainState:
+        params = nnx.to_pure_dict(nnx.state(models.build(cfg.model, seed=cfg.run.seed), nnx.Param))
+        return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params))
+
+    state = jax.jit(create, out_shardings=shardings)()
+    return state, mdef, shardings

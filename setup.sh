@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# Creates .venv with a Python >= 3.12 and installs maxtrain with its pinned dependencies.
+# Idempotent: reinstalls only when pyproject.toml changed since the last successful install.
+set -euo pipefail
+cd "$(dirname "$0")"
+
+find_python() {
+  # jax 0.11.2 needs Python >= 3.12; a plain `python3` is often older, so look further.
+  local cand
+  for cand in "${MAXTRAIN_PYTHON:-}" python3.12 python3 python3.13; do
+    [ -n "$cand" ] || continue
+    if command -v "$cand" >/dev/null 2>&1 &&
+       "$cand" -c 'import sys; sys.exit(sys.version_info < (3, 12))' >/dev/null 2>&1; then
+      command -v "$cand"; return 0
+    fi
+  done
+  # pyenv shims refuse to run unless a version is selected: ask pyenv for its installs directly.
+  # 3.12 first: it is what the GPU images run, so CPU and GPU resolve the same wheels.
+  if command -v pyenv >/dev/null 2>&1; then
+    for cand in $(pyenv versions --bare 2>/dev/null | grep -E '^3\.12\.'; \
+                  pyenv versions --bare 2>/dev/null | grep -E '^3\.(1[3-9])\.'); do
+      local py; py="$(pyenv root)/versions/$cand/bin/python3"
+      if [ -x "$py" ]; then echo "$py"; return 0; fi
+    done
+  fi
+  return 1
+}
+
+stamp=.venv/.maxtrain-installed
+want="$(sha256sum pyproject.toml | cut -d' ' -f1)"
+if [ -x .venv/bin/python ] && [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
+  exit 0
+fi
+
+if [ ! -x .venv/bin/python ]; then
+  if ! py="$(find_python)"; then
+    echo "setup.sh: maxtrain needs Python >= 3.12 (jax 0.11.2 requires it) and none was found." >&2
+    echo "setup.sh: install one (e.g. 'pyenv install 3.12' or your OS package python3.12)," \
+         "or point MAXTRAIN_PYTHON at it." >&2
+    exit 2
+  fi
+  echo "setup.sh: creating .venv with $py ($("$py" --version))"
+  "$py" -m venv .venv
+fi
+.venv/bin/python -m pip install -q --upgrade pip
+.venv/bin/python -m pip install -q -e ".[test]"
+echo "$want" > "$stamp"
+echo "setup.sh: .venv ready"

@@ -1,0 +1,35 @@
+"""CPU with 8 simulated devices for every test, set before jax is imported anywhere."""
+
+import os
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ["XLA_FLAGS"] = (
+    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+).strip()
+
+from pathlib import Path  # noqa: E402
+
+import pytest  # noqa: E402
+
+from maxtrain import config as config_lib  # noqa: E402
+
+BASE = config_lib.CONFIGS_DIR / "base.yml"
+
+
+@pytest.fixture
+def make_cfg(tmp_path: Path):
+    """make_cfg("key=value", ...) -> Config for the tiny model, writing into tmp_path."""
+
+    def make(*overrides: str) -> config_lib.Config:
+        defaults = (
+            "model_name=tiny",
+            f"run.output_dir={tmp_path}",
+            "train.steps=4",
+            "train.global_batch_size=8",
+            "train.seq_len=32",
+            "train.eval_every=0",
+            "optim.warmup_steps=1",
+        )
+        return config_lib.load(BASE, [*defaults, *overrides])
+
+    return make

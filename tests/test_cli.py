@@ -1,0 +1,75 @@
+"""The command line end to end, in a subprocess, as a user runs it."""
+
+import json
+import os
+import subprocess
+import sys
+
+from maxtrain.config import CONFIGS_DIR, REPO_ROOT
+
+
+def run_cli(*args: str, tmp_path) -> subprocess.CompletedProcess:
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}
+    return subprocess.run(
+        [sys.executable, "-m", "maxtrain.train", str(CONFIGS_DIR / "base.yml"), *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=REPO_ROOT,
+        timeout=300,
+    )
+
+
+def test_cli_trains_and_writes_metrics_config_and_tensorboard(tmp_path):
+    result = run_cli(
+        "model_name=tiny",
+        "train.steps=6",
+        "train.log_every=3",
+        "train.eval_every=6",
+        "train.seq_len=32",
+        "train.global_batch_size=4",
+        "run.name=cli",
+        f"run.output_dir={tmp_path}",
+        tmp_path=tmp_path,
+    )
+    assert result.returncode == 0, result.stderr
+    run_dir = tmp_path / "cli"
+    lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    train_lines = [x for x in lines if "train/loss" in x]
+    assert [x["step"] for x in train_lines] == [3, 6]
+    for key in (
+        "train/loss",
+        "train/lr",
+        "train/grad_norm",
+        "train/step_time_s",
+        "train/tokens_per_sec_per_device",
+        "train/tflops_per_device",
+    ):
+        assert key in train_lines[-1], key
+    assert "train/mfu" not in train_lines[-1]  # CPU has no peak: MFU is not invented
+    assert any("eval/loss" in x for x in lines)
+    assert "model_name: tiny" in (run_dir / "config.yml").read_text()
+    assert list((run_dir / "tensorboard").glob("events.out.tfevents.*"))
+    assert "step     6/6" in result.stdout
+
+
+def test_cli_bad_key_exits_2_with_one_line_naming_it(tmp_path):
+    result = run_cli(
+        "model_name=tiny",
+        "optim.learning_rate=1e-3",
+        f"run.output_dir={tmp_path}",
+        tmp_path=tmp_path,
+    )
+    assert result.returncode == 2
+    assert result.stderr.strip().count("\n") == 0, result.stderr
+    assert "optim.learning_rate" in result.stderr and "Traceback" not in result.stderr
+    assert not any(tmp_path.iterdir())  # nothing written for a rejected config
+
+
+def test_cli_mesh_that_does_not_fit_the_devices_exits_2(tmp_path):
+    result = run_cli(
+        "model_name=tiny", "mesh.fsdp=4", f"run.output_dir={tmp_path}", tmp_path=tmp_path
+    )
+    assert result.returncode == 2
+    assert "mesh" in result.stderr and "1 are available" in result.stderr
+    assert "Traceback" not in result.stderr

@@ -1,0 +1,101 @@
+"""Config: merge order, parents, CLI overrides, derived values and one-line errors."""
+
+import pytest
+
+from maxtrain import config as config_lib
+from maxtrain.config import ConfigError
+
+BASE = config_lib.CONFIGS_DIR / "base.yml"
+
+
+def test_merge_order_base_then_model_then_file_then_cli(tmp_path):
+    parent = tmp_path / "parent.yml"
+    parent.write_text("model_name: tiny\noptim:\n  lr: 0.5\n  b1: 0.8\ntrain:\n  steps: 7\n")
+    child = tmp_path / "child.yml"
+    child.write_text("base_config: parent.yml\noptim:\n  lr: 0.25\nmodel:\n  num_layers: 3\n")
+    cfg = config_lib.load(child, ["optim.b1=0.7", "model.qk_norm=true"])
+    assert cfg.model_name == "tiny"
+    assert cfg.model.emb_dim == 64  # from configs/models/tiny.yml
+    assert cfg.model.num_layers == 3  # the config file beats the model file
+    assert cfg.optim.lr == 0.25  # child beats parent
+    assert cfg.optim.b1 == 0.7  # CLI beats everything
+    assert cfg.model.qk_norm is True
+    assert cfg.train.steps == 7  # parent beats base
+    assert cfg.optim.b2 == 0.95  # base default survives
+
+
+def test_model_name_from_cli_selects_model_file():
+    cfg = config_lib.load(BASE, ["model_name=llama3-8b", "mesh.fsdp=8", "optim.lr=3e-4"])
+    assert cfg.model.emb_dim == 4096 and cfg.model.num_layers == 32
+    assert cfg.mesh.fsdp == 8 and cfg.optim.lr == 3e-4
+
+
+def test_derived_values_are_computed_from_their_sources():
+    cfg = config_lib.load(
+        BASE,
+        [
+            "train.global_batch_size=12",
+            "train.seq_len=64",
+            "train.steps=10",
+            "train.grad_accum_steps=3",
+        ],
+    )
+    assert cfg.model.resolved_head_dim == cfg.model.emb_dim // cfg.model.num_heads
+    assert cfg.tokens_per_step == 12 * 64
+    assert cfg.total_tokens == 12 * 64 * 10
+    assert cfg.micro_batch_size == 4
+
+
+@pytest.mark.parametrize(
+    ("override", "expected"),
+    [
+        ("optim.lrr=1", "unknown config key 'optim.lrr'; did you mean 'optim.lr'?"),
+        ("trian.steps=3", "unknown config key 'trian'; did you mean 'train'?"),
+        ("model.num_layer=3", "did you mean 'model.num_layers'?"),
+        ("train.steps=many", "config key 'train.steps'"),
+        ("train.steps=0", "config key 'train.steps'"),
+        ("model.remat=some", "config key 'model.remat'"),
+        ("model_name=llama-8b", "model_name 'llama-8b' has no file"),
+        ("mesh.rules.embed=[gpu]", "mesh.rules.embed names mesh axis 'gpu'"),
+        ("model.num_kv_heads=3", "must be a multiple of model.num_kv_heads"),
+        ("train.grad_accum_steps=5", "must be divisible by train.grad_accum_steps"),
+        ("optim", "is not of the form key=value"),
+    ],
+)
+def test_user_mistakes_name_the_key(override, expected):
+    with pytest.raises(ConfigError) as err:
+        config_lib.load(BASE, ["model_name=tiny", override])
+    message = str(err.value)
+    assert expected in message
+    assert "\n" not in message
+
+
+def test_missing_config_file_is_named(tmp_path):
+    with pytest.raises(ConfigError, match="config file not found: .*nope.yml"):
+        config_lib.load(tmp_path / "nope.yml")
+
+
+def test_base_config_cycle_is_reported(tmp_path):
+    (tmp_path / "a.yml").write_text("base_config: b.yml\n")
+    (tmp_path / "b.yml").write_text("base_config: a.yml\n")
+    with pytest.raises(ConfigError, match="cycle"):
+        config_lib.load(tmp_path / "a.yml")
+
+
+def test_every_schema_key_is_documented_in_base_yml():
+    """configs/base.yml is the reference a user reads: every key must appear there."""
+    text = BASE.read_text()
+    sections = {
+        "optim": config_lib.OptimConfig,
+        "train": config_lib.TrainConfig,
+        "data": config_lib.DataConfig,
+        "profile": config_lib.ProfileConfig,
+        "run": config_lib.RunConfig,
+        "mesh": config_lib.MeshConfig,
+    }
+    for section, schema in sections.items():
+        for key in schema.model_fields:
+            assert f"\n  {key}:" in text, f"{section}.{key} missing from configs/base.yml"
+    runtime_model_keys = ("param_dtype", "compute_dtype", "scan_layers", "remat", "attention")
+    for key in runtime_model_keys:
+        assert f"\n  {key}:" in text

@@ -1,0 +1,172 @@
+"""Model presets in configs/models/: published shapes give published parameter counts.
+
+Each preset's parameter count is computed two independent ways and both are checked:
+
+* closed form from the preset's shape keys (``closed_form_params`` below), which catches a typo
+  in a preset file (a wrong width, a missed ``tie_embeddings``) against the published count;
+* ``maxtrain.models.param_count``, which counts the parameters of the model the code actually
+  builds, which catches a model bug (a missing norm, a head that ignores tying, a wrong
+  projection shape) against the closed form, exactly.
+
+Presets are loaded through ``maxtrain.config.load`` so the base.yml <- model file <- run file
+merge is exercised too.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from maxtrain.config import CONFIGS_DIR, ModelConfig, load
+
+MODELS_DIR = CONFIGS_DIR / "models"
+
+# Keys that describe how a model runs, not what it is: they belong in base.yml or a run config.
+RUNTIME_KEYS = {"param_dtype", "compute_dtype", "scan_layers", "remat", "attention"}
+
+# Published total parameter counts: (preset, count, relative tolerance, source).
+# A tolerance of 0 means the source gives the exact integer.
+PUBLISHED = [
+    # keras-hub preset llama3_8b_en metadata "params" (keras_hub/src/models/llama3/
+    # llama3_presets.py); HF safetensors metadata of meta-llama/Meta-Llama-3-8B: 8.03B.
+    ("llama3-8b", 8_030_261_248, 0.0),
+    # HF safetensors metadata parameter count of meta-llama/Llama-3.2-1B (1.24B on the hub
+    # page; also the constant in GPTQModel's tests/test_parameter_count.py). Meta card: 1.23B.
+    ("llama3.2-1b", 1_235_814_400, 0.0),
+    # keras-hub preset qwen3_0.6b_en metadata "params" (keras_hub/src/models/qwen3/
+    # qwen3_presets.py). Qwen3-0.6B model card: 0.6B total, 0.44B non-embedding.
+    ("qwen3-0.6b", 596_049_920, 0.0),
+    # Kanana report (arXiv 2502.18934) and model name: 2.1B, no exact integer published. The
+    # single bf16 model.safetensors of kakaocorp/kanana-nano-2.1b-base is 4.17 GB -> 2.085e9
+    # parameters (an untied head would make it 2.32e9).
+    ("kanana-nano-2.1b", 2_085_000_000, 0.005),
+    # Kanana report (arXiv 2502.18934) and the HF "Kanana-1.5" collection
+    # (kakaocorp/kanana-1.5-8b-base): 8B, no exact integer published. A weak check: the preset's
+    # widths are assumed (Llama-3-8B's), see the header of configs/models/kanana-8b.yml.
+    ("kanana-8b", 8_000_000_000, 0.005),
+]
+
+# Non-embedding counts stated separately by a model card: (preset, count, tolerance, source).
+PUBLISHED_NON_EMBEDDING = [
+    ("qwen3-0.6b", 440_000_000, 0.005),  # Qwen3-0.6B model card: "Non-Embedding: 0.44B"
+]
+
+# Presets that are not published models: their designed counts, so an edit shows up here.
+DESIGNED = [
+    ("dense-1.5b", 1_498_482_688),
+    ("small", 918_656),
+    ("tiny", 106_816),
+    ("tiny-qk", 115_136),
+]
+
+ALL_PRESETS = sorted({name for name, *_ in PUBLISHED} | {name for name, _ in DESIGNED})
+
+
+def closed_form_params(m: ModelConfig) -> int:
+    """Parameters of a pre-norm decoder with GQA attention and a SwiGLU MLP, no biases."""
+    d, hd = m.emb_dim, m.resolved_head_dim
+    attention = (
+        d * m.num_heads * hd  # q
+        + d * m.num_kv_heads * hd  # k
+        + d * m.num_kv_heads * hd  # v
+        + m.num_heads * hd * d  # o
+    )
+    mlp = 3 * d * m.mlp_dim  # gate, up, down
+    norms = 2 * d  # pre-attention and pre-MLP RMSNorm scales
+    if m.qk_norm:
+        norms += 2 * hd  # q-norm and k-norm scales, shared across heads
+    embedding = m.vocab_size * d
+    head = 0 if m.tie_embeddings else m.vocab_size * d
+    return embedding + m.num_layers * (attention + mlp + norms) + d + head  # + final norm
+
+
+def load_preset(name: str, tmp_path: Path) -> ModelConfig:
+    run_file = tmp_path / "run.yml"
+    run_file.write_text(f"model_name: {name}\n")
+    return load(run_file).model
+
+
+def model_params(m: ModelConfig) -> int:
+    from maxtrain.models import param_count
+
+    return param_count(m)
+
+
+def assert_close(got: int, want: int, rel_tol: float, what: str) -> None:
+    if rel_tol == 0:
+        assert got == want, f"{what}: {got:,} != published {want:,}"
+    else:
+        err = abs(got - want) / want
+        assert err <= rel_tol, (
+            f"{what}: {got:,} is {err:.3%} from published {want:,} (tolerance {rel_tol:.1%})"
+        )
+
+
+@pytest.mark.parametrize(("name", "published", "rel_tol"), PUBLISHED, ids=[p[0] for p in PUBLISHED])
+def test_published_param_count(name: str, published: int, rel_tol: float, tmp_path: Path) -> None:
+    m = load_preset(name, tmp_path)
+    assert_close(closed_form_params(m), published, rel_tol, f"{name} closed form")
+    assert_close(model_params(m), published, rel_tol, f"{name} model")
+
+
+@pytest.mark.parametrize(
+    ("name", "published", "rel_tol"),
+    PUBLISHED_NON_EMBEDDING,
+    ids=[p[0] for p in PUBLISHED_NON_EMBEDDING],
+)
+def test_published_non_embedding_count(
+    name: str, published: int, rel_tol: float, tmp_path: Path
+) -> None:
+    m = load_preset(name, tmp_path)
+    assert m.tie_embeddings  # otherwise the head would count as non-embedding
+    non_embedding = closed_form_params(m) - m.vocab_size * m.emb_dim
+    assert_close(non_embedding, published, rel_tol, f"{name} non-embedding")
+
+
+@pytest.mark.parametrize(("name", "designed"), DESIGNED, ids=[d[0] for d in DESIGNED])
+def test_designed_param_count(name: str, designed: int, tmp_path: Path) -> None:
+    assert closed_form_params(load_preset(name, tmp_path)) == designed
+
+
+@pytest.mark.parametrize("name", ALL_PRESETS)
+def test_model_matches_closed_form(name: str, tmp_path: Path) -> None:
+    m = load_preset(name, tmp_path)
+    assert model_params(m) == closed_form_params(m)
+
+
+@pytest.mark.parametrize("name", ALL_PRESETS)
+def test_load_keeps_preset_shape(name: str, tmp_path: Path) -> None:
+    """base.yml must not override a shape key that the model file sets."""
+    preset = yaml.safe_load((MODELS_DIR / f"{name}.yml").read_text())
+    loaded = load_preset(name, tmp_path).model_dump()
+    for key, value in preset.items():
+        assert loaded[key] == value, f"{name}: model.{key} = {loaded[key]!r}, file has {value!r}"
+
+
+@pytest.mark.parametrize("path", sorted(MODELS_DIR.glob("*.yml")), ids=lambda p: p.stem)
+def test_model_file_holds_only_shape_keys(path: Path) -> None:
+    text = path.read_text()
+    assert text.startswith("#"), f"{path.name}: no header comment naming the source"
+    data = yaml.safe_load(text)
+    assert isinstance(data, dict) and "model" not in data, f"{path.name}: not bare model keys"
+    runtime = RUNTIME_KEYS & data.keys()
+    assert not runtime, f"{path.name} sets runtime keys {sorted(runtime)}"
+    ModelConfig.model_validate(data)  # every key known, every value valid
+
+
+def test_runtime_keys_exist() -> None:
+    """RUNTIME_KEYS must track ModelConfig, or the check above silently checks nothing."""
+    assert RUNTIME_KEYS <= ModelConfig.model_fields.keys()
+
+
+def test_closed_form_counts_what_it_should() -> None:
+    """The formula itself, on a shape small enough to count by hand."""
+    m = ModelConfig(
+        vocab_size=10, emb_dim=4, num_layers=1, num_heads=2, num_kv_heads=1, mlp_dim=6
+    )  # head_dim 2: q 16, k 8, v 8, o 16, mlp 72, norms 8 -> layer 128
+    assert closed_form_params(m) == 40 + 128 + 4 + 40  # embedding, layer, final norm, head
+    tied_qk = m.model_copy(update={"tie_embeddings": True, "qk_norm": True, "head_dim": 3})
+    # head_dim 3: q 24, k 12, v 12, o 24, mlp 72, norms 8 + 6 -> layer 158
+    assert closed_form_params(tied_qk) == 40 + 158 + 4

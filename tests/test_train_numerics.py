@@ -1,0 +1,117 @@
+"""The train step computes the same function under every mesh, layer layout and schedule."""
+
+import jax
+import numpy as np
+import pytest
+
+from maxtrain.data import to_global
+from maxtrain.data.synthetic import SyntheticText
+from maxtrain.mesh import sharding_rules
+from maxtrain.train import build_trainer
+from maxtrain.train_step import summed_grads
+
+
+def _batch(cfg, step=0):
+    source = SyntheticText(cfg.model.vocab_size, cfg.train.seq_len, 4, seed=0, stream=0)
+    return source.batch(step, range(cfg.train.global_batch_size))
+
+
+def loss_and_grads(trainer, local_batch):
+    """Mean loss and its gradients, computed on the trainer's mesh, fetched to host."""
+    cfg = trainer.cfg
+
+    def fn(params, batch):
+        with sharding_rules(trainer.mesh, cfg.mesh.rules):
+            grads, (nll, count, _) = summed_grads(trainer.mdef, params, batch, 0.0)
+        return nll / count, jax.tree.map(lambda g: g / count, grads)
+
+    batch = to_global(local_batch, trainer.batch_sharding)
+    return jax.device_get(jax.jit(fn)(trainer.state.params, batch))
+
+
+def assert_trees_close(a, b, rtol=2e-5, atol=2e-6):
+    flat_a, flat_b = jax.tree.leaves_with_path(a), jax.tree.leaves(b)
+    assert len(flat_a) == len(flat_b)
+    for (path, x), y in zip(flat_a, flat_b, strict=True):
+        np.testing.assert_allclose(x, y, rtol=rtol, atol=atol, err_msg=jax.tree_util.keystr(path))
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """The tiny model on one device: the yardstick for every other layout."""
+    from maxtrain import config as config_lib
+
+    base = config_lib.CONFIGS_DIR / "base.yml"
+    overrides = [
+        "model_name=tiny",
+        "train.global_batch_size=8",
+        "train.seq_len=32",
+        "mesh.fsdp=1",
+        f"run.output_dir={tmp_path_factory.mktemp('ref')}",
+    ]
+    cfg = config_lib.load(base, overrides)
+    trainer = build_trainer(cfg, devices=jax.devices()[:1])
+    return overrides, loss_and_grads(trainer, _batch(cfg))
+
+
+@pytest.mark.parametrize(
+    "mesh",
+    [
+        ["mesh.data=8", "mesh.fsdp=1"],
+        ["mesh.fsdp=8"],
+        ["mesh.fsdp=4", "mesh.tensor=2"],
+        ["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2"],
+    ],
+    ids=["data8", "fsdp8", "fsdp4xtensor2", "data2xfsdp2xtensor2"],
+)
+def test_sharded_loss_and_grads_equal_single_device(reference, mesh):
+    from maxtrain import config as config_lib
+
+    overrides, (ref_loss, ref_grads) = reference
+    cfg = config_lib.load(config_lib.CONFIGS_DIR / "base.yml", [*overrides, *mesh])
+    trainer = build_trainer(cfg)
+    assert trainer.mesh.size == 8
+    loss, grads = loss_and_grads(trainer, _batch(cfg))
+    np.testing.assert_allclose(loss, ref_loss, rtol=1e-6)
+    assert_trees_close(grads, ref_grads)
+
+
+@pytest.mark.parametrize(
+    "variant",
+    [
+        ["model.scan_layers=false"],
+        ["model.remat=none"],
+        ["model.remat=minimal"],
+        ["model.scan_layers=false", "model.remat=none"],
+    ],
+    ids=["unrolled", "remat-none", "remat-minimal", "unrolled-remat-none"],
+)
+def test_layer_layout_and_remat_do_not_change_numbers(reference, variant):
+    from maxtrain import config as config_lib
+
+    overrides, (ref_loss, ref_grads) = reference
+    cfg = config_lib.load(config_lib.CONFIGS_DIR / "base.yml", [*overrides, *variant])
+    trainer = build_trainer(cfg, devices=jax.devices()[:1])
+    loss, grads = loss_and_grads(trainer, _batch(cfg))
+    np.testing.assert_allclose(loss, ref_loss, rtol=1e-6)
+    assert_trees_close(grads, ref_grads)
+
+
+def test_four_micro_batches_equal_one_big_batch(make_cfg):
+    results = []
+    for accum in (1, 4):
+        cfg = make_cfg(
+            f"train.grad_accum_steps={accum}",
+            "train.global_batch_size=32",
+            "mesh.fsdp=2",
+            "mesh.data=4",
+        )
+        trainer = build_trainer(cfg)
+        batch = to_global(_batch(cfg), trainer.batch_sharding)
+        state, metrics = trainer.step_fn(trainer.state, batch)
+        results.append(jax.device_get((state.params, metrics)))
+    (params_1, metrics_1), (params_4, metrics_4) = results
+    np.testing.assert_allclose(metrics_4["loss"], metrics_1["loss"], rtol=1e-6)
+    np.testing.assert_allclose(metrics_4["grad_norm"], metrics_1["grad_norm"], rtol=1e-5)
+    assert metrics_4["tokens"] == metrics_1["tokens"]
+    assert_trees_close(params_4, params_1, rtol=1e-5, atol=1e-6)

@@ -1,0 +1,92 @@
+"""Times the train step of a config and prints one JSON line.
+
+    python tools/benchmark.py CONFIG.yml [key=value ...] [--steps N] [--warmup W]
+
+Runs W warm-up steps (compilation included), then N timed steps, each synchronised so the
+median is a true per-step time. One synthetic batch is reused, so the figure is the model
+step alone, not the input pipeline. FLOPs are model FLOPs (train.py's count), never the
+recomputation remat adds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import jax  # noqa: E402
+
+from maxtrain import config as config_lib  # noqa: E402
+from maxtrain import metrics, models  # noqa: E402
+from maxtrain.data import to_global  # noqa: E402
+from maxtrain.train import build_trainer, data_streams  # noqa: E402
+
+
+def peak_memory_gib() -> float | None:
+    stats = jax.local_devices()[0].memory_stats() or {}
+    peak = stats.get("peak_bytes_in_use")
+    return None if peak is None else peak / 2**30
+
+
+def benchmark(cfg: config_lib.Config, steps: int, warmup: int) -> dict:
+    trainer = build_trainer(cfg)
+    batch = to_global(next(data_streams(cfg)[0]), trainer.batch_sharding)
+    times = []
+    for i in range(warmup + steps):
+        t0 = time.perf_counter()
+        trainer.state, step_metrics = trainer.step_fn(trainer.state, batch)
+        jax.block_until_ready(step_metrics)
+        if i >= warmup:
+            times.append(time.perf_counter() - t0)
+    step_time = statistics.median(times)
+    device_kind = jax.devices()[0].device_kind
+    stats = metrics.step_stats(
+        step_time,
+        cfg.tokens_per_step,
+        trainer.mesh.size,
+        trainer.flops_per_token,
+        metrics.peak_tflops(device_kind),
+    )
+    return {
+        "model": cfg.model_name,
+        "device": device_kind,
+        "devices": trainer.mesh.size,
+        "params": models.param_count(cfg.model),
+        "global_batch": cfg.train.global_batch_size,
+        "seq_len": cfg.train.seq_len,
+        "attention": cfg.model.attention,
+        "remat": cfg.model.remat,
+        "median_step_s": round(step_time, 5),
+        "min_step_s": round(min(times), 5),
+        "tokens_per_sec_per_device": round(stats["tokens_per_sec_per_device"], 1),
+        "tflops_per_device": round(stats["tflops_per_device"], 2),
+        "mfu": None if stats["mfu"] is None else round(stats["mfu"], 4),
+        "peak_memory_gib": peak_memory_gib(),
+        "final_loss": float(step_metrics["loss"]),
+    }
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("config")
+    parser.add_argument("overrides", nargs="*", help="key=value config overrides")
+    parser.add_argument("--steps", type=int, default=10, help="timed steps")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed steps first")
+    args = parser.parse_args()
+    try:
+        cfg = config_lib.load(args.config, args.overrides)
+        result = benchmark(cfg, args.steps, args.warmup)
+    except config_lib.ConfigError as e:
+        print(f"benchmark: error: {e}", file=sys.stderr)
+        return 2
+    print(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
