@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from maxtrain.kernels.cross_entropy import cross_entropy
 from maxtrain.mesh import constrain
 from maxtrain.state import ModelDef, TrainState
 
@@ -22,11 +23,9 @@ def token_losses(
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Returns (sum of masked token losses, number of counted tokens, sum of z-loss terms)."""
     logits = mdef.apply(params, batch["inputs"], batch["positions"], batch["segment_ids"])
-    logits = logits.astype(jnp.float32)  # [B, T, V]; the softmax needs float32 range
-    log_z = jax.nn.logsumexp(logits, axis=-1)  # [B, T]
-    target_logit = jnp.take_along_axis(logits, batch["targets"][..., None], axis=-1)[..., 0]
+    nll, log_z = cross_entropy(logits, batch["targets"])  # [B, T] float32 each
     mask = batch["loss_mask"].astype(jnp.float32)
-    nll = (log_z - target_logit) * mask
+    nll = nll * mask
     # z-loss (PaLM): pulls log Z toward 0 so the logits cannot drift, which keeps bf16 stable.
     z_term = z_loss * jnp.square(log_z) * mask
     return nll.sum(), mask.sum(), z_term.sum()

@@ -33,17 +33,22 @@ def peak_memory_gib() -> float | None:
     return None if peak is None else peak / 2**30
 
 
-def benchmark(cfg: config_lib.Config, steps: int, warmup: int) -> dict:
+def benchmark(cfg: config_lib.Config, steps: int, warmup: int, profile_dir: str | None) -> dict:
     trainer = build_trainer(cfg)
     batch = to_global(next(data_streams(cfg)[0]), trainer.batch_sharding)
     times = []
-    for i in range(warmup + steps):
+    for _ in range(warmup + steps):
         t0 = time.perf_counter()
         trainer.state, step_metrics = trainer.step_fn(trainer.state, batch)
         jax.block_until_ready(step_metrics)
-        if i >= warmup:
-            times.append(time.perf_counter() - t0)
+        times.append(time.perf_counter() - t0)
+    first_step, times = times[0], times[warmup:]  # the first step includes compilation
     step_time = statistics.median(times)
+    if profile_dir:  # two more steps under the profiler, after timing so it costs nothing there
+        with jax.profiler.trace(profile_dir):
+            for _ in range(2):
+                trainer.state, step_metrics = trainer.step_fn(trainer.state, batch)
+            jax.block_until_ready(step_metrics)
     device_kind = jax.devices()[0].device_kind
     stats = metrics.step_stats(
         step_time,
@@ -61,6 +66,7 @@ def benchmark(cfg: config_lib.Config, steps: int, warmup: int) -> dict:
         "seq_len": cfg.train.seq_len,
         "attention": cfg.model.attention,
         "remat": cfg.model.remat,
+        "first_step_s": round(first_step, 2),
         "median_step_s": round(step_time, 5),
         "min_step_s": round(min(times), 5),
         "tokens_per_sec_per_device": round(stats["tokens_per_sec_per_device"], 1),
@@ -77,10 +83,11 @@ def main() -> int:
     parser.add_argument("overrides", nargs="*", help="key=value config overrides")
     parser.add_argument("--steps", type=int, default=10, help="timed steps")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps first")
-    args = parser.parse_args()
+    parser.add_argument("--profile-dir", help="also capture a jax.profiler trace of 2 steps here")
+    args = parser.parse_intermixed_args()
     try:
         cfg = config_lib.load(args.config, args.overrides)
-        result = benchmark(cfg, args.steps, args.warmup)
+        result = benchmark(cfg, args.steps, args.warmup, args.profile_dir)
     except config_lib.ConfigError as e:
         print(f"benchmark: error: {e}", file=sys.stderr)
         return 2

@@ -21,11 +21,21 @@ from maxtrain.layers.mlp import SwiGLU
 from maxtrain.layers.norms import RMSNorm
 from maxtrain.mesh import constrain
 
+# Primitives of the fused attention kernels. Their outputs (attention output plus the small
+# softmax statistics the kernel's backward needs) are cheap to keep and costly to recompute.
+_KERNEL_PRIMITIVES = frozenset({"pallas_call", "remat_opt"})
+
+
+def _save_matmuls_and_kernels(prim, *args, **params) -> bool:
+    dots = jax.checkpoint_policies.dots_with_no_batch_dims_saveable
+    return prim.name in _KERNEL_PRIMITIVES or dots(prim, *args, **params)
+
+
 # What the backward pass may keep instead of recomputing, by config name.
 REMAT_POLICIES: dict[str, Callable | None] = {
     "none": None,  # no rematerialisation: keep every activation
     "full": jax.checkpoint_policies.nothing_saveable,  # keep only each layer's input
-    "minimal": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,  # keep matmul outputs
+    "minimal": _save_matmuls_and_kernels,  # keep projection outputs and attention kernel outputs
 }
 
 
