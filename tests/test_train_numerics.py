@@ -61,8 +61,9 @@ def reference(tmp_path_factory):
         ["mesh.fsdp=8"],
         ["mesh.fsdp=4", "mesh.tensor=2"],
         ["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2"],
+        ["mesh.fsdp=2", "mesh.tensor=2", "mesh.num_slices=2", "mesh.dcn.data=2"],
     ],
-    ids=["data8", "fsdp8", "fsdp4xtensor2", "data2xfsdp2xtensor2"],
+    ids=["data8", "fsdp8", "fsdp4xtensor2", "data2xfsdp2xtensor2", "dcn2xfsdp2xtensor2"],
 )
 def test_sharded_loss_and_grads_equal_single_device(reference, mesh):
     from maxtrain import config as config_lib
