@@ -42,7 +42,13 @@ if [ ! -x .venv/bin/python ]; then
   echo "setup.sh: creating .venv with $py ($("$py" --version))"
   "$py" -m venv .venv
 fi
-.venv/bin/python -m pip install -q --upgrade pip
-.venv/bin/python -m pip install -q -e ".[test]"
+log=.venv/install.log
+# pip is noisy (build-backend warnings, mirror notices): keep its output unless it fails.
+if ! { .venv/bin/python -m pip install -q --upgrade pip &&
+       .venv/bin/python -m pip install -q -e ".[test]"; } >"$log" 2>&1; then
+  cat "$log" >&2
+  echo "setup.sh: installing the pinned dependencies failed (log above, also in $log)" >&2
+  exit 1
+fi
 echo "$want" > "$stamp"
 echo "setup.sh: .venv ready"

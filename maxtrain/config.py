@@ -136,10 +136,69 @@ class OptimConfig(_Section):
     clip_norm: float = Field(default=1.0, ge=0)  # 0 disables clipping
 
 
+class DataSource(_Section):
+    """One prepared corpus in the mixture (a directory or glob of tokenized shards)."""
+
+    # Names key the held-out split and the eval metrics (eval/<name>/loss): keep them stable.
+    name: str = Field(min_length=1)
+    path: str = Field(min_length=1)  # shard directory, glob, or embedded:<prose|code|math>
+    weight: float = Field(default=1.0, allow_inf_nan=False)  # share of TOKENS; 0 = eval only
+
+
+# `sources: embedded` expands to this: the corpus built offline on first use (data/embedded.py).
+EMBEDDED_SOURCES = (
+    {"name": "prose", "path": "embedded:prose", "weight": 0.5},
+    {"name": "code", "path": "embedded:code", "weight": 0.3},
+    {"name": "math", "path": "embedded:math", "weight": 0.2},
+)
+
+
 class DataConfig(_Section):
-    kind: Literal["synthetic"] = "synthetic"
+    kind: Literal["synthetic", "grain"] = "synthetic"
     # Synthetic text: each token has this many likely successors, so the loss floor is ~log(it).
     synthetic_branching: int = Field(default=4, gt=0)
+    # grain: the weighted mixture of prepared sources; the string "embedded" = EMBEDDED_SOURCES.
+    sources: list[DataSource] = Field(
+        default_factory=lambda: [DataSource(**s) for s in EMBEDDED_SOURCES]
+    )
+    cache_dir: str | None = None  # embedded corpus; None: $MAXTRAIN_CACHE or ~/.cache/maxtrain
+    packing: Literal["concat_then_split", "first_fit"] = "concat_then_split"
+    first_fit_bins: int = Field(default=8, gt=0)  # first_fit: open rows per stream (less padding)
+    eval_fraction: float = Field(default=0.05, ge=0, lt=1)  # held-out documents per source
+    shuffle_seed: int | None = Field(default=None, ge=0)  # None: run.seed
+    num_workers: int = Field(default=0, ge=0)  # 0: read in-process; >0: grain worker processes
+    worker_buffer_size: int = Field(default=2, ge=0)  # batches buffered per worker (or thread)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _expand_embedded(cls, data: Any) -> Any:
+        if isinstance(data, dict) and data.get("sources") == "embedded":
+            return {**data, "sources": [dict(s) for s in EMBEDDED_SOURCES]}
+        return data
+
+    @model_validator(mode="after")
+    def _check_sources(self) -> DataConfig:
+        if not self.sources:
+            raise ValueError(
+                "data.sources is empty; list at least one {name, path, weight} or set "
+                "data.sources: embedded"
+            )
+        names = [s.name for s in self.sources]
+        for name in names:
+            if not all(c.isalnum() or c in "_.-" for c in name):
+                raise ValueError(
+                    f"data.sources: name {name!r} may hold only letters, digits, '_', '.' and '-'"
+                )
+            if names.count(name) > 1:
+                raise ValueError(f"data.sources: duplicate source name {name!r}")
+        for s in self.sources:
+            if s.weight < 0:
+                raise ValueError(f"data.sources[{s.name}].weight is negative ({s.weight})")
+        if sum(s.weight for s in self.sources) <= 0:
+            raise ValueError(
+                "data.sources: the weights sum to 0; give at least one source a positive weight"
+            )
+        return self
 
 
 class TrainConfig(_Section):
@@ -151,6 +210,21 @@ class TrainConfig(_Section):
     eval_every: int = Field(default=100, ge=0)  # 0 disables eval
     eval_steps: int = Field(default=4, gt=0)
     log_every: int = Field(default=10, gt=0)
+
+
+class CheckpointTier(_Section):
+    dir: str | None = None  # None: <run_dir>/checkpoints/<tier>
+    every_steps: int = Field(gt=0)
+    keep: int = Field(gt=0)  # newest checkpoints kept
+    keep_every_steps: int | None = Field(default=None, gt=0)  # also keep multiples (milestones)
+
+
+class CheckpointConfig(_Section):
+    enabled: bool = True
+    local: CheckpointTier = CheckpointTier(every_steps=50, keep=2)
+    persistent: CheckpointTier = CheckpointTier(every_steps=500, keep=3)
+    load_parameters_path: str | None = None  # start from these params only (fresh optimizer)
+    on_nonfinite: Literal["stop", "skip"] = "stop"  # a NaN/inf loss stops, or skips the update
 
 
 class ProfileConfig(_Section):
@@ -173,6 +247,7 @@ class Config(_Section):
     data: DataConfig = DataConfig()
     train: TrainConfig = TrainConfig()
     profile: ProfileConfig = ProfileConfig()
+    checkpoint: CheckpointConfig = CheckpointConfig()
     run: RunConfig = RunConfig()
 
     @model_validator(mode="after")

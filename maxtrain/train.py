@@ -21,8 +21,9 @@ from maxtrain import config as config_lib
 from maxtrain import metrics as metrics_lib
 from maxtrain import optim
 from maxtrain.config import Config, ConfigError
-from maxtrain.data import batch_sharding, host_rows, to_global
-from maxtrain.data.synthetic import SyntheticText
+from maxtrain.data import batch_sharding, to_global
+from maxtrain.data.errors import DataError
+from maxtrain.data.pipeline import STREAMS, EvalStream
 from maxtrain.mesh import batch_degree, build_mesh, sharding_rules
 from maxtrain.state import ModelDef, TrainState, init_state
 from maxtrain.train_step import eval_step, train_step
@@ -98,35 +99,45 @@ def _with_rules(fn, mesh: Mesh, cfg: Config):
     return wrapped
 
 
-def data_streams(cfg: Config, start_step: int = 0):
-    """(train iterator, eval batch maker) of this host's rows; eval is a held-out stream."""
-    rows = host_rows(cfg.train.global_batch_size)
-    common = dict(
-        vocab_size=cfg.model.vocab_size,
-        seq_len=cfg.train.seq_len,
-        branching=cfg.data.synthetic_branching,
-        seed=cfg.run.seed,
-    )
-    train_source = SyntheticText(**common, stream=0)
-    eval_source = SyntheticText(**common, stream=1)
-    return train_source.batches(rows, start_step), lambda i: eval_source.batch(i, rows)
+def data_streams(cfg: Config, start_step: int = 0) -> tuple[Any, list[EvalStream]]:
+    """(train iterator of this host's batches from start_step, held-out eval streams).
+
+    data.kind picks the builder (maxtrain/data/pipeline.py STREAMS). For kind grain the train
+    iterator also has get_state()/set_state() for an exact resume.
+    """
+    return STREAMS[cfg.data.kind](cfg, start_step)
 
 
-def evaluate(trainer: Trainer, eval_batch) -> dict[str, float]:
-    nll, tokens = 0.0, 0.0
-    for i in range(trainer.cfg.train.eval_steps):
-        out = trainer.eval_fn(
-            trainer.state.params, to_global(eval_batch(i), trainer.batch_sharding)
-        )
-        nll += float(out["nll_sum"])
-        tokens += float(out["tokens"])
-    loss = nll / max(tokens, 1.0)
-    return {"loss": loss, "perplexity": float(np.exp(min(loss, 50.0)))}
+def evaluate(trainer: Trainer, eval_streams: list[EvalStream]) -> dict[str, float]:
+    """Loss per held-out stream over train.eval_steps batches, and overall.
+
+    Each stream restarts from its beginning, so evals at different steps score the same tokens
+    and are comparable. The overall loss weights each stream's loss by its source weight: the
+    expected loss per token of the training mixture, whatever the sources' eval sizes.
+    """
+    weighted, total_weight, per_stream = 0.0, 0.0, {}
+    for stream in eval_streams:
+        batches = stream.batches()
+        nll, tokens = [], []
+        for _ in range(trainer.cfg.train.eval_steps):
+            out = trainer.eval_fn(
+                trainer.state.params, to_global(next(batches), trainer.batch_sharding)
+            )
+            nll.append(out["nll_sum"])  # device scalars: fetched once per stream, below
+            tokens.append(out["tokens"])
+        loss = float(sum(jax.device_get(nll))) / max(float(sum(jax.device_get(tokens))), 1.0)
+        if stream.name:
+            per_stream[f"{stream.name}/loss"] = loss
+        weighted, total_weight = weighted + stream.weight * loss, total_weight + stream.weight
+    loss = weighted / total_weight
+    return {"loss": loss, "perplexity": float(np.exp(min(loss, 50.0))), **per_stream}
 
 
 def run(cfg: Config) -> dict[str, Any]:
     """Trains per the config; returns the final metrics summary (also written to the run dir)."""
-    trainer = build_trainer(cfg)  # config mistakes surface here, before anything is written
+    # Config and data mistakes surface in these two calls, before anything is written.
+    trainer = build_trainer(cfg)
+    train_batches, eval_streams = data_streams(cfg)
     is_writer = jax.process_index() == 0
     run_dir = cfg.run_dir
     if is_writer:
@@ -134,7 +145,6 @@ def run(cfg: Config) -> dict[str, Any]:
         (run_dir / "config.yml").write_text(config_lib.to_yaml(cfg))
     num_devices = trainer.mesh.size
     peak = metrics_lib.peak_tflops(jax.devices()[0].device_kind)
-    train_batches, eval_batch = data_streams(cfg)
     writer = metrics_lib.MetricsWriter(run_dir, is_writer=is_writer)
     _print(
         is_writer,
@@ -143,15 +153,18 @@ def run(cfg: Config) -> dict[str, Any]:
     )
 
     profile = cfg.profile
+    next_batch = to_global(next(train_batches), trainer.batch_sharding)
     window_start, window_steps, data_wait = time.perf_counter(), 0, 0.0
     last: dict[str, Any] = {}
     for step in range(1, cfg.train.steps + 1):
         if step == profile.start_step:
             jax.profiler.start_trace(str(run_dir / "profile"))
+        trainer.state, step_metrics = trainer.step_fn(trainer.state, next_batch)
+        # The step runs asynchronously: the host builds the next batch meanwhile.
         t0 = time.perf_counter()
-        batch = to_global(next(train_batches), trainer.batch_sharding)
+        if step < cfg.train.steps:
+            next_batch = to_global(next(train_batches), trainer.batch_sharding)
         data_wait += time.perf_counter() - t0
-        trainer.state, step_metrics = trainer.step_fn(trainer.state, batch)
         window_steps += 1
         if profile.start_step > 0 and step == profile.start_step + profile.num_steps - 1:
             jax.block_until_ready(trainer.state)
@@ -175,11 +188,9 @@ def run(cfg: Config) -> dict[str, Any]:
             window_start, window_steps, data_wait = time.perf_counter(), 0, 0.0
 
         if cfg.train.eval_every and (step % cfg.train.eval_every == 0 or step == cfg.train.steps):
-            ev = evaluate(trainer, eval_batch)
+            ev = evaluate(trainer, eval_streams)
             writer.write(step, ev, prefix="eval")
-            _print(
-                is_writer, f"eval  step {step}: loss {ev['loss']:.4f}, ppl {ev['perplexity']:.2f}"
-            )
+            _print(is_writer, _format_eval(step, ev))
             last.update({f"eval_{k}": v for k, v in ev.items()})
             window_start = time.perf_counter()  # keep eval time out of step time
 
@@ -188,6 +199,14 @@ def run(cfg: Config) -> dict[str, Any]:
     if is_writer:
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     return summary
+
+
+def _format_eval(step: int, ev: dict[str, float]) -> str:
+    per_source = ", ".join(
+        f"{k.removesuffix('/loss')} {v:.3f}" for k, v in ev.items() if k.endswith("/loss")
+    )
+    line = f"eval  step {step}: loss {ev['loss']:.4f}, ppl {ev['perplexity']:.2f}"
+    return f"{line} ({per_source})" if per_source else line
 
 
 def _print(is_writer: bool, line: str) -> None:
@@ -203,7 +222,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = config_lib.load(argv[0], argv[1:])
         run(cfg)
-    except ConfigError as e:
+    except (ConfigError, DataError) as e:
         print(f"maxtrain: error: {e}", file=sys.stderr)
         return 2
     return 0

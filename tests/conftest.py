@@ -23,6 +23,7 @@ def make_cfg(tmp_path: Path):
     def make(*overrides: str) -> config_lib.Config:
         defaults = (
             "model_name=tiny",
+            "data.kind=synthetic",  # tiny's vocab (256) is below the embedded tokenizer's
             f"run.output_dir={tmp_path}",
             "train.steps=4",
             "train.global_batch_size=8",

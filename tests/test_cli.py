@@ -11,7 +11,14 @@ from maxtrain.config import CONFIGS_DIR, REPO_ROOT
 def run_cli(*args: str, tmp_path) -> subprocess.CompletedProcess:
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}
     return subprocess.run(
-        [sys.executable, "-m", "maxtrain.train", str(CONFIGS_DIR / "base.yml"), *args],
+        [
+            sys.executable,
+            "-m",
+            "maxtrain.train",
+            str(CONFIGS_DIR / "base.yml"),
+            "data.kind=synthetic",
+            *args,
+        ],
         capture_output=True,
         text=True,
         env=env,
@@ -73,3 +80,22 @@ def test_cli_mesh_that_does_not_fit_the_devices_exits_2(tmp_path):
     assert result.returncode == 2
     assert "mesh" in result.stderr and "1 are available" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_cli_data_mistakes_exit_2_with_one_line_and_write_nothing(tmp_path):
+    missing = run_cli(
+        "model_name=small",
+        "data.kind=grain",
+        "data.sources=[{name: web, path: /nonexistent/*.arrayrecord, weight: 1}]",
+        f"run.output_dir={tmp_path}",
+        tmp_path=tmp_path,
+    )
+    assert missing.returncode == 2, missing.stderr
+    assert "/nonexistent/*.arrayrecord" in missing.stderr
+    assert missing.stderr.strip().count("\n") == 0 and "Traceback" not in missing.stderr
+    small_vocab = run_cli(
+        "model_name=tiny", "data.kind=grain", f"run.output_dir={tmp_path}", tmp_path=tmp_path
+    )
+    assert small_vocab.returncode == 2, small_vocab.stderr
+    assert "vocab" in small_vocab.stderr and "256" in small_vocab.stderr
+    assert not any(tmp_path.iterdir())

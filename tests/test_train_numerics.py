@@ -44,6 +44,7 @@ def reference(tmp_path_factory):
     base = config_lib.CONFIGS_DIR / "base.yml"
     overrides = [
         "model_name=tiny",
+        "data.kind=synthetic",
         "train.global_batch_size=8",
         "train.seq_len=32",
         "mesh.fsdp=1",

@@ -1,0 +1,103 @@
+"""Tokenizes text, JSONL or Parquet files into a prepared source: ArrayRecord shards + metadata.
+
+    python tools/prepare_data.py --input 'corpus/*.jsonl' --tokenizer tok.model --output data/web
+
+Each document becomes one record of int32 token ids ending in EOS (the format is described in
+maxtrain/data/shards.py); a config then names the shards, e.g. `path: data/web/*.arrayrecord`.
+Records that cannot be documents (not UTF-8, not JSON, no text field, empty) are skipped and
+counted, and the summary lists the counts by reason. Mistakes (a glob that matches nothing, a
+missing tokenizer, an output that already holds a prepared source) are one line on stderr and
+exit status 2; a failed run leaves no shards behind, and no output directory it created.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+from tqdm import tqdm
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from maxtrain.data.errors import ArgumentParser, DataError  # noqa: E402
+from maxtrain.data.readers import FORMATS, DocumentReader  # noqa: E402
+from maxtrain.data.shards import load_tokenizer, write_shards  # noqa: E402
+
+PROG = "prepare_data"
+
+
+def positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, not {value}")
+    return value
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = ArgumentParser(prog=PROG, description=__doc__.splitlines()[0])
+    parser.add_argument("--input", nargs="+", required=True, metavar="GLOB")
+    parser.add_argument("--tokenizer", required=True, help="sentencepiece .model file")
+    parser.add_argument("--output", required=True, type=Path, metavar="DIR")
+    parser.add_argument("--field", default="text", help="JSONL field / Parquet column")
+    parser.add_argument("--format", choices=("auto", *FORMATS), default="auto")
+    parser.add_argument("--txt-split", choices=("file", "paragraph"), default="file")
+    parser.add_argument("--docs-per-shard", type=positive_int, default=10_000)
+    parser.add_argument("--tokens-per-shard", type=positive_int, default=None)
+    parser.add_argument("--overwrite", action="store_true", help="replace a prepared source")
+    return parser.parse_args(argv)
+
+
+def prepare(args: argparse.Namespace) -> dict:
+    tokenizer = load_tokenizer(args.tokenizer)
+    reader = DocumentReader(args.input, args.format, args.field, args.txt_split)
+    with tqdm(unit=" doc", file=sys.stderr, disable=None, desc=PROG) as bar:
+        tokens = 0
+
+        def progress(documents: int, new_tokens: int) -> None:
+            nonlocal tokens
+            tokens += new_tokens
+            bar.set_postfix_str(f"{tokens:,} tokens", refresh=False)
+            bar.update(documents)
+
+        return write_shards(
+            reader,
+            tokenizer,
+            args.output,
+            docs_per_shard=args.docs_per_shard,
+            tokens_per_shard=args.tokens_per_shard,
+            inputs=[str(f) for f in reader.files],
+            skipped=reader.skipped,
+            overwrite=args.overwrite,
+            on_progress=progress,
+        )
+
+
+def summary(metadata: dict, output: Path, seconds: float) -> str:
+    skipped = ", ".join(f"{k} {v:,}" for k, v in metadata["skipped"].items()) or "none"
+    return (
+        f"{PROG}: wrote {output}: {metadata['documents']:,} documents, "
+        f"{metadata['tokens']:,} tokens, {len(metadata['shards'])} shards in {seconds:.1f} s "
+        f"({metadata['tokens'] / max(seconds, 1e-9):,.0f} tokens/s)\n"
+        f"{PROG}: skipped records: {skipped}"
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    start = time.perf_counter()
+    try:
+        metadata = prepare(args)
+    except DataError as e:
+        print(f"{PROG}: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"{PROG}: interrupted; the shards written so far were removed", file=sys.stderr)
+        return 130
+    print(summary(metadata, args.output, time.perf_counter() - start))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
