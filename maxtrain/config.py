@@ -210,6 +210,7 @@ class TrainConfig(_Section):
     eval_every: int = Field(default=100, ge=0)  # 0 disables eval
     eval_steps: int = Field(default=4, gt=0)
     log_every: int = Field(default=10, gt=0)
+    on_nonfinite: Literal["stop", "skip"] = "stop"  # a NaN/inf loss stops, or skips the update
 
 
 class CheckpointTier(_Section):
@@ -224,7 +225,6 @@ class CheckpointConfig(_Section):
     local: CheckpointTier = CheckpointTier(every_steps=50, keep=2)
     persistent: CheckpointTier = CheckpointTier(every_steps=500, keep=3)
     load_parameters_path: str | None = None  # start from these params only (fresh optimizer)
-    on_nonfinite: Literal["stop", "skip"] = "stop"  # a NaN/inf loss stops, or skips the update
 
 
 class ProfileConfig(_Section):

@@ -6,9 +6,12 @@ step, then loop (batch -> step -> metrics -> eval/profile) and write a summary.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
+import signal
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -20,6 +23,7 @@ from jax.sharding import Mesh, NamedSharding
 from maxtrain import config as config_lib
 from maxtrain import metrics as metrics_lib
 from maxtrain import optim
+from maxtrain.checkpointing import Checkpointer, CheckpointError, load_parameters
 from maxtrain.config import Config, ConfigError
 from maxtrain.data import batch_sharding, to_global
 from maxtrain.data.errors import DataError
@@ -73,6 +77,7 @@ def build_trainer(cfg: Config, devices: list[jax.Device] | None = None) -> Train
         lr_schedule=lr_schedule,
         grad_accum_steps=cfg.train.grad_accum_steps,
         z_loss=cfg.train.z_loss,
+        skip_nonfinite=cfg.train.on_nonfinite == "skip",
     )
     step_fn = jax.jit(
         _with_rules(step, mesh, cfg),
@@ -133,69 +138,166 @@ def evaluate(trainer: Trainer, eval_streams: list[EvalStream]) -> dict[str, floa
     return {"loss": loss, "perplexity": float(np.exp(min(loss, 50.0))), **per_stream}
 
 
+class NonFiniteLoss(Exception):
+    """The loss became NaN/inf under train.on_nonfinite=stop."""
+
+
+class _Preemption:
+    """Turns SIGTERM (a preemption notice) into a flag the loop checks after each step."""
+
+    def __init__(self):
+        self.requested = False
+        self._previous = None
+
+    def __enter__(self) -> _Preemption:
+        if threading.current_thread() is threading.main_thread():
+            self._previous = signal.signal(signal.SIGTERM, self._handle)
+        return self
+
+    def _handle(self, signum, frame) -> None:
+        self.requested = True
+
+    def __exit__(self, *exc) -> None:
+        if self._previous is not None:
+            signal.signal(signal.SIGTERM, self._previous)
+
+
+def _abstract(tree: Any) -> Any:
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
+
+
+def _resume_or_load(trainer: Trainer, ckpt: Checkpointer | None, train_batches) -> int:
+    """Restores the newest checkpoint (state and data position) and returns its step; else
+    loads checkpoint.load_parameters_path into the fresh state, if set, and returns 0."""
+    if ckpt is not None:
+        restored = ckpt.restore_latest(_abstract(trainer.state), train_batches)
+        if restored is not None:
+            trainer.state, step = restored
+            return step
+    path = trainer.cfg.checkpoint.load_parameters_path
+    if path:
+        params = load_parameters(path, _abstract(trainer.state.params))
+        trainer.state = trainer.state.replace(params=params)
+    return 0
+
+
+def _check_finite(
+    cfg: Config, step_metrics: dict[str, jax.Array], step: int, ckpt: Checkpointer | None
+) -> None:
+    """Under on_nonfinite=stop, raises once the loss is NaN/inf (NaN parameters stay NaN, so
+    checking the newest step covers the ones before it). Under skip, bad updates were dropped
+    in the step itself and the state is always good."""
+    if cfg.train.on_nonfinite == "skip" or bool(step_metrics["finite"]):
+        return
+    kept = ckpt.last_saved_step if ckpt is not None else None
+    raise NonFiniteLoss(
+        f"the loss is not finite at step {step} (train.on_nonfinite=stop); "
+        + (f"the newest checkpoint, step {kept}, is kept" if kept else "no checkpoint was saved")
+        + "; lower optim.lr, or set train.on_nonfinite=skip to drop such updates"
+    )
+
+
 def run(cfg: Config) -> dict[str, Any]:
     """Trains per the config; returns the final metrics summary (also written to the run dir)."""
     # Config and data mistakes surface in these two calls, before anything is written.
     trainer = build_trainer(cfg)
     train_batches, eval_streams = data_streams(cfg)
-    is_writer = jax.process_index() == 0
-    run_dir = cfg.run_dir
+    ckpt = None
+    if cfg.checkpoint.enabled:
+        ckpt = Checkpointer(
+            cfg.checkpoint, run_dir=cfg.run_dir, config_yaml=config_lib.to_yaml(cfg)
+        )
+    try:
+        return _train(trainer, ckpt, train_batches, eval_streams)
+    except BaseException:
+        if ckpt is not None:  # let saves in flight commit; the first error is the one to report
+            with contextlib.suppress(CheckpointError):
+                ckpt.close()
+        raise
+
+
+def _train(trainer: Trainer, ckpt: Checkpointer | None, train_batches, eval_streams) -> dict:
+    cfg, run_dir, is_writer = trainer.cfg, trainer.cfg.run_dir, jax.process_index() == 0
+    start_step = _resume_or_load(trainer, ckpt, train_batches)
     if is_writer:
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.yml").write_text(config_lib.to_yaml(cfg))
     num_devices = trainer.mesh.size
     peak = metrics_lib.peak_tflops(jax.devices()[0].device_kind)
     writer = metrics_lib.MetricsWriter(run_dir, is_writer=is_writer)
+    resumed = f", resumed at step {start_step}" if start_step else ""
     _print(
         is_writer,
-        f"maxtrain: {cfg.model_name}, {num_devices} devices "
-        f"({jax.devices()[0].device_kind}), mesh {dict(trainer.mesh.shape)}, run dir {run_dir}",
+        f"maxtrain: {cfg.model_name}, {num_devices} devices ({jax.devices()[0].device_kind}), "
+        f"mesh {dict(trainer.mesh.shape)}, run dir {run_dir}{resumed}",
     )
 
     profile = cfg.profile
-    next_batch = to_global(next(train_batches), trainer.batch_sharding)
-    window_start, window_steps, data_wait = time.perf_counter(), 0, 0.0
     last: dict[str, Any] = {}
-    for step in range(1, cfg.train.steps + 1):
-        if step == profile.start_step:
-            jax.profiler.start_trace(str(run_dir / "profile"))
-        trainer.state, step_metrics = trainer.step_fn(trainer.state, next_batch)
-        # The step runs asynchronously: the host builds the next batch meanwhile.
-        t0 = time.perf_counter()
-        if step < cfg.train.steps:
+    step = start_step
+    with _Preemption() as preemption:
+        if start_step < cfg.train.steps:
             next_batch = to_global(next(train_batches), trainer.batch_sharding)
-        data_wait += time.perf_counter() - t0
-        window_steps += 1
-        if profile.start_step > 0 and step == profile.start_step + profile.num_steps - 1:
-            jax.block_until_ready(trainer.state)
-            jax.profiler.stop_trace()
+        window_start, window_steps, data_wait = time.perf_counter(), 0, 0.0
+        for step in range(start_step + 1, cfg.train.steps + 1):
+            if step == profile.start_step:
+                jax.profiler.start_trace(str(run_dir / "profile"))
+            trainer.state, step_metrics = trainer.step_fn(trainer.state, next_batch)
+            window_steps += 1
+            # Save before fetching the next batch: the saved data position must be step + 1.
+            if ckpt is not None and ckpt.due(step):
+                _check_finite(cfg, step_metrics, step, ckpt)  # never save (over) a bad state
+                ckpt.maybe_save(step, trainer.state, train_batches)
+            stopping = preemption.requested  # fetch no further batch: the position is saved
+            # The step runs asynchronously: the host builds the next batch meanwhile.
+            t0 = time.perf_counter()
+            if step < cfg.train.steps and not stopping:
+                next_batch = to_global(next(train_batches), trainer.batch_sharding)
+            data_wait += time.perf_counter() - t0
+            if profile.start_step > 0 and step == profile.start_step + profile.num_steps - 1:
+                jax.block_until_ready(trainer.state)
+                jax.profiler.stop_trace()
 
-        if step % cfg.train.log_every == 0 or step == cfg.train.steps:
-            fetched = {k: float(v) for k, v in jax.device_get(step_metrics).items()}
-            elapsed = time.perf_counter() - window_start  # device_get above synchronised
-            step_time = elapsed / window_steps
-            scalars = {
-                **fetched,
-                "step_time_s": step_time,
-                "data_wait_fraction": data_wait / elapsed,
-                **metrics_lib.step_stats(
-                    step_time, cfg.tokens_per_step, num_devices, trainer.flops_per_token, peak
-                ),
-            }
-            writer.write(step, scalars, prefix="train")
-            _print(is_writer, metrics_lib.format_console_line(step, cfg.train.steps, scalars))
-            last = scalars
-            window_start, window_steps, data_wait = time.perf_counter(), 0, 0.0
+            if step % cfg.train.log_every == 0 or step == cfg.train.steps or stopping:
+                fetched = {k: float(v) for k, v in jax.device_get(step_metrics).items()}
+                elapsed = time.perf_counter() - window_start  # device_get above synchronised
+                step_time = elapsed / window_steps
+                scalars = {
+                    **fetched,
+                    "step_time_s": step_time,
+                    "data_wait_fraction": data_wait / elapsed,
+                    **metrics_lib.step_stats(
+                        step_time, cfg.tokens_per_step, num_devices, trainer.flops_per_token, peak
+                    ),
+                }
+                writer.write(step, scalars, prefix="train")
+                _print(is_writer, metrics_lib.format_console_line(step, cfg.train.steps, scalars))
+                _check_finite(cfg, step_metrics, step, ckpt)
+                last = scalars
+                window_start, window_steps, data_wait = time.perf_counter(), 0, 0.0
 
-        if cfg.train.eval_every and (step % cfg.train.eval_every == 0 or step == cfg.train.steps):
-            ev = evaluate(trainer, eval_streams)
-            writer.write(step, ev, prefix="eval")
-            _print(is_writer, _format_eval(step, ev))
-            last.update({f"eval_{k}": v for k, v in ev.items()})
-            window_start = time.perf_counter()  # keep eval time out of step time
+            if cfg.train.eval_every and (
+                step % cfg.train.eval_every == 0 or step == cfg.train.steps
+            ):
+                ev = evaluate(trainer, eval_streams)
+                writer.write(step, ev, prefix="eval")
+                _print(is_writer, _format_eval(step, ev))
+                last.update({f"eval_{k}": v for k, v in ev.items()})
+                window_start = time.perf_counter()  # keep eval time out of step time
+            if stopping:
+                break
 
+    if ckpt is not None:
+        if preemption.requested:  # durable on the fast tier before exiting 0
+            _check_finite(cfg, step_metrics, step, ckpt)
+            ckpt.save_now(step, trainer.state, train_batches, tier="local", wait=True)
+            _print(is_writer, f"maxtrain: SIGTERM: saved step {step} to the local tier; exiting")
+        elif step > start_step:  # the final state, so a restart finds the run complete
+            _check_finite(cfg, step_metrics, step, ckpt)
+            ckpt.save_now(step, trainer.state, train_batches, tier="persistent", wait=True)
+        ckpt.close()
     writer.close()
-    summary = {"step": cfg.train.steps, **{k: v for k, v in last.items() if v is not None}}
+    summary = {"step": step, **{k: v for k, v in last.items() if v is not None}}
     if is_writer:
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     return summary
@@ -222,9 +324,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = config_lib.load(argv[0], argv[1:])
         run(cfg)
-    except (ConfigError, DataError) as e:
+    except (ConfigError, DataError, CheckpointError) as e:
         print(f"maxtrain: error: {e}", file=sys.stderr)
         return 2
+    except NonFiniteLoss as e:
+        print(f"maxtrain: error: {e}", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -49,6 +49,7 @@ def train_step(
     lr_schedule: optax.Schedule,
     grad_accum_steps: int,
     z_loss: float,
+    skip_nonfinite: bool = False,
 ) -> tuple[TrainState, dict[str, jax.Array]]:
     """One optimizer step over the global batch, split into `grad_accum_steps` micro-batches.
 
@@ -79,14 +80,21 @@ def train_step(
         (grad_sum, (nll, count, z)), _ = jax.lax.scan(accumulate, zeros, micro)
     denom = jnp.maximum(count, 1.0)
     grads = jax.tree.map(lambda g: g / denom, grad_sum)
+    grad_norm = optax.tree.norm(grads)
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
+    finite = jnp.isfinite(nll) & jnp.isfinite(grad_norm)
+    if skip_nonfinite:  # a NaN/inf step leaves parameters and optimizer state untouched
+        keep_old = lambda new, old: jnp.where(finite, new, old)  # noqa: E731
+        params = jax.tree.map(keep_old, params, state.params)
+        opt_state = jax.tree.map(keep_old, opt_state, state.opt_state)
     metrics = {
         "loss": nll / denom,
         "z_loss": z / denom,
-        "grad_norm": optax.tree.norm(grads),
+        "grad_norm": grad_norm,
         "lr": lr_schedule(state.step),
         "tokens": count,
+        "finite": finite,
     }
     return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics
 

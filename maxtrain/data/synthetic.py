@@ -53,8 +53,23 @@ class SyntheticText:
         per_row = [self.row(step, r) for r in rows]
         return {k: np.stack([r[k] for r in per_row]) for k in per_row[0]}
 
-    def batches(self, rows: range, start_step: int = 0) -> Iterator[dict[str, np.ndarray]]:
-        step = start_step
-        while True:
-            yield self.batch(step, rows)
-            step += 1
+    def batches(self, rows: range, start_step: int = 0) -> SyntheticBatches:
+        return SyntheticBatches(self, rows, start_step)
+
+
+class SyntheticBatches(Iterator[dict[str, np.ndarray]]):
+    """This host's batches from a step on; its state (the next step) makes resume exact."""
+
+    def __init__(self, text: SyntheticText, rows: range, start_step: int):
+        self.text, self.rows, self.step = text, rows, start_step
+
+    def __next__(self) -> dict[str, np.ndarray]:
+        batch = self.text.batch(self.step, self.rows)
+        self.step += 1
+        return batch
+
+    def get_state(self) -> dict[str, int]:
+        return {"step": self.step}
+
+    def set_state(self, state: dict[str, int]) -> None:
+        self.step = int(state["step"])

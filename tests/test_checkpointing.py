@@ -1,0 +1,406 @@
+"""Checkpoints on CPU with real Orbax writes: exact round trip, tier policy, corruption,
+mistakes, resharding, failures that must not hang, retention, parameter import."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import threading
+import time
+from pathlib import Path
+
+import grain
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from maxtrain import config as config_lib
+from maxtrain import optim
+from maxtrain.checkpointing import Checkpointer, CheckpointError, integrity, load_parameters
+from maxtrain.mesh import build_mesh, sharding_rules
+from maxtrain.state import TrainState, model_def, state_shardings
+
+
+def random_state(cfg, devices=None, seed=0) -> TrainState:
+    """A TrainState of the config's model, laid out as init_state lays it out, with random
+    values in every leaf (nothing compiled: building the real one costs seconds per test)."""
+    mesh = build_mesh(cfg.mesh, devices)
+    tx, _ = optim.build(cfg.optim, cfg.train.steps)
+    with sharding_rules(mesh, cfg.mesh.rules):
+        mdef = model_def(cfg)
+        shardings = state_shardings(mdef, cfg, mesh, tx)
+    params = nnx.to_pure_dict(mdef.abstract_state)
+    shapes = TrainState(
+        step=jax.ShapeDtypeStruct((), jnp.int32),
+        params=params,
+        opt_state=jax.eval_shape(tx.init, params),
+    )
+    return randomize(shapes, shardings, seed)
+
+
+def randomize(state, shardings=None, seed=0):
+    """Distinct random values in every leaf (floats and ints), with the given shardings."""
+    shardings = shardings if shardings is not None else jax.tree.map(lambda x: x.sharding, state)
+    leaves, treedef = jax.tree.flatten(state)
+    rng = np.random.default_rng(seed)
+    out = []
+    for x, sharding in zip(leaves, jax.tree.leaves(shardings), strict=True):
+        if jnp.issubdtype(x.dtype, jnp.floating):
+            value = rng.standard_normal(x.shape).astype(x.dtype)
+        else:
+            value = rng.integers(0, 1000, x.shape).astype(x.dtype)
+        out.append(jax.device_put(value, sharding))
+    return jax.tree.unflatten(treedef, out)
+
+
+def abstract(state, shardings=None):
+    shardings = shardings if shardings is not None else jax.tree.map(lambda x: x.sharding, state)
+    return jax.tree.map(
+        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), state, shardings
+    )
+
+
+def assert_bit_equal(a, b):
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+        assert x.dtype == y.dtype and x.shape == y.shape
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def grain_iterator():
+    return iter(grain.MapDataset.range(100).shuffle(seed=1).to_iter_dataset())
+
+
+def tree_hash(root: Path) -> str:
+    h = hashlib.sha256()
+    for p in sorted(root.rglob("*")):
+        h.update(str(p.relative_to(root)).encode())
+        if p.is_file():
+            h.update(p.read_bytes())
+    return h.hexdigest()
+
+
+@pytest.fixture
+def setup(make_cfg):
+    """(cfg, trainer state with random values, log lines, Checkpointer factory)."""
+
+    def make(*overrides: str, devices=None):
+        cfg = make_cfg(
+            "checkpoint.local.every_steps=10",
+            "checkpoint.persistent.every_steps=20",
+            *overrides,
+        )
+        state = random_state(cfg, devices)
+        logs: list[str] = []
+
+        def checkpointer(**kw):
+            return Checkpointer(
+                cfg.checkpoint, cfg.run_dir, config_lib.to_yaml(cfg), log=logs.append, **kw
+            )
+
+        return cfg, state, logs, checkpointer
+
+    return make
+
+
+def with_step(state, step):
+    return state.replace(step=jax.device_put(np.int32(step), state.step.sharding))
+
+
+# ---- round trip and tier policy ---------------------------------------------------------------
+
+
+def test_round_trip_is_bit_exact_with_data_iterator(setup):
+    cfg, state, _, checkpointer = setup()
+    it = grain_iterator()
+    consumed = [next(it) for _ in range(7)]
+    with checkpointer() as ckpt:
+        assert ckpt.maybe_save(10, state, it) == ["local"]
+        assert ckpt.last_saved_step == 10
+    expected_next = [next(it) for _ in range(5)]
+
+    fresh = grain_iterator()
+    with checkpointer() as ckpt:
+        restored, step = ckpt.restore_latest(abstract(state), fresh)
+        assert step == 10 and ckpt.restore_info["data_restored"]
+        assert ckpt.restore_info["meta"]["seed"] == cfg.run.seed
+    assert_bit_equal(restored, state)
+    assert [next(fresh) for _ in range(5)] == expected_next
+    assert consumed != expected_next[:5]
+
+
+def test_json_state_iterator_round_trip(setup):
+    class Counter:
+        def __init__(self):
+            self.i = 0
+
+        def __next__(self):
+            self.i += 1
+            return self.i
+
+        def get_state(self):
+            return {"i": self.i}
+
+        def set_state(self, s):
+            self.i = s["i"]
+
+    _, state, _, checkpointer = setup()
+    it = Counter()
+    for _ in range(3):
+        next(it)
+    with checkpointer() as ckpt:
+        ckpt.save_now(5, state, it)
+    fresh = Counter()
+    with checkpointer() as ckpt:
+        assert ckpt.restore_latest(abstract(state), fresh)[1] == 5
+    assert next(fresh) == 4
+
+
+def test_newest_complete_across_tiers_wins(setup):
+    cfg, state, _, checkpointer = setup()
+    with checkpointer() as ckpt:
+        ckpt.save_now(20, with_step(state, 20), tier="persistent")
+        ckpt.save_now(30, with_step(state, 30), tier="local")
+    with checkpointer() as ckpt:
+        restored, step = ckpt.restore_latest(abstract(state))
+        assert (step, int(restored.step), ckpt.restore_info["tier"]) == (30, 30, "local")
+    shutil.rmtree(cfg.run_dir / "checkpoints" / "local")
+    with checkpointer() as ckpt:
+        restored, step = ckpt.restore_latest(abstract(state))
+        assert (step, int(restored.step), ckpt.restore_info["tier"]) == (20, 20, "persistent")
+
+
+def test_no_checkpoint_restores_nothing_and_writes_nothing(setup):
+    cfg, state, _, checkpointer = setup()
+    with checkpointer() as ckpt:
+        assert ckpt.restore_latest(abstract(state)) is None
+    assert not (cfg.run_dir / "checkpoints").exists()
+
+
+def test_save_now_is_durable_on_return(setup):
+    cfg, state, _, checkpointer = setup()
+    ckpt = checkpointer()
+    ckpt.save_now(7, state, tier="local", wait=True)
+    step_dir = cfg.run_dir / "checkpoints" / "local" / "7"
+    integrity.verify(step_dir)  # committed and complete before close()
+    ckpt.close()
+
+
+# ---- corruption -------------------------------------------------------------------------------
+
+
+def _largest_data_file(step_dir: Path) -> Path:
+    files = [p for p in (step_dir / "state").rglob("*") if p.is_file() and "/d/" in str(p)]
+    return max(files, key=lambda p: p.stat().st_size)
+
+
+CORRUPTIONS = {
+    "truncated array data": lambda d: _largest_data_file(d).write_bytes(b""),
+    "deleted array data": lambda d: _largest_data_file(d).unlink(),
+    "deleted iterator state": lambda d: (d / "data" / "process_0-of-1.json").unlink(),
+    "deleted manifest": lambda d: (d / integrity.MANIFEST).unlink(),
+    "deleted commit file": lambda d: (d / integrity.COMMIT_FILE).unlink(),
+}
+
+
+@pytest.mark.parametrize("corruption", list(CORRUPTIONS))
+def test_corrupt_newest_falls_back_and_says_so(setup, corruption):
+    cfg, state, logs, checkpointer = setup()
+    it = grain_iterator()
+    with checkpointer() as ckpt:
+        ckpt.maybe_save(10, with_step(state, 10), it)
+        ckpt.maybe_save(20, with_step(state, 20), it)
+    local = cfg.run_dir / "checkpoints" / "local"
+    shutil.rmtree(cfg.run_dir / "checkpoints" / "persistent")
+    CORRUPTIONS[corruption](local / "20")
+
+    with checkpointer() as ckpt:
+        restored, step = ckpt.restore_latest(abstract(state), grain_iterator())
+        assert (step, int(restored.step)) == (10, 10)
+        assert any(
+            line.startswith(f"checkpoint step 20 in {local} is incomplete or corrupt (")
+            and line.endswith("); falling back to step 10")
+            for line in logs
+        ), logs
+        # The corrupt step is moved aside (not deleted), so step 20 can be saved again.
+        assert not (local / "20").exists() and list(local.glob("20.corrupt-*"))
+        ckpt.maybe_save(20, with_step(state, 20), it)
+    assert (local / "20" / integrity.COMMIT_FILE).exists()
+
+
+def test_interrupted_save_is_ignored_then_cleaned_up(setup):
+    cfg, state, logs, checkpointer = setup()
+    with checkpointer() as ckpt:
+        ckpt.save_now(10, with_step(state, 10))
+    local = cfg.run_dir / "checkpoints" / "local"
+    partial = local / f"20{integrity.TMP_SUFFIX}"  # what a kill mid-save leaves behind
+    shutil.copytree(local / "10", partial)
+    (partial / integrity.COMMIT_FILE).unlink()
+    with checkpointer() as ckpt:
+        assert ckpt.restore_latest(abstract(state))[1] == 10
+        assert not logs  # not a corrupt checkpoint: it never claimed to be complete
+        ckpt.maybe_save(20, with_step(state, 20))
+    assert not partial.exists() and (local / "20" / integrity.COMMIT_FILE).exists()
+
+
+def test_all_checkpoints_corrupt_is_an_error(setup):
+    cfg, state, _, checkpointer = setup()
+    with checkpointer() as ckpt:
+        ckpt.save_now(10, state)
+    _largest_data_file(cfg.run_dir / "checkpoints" / "local" / "10").write_bytes(b"x")
+    with checkpointer() as ckpt, pytest.raises(CheckpointError, match="no complete checkpoint"):
+        ckpt.restore_latest(abstract(state))
+
+
+# ---- user mistakes and storage failures -------------------------------------------------------
+
+
+def test_shape_mismatch_names_param_and_touches_nothing(setup, make_cfg):
+    cfg, state, _, checkpointer = setup()
+    with checkpointer() as ckpt:
+        ckpt.maybe_save(20, state, grain_iterator())  # both tiers
+    before = tree_hash(cfg.run_dir)
+
+    other = random_state(make_cfg("model.emb_dim=32"))  # a different model
+    with checkpointer() as ckpt, pytest.raises(CheckpointError) as err:
+        ckpt.restore_latest(abstract(other), grain_iterator())
+    msg = str(err.value)
+    assert "'params/embedding' has shape (256, 64) in the checkpoint" in msg
+    assert "the model expects (256, 32)" in msg and "\n" not in msg
+    assert tree_hash(cfg.run_dir) == before
+
+    with pytest.raises(CheckpointError, match="'params/embedding' has shape"):
+        load_parameters(cfg.run_dir / "checkpoints" / "local", abstract(other.params))
+    assert tree_hash(cfg.run_dir) == before
+
+
+def _in_thread(fn, timeout_s=60.0):
+    """Runs fn in a thread; fails the test if it has not returned within timeout_s."""
+    box = {}
+
+    def run():
+        try:
+            box["value"] = fn()
+        except BaseException as e:  # handed to the test thread below
+            box["error"] = e
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(timeout_s)
+    assert not t.is_alive(), f"hung for {timeout_s} s"
+    return box
+
+
+def test_unwritable_directory_fails_fast_and_clearly(setup, tmp_path):
+    blocker = tmp_path / "file.txt"
+    blocker.write_text("a regular file, not a directory")
+    bad_dir = blocker / "ckpt"
+    _, state, _, checkpointer = setup(f"checkpoint.local.dir={bad_dir}")
+    ckpt = checkpointer()
+    start = time.perf_counter()
+    box = _in_thread(lambda: ckpt.maybe_save(10, state))
+    assert isinstance(box.get("error"), CheckpointError), box
+    assert str(bad_dir) in str(box["error"]) and "\n" not in str(box["error"])
+    assert time.perf_counter() - start < 10
+
+
+def test_background_failure_is_raised_not_hung(setup):
+    cfg, state, _, checkpointer = setup()
+    ckpt = checkpointer()
+    ckpt.maybe_save(10, state)
+    ckpt.wait_until_finished()
+    local = cfg.run_dir / "checkpoints" / "local"
+    shutil.rmtree(local)
+    local.write_text("the disk went away")  # every later write under it fails
+
+    def save_then_wait():
+        ckpt.maybe_save(30, state)
+        ckpt.wait_until_finished()
+
+    box = _in_thread(save_then_wait)
+    assert isinstance(box.get("error"), CheckpointError), box
+    assert str(local) in str(box["error"])
+    _in_thread(lambda: ckpt.close())  # closing after a failure does not hang either
+
+
+def test_slow_persistent_tier_is_skipped_not_waited_for(setup, monkeypatch):
+    cfg, state, logs, checkpointer = setup("checkpoint.persistent.every_steps=10")
+    release = threading.Event()
+    real_write = integrity.write_manifest
+
+    def slow_write(step_dir, step):
+        if step_dir.parent.name == "persistent":
+            release.wait(30)  # a bucket that takes its time
+        real_write(step_dir, step)
+
+    monkeypatch.setattr(integrity, "write_manifest", slow_write)
+    ckpt = checkpointer()
+    assert ckpt.maybe_save(10, state) == ["local", "persistent"]
+    start = time.perf_counter()
+    assert ckpt.maybe_save(20, state) == ["local"]
+    assert time.perf_counter() - start < 5
+    assert any("skipping the persistent checkpoint of step 20" in line for line in logs)
+    release.set()
+    ckpt.close()
+    steps = lambda tier: sorted(
+        s for s, _ in integrity.step_dirs(cfg.run_dir / "checkpoints" / tier)
+    )
+    assert steps("local") == [10, 20] and steps("persistent") == [10]
+
+
+# ---- resharding, retention, parameter import --------------------------------------------------
+
+
+def test_restore_onto_other_mesh_and_fewer_devices(setup, make_cfg):
+    _, state, _, checkpointer = setup("mesh.fsdp=8")
+    with checkpointer() as ckpt:
+        ckpt.save_now(10, state)
+
+    for overrides, devices in ((("mesh.data=2", "mesh.fsdp=4"), None), ((), jax.devices()[:4])):
+        target = random_state(make_cfg(*overrides), devices, seed=5)
+        with checkpointer() as ckpt:
+            restored, _ = ckpt.restore_latest(abstract(target))
+        assert_bit_equal(restored, state)
+        for got, want in zip(jax.tree.leaves(restored), jax.tree.leaves(target), strict=True):
+            assert got.sharding == want.sharding
+
+
+def test_retention_keeps_newest_and_milestones(setup):
+    cfg, state, _, checkpointer = setup(
+        "checkpoint.local.every_steps=5",
+        "checkpoint.local.keep=2",
+        "checkpoint.local.keep_every_steps=20",
+        "checkpoint.persistent.every_steps=1000",
+    )
+    with checkpointer() as ckpt:
+        for step in range(5, 45, 5):
+            ckpt.maybe_save(step, state)
+    kept = [s for s, _ in integrity.step_dirs(cfg.run_dir / "checkpoints" / "local")]
+    assert sorted(kept) == [20, 35, 40]
+
+
+def test_load_parameters_returns_params_only(setup):
+    cfg, state, _, checkpointer = setup()
+    with checkpointer() as ckpt:
+        ckpt.save_now(10, state)
+        ckpt.save_now(20, with_step(randomize(state, seed=1), 20), tier="persistent")
+    target = abstract(state.params)
+    local = cfg.run_dir / "checkpoints" / "local"
+    assert_bit_equal(load_parameters(local / "10", target), state.params)
+    assert_bit_equal(load_parameters(local, target), state.params)
+    newest = load_parameters(cfg.run_dir, target)  # both tiers: step 20 wins
+    assert_bit_equal(newest, randomize(state, seed=1).params)
+    assert jax.tree.structure(newest) == jax.tree.structure(state.params)
+
+    with pytest.raises(CheckpointError, match="no complete checkpoint"):
+        load_parameters(cfg.run_dir / "nowhere", target)
+
+
+def test_disabled_checkpointer_does_nothing(setup):
+    cfg, state, _, checkpointer = setup("checkpoint.enabled=false")
+    with checkpointer() as ckpt:
+        assert ckpt.maybe_save(20, state) == []
+        assert ckpt.restore_latest(abstract(state)) is None
+    assert not os.path.exists(cfg.run_dir / "checkpoints")
