@@ -219,6 +219,8 @@ def run(cfg: Config) -> dict[str, Any]:
 def _train(trainer: Trainer, ckpt: Checkpointer | None, train_batches, eval_streams) -> dict:
     cfg, run_dir, is_writer = trainer.cfg, trainer.cfg.run_dir, jax.process_index() == 0
     start_step = _resume_or_load(trainer, ckpt, train_batches)
+    if ckpt is not None and start_step < cfg.train.steps:
+        ckpt.prewarm(trainer.state)  # the first save's one-time costs, paid before the loop
     if is_writer:
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.yml").write_text(config_lib.to_yaml(cfg))

@@ -92,6 +92,7 @@ def test_every_schema_key_is_documented_in_base_yml():
         "profile": config_lib.ProfileConfig,
         "run": config_lib.RunConfig,
         "mesh": config_lib.MeshConfig,
+        "checkpoint": config_lib.CheckpointConfig,
     }
     for section, schema in sections.items():
         for key in schema.model_fields:

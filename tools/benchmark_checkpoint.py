@@ -1,7 +1,7 @@
 """Times checkpoint saves and the restore of a large train state through maxtrain's Checkpointer.
 
     python tools/benchmark_checkpoint.py [--params 1e9] [--saves 3] [--dir DIR]
-                                         [--no-prewarm] [--persistent-every N]
+        [--no-prewarm] [--persistent-every N] [--no-update] [--trim-after-step]
 
 For each save it reports how long `maybe_save` blocked the caller (the train loop's cost: the
 device-to-host copy plus Orbax's bookkeeping) and how long until the checkpoint was durable
@@ -13,7 +13,8 @@ sharded on dim 0 over every device, with two Adam moments of the same shapes: 12
 parameter (1e9 -> 11.2 GiB). Values are uniform random, so compression cannot shrink them (a
 constant state compresses ~2000x and would flatter the write times). Between saves a donating
 update changes every value, as a train step would. On CPU the state lives in host memory and
-a save's host "copy" is a view; mind RAM: 1e9 params need ~12 GiB plus Orbax's write buffers.
+a save's host "copy" is a view, but JAX will not donate a buffer numpy has seen, so the update
+after a save needs a second state: 1e9 params then need ~23 GiB (use --no-update on 24 GiB).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import gc
 import json
 import math
 import resource
+import shutil
 import statistics
 import sys
 import tempfile
@@ -49,9 +51,22 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--params", type=float, default=1e9, help="float32 parameters (default 1e9)")
     p.add_argument("--saves", type=int, default=3)
-    p.add_argument("--dir", default=None, help="checkpoint directory (default: a temp dir)")
+    p.add_argument(
+        "--dir", default=None, help="checkpoint directory (default: a temp dir, removed)"
+    )
     p.add_argument("--no-prewarm", dest="prewarm", action="store_false")
     p.add_argument("--persistent-every", type=int, default=0, help="also save the persistent tier")
+    p.add_argument(
+        "--trim-after-step",
+        action="store_true",
+        help="gc + malloc_trim after each update, before the next save (release_host_memory)",
+    )
+    p.add_argument(
+        "--no-update",
+        dest="update",
+        action="store_false",
+        help="save the same state each time (on CPU the update after a save needs 2x the state)",
+    )
     return p.parse_args(argv)
 
 
@@ -88,8 +103,12 @@ def checksums(state: TrainState) -> list[jax.Array]:
 
 
 def release_host_memory() -> None:
-    """glibc keeps freed write buffers of Orbax's threads in per-thread arenas; without this the
-    process grows by ~1x the state per save until it plateaus near 3x (measured on CPU)."""
+    """Returns freed heap memory to the OS now (glibc keeps it in its arenas otherwise).
+
+    On CPU this matters: JAX cannot donate a buffer that was handed to numpy (as Orbax does to
+    write it), so the step after a save allocates a new state and frees the old one; glibc
+    keeps the freed memory (RSS grows to 3-4x the state) and later returns it in bulk, in kernel
+    time, at whatever call happens then, often the next save (~0.1 s per GiB on 2 cores)."""
     gc.collect()
     try:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
@@ -112,6 +131,14 @@ def emit(record: dict) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     root = Path(args.dir or tempfile.mkdtemp(prefix="maxtrain-ckpt-bench-"))
+    try:
+        return run(args, root)
+    finally:
+        if args.dir is None:  # a temp dir: the checkpoints (2 x the state) go with it
+            shutil.rmtree(root, ignore_errors=True)
+
+
+def run(args: argparse.Namespace, root: Path) -> int:
     cfg = CheckpointConfig(
         local=CheckpointTier(dir=str(root / "local"), every_steps=1, keep=2),
         persistent=CheckpointTier(
@@ -149,8 +176,10 @@ def main(argv: list[str] | None = None) -> int:
         release_host_memory()
         saves.append({"save": step, "tiers": tiers, "blocked_s": blocked, "durable_s": durable})
         emit({**saves[-1], "rss_gib": rss_gib()})
-        if step < args.saves:
+        if step < args.saves and args.update:
             state = jax.block_until_ready(update(state))  # the next "train step"
+            if args.trim_after_step:
+                release_host_memory()
     ckpt.close()
 
     expected = jax.device_get(checksums(state))
@@ -175,6 +204,8 @@ def main(argv: list[str] | None = None) -> int:
             "state_gib": gib,
             "device_kind": device.device_kind,
             "prewarm": args.prewarm,
+            "trim_after_step": args.trim_after_step,
+            "update_between_saves": args.update,
             "prewarm_s": prewarm_s,
             **prewarm_parts,
             "first_save_blocked_s": blocked[0],
