@@ -184,7 +184,8 @@ def test_save_now_is_durable_on_return(setup):
     ckpt = checkpointer()
     ckpt.save_now(7, state, tier="local", wait=True)
     step_dir = cfg.run_dir / "checkpoints" / "local" / "7"
-    integrity.verify(step_dir)  # committed and complete before close()
+    assert (step_dir / "commit_success.txt").is_file()  # committed before close()...
+    integrity.verify(step_dir)  # ...and complete (raises Corrupt otherwise)
     ckpt.close()
 
 
