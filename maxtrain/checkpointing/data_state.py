@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
+import grain
 import orbax.checkpoint as ocp
 
 
@@ -27,20 +28,12 @@ class DataStateAdapter(Protocol):
 
 class GrainIteratorState:
     def matches(self, iterator: Any) -> bool:
-        try:
-            import grain
-        except ImportError:  # grain is optional for runs that do not use it
-            return False
         return isinstance(iterator, grain.DatasetIterator | grain.DataLoaderIterator)
 
     def save_args(self, iterator: Any) -> ocp.args.CheckpointArgs:
-        import grain
-
         return grain.checkpoint.CheckpointSave(iterator)
 
     def restore_args(self, iterator: Any) -> ocp.args.CheckpointArgs:
-        import grain
-
         return grain.checkpoint.CheckpointRestore(iterator)
 
     def apply(self, iterator: Any, restored: Any) -> None:
