@@ -41,6 +41,39 @@ class RopeScaling(_Section):
     original_max_position: int = 8192
 
 
+class MoeConfig(_Section):
+    """Mixture-of-experts feed-forward layers (absent = a dense model)."""
+
+    num_experts: int = Field(gt=0)
+    top_k: int = Field(gt=0)
+    expert_mlp_dim: int = Field(gt=0)  # hidden size of each routed expert (SwiGLU)
+    shared_experts: int = Field(default=0, ge=0)  # always-on experts, fused into one SwiGLU
+    score: Literal["softmax", "sigmoid"] = "softmax"  # router score function
+    renormalize: bool = True  # rescale the top-k weights to sum to 1
+    routed_scale: float = Field(default=1.0, gt=0)  # multiplies the routed experts' output
+    # Which layers are MoE: layer i (0-based) is MoE iff i >= first_dense_layers and
+    # (i + 1) % interval == 0. interval 1 = every layer; 2 = every second layer (1, 3, ...).
+    first_dense_layers: int = Field(default=0, ge=0)
+    interval: int = Field(default=1, gt=0)
+    aux_loss_weight: float = Field(default=0.0, ge=0)  # Switch-style load-balancing loss
+    router_z_loss_weight: float = Field(default=0.0, ge=0)  # ST-MoE router logit z-loss
+    # Aux-loss-free balancing (DeepSeek-V3): a per-expert bias added to the scores for top-k
+    # selection only, moved by `bias_update_rate` toward equal load after every step.
+    bias_update_rate: float = Field(default=0.0, ge=0)  # 0 disables
+    # null: dropless (tokens sorted by expert, grouped matmul). A number: each expert takes at
+    # most capacity_factor * tokens * top_k / num_experts tokens per device; the rest drop.
+    capacity_factor: float | None = Field(default=None, gt=0)
+    grouped_matmul: Literal["auto", "xla", "tokamax"] = "auto"  # auto: tokamax on GPU/TPU
+
+    @model_validator(mode="after")
+    def _check_routing(self) -> MoeConfig:
+        if self.top_k > self.num_experts:
+            raise ValueError(
+                f"model.moe.top_k ({self.top_k}) exceeds model.moe.num_experts ({self.num_experts})"
+            )
+        return self
+
+
 class ModelConfig(_Section):
     vocab_size: int = Field(gt=0)
     emb_dim: int = Field(gt=0)
@@ -63,6 +96,7 @@ class ModelConfig(_Section):
     attention: Literal["auto", "xla", "mosaic", "cudnn", "triton", "xla_chunked", "tokamax_xla"] = (
         "auto"
     )
+    moe: MoeConfig | None = None
 
     @model_validator(mode="after")
     def _check_heads(self) -> ModelConfig:
@@ -70,6 +104,12 @@ class ModelConfig(_Section):
             raise ValueError(
                 f"model.num_heads ({self.num_heads}) must be a multiple of "
                 f"model.num_kv_heads ({self.num_kv_heads})"
+            )
+        if self.moe is not None and not any(self.moe_layers):
+            raise ValueError(
+                f"model.moe makes no layer a mixture of experts: first_dense_layers "
+                f"({self.moe.first_dense_layers}) and interval ({self.moe.interval}) leave all "
+                f"{self.num_layers} layers dense"
             )
         if self.head_dim is None and self.emb_dim % self.num_heads:
             raise ValueError(
@@ -81,6 +121,15 @@ class ModelConfig(_Section):
     @property
     def resolved_head_dim(self) -> int:
         return self.head_dim if self.head_dim is not None else self.emb_dim // self.num_heads
+
+    @property
+    def moe_layers(self) -> tuple[bool, ...]:
+        """Per layer: True where the feed-forward block is a mixture of experts."""
+        m = self.moe
+        return tuple(
+            m is not None and i >= m.first_dense_layers and (i + 1) % m.interval == 0
+            for i in range(self.num_layers)
+        )
 
 
 class MeshAxes(_Section):
@@ -227,6 +276,49 @@ class CheckpointConfig(_Section):
     load_parameters_path: str | None = None  # start from these params only (fresh optimizer)
 
 
+class InitConfig(_Section):
+    """How a new run turns checkpoint.load_parameters_path into its parameters
+    (maxtrain/transforms/). A run resuming from its own checkpoint ignores it: resume wins."""
+
+    # none: the checkpoint holds this model; upcycle: a dense checkpoint becomes this MoE
+    # model; depth_upscale: this model's layers are copies of the checkpoint's layers
+    mode: Literal["none", "upcycle", "depth_upscale"] = "none"
+    source_model: str | None = None  # the checkpoint's model: a file in configs/models/
+    noise_std: float = Field(default=0.0, ge=0)  # upcycle: noise on expert weights, x their RMS
+    router_init_std: float = Field(default=0.0, ge=0)  # upcycle: router kernel std; 0 = zeros
+    # depth_upscale: per layer of this model, the source layer it copies; "a..b" = a to b
+    layer_map: list[int] | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _expand_ranges(cls, data: Any) -> Any:
+        if isinstance(data, dict) and isinstance(data.get("layer_map"), list):
+            return {**data, "layer_map": [i for e in data["layer_map"] for i in _layer_range(e)]}
+        return data
+
+    @model_validator(mode="after")
+    def _check_mode(self) -> InitConfig:
+        if self.mode != "none" and self.source_model is None:
+            raise ValueError(
+                f"init.mode={self.mode} needs init.source_model: the model of the checkpoint"
+            )
+        if self.mode == "depth_upscale" and not self.layer_map:
+            raise ValueError("init.mode=depth_upscale needs init.layer_map")
+        if self.layer_map and min(self.layer_map) < 0:
+            raise ValueError(f"init.layer_map holds a negative layer ({min(self.layer_map)})")
+        return self
+
+
+def _layer_range(entry: Any) -> list[Any]:
+    """'a..b' -> [a, a + 1, ..., b]; any other entry stays one entry (pydantic checks it)."""
+    if not isinstance(entry, str) or ".." not in entry:
+        return [entry]
+    first, _, last = entry.partition("..")
+    if not (first.strip().isdigit() and last.strip().isdigit()) or int(first) > int(last):
+        raise ValueError(f"init.layer_map: {entry!r} is not a range a..b of layers with a <= b")
+    return list(range(int(first), int(last) + 1))
+
+
 class ProfileConfig(_Section):
     start_step: int = Field(default=-1)  # -1: no profile
     num_steps: int = Field(default=3, gt=0)
@@ -236,6 +328,35 @@ class RunConfig(_Section):
     name: str = "default"
     output_dir: str = "runs"
     seed: int = 0
+
+
+class DistributedConfig(_Section):
+    """How this process joins a multi-process run (maxtrain/distributed.py).
+
+    All null: jax detects the cluster (Cloud TPU, SLURM, Open MPI, Kubernetes) when it runs in
+    one, else the run is a single process. Any key set is passed on; jax fills in the rest.
+    """
+
+    coordinator_address: str | None = None  # "host:port" of process 0's coordinator service
+    num_processes: int | None = Field(default=None, gt=0)
+    process_id: int | None = Field(default=None, ge=0)
+    initialization_timeout_s: int = Field(default=300, gt=0)
+
+    @model_validator(mode="after")
+    def _check(self) -> DistributedConfig:
+        if self.coordinator_address is not None:
+            host, _, port = self.coordinator_address.rpartition(":")
+            if not host or not port.isdigit() or not 0 < int(port) < 65536:
+                raise ValueError(
+                    f"distributed.coordinator_address must be host:port, e.g. 10.0.0.1:1234 "
+                    f"(got {self.coordinator_address!r})"
+                )
+        n, i = self.num_processes, self.process_id
+        if n is not None and i is not None and i >= n:
+            raise ValueError(
+                f"distributed.process_id ({i}) must be below distributed.num_processes ({n})"
+            )
+        return self
 
 
 class Config(_Section):
@@ -248,7 +369,9 @@ class Config(_Section):
     train: TrainConfig = TrainConfig()
     profile: ProfileConfig = ProfileConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
+    init: InitConfig = InitConfig()
     run: RunConfig = RunConfig()
+    distributed: DistributedConfig = DistributedConfig()
 
     @model_validator(mode="after")
     def _check_train(self) -> Config:
@@ -261,6 +384,21 @@ class Config(_Section):
             raise ValueError(
                 f"train.global_batch_size ({self.train.global_batch_size}) must be divisible "
                 f"by train.grad_accum_steps ({self.train.grad_accum_steps})"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _check_init(self) -> Config:
+        mode, layer_map = self.init.mode, self.init.layer_map
+        if mode != "none" and not self.checkpoint.load_parameters_path:
+            raise ValueError(
+                f"init.mode={mode} needs checkpoint.load_parameters_path: the checkpoint to "
+                "start from"
+            )
+        if mode == "depth_upscale" and len(layer_map or []) != self.model.num_layers:
+            raise ValueError(
+                f"init.layer_map lists {len(layer_map)} layers, but model.num_layers is "
+                f"{self.model.num_layers}"
             )
         return self
 

@@ -80,6 +80,14 @@ def _slices(devices: Sequence[jax.Device], num_slices: int) -> list[list[jax.Dev
     return [list(devices[i * per : (i + 1) * per]) for i in range(num_slices)]
 
 
+def axis_sizes(cfg: MeshConfig, num_devices: int) -> dict[str, int]:
+    """Size of every mesh axis (ICI x DCN) for a device count, without needing the devices."""
+    if num_devices % cfg.num_slices:
+        raise ConfigError(f"mesh.num_slices={cfg.num_slices} does not divide {num_devices} devices")
+    ici = _resolve_degrees(cfg, num_devices // cfg.num_slices)
+    return {axis: d * getattr(cfg.dcn, axis) for axis, d in zip(MESH_AXES, ici, strict=True)}
+
+
 def build_mesh(cfg: MeshConfig, devices: Sequence[jax.Device] | None = None) -> Mesh:
     """A mesh over all axes in MESH_AXES; its shape is ICI degree x DCN degree per axis."""
     devices = list(devices if devices is not None else jax.devices())
@@ -151,6 +159,11 @@ def sharding_rules(mesh: Mesh, rules: dict[str, list[str]]) -> Iterator[None]:
         yield
     finally:
         _ACTIVE.reset(token)
+
+
+def active_rules() -> tuple[Mesh, dict[str, list[str]]] | None:
+    """The (mesh, rules) being traced for, or None outside `sharding_rules` (single device)."""
+    return _ACTIVE.get()
 
 
 def constrain(x: jax.Array, axes: LogicalAxes) -> jax.Array:

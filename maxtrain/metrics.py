@@ -19,6 +19,8 @@ import numbers
 from pathlib import Path
 from typing import IO, Any
 
+import numpy as np
+
 from maxtrain.config import ModelConfig
 
 # ---- FLOP counting ------------------------------------------------------------------------
@@ -34,12 +36,18 @@ def attention_proj_params(model: ModelConfig) -> int:
 
 
 def mlp_params(model: ModelConfig) -> int:
-    """Per-layer SwiGLU weights: gate and up (emb -> mlp) and down (mlp -> emb).
-
-    A mixture-of-experts model passes the parameters of the experts a token is routed to
-    (top-k experts plus any shared expert, plus the router), not the total.
-    """
+    """Per-layer SwiGLU weights of a dense layer: gate and up (emb -> mlp), down (mlp -> emb)."""
     return 3 * model.emb_dim * model.mlp_dim
+
+
+def active_moe_params(model: ModelConfig) -> int:
+    """Weights one token multiplies against in an MoE layer: the router, its top-k routed
+    experts and the shared experts. The other experts' weights are idle for that token, so
+    they count toward the total parameters but never toward FLOPs or MFU."""
+    m = model.moe
+    assert m is not None
+    expert = 3 * model.emb_dim * m.expert_mlp_dim
+    return model.emb_dim * m.num_experts + (m.top_k + m.shared_experts) * expert
 
 
 def head_params(model: ModelConfig) -> int:
@@ -51,13 +59,16 @@ def head_params(model: ModelConfig) -> int:
 
 
 def matmul_params(model: ModelConfig) -> int:
-    """Parameters each token multiplies against: all layers' projections and MLPs plus the head.
+    """Parameters each token multiplies against: all layers' projections and MLPs (active
+    experts only) plus the head.
 
     Excludes the input embedding lookup and norm scales (including qk-norm), which are not
     matmuls.
     """
-    per_layer = attention_proj_params(model) + mlp_params(model)
-    return model.num_layers * per_layer + head_params(model)
+    ffn = sum(
+        active_moe_params(model) if is_moe else mlp_params(model) for is_moe in model.moe_layers
+    )
+    return model.num_layers * attention_proj_params(model) + ffn + head_params(model)
 
 
 def attention_flops_per_token(model: ModelConfig, seq_len: int) -> float:
@@ -187,6 +198,23 @@ class MetricsWriter:
             for tag, value in record.items():
                 if tag != "step":
                     self._tb.add_scalar(tag, value, int(step))
+            self._tb.flush()
+
+    def write_histograms(self, step: int, arrays: dict[str, Any], prefix: str) -> None:
+        """Per-layer distributions, e.g. expert load [layers, experts]: one JSON line with the
+        nested lists, and one TensorBoard histogram per layer (`<prefix>/<key>/layer<i>`)."""
+        if self._jsonl is None:
+            return
+        record: dict[str, Any] = {"step": int(step)}
+        for key, value in arrays.items():
+            rows = np.asarray(value, dtype=np.float64)
+            record[f"{prefix}/{key}"] = rows.round(6).tolist()
+            if self._tb is not None:
+                for i, row in enumerate(rows):
+                    self._tb.add_histogram(f"{prefix}/{key}/layer{i}", row, int(step))
+        self._jsonl.write(json.dumps(record) + "\n")
+        self._jsonl.flush()
+        if self._tb is not None:
             self._tb.flush()
 
     def close(self) -> None:

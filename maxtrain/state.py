@@ -36,7 +36,8 @@ class ModelDef:
     graphdef: nnx.GraphDef
     abstract_state: nnx.State  # nnx.Param tree with shapes and logical-axis metadata
 
-    def apply(self, params: Any, tokens, positions, segment_ids) -> jax.Array:
+    def apply(self, params: Any, tokens, positions, segment_ids) -> tuple[jax.Array, dict]:
+        """Returns (logits, router statistics of the MoE layers; {} for a dense model)."""
         state = jax.tree.map(lambda v: v, self.abstract_state)  # a fresh copy to fill
         nnx.replace_by_pure_dict(state, params)
         return nnx.merge(self.graphdef, state)(tokens, positions, segment_ids)

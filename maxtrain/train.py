@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
+import math
 import signal
 import sys
 import threading
@@ -21,9 +22,9 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
 from maxtrain import config as config_lib
+from maxtrain import distributed, optim
 from maxtrain import metrics as metrics_lib
-from maxtrain import optim
-from maxtrain.checkpointing import Checkpointer, CheckpointError, load_parameters
+from maxtrain.checkpointing import Checkpointer, CheckpointError, open_checkpointer
 from maxtrain.config import Config, ConfigError
 from maxtrain.data import batch_sharding, to_global
 from maxtrain.data.errors import DataError
@@ -31,6 +32,7 @@ from maxtrain.data.pipeline import STREAMS, EvalStream
 from maxtrain.mesh import batch_degree, build_mesh, sharding_rules
 from maxtrain.state import ModelDef, TrainState, init_state
 from maxtrain.train_step import eval_step, train_step
+from maxtrain.transforms.initialize import initial_params
 
 
 @dataclass
@@ -63,9 +65,30 @@ def check_batch(cfg: Config, mesh: Mesh) -> None:
         )
 
 
+def check_experts(cfg: Config, mesh: Mesh) -> None:
+    """Expert parallelism needs whole experts per device and tokens split the same way."""
+    moe = cfg.model.moe
+    if moe is None:
+        return
+    axes = [a for a in cfg.mesh.rules.get("exp", []) if mesh.shape[a] > 1]
+    degree = math.prod(mesh.shape[a] for a in axes)
+    if moe.num_experts % degree:
+        raise ConfigError(
+            f"model.moe.num_experts ({moe.num_experts}) is not divisible by the expert-parallel "
+            f"degree {degree} (mesh axes {', '.join(axes)}); change mesh.expert or num_experts"
+        )
+    missing = [a for a in axes if a not in cfg.mesh.rules.get("batch", [])]
+    if missing:
+        raise ConfigError(
+            f"mesh.rules.exp splits experts over {', '.join(missing)}, which mesh.rules.batch "
+            f"does not split tokens over; add it to mesh.rules.batch"
+        )
+
+
 def build_trainer(cfg: Config, devices: list[jax.Device] | None = None) -> Trainer:
     mesh = build_mesh(cfg.mesh, devices)
     check_batch(cfg, mesh)
+    check_experts(cfg, mesh)
     tx, lr_schedule = optim.build(cfg.optim, cfg.train.steps)
     with sharding_rules(mesh, cfg.mesh.rules):
         state, mdef, shardings = init_state(cfg, mesh, tx)
@@ -77,6 +100,7 @@ def build_trainer(cfg: Config, devices: list[jax.Device] | None = None) -> Train
         lr_schedule=lr_schedule,
         grad_accum_steps=cfg.train.grad_accum_steps,
         z_loss=cfg.train.z_loss,
+        moe=cfg.model.moe,
         skip_nonfinite=cfg.train.on_nonfinite == "skip",
     )
     step_fn = jax.jit(
@@ -168,7 +192,8 @@ def _abstract(tree: Any) -> Any:
 
 def _resume_or_load(trainer: Trainer, ckpt: Checkpointer | None, train_batches) -> int:
     """Restores the newest checkpoint (state and data position) and returns its step; else
-    loads checkpoint.load_parameters_path into the fresh state, if set, and returns 0."""
+    loads checkpoint.load_parameters_path into the fresh state, if set (transformed per
+    init.mode: upcycling, depth upscaling), and returns 0."""
     if ckpt is not None:
         restored = ckpt.restore_latest(_abstract(trainer.state), train_batches)
         if restored is not None:
@@ -176,7 +201,7 @@ def _resume_or_load(trainer: Trainer, ckpt: Checkpointer | None, train_batches) 
             return step
     path = trainer.cfg.checkpoint.load_parameters_path
     if path:
-        params = load_parameters(path, _abstract(trainer.state.params))
+        params = initial_params(trainer.cfg, _abstract(trainer.state.params))
         trainer.state = trainer.state.replace(params=params)
     return 0
 
@@ -199,13 +224,14 @@ def _check_finite(
 
 def run(cfg: Config) -> dict[str, Any]:
     """Trains per the config; returns the final metrics summary (also written to the run dir)."""
+    distributed.initialize(cfg.distributed)  # before anything touches devices
     # Config and data mistakes surface in these two calls, before anything is written.
     trainer = build_trainer(cfg)
     train_batches, eval_streams = data_streams(cfg)
     ckpt = None
     if cfg.checkpoint.enabled:
-        ckpt = Checkpointer(
-            cfg.checkpoint, run_dir=cfg.run_dir, config_yaml=config_lib.to_yaml(cfg)
+        ckpt = open_checkpointer(
+            cfg.checkpoint, cfg.run_dir, config_lib.to_yaml(cfg), trainer.state
         )
     try:
         return _train(trainer, ckpt, train_batches, eval_streams)
@@ -261,7 +287,10 @@ def _train(trainer: Trainer, ckpt: Checkpointer | None, train_batches, eval_stre
                 jax.profiler.stop_trace()
 
             if step % cfg.train.log_every == 0 or step == cfg.train.steps or stopping:
-                fetched = {k: float(v) for k, v in jax.device_get(step_metrics).items()}
+                fetched = jax.device_get(step_metrics)
+                if "moe/load" in fetched:  # per layer and expert: histograms, not scalars
+                    writer.write_histograms(step, {"moe/load": fetched.pop("moe/load")}, "train")
+                fetched = {k: float(v) for k, v in fetched.items()}
                 elapsed = time.perf_counter() - window_start  # device_get above synchronised
                 step_time = elapsed / window_steps
                 scalars = {

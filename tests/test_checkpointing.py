@@ -19,7 +19,14 @@ from flax import nnx
 
 from maxtrain import config as config_lib
 from maxtrain import optim
-from maxtrain.checkpointing import Checkpointer, CheckpointError, integrity, load_parameters
+from maxtrain.checkpointing import (
+    Checkpointer,
+    CheckpointError,
+    EmergencyCheckpointer,
+    integrity,
+    load_parameters,
+)
+from maxtrain.checkpointing.emergency import choose
 from maxtrain.mesh import build_mesh, sharding_rules
 from maxtrain.state import TrainState, model_def, state_shardings
 
@@ -172,6 +179,18 @@ def test_newest_complete_across_tiers_wins(setup):
         assert (step, int(restored.step), ckpt.restore_info["tier"]) == (20, 20, "persistent")
 
 
+def test_step_due_in_both_tiers_is_saved_once_to_the_persistent_tier(setup):
+    cfg, state, _, checkpointer = setup()
+    with checkpointer() as ckpt:
+        assert ckpt.maybe_save(10, with_step(state, 10)) == ["local"]
+        assert ckpt.maybe_save(20, with_step(state, 20)) == ["persistent"]  # one host copy
+    steps = lambda tier: [s for s, _ in integrity.step_dirs(cfg.run_dir / "checkpoints" / tier)]
+    assert steps("local") == [10] and steps("persistent") == [20]
+    with checkpointer() as ckpt:
+        restored, step = ckpt.restore_latest(abstract(state))
+        assert (step, int(restored.step), ckpt.restore_info["tier"]) == (20, 20, "persistent")
+
+
 def test_no_checkpoint_restores_nothing_and_writes_nothing(setup):
     cfg, state, _, checkpointer = setup()
     with checkpointer() as ckpt:
@@ -208,13 +227,12 @@ CORRUPTIONS = {
 
 @pytest.mark.parametrize("corruption", list(CORRUPTIONS))
 def test_corrupt_newest_falls_back_and_says_so(setup, corruption):
-    cfg, state, logs, checkpointer = setup()
+    cfg, state, logs, checkpointer = setup("checkpoint.persistent.every_steps=1000")
     it = grain_iterator()
     with checkpointer() as ckpt:
         ckpt.maybe_save(10, with_step(state, 10), it)
         ckpt.maybe_save(20, with_step(state, 20), it)
     local = cfg.run_dir / "checkpoints" / "local"
-    shutil.rmtree(cfg.run_dir / "checkpoints" / "persistent")
     CORRUPTIONS[corruption](local / "20")
 
     with checkpointer() as ckpt:
@@ -242,7 +260,7 @@ def test_interrupted_save_is_ignored_then_cleaned_up(setup):
     with checkpointer() as ckpt:
         assert ckpt.restore_latest(abstract(state))[1] == 10
         assert not logs  # not a corrupt checkpoint: it never claimed to be complete
-        ckpt.maybe_save(20, with_step(state, 20))
+        ckpt.save_now(20, with_step(state, 20), tier="local")
     assert not partial.exists() and (local / "20" / integrity.COMMIT_FILE).exists()
 
 
@@ -261,7 +279,8 @@ def test_all_checkpoints_corrupt_is_an_error(setup):
 def test_shape_mismatch_names_param_and_touches_nothing(setup, make_cfg):
     cfg, state, _, checkpointer = setup()
     with checkpointer() as ckpt:
-        ckpt.maybe_save(20, state, grain_iterator())  # both tiers
+        ckpt.save_now(10, state, grain_iterator(), tier="local")
+        ckpt.save_now(20, state, grain_iterator(), tier="persistent")
     before = tree_hash(cfg.run_dir)
 
     other = random_state(make_cfg("model.emb_dim=32"))  # a different model
@@ -338,9 +357,9 @@ def test_slow_persistent_tier_is_skipped_not_waited_for(setup, monkeypatch):
 
     monkeypatch.setattr(integrity, "write_manifest", slow_write)
     ckpt = checkpointer()
-    assert ckpt.maybe_save(10, state) == ["local", "persistent"]
+    assert ckpt.maybe_save(10, state) == ["persistent"]  # both due: one host copy, one tier
     start = time.perf_counter()
-    assert ckpt.maybe_save(20, state) == ["local"]
+    assert ckpt.maybe_save(20, state) == ["local"]  # the persistent tier is busy: local saves
     assert time.perf_counter() - start < 5
     assert any("skipping the persistent checkpoint of step 20" in line for line in logs)
     release.set()
@@ -348,7 +367,7 @@ def test_slow_persistent_tier_is_skipped_not_waited_for(setup, monkeypatch):
     steps = lambda tier: sorted(
         s for s, _ in integrity.step_dirs(cfg.run_dir / "checkpoints" / tier)
     )
-    assert steps("local") == [10, 20] and steps("persistent") == [10]
+    assert steps("local") == [20] and steps("persistent") == [10]
 
 
 # ---- resharding, retention, parameter import --------------------------------------------------
@@ -405,3 +424,67 @@ def test_disabled_checkpointer_does_nothing(setup):
         assert ckpt.maybe_save(20, state) == []
         assert ckpt.restore_latest(abstract(state)) is None
     assert not os.path.exists(cfg.run_dir / "checkpoints")
+
+
+# ---- the emergency checkpointer's restore policy (emergency.py) -------------------------------
+
+
+def report(process, local=(), persistent=(), plain=(), data=()):
+    """One process's report, as EmergencyCheckpointer._vet makes it."""
+    return {"process": process, "local": list(local), "persistent": list(persistent),
+            "plain": list(plain), "data": list(data), "steps": [], "error": None}  # fmt: skip
+
+
+def test_emergency_restore_agrees_on_the_newest_step_a_whole_replica_holds():
+    replica_of = lambda process: process // 2  # 0, 1: replica 0 (persistent); 2, 3: replica 1
+    all_data = range(0, 100, 10)
+    reports = [
+        report(0, persistent=[20], data=all_data),
+        report(1, data=all_data),
+        report(2, local=[30, 40], data=all_data),
+        report(3, local=[30], data=all_data),  # 40 never committed here
+    ]
+    assert choose(reports, replica_of, need_data=True) == (30, "local", 1)
+    reports[1]["data"] = [20]  # process 1's data position for 30 is missing
+    assert choose(reports, replica_of, need_data=True) == (20, "persistent", None)
+    assert choose(reports, replica_of, need_data=False) == (30, "local", 1)  # no iterator
+    # A persistent step in checkpointer.py's layout carries its own data positions.
+    reports[0]["persistent"] = reports[0]["plain"] = [20, 50]
+    assert choose(reports, replica_of, need_data=True) == (50, "persistent", None)
+    assert choose([report(0), report(1)], replica_of, need_data=True) == (None, None, None)
+
+
+def test_emergency_restore_vets_steps_on_disk(make_cfg, tmp_path):
+    """The restore path of emergency.py on real checkpoints, with one process standing in for
+    all: a corrupt newest local step is reported and moved aside, a persistent step in
+    checkpointer.py's layout is read, and another model fails first, touching nothing."""
+    root = tmp_path / "ckpt"
+    common = ("mesh.data=2", "mesh.fsdp=4", f"checkpoint.persistent.dir={root}/persistent")
+    plain_cfg = make_cfg(*common, f"checkpoint.local.dir={root}/local/process_0")
+    state = random_state(plain_cfg)
+    with Checkpointer(plain_cfg.checkpoint, plain_cfg.run_dir) as ckpt:
+        ckpt.save_now(10, with_step(state, 10), tier="local")
+        ckpt.save_now(20, with_step(state, 20), tier="persistent")
+        ckpt.save_now(30, with_step(state, 30), tier="local")
+    local = root / "local" / "process_0"
+    CORRUPTIONS["truncated array data"](local / "30")
+    cfg = make_cfg(*common, f"checkpoint.local.dir={root}/local")
+    mesh = jax.tree.leaves(state)[0].sharding.mesh
+    logs: list[str] = []
+    with EmergencyCheckpointer(cfg.checkpoint, cfg.run_dir, mesh=mesh, log=logs.append) as ckpt:
+        before = tree_hash(root)
+        other = random_state(make_cfg(*common, "model.emb_dim=32"))
+        with pytest.raises(CheckpointError, match="'params/embedding' has shape"):
+            ckpt.restore_latest(abstract(other))
+        assert tree_hash(root) == before
+
+        restored, step = ckpt.restore_latest(abstract(state))
+    assert (step, ckpt.restore_info["tier"]) == (20, "persistent")
+    assert_bit_equal(restored, with_step(state, 20))
+    assert any(
+        line.startswith(f"checkpoint step 30 in {local} is incomplete or corrupt: ")
+        and line.endswith("; using step 20")
+        for line in logs
+    ), logs
+    assert sorted(p.name.split(".")[0] for p in local.iterdir()) == ["10", "30"]
+    assert not (local / "30").exists()  # moved aside: Orbax would refuse to save 30 again

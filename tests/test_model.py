@@ -73,10 +73,10 @@ def test_qk_norm_tied_preset_builds_and_uses_the_embedding_as_head():
     model = models.build(cfg)
     assert model.lm_head is None
     tokens = jnp.arange(8, dtype=jnp.int32)[None]
-    logits = model(tokens, tokens, jnp.ones_like(tokens))
+    logits, _ = model(tokens, tokens, jnp.ones_like(tokens))
     # with a tied head, scaling the embedding table changes the logits' scale
     model.embedding[...] = model.embedding[...] * 2.0
-    logits2 = model(tokens, tokens, jnp.ones_like(tokens))
+    logits2, _ = model(tokens, tokens, jnp.ones_like(tokens))
     assert logits.shape == (1, 8, cfg.vocab_size)
     assert not np.allclose(logits, logits2)
     state = nnx.state(model, nnx.Param)

@@ -22,7 +22,7 @@ def loss_and_grads(trainer, local_batch):
 
     def fn(params, batch):
         with sharding_rules(trainer.mesh, cfg.mesh.rules):
-            grads, (nll, count, _) = summed_grads(trainer.mdef, params, batch, 0.0)
+            grads, (nll, count, *_) = summed_grads(trainer.mdef, params, batch, 0.0)
         return nll / count, jax.tree.map(lambda g: g / count, grads)
 
     batch = to_global(local_batch, trainer.batch_sharding)

@@ -1,6 +1,7 @@
 """Times the train step of a config and prints one JSON line.
 
     python tools/benchmark.py CONFIG.yml [key=value ...] [--steps N] [--warmup W]
+    python tools/benchmark.py CONFIG.yml [key=value ...] --dry-run [--devices N]
 
 Runs W warm-up steps (compilation included), then N timed steps, each synchronised so the
 median is a true per-step time. One synthetic batch is reused, so the figure is the model
@@ -20,10 +21,13 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
 
 from maxtrain import config as config_lib  # noqa: E402
-from maxtrain import metrics, models  # noqa: E402
+from maxtrain import memory, metrics, models  # noqa: E402
 from maxtrain.data import to_global  # noqa: E402
+from maxtrain.kernels.grouped_matmul import resolve_implementation  # noqa: E402
+from maxtrain.mesh import axis_sizes  # noqa: E402
 from maxtrain.train import build_trainer, data_streams  # noqa: E402
 
 
@@ -31,6 +35,17 @@ def peak_memory_gib() -> float | None:
     stats = jax.local_devices()[0].memory_stats() or {}
     peak = stats.get("peak_bytes_in_use")
     return None if peak is None else peak / 2**30
+
+
+def moe_settings(model: config_lib.ModelConfig) -> dict:
+    """The MoE choices that decide its speed (none for a dense model)."""
+    if model.moe is None:
+        return {}
+    return {
+        "experts": f"{model.moe.num_experts} top-{model.moe.top_k}",
+        "grouped_matmul": resolve_implementation(model.moe.grouped_matmul),
+        "moe_mode": "dropless" if model.moe.capacity_factor is None else "capacity",
+    }
 
 
 def benchmark(cfg: config_lib.Config, steps: int, warmup: int, profile_dir: str | None) -> dict:
@@ -61,11 +76,13 @@ def benchmark(cfg: config_lib.Config, steps: int, warmup: int, profile_dir: str 
         "model": cfg.model_name,
         "device": device_kind,
         "devices": trainer.mesh.size,
-        "params": models.param_count(cfg.model),
+        "total_params": models.param_count(cfg.model),
+        "active_params": models.active_param_count(cfg.model),  # what FLOPs and MFU count
         "global_batch": cfg.train.global_batch_size,
         "seq_len": cfg.train.seq_len,
         "attention": cfg.model.attention,
         "remat": cfg.model.remat,
+        **moe_settings(cfg.model),
         "first_step_s": round(first_step, 2),
         "median_step_s": round(step_time, 5),
         "min_step_s": round(min(times), 5),
@@ -77,6 +94,20 @@ def benchmark(cfg: config_lib.Config, steps: int, warmup: int, profile_dir: str 
     }
 
 
+def dry_run(cfg: config_lib.Config, num_devices: int) -> dict:
+    """The memory estimate for `num_devices` devices, in GiB per device."""
+    return {
+        "model": cfg.model_name,
+        "devices": num_devices,
+        "mesh": {k: v for k, v in axis_sizes(cfg.mesh, num_devices).items() if v > 1},
+        "total_params": models.param_count(cfg.model),
+        "active_params": models.active_param_count(cfg.model),
+        "compute_dtype": str(jnp.dtype(models.compute_dtype(cfg.model))),
+        "remat": cfg.model.remat,
+        "estimated_gib_per_device": memory.estimate(cfg, num_devices).as_gib(),
+    }
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("config")
@@ -84,10 +115,21 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=10, help="timed steps")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps first")
     parser.add_argument("--profile-dir", help="also capture a jax.profiler trace of 2 steps here")
+    parser.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="run nothing: print the estimated memory per device (maxtrain/memory.py)",
+    )
+    parser.add_argument(
+        "--devices", type=int, help="--dry-run: devices in the run (default: this host's)"
+    )
     args = parser.parse_intermixed_args()
     try:
         cfg = config_lib.load(args.config, args.overrides)
-        result = benchmark(cfg, args.steps, args.warmup, args.profile_dir)
+        if args.dry_run:
+            result = dry_run(cfg, args.devices or jax.device_count())
+        else:
+            result = benchmark(cfg, args.steps, args.warmup, args.profile_dir)
     except config_lib.ConfigError as e:
         print(f"benchmark: error: {e}", file=sys.stderr)
         return 2

@@ -3,10 +3,12 @@
     python tools/benchmark_checkpoint.py [--params 1e9] [--saves 3] [--dir DIR]
         [--no-prewarm] [--persistent-every N] [--no-update] [--trim-after-step]
 
-For each save it reports how long `maybe_save` blocked the caller (the train loop's cost: the
-device-to-host copy plus Orbax's bookkeeping) and how long until the checkpoint was durable
-(committed); then the time to restore the newest one. One JSON line per save, one for the
-restore, one summary line.
+For each save it reports the tier it went to, how long `maybe_save` blocked the caller (the
+train loop's cost: the device-to-host copy plus Orbax's bookkeeping) and how long until the
+checkpoint was durable (committed); then the time to restore the newest one. One JSON line per
+save, one for the restore, one summary line. Every save goes to the local tier; with
+--persistent-every N, every Nth is due in both tiers and goes to the persistent tier alone (one
+host copy; `both_due` in its line, `max_blocked_both_due_s` in the summary).
 
 The state is a TrainState whose params are --params float32 numbers in [rows, 8192] matrices
 sharded on dim 0 over every device, with two Adam moments of the same shapes: 12 bytes per
@@ -174,7 +176,16 @@ def run(args: argparse.Namespace, root: Path) -> int:
         ckpt.wait_until_finished()
         durable = time.perf_counter() - t0
         release_host_memory()
-        saves.append({"save": step, "tiers": tiers, "blocked_s": blocked, "durable_s": durable})
+        both = bool(args.persistent_every) and step % args.persistent_every == 0
+        saves.append(
+            {
+                "save": step,
+                "tiers": tiers,
+                "both_due": both,
+                "blocked_s": blocked,
+                "durable_s": durable,
+            }
+        )
         emit({**saves[-1], "rss_gib": rss_gib()})
         if step < args.saves and args.update:
             state = jax.block_until_ready(update(state))  # the next "train step"
@@ -197,6 +208,7 @@ def run(args: argparse.Namespace, root: Path) -> int:
     emit({"restore_step": step, "restore_s": restore_s, "bit_exact": exact, "rss_gib": rss_gib()})
 
     blocked = [s["blocked_s"] for s in saves]
+    blocked_both_due = [s["blocked_s"] for s in saves if s["both_due"]]
     emit(
         {
             "summary": True,
@@ -210,6 +222,7 @@ def run(args: argparse.Namespace, root: Path) -> int:
             **prewarm_parts,
             "first_save_blocked_s": blocked[0],
             "max_blocked_s": max(blocked),
+            "max_blocked_both_due_s": max(blocked_both_due, default=None),
             "median_durable_s": statistics.median(s["durable_s"] for s in saves),
             "restore_s": restore_s,
             "bit_exact": exact,

@@ -6,14 +6,25 @@ survives the machine (the persistent tier: any path Orbax/etils writes, e.g. a b
 500 steps, keep N, plus milestones every keep_every_steps). Resume takes the newest complete
 checkpoint of either tier, so the tiers need no coordination beyond one restore policy.
 
-    ckpt = Checkpointer(cfg.checkpoint, run_dir=cfg.run_dir, config_yaml=to_yaml(cfg))
+    ckpt = open_checkpointer(cfg.checkpoint, cfg.run_dir, to_yaml(cfg), state)
     restored = ckpt.restore_latest(abstract_state, data_iterator)  # (state, step) or None
     ckpt.maybe_save(step, state, data_iterator)       # async: returns after the host copy
     ckpt.save_now(step, state, data_iterator, tier="local", wait=True)  # SIGTERM: durable
     ckpt.close()
     params = load_parameters(path, abstract_params)   # checkpoint.load_parameters_path
 
-On disk, per tier directory:
+Two implementations of that interface, picked by open_checkpointer:
+
+- Checkpointer (checkpointer.py): one Orbax CheckpointManager per tier. One process with any
+  number of devices, and multi-process runs with a single data-parallel replica (every process
+  writes its shards to both tiers; a lost host loses its part of the local tier).
+- EmergencyCheckpointer (emergency.py): Orbax's emergency multi-tier manager, for
+  multi-process runs with >= 2 data-parallel replicas (mesh axis `data`): the local tier is
+  kept per replica and a lost host's part is restored from a peer replica. Its persistent
+  layout differs (the state item is `default`, the rest is in a sidecar); both
+  implementations and load_parameters read both layouts.
+
+On disk, per tier directory (Checkpointer):
 
     <tier_dir>/<step>/                       one checkpoint
         state/                               TrainState {step, params, opt_state}: Orbax
@@ -27,21 +38,47 @@ On disk, per tier directory:
                                              (ignored; Orbax deletes it when the tier reopens)
     <tier_dir>/<step>.corrupt-<time>/        a step found corrupt at resume, moved aside
 
-Supported: one process with any number of devices (CPU, one GPU, one TPU host); restoring onto
-another mesh or device count (Orbax reshards to the abstract state's shardings).
+EmergencyCheckpointer: <local_dir>/process_<i>/<step>/{state,process_metadata}/ on the
+processes of replicas 1.., <persistent_dir>/<step>/default/ (replica 0) and
+<persistent_dir>/sidecar/<step>/ (sidecar.py).
 
-Multi-process (jax.process_count() > 1): the two managers work (Orbax coordinates the hosts and
-each process writes its shards; grain iterator state is per process), but the local tier is
-then only as durable as every host's local disk, and a lost host loses its shards of it. The
-right tool there is Orbax's emergency manager,
-`orbax.checkpoint.experimental.emergency.checkpoint_manager.CheckpointManager`: it keeps the
-local tier per data-parallel replica and restores a lost host's shards from a peer replica (it
-needs >= 2 data-parallel replicas along mesh axis 0, `multihost.
-initialize_distributed_to_device_ids()` after `jax.distributed.initialize`, and absl flags
-marked parsed). It is NOT wired in here yet; multi-process runs are untested with this module.
+Restoring onto another mesh or device count reshards on read (Orbax reads into the abstract
+state's shardings).
 """
 
-from maxtrain.checkpointing.checkpointer import Checkpointer, load_parameters
-from maxtrain.checkpointing.integrity import CheckpointError
+from typing import Any
 
-__all__ = ["CheckpointError", "Checkpointer", "load_parameters"]
+import jax
+from etils import epath
+
+from maxtrain.checkpointing.checkpointer import Checkpointer, load_parameters
+from maxtrain.checkpointing.common import stderr_log
+from maxtrain.checkpointing.emergency import EmergencyCheckpointer, unsupported_reason
+from maxtrain.checkpointing.integrity import CheckpointError
+from maxtrain.config import CheckpointConfig
+
+__all__ = [
+    "CheckpointError",
+    "Checkpointer",
+    "EmergencyCheckpointer",
+    "load_parameters",
+    "open_checkpointer",
+]
+
+
+def open_checkpointer(
+    cfg: CheckpointConfig, run_dir: str | epath.PathLike, config_yaml: str, state: Any
+) -> Checkpointer | EmergencyCheckpointer:
+    """The emergency checkpointer where Orbax's emergency manager applies to this run (state:
+    the train state, concrete or abstract, laid out on the run's mesh), else the Checkpointer.
+    A multi-process run that falls back says why on stderr."""
+    reason = unsupported_reason(state)
+    if reason is None:
+        mesh = jax.tree.leaves(state)[0].sharding.mesh
+        return EmergencyCheckpointer(cfg, run_dir, config_yaml, mesh=mesh)
+    if jax.process_count() > 1:
+        stderr_log(
+            f"Orbax's emergency multi-tier manager does not apply ({reason}); using one manager "
+            "per tier, so a lost host loses its part of the local tier"
+        )
+    return Checkpointer(cfg, run_dir, config_yaml)

@@ -9,10 +9,14 @@ it. The first adapter that matches wins; add one to DATA_STATE_ADAPTERS for a ne
   by the primary process (single-process runs only; use a grain iterator on several hosts).
 - an iterator without state (a generator) saves nothing; the train loop then has to replay or
   recompute its position from the step (the synthetic stream does that from start_step).
+
+`to_json`/`from_json` give the same state as text, for the emergency checkpointer, which writes
+one JSON file per process itself (Orbax's emergency manager saves only the train state).
 """
 
 from __future__ import annotations
 
+import json
 from typing import Any, Protocol
 
 import grain
@@ -24,6 +28,8 @@ class DataStateAdapter(Protocol):
     def save_args(self, iterator: Any) -> ocp.args.CheckpointArgs: ...
     def restore_args(self, iterator: Any) -> ocp.args.CheckpointArgs: ...
     def apply(self, iterator: Any, restored: Any) -> None: ...
+    def to_json(self, iterator: Any) -> str: ...
+    def from_json(self, iterator: Any, text: str) -> None: ...
 
 
 class GrainIteratorState:
@@ -38,6 +44,17 @@ class GrainIteratorState:
 
     def apply(self, iterator: Any, restored: Any) -> None:
         del iterator, restored  # grain's handler already called set_state()
+
+    # The text grain's own handler writes and reads (grain/_src/python/checkpoint/handler.py).
+    def to_json(self, iterator: Any) -> str:
+        if isinstance(iterator, grain.DatasetIterator):
+            return json.dumps(iterator.get_state(), indent=1)
+        return iterator.get_state().decode()
+
+    def from_json(self, iterator: Any, text: str) -> None:
+        dataset = isinstance(iterator, grain.DatasetIterator)
+        iterator.set_state(json.loads(text) if dataset else text.encode())
+        iterator.start_prefetch()
 
 
 class JsonIteratorState:
@@ -55,6 +72,12 @@ class JsonIteratorState:
 
     def apply(self, iterator: Any, restored: Any) -> None:
         iterator.set_state(restored["state"])
+
+    def to_json(self, iterator: Any) -> str:
+        return json.dumps({"state": iterator.get_state()})
+
+    def from_json(self, iterator: Any, text: str) -> None:
+        iterator.set_state(json.loads(text)["state"])
 
 
 DATA_STATE_ADAPTERS: list[DataStateAdapter] = [GrainIteratorState(), JsonIteratorState()]

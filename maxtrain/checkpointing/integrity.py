@@ -30,6 +30,9 @@ COMMIT_FILE = "commit_success.txt"  # orbax atomicity_types.COMMIT_SUCCESS_FILE
 ORBAX_METADATA = "_CHECKPOINT_METADATA"
 TMP_SUFFIX = ".orbax-checkpoint-tmp"  # orbax atomicity_types.TMP_DIR_SUFFIX
 STATE_ITEM = "state"
+# The persistent tier of Orbax's emergency manager (emergency.py) saves the state as its only
+# item, which Orbax names "default".
+EMERGENCY_STATE_ITEM = "default"
 
 
 class CheckpointError(Exception):
@@ -78,7 +81,9 @@ def _files(root: epath.Path) -> list[epath.Path]:
 def write_manifest(step_dir: epath.Path, step: int) -> None:
     """Records the size of every file under the item directories (format: {path: bytes}).
 
-    Top-level files are left out: Orbax rewrites them at commit, after this runs.
+    Top-level files are left out: Orbax rewrites them at commit, after this runs. Written to a
+    temporary name and renamed: the local tier of emergency.py adds it to committed steps, where
+    a torn manifest would make a good step look corrupt.
     """
     step_dir = epath.Path(step_dir)
     files = {
@@ -88,7 +93,9 @@ def write_manifest(step_dir: epath.Path, step: int) -> None:
         for p in _files(item)
     }
     text = json.dumps({"format": 1, "step": step, "files": dict(sorted(files.items()))}, indent=1)
-    (step_dir / MANIFEST).write_text(text)
+    tmp = step_dir / f".{MANIFEST}.tmp"
+    tmp.write_text(text)
+    tmp.replace(step_dir / MANIFEST)
 
 
 def verify(step_dir: epath.Path, require_manifest: bool = True) -> None:
@@ -153,12 +160,19 @@ def fingerprint(tree: Any) -> str:
     return hashlib.sha256(json.dumps(desc).encode()).hexdigest()[:16]
 
 
+def state_dir(step_dir: epath.Path) -> epath.Path:
+    """Where a step directory holds the train state: `state`, or `default` (emergency layout)."""
+    step_dir = epath.Path(step_dir)
+    emergency = step_dir / EMERGENCY_STATE_ITEM
+    return emergency if emergency.is_dir() else step_dir / STATE_ITEM
+
+
 def read_state_shapes(step_dir: epath.Path) -> dict[str, tuple[int, ...]]:
     """Leaf shapes of the saved state, read from its metadata file only (no array data)."""
     import orbax.checkpoint as ocp
 
     try:
-        md = ocp.PyTreeCheckpointHandler().metadata(step_dir / STATE_ITEM)
+        md = ocp.PyTreeCheckpointHandler().metadata(state_dir(step_dir))
     except Exception as e:  # any failure to read metadata means the step is unusable
         raise Corrupt(f"state metadata unreadable ({one_line(e)})") from None
     return flat_shapes(getattr(md, "tree", md))

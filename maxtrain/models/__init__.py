@@ -40,3 +40,12 @@ def param_count(cfg: ModelConfig) -> int:
     """Total parameters of the model this config builds (embedding and head included)."""
     state = nnx.state(abstract(cfg), nnx.Param)
     return sum(int(x.size) for x in jax.tree.leaves(state))
+
+
+def active_param_count(cfg: ModelConfig) -> int:
+    """Parameters one token uses: the total less the experts it was not routed to."""
+    idle = 0
+    if cfg.moe is not None:
+        m = cfg.moe
+        idle = sum(cfg.moe_layers) * (m.num_experts - m.top_k) * 3 * cfg.emb_dim * m.expert_mlp_dim
+    return param_count(cfg) - idle

@@ -1,0 +1,517 @@
+"""Orbax's emergency multi-tier manager behind the Checkpointer's interface (multi-process runs).
+
+Why: on a multi-host run the local tier is each host's own disk or RAM disk, and a lost host
+takes its part of every local checkpoint with it; two plain managers (checkpointer.py) would
+then fall back to the older persistent tier. Orbax's emergency CheckpointManager
+(orbax.checkpoint.experimental.emergency.checkpoint_manager) keeps the local tier per
+data-parallel REPLICA instead: each replica holds the whole state, the processes of replicas
+1..R-1 write their shards to their local directories, replica 0 writes the persistent tier,
+and a restore reads the step on one replica that holds it completely (local tier, else the
+persistent one) and broadcasts it to the others over the interconnect. With R >= 3 replicas a
+lost host still leaves R - 2 complete local copies; with R = 2, losing a host of replica 1 falls
+back to the persistent tier. Every process writes one tier, so a step due in both tiers costs
+each process one device-to-host copy.
+
+The replica axis is mesh axis 0, `data`. Orbax slices the mesh along `replica_axis_index` and
+needs every slice to hold a complete copy of the state. Of our axes only `data` is pure
+replication: fsdp, tensor and expert (and stage, context) shard the parameters, the optimizer
+state or the activations, and mesh.rules map no parameter axis to `data` by default. It is
+also MESH_AXES[0], Orbax's default index. Across slices (mesh.py) DCN is the outer part of
+each axis, so with the usual multi-slice layout (mesh.dcn.data = num_slices, ICI data 1) the
+replicas are exactly the TPU slices and a lost slice is restored from a healthy one; with ICI
+data > 1 there are several replicas per slice, equally correct, with more local copies.
+
+It applies (`unsupported_reason` is None) with more than one process, mesh.data >= 2, no
+state leaf sharded over `data`, and no process holding devices of two replicas (Orbax gives
+each process one replica). Otherwise `open_checkpointer` keeps the two plain managers.
+
+Kept from the Checkpointer, around Orbax:
+- Data positions, meta and config: Orbax saves only the state; sidecar.py keeps the rest per
+  process, atomically, in the persistent directory (shared, it survives any host).
+- Integrity: persistent steps get our manifest before Orbax commits (its post-finalization
+  callback, as in checkpointer.py). Orbax's local manager takes no callback, so a local step
+  gets its manifest once its commit is known: at the process's next local save (Orbax first
+  waits for the previous one) or the next wait. A local step a crash left without one is
+  checked for Orbax's commit marker and metadata only.
+- Restore: every process vets what it holds (its local steps; process 0 the persistent ones),
+  including the shape check; the reports are exchanged, and all processes pick the same step:
+  the newest that one replica holds completely in its local tier, or the persistent tier
+  holds, with every process's data position. Newer steps are moved aside, since Orbax refuses
+  to save a step number that exists. A persistent step in our own layout (a run that had one
+  replica) is read the plain way (restore.py).
+- A slow persistent tier: a due persistent save whose previous one is still being written is
+  skipped with a warning (all processes agree first), never waited for.
+
+The local tier of process i is <checkpoint.local.dir>/process_<i>: on hosts with their own
+disks that is one directory each; on a shared filesystem (the tests) it keeps them apart.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import time
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+import yaml
+from etils import epath
+from jax.experimental import multihost_utils
+from jax.sharding import Mesh, NamedSharding
+from orbax.checkpoint._src.multihost import multislice
+from orbax.checkpoint.experimental.emergency import checkpoint_manager as ecm
+from orbax.checkpoint.experimental.emergency.path import sync_global_data
+
+from maxtrain.checkpointing import integrity, sidecar
+from maxtrain.checkpointing.common import (
+    TIERS,
+    host_copy,
+    mark_absl_flags_parsed,
+    meta_record,
+    probe_writable,
+    stderr_log,
+    tier_dirs,
+)
+from maxtrain.checkpointing.data_state import adapter_for
+from maxtrain.checkpointing.integrity import EMERGENCY_STATE_ITEM as EMERGENCY_ITEM
+from maxtrain.checkpointing.integrity import CheckpointError, Corrupt, one_line
+from maxtrain.checkpointing.restore import read_step
+from maxtrain.config import CheckpointConfig
+
+REPLICA_AXIS = 0  # mesh axis `data`; see the module docstring
+PRIMARY_REPLICA = 0  # Orbax: replica 0 writes the persistent tier, the others the local one
+
+
+def _abstract(tree: Any) -> Any:
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
+
+
+def unsupported_reason(state: Any) -> str | None:
+    """None if the emergency manager applies to this (abstract or concrete) state's layout,
+    else why not."""
+    if jax.process_count() == 1:
+        return "a single process"
+    leaves = jax.tree_util.tree_leaves_with_path(state)
+    meshes = {getattr(x.sharding, "mesh", None) for _, x in leaves}
+    if len(meshes) != 1 or not all(isinstance(x.sharding, NamedSharding) for _, x in leaves):
+        return "the state is not laid out on one device mesh"
+    mesh = meshes.pop()
+    axis, replicas = mesh.axis_names[REPLICA_AXIS], mesh.devices.shape[REPLICA_AXIS]
+    if replicas < 2:
+        return f"mesh axis {axis!r} has {replicas} replica; it needs 2 or more"
+    for path, x in leaves:
+        for entry in x.sharding.spec:
+            if axis in (entry if isinstance(entry, tuple) else (entry,)):
+                return (
+                    f"{jax.tree_util.keystr(path)} is sharded over mesh axis {axis!r}, so a "
+                    "replica does not hold the whole state"
+                )
+    if multislice.process_spans_multiple_replicas(mesh, replica_axis_index=REPLICA_AXIS):
+        return f"a process holds devices of two {axis!r} replicas"
+    return None
+
+
+class EmergencyCheckpointer:
+    """The Checkpointer's interface over Orbax's emergency manager; see the module docstring.
+
+    Every method is called by every process at the same point (they are collective).
+    """
+
+    def __init__(
+        self,
+        cfg: CheckpointConfig,
+        run_dir: str | epath.PathLike,
+        config_yaml: str = "",
+        *,
+        mesh: Mesh,
+        prewarm: bool = True,
+        log: Callable[[str], None] = stderr_log,
+    ):
+        mark_absl_flags_parsed()
+        self.cfg, self.config_yaml, self.log, self.mesh = cfg, config_yaml, log, mesh
+        dirs = tier_dirs(cfg, run_dir)
+        self.process, self.processes = jax.process_index(), jax.process_count()
+        self.local_dir = dirs["local"] / f"process_{self.process}"
+        self.persistent_dir = dirs["persistent"]
+        replica = dict(replica_id=PRIMARY_REPLICA, replica_axis_index=REPLICA_AXIS)
+        self.in_primary_replica = multislice.in_replica(self.process, mesh, **replica)
+        self.persistent_primary = self.process == multislice.primary_process_in_replica(
+            mesh, **replica
+        )
+        self.last_saved_step: int | None = None  # newest step saved or restored, any tier
+        self.restore_info: dict[str, Any] | None = None
+        self.prewarm_times: dict[str, float] = {}
+        self._seed = (yaml.safe_load(config_yaml) or {}).get("run", {}).get("seed")
+        self._manager: ecm.CheckpointManager | None = None
+        self._tier_step: dict[str, int | None] = dict.fromkeys(TIERS)
+        self._want: set[str] = set()  # the tiers the save in progress writes (should_save_fn)
+        self._persistent_pending: int | None = None  # persistent primary: step being written
+        self._local_unlisted: int | None = None  # newest local step saved here, no manifest yet
+        self._recent: list[int] = []  # newest steps saved or restored (their sidecars stay)
+        self._prewarmed = not prewarm
+        self._closed = False
+
+    # ---- restore ------------------------------------------------------------------------------
+
+    def restore_latest(self, abstract_state: Any, data_iterator: Any = None):
+        """(state, step) from the newest step complete across the tiers and processes, or None.
+
+        Same contract as Checkpointer.restore_latest; every process returns the same step.
+        """
+        if not self.cfg.enabled:
+            return None
+        adapter = adapter_for(data_iterator)
+        reports = sync_global_data(self._vet(abstract_state))
+        errors = [r["error"] for r in reports if r["error"]]
+        if errors:
+            raise CheckpointError(errors[0])
+        replica_of = functools.partial(
+            multislice.process_replica_id, global_mesh=self.mesh, replica_axis_index=REPLICA_AXIS
+        )
+        step, tier, replica = choose(reports, replica_of, need_data=adapter is not None)
+        unusable = [u for r in reports for u in r["steps"] if step is None or u[1] > step]
+        if step is None:
+            if unusable:
+                listing = "; ".join(f"step {s} in {d}: {why}" for _, s, d, why in unusable)
+                raise CheckpointError(
+                    f"no complete checkpoint to resume from: {listing}. Move these aside (or "
+                    "start a new run.name) to start from scratch"
+                )
+            return None
+        self._set_aside(unusable, step, reports[self.process])
+        path = self.persistent_dir / str(step)
+        if tier == "persistent" and step in reports[0]["plain"]:  # every process reads
+            try:
+                state, info = read_step(path, step, abstract_state, data_iterator, self.log)
+            except Corrupt as e:
+                raise CheckpointError(f"cannot read checkpoint {path}: {e}") from None
+        else:
+            state = self._open(abstract_state).restore(step).state
+            data_restored = adapter is not None and sidecar.restore_data(
+                self.persistent_dir, step, adapter, data_iterator, self.process, self.processes
+            )
+            meta = sidecar.read_meta(self.persistent_dir, step)
+            info = {"step": step, "data_restored": data_restored, "meta": meta}
+        where = f"the local tier of replica {replica}" if tier == "local" else "the persistent tier"
+        self.log(f"restored step {step} from {where}")
+        self._tier_step[tier] = self.last_saved_step = step
+        self._recent = [step]
+        self.restore_info = {**info, "tier": tier}
+        return state, step
+
+    def _vet(self, abstract_state: Any) -> dict[str, Any]:
+        """What this process holds: usable steps per tier, its data positions, and problems.
+
+        "steps" lists every step directory it found as [tier, step, dir, why-unusable], the
+        reason filled in for corrupt ones; "error" is a shape mismatch (a user mistake).
+        """
+        expected = integrity.flat_shapes(abstract_state)
+        data = sidecar.data_file(self.process, self.processes)
+        report = {
+            "process": self.process,
+            "local": [],
+            "persistent": [],
+            "plain": [],  # persistent steps in checkpointer.py's layout (one replica wrote them)
+            "data": sorted(sidecar.steps_with(self.persistent_dir, data)),
+            "steps": [],
+            "error": None,
+        }
+        tiers = [("local", self.local_dir)]
+        if self.process == 0:  # shared storage: one process reads it for all
+            tiers.append(("persistent", self.persistent_dir))
+        for tier, directory in tiers:
+            shapes_checked = False
+            for step, path in _list(directory):
+                why = "not held by every process of a replica, or a data position is missing"
+                try:
+                    integrity.verify(path, require_manifest=tier == "persistent")
+                    if not shapes_checked:  # the newest complete step: same model?
+                        saved = integrity.read_state_shapes(path)
+                        integrity.check_shapes(saved, expected, str(path))
+                        shapes_checked = True
+                    report[tier].append(step)
+                    if tier == "persistent" and integrity.state_dir(path).name != EMERGENCY_ITEM:
+                        report["plain"].append(step)
+                except Corrupt as e:
+                    why = f"incomplete or corrupt: {e}"
+                except CheckpointError as e:
+                    report["error"] = str(e)
+                    return report
+                report["steps"].append([tier, step, str(directory), why])
+        return report
+
+    def _set_aside(self, unusable: list, step: int, mine: dict) -> None:
+        """Moves this process's step directories newer than `step` aside (Orbax would refuse
+        to save those step numbers again), and its unreadable copy of `step` itself (Orbax
+        would try to read it); process 0 says why."""
+        for _, bad_step, directory, why in unusable:
+            self.log(f"checkpoint step {bad_step} in {directory} is {why}; using step {step}")
+        dirs = [("local", self.local_dir)]
+        if self.process == 0:
+            dirs.append(("persistent", self.persistent_dir))
+        aside = [
+            (directory, s)
+            for name, directory in dirs
+            for s, _ in _list(directory)
+            if s > step or (s == step and s not in mine[name])
+        ]
+        suffix = time.strftime("%Y%m%d-%H%M%S")
+        for directory, s in aside:
+            try:
+                integrity.quarantine(directory / str(s), suffix)
+            except OSError as e:
+                self.log(f"could not move {directory / str(s)} aside ({one_line(e)})")
+
+    # ---- save ---------------------------------------------------------------------------------
+
+    def due(self, step: int) -> bool:
+        """Whether maybe_save(step) would save to some tier (the loop checks the state first)."""
+        return (
+            self.cfg.enabled
+            and step > 0
+            and any(step % getattr(self.cfg, t).every_steps == 0 for t in TIERS)
+        )
+
+    def maybe_save(
+        self, step: int, state: Any, data_iterator: Any = None, meta: dict[str, Any] | None = None
+    ) -> list[str]:
+        """Starts an async save of step to the due tiers; returns their names.
+
+        Each process writes its replica's tier only (one host copy). A due persistent save
+        whose previous one is still being written is skipped with a warning.
+        """
+        if not self.cfg.enabled or step <= 0:
+            return []
+        if not self._prewarmed:
+            self.prewarm(state)
+        self._check_for_errors()
+        due = [
+            t
+            for t in TIERS
+            if step % getattr(self.cfg, t).every_steps == 0 and self._tier_step[t] != step
+        ]
+        if "persistent" in due and self._persistent_busy():
+            self.log(
+                f"skipping the persistent checkpoint of step {step}: the previous one is still "
+                f"being written to {self.persistent_dir} (slow storage?)"
+            )
+            due.remove("persistent")
+        if due:
+            self._save(step, state, data_iterator, meta, due)
+        return due
+
+    def save_now(
+        self,
+        step: int,
+        state: Any,
+        data_iterator: Any = None,
+        tier: str = "local",
+        wait: bool = True,
+        meta: dict[str, Any] | None = None,
+    ) -> None:
+        """Saves step to one tier now, whatever the interval; wait=True: durable on return."""
+        if tier not in TIERS:
+            raise ValueError(f"unknown checkpoint tier {tier!r}; tiers: {', '.join(TIERS)}")
+        if self._tier_step[tier] != step:
+            self._save(step, state, data_iterator, meta, [tier])
+        if wait:
+            self.wait_until_finished()
+
+    def _persistent_busy(self) -> bool:
+        """Whether the persistent primary is still writing the previous persistent save, as
+        every process learns it (only that process knows; one tiny all-gather)."""
+        mine = np.array([int(self._persistent_pending is not None)], np.int32)
+        return bool(np.max(multihost_utils.process_allgather(mine)))
+
+    def _save(self, step: int, state: Any, data_iterator: Any, meta, tiers: list[str]) -> None:
+        manager = self._open(_abstract(state))
+        files = {}
+        adapter = adapter_for(data_iterator)
+        if adapter is not None:
+            files[sidecar.data_file(self.process, self.processes)] = adapter.to_json(data_iterator)
+        if self.process == 0:
+            record = meta_record(step, state, "+".join(tiers), self._seed, meta)
+            files[sidecar.META] = json.dumps(record)
+            files[sidecar.CONFIG] = self.config_yaml
+        try:
+            sidecar.write(self.persistent_dir, step, files)
+        except OSError as e:
+            raise CheckpointError(
+                f"cannot write the sidecar of step {step} to {self.persistent_dir}: {one_line(e)}"
+            ) from e
+        if "persistent" in tiers and self.persistent_primary:
+            self._persistent_pending = step
+        self._want = set(tiers)
+        try:
+            manager.save(step, args=ocp.args.Composite(state=ocp.args.PyTreeSave(state)))
+        except Exception as e:
+            raise CheckpointError(
+                f"saving step {step} to the {' and '.join(tiers)} tier failed: {one_line(e)}"
+            ) from e
+        finally:
+            self._want = set()
+        if "local" in tiers and not self.in_primary_replica:  # this process wrote it
+            self._manifest_local()  # the previous one: Orbax waited for its commit
+            self._local_unlisted = step
+        for t in tiers:
+            self._tier_step[t] = step
+        self.last_saved_step = step
+        if step not in self._recent:
+            self._recent = (self._recent + [step])[-(self.cfg.local.keep + 1) :]
+        if self.process == 0:
+            self._prune_sidecars(step)
+
+    def _prune_sidecars(self, step: int) -> None:
+        """Drops the sidecars of steps no tier can still hold (retention removed them)."""
+        keep = {s for s, _ in _list(self.persistent_dir)} | set(self._recent)
+        every = self.cfg.local.keep_every_steps
+        sidecar.prune(
+            self.persistent_dir, step, lambda s: s in keep or bool(every and s % every == 0)
+        )
+
+    def _open(self, abstract_state: Any) -> ecm.CheckpointManager:
+        """The emergency manager, created on first use (restore of a local step, or a save)."""
+        if self._manager is None:
+            ocp.multihost.initialize_distributed_to_device_ids()  # Orbax requires it
+            probe_writable(self.local_dir)
+            probe_writable(self.persistent_dir)
+            local_keep = ocp.checkpoint_managers.LatestN(self.cfg.local.keep)
+            if self.cfg.local.keep_every_steps:
+                local_keep = ocp.checkpoint_managers.AnyPreservationPolicy(
+                    [
+                        local_keep,
+                        ocp.checkpoint_managers.EveryNSteps(self.cfg.local.keep_every_steps),
+                    ]
+                )
+            options = ecm.CheckpointManagerOptions(
+                local=ecm.LocalCheckpointOptions(
+                    should_save_fn=lambda step, last: "local" in self._want,
+                    preservation_policy=local_keep,
+                ),
+                persistent=ecm.PersistentCheckpointOptions(
+                    should_save_fn=lambda step, last: "persistent" in self._want,
+                    max_to_keep=self.cfg.persistent.keep,
+                    keep_period=self.cfg.persistent.keep_every_steps,
+                ),
+                replica_axis_index=REPLICA_AXIS,
+                cleanup_tmp_directories=True,
+                async_options=ocp.AsyncOptions(post_finalization_callback=self._write_manifest),
+            )
+            try:
+                self._manager = ecm.CheckpointManager(
+                    self.local_dir,
+                    self.persistent_dir,
+                    global_mesh=self.mesh,
+                    abstract_state=abstract_state,
+                    options=options,
+                )
+            except Exception as e:
+                raise CheckpointError(
+                    f"cannot open the checkpoint directories {self.local_dir} and "
+                    f"{self.persistent_dir}: {one_line(e)}"
+                ) from e
+        return self._manager
+
+    def _write_manifest(self) -> None:
+        """Runs in Orbax's thread on the persistent primary, after the writes, before commit."""
+        step = self._persistent_pending
+        if step is not None:  # None: a save Orbax chose itself (its preemption policy)
+            integrity.write_manifest(integrity.in_flight_dir(self.persistent_dir, step), step)
+        self._persistent_pending = None
+
+    # ---- waiting, errors, prewarm -------------------------------------------------------------
+
+    def _check_for_errors(self) -> None:
+        if self._manager is not None:
+            try:
+                self._manager.check_for_errors()
+            except Exception as e:
+                raise CheckpointError(f"a checkpoint save failed: {one_line(e)}") from e
+
+    def wait_until_finished(self) -> None:
+        """Blocks until this process's saves in flight are committed."""
+        if self._manager is not None:
+            try:
+                self._manager.wait_until_finished()
+            except Exception as e:
+                raise CheckpointError(
+                    f"saving step {self.last_saved_step} failed: {one_line(e)}"
+                ) from e
+            self._manifest_local()
+
+    def _manifest_local(self) -> None:
+        """Writes the manifest of this process's newest local step, now committed."""
+        step, self._local_unlisted = self._local_unlisted, None
+        path = self.local_dir / str(step)
+        if step is not None and (path / integrity.COMMIT_FILE).exists():
+            integrity.write_manifest(path, step)
+
+    def close(self) -> None:
+        """Waits for saves in flight, then releases Orbax's threads."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self.wait_until_finished()
+        finally:
+            if self._manager is not None:
+                self._manager.close()
+                self._manager = None
+
+    def __enter__(self) -> EmergencyCheckpointer:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def prewarm(self, state: Any) -> float:
+        """The first save's one-time costs, before the loop (see Checkpointer.prewarm). Each
+        process writes one tier, so one host copy in flight at a time, sliced as its tier's
+        handler slices (replica 0: one replica's shards; the others: every local shard)."""
+        t0 = time.perf_counter()
+        self._prewarmed = True
+        if self.cfg.enabled:
+            self._open(_abstract(state))
+            t1 = time.perf_counter()
+            replica_id = 0 if self.in_primary_replica else None
+            host_copy(state, copies=1, replica_id=replica_id, use_replica_parallel=False)
+            self.prewarm_times = {"open_s": t1 - t0, "host_copy_s": time.perf_counter() - t1}
+        return time.perf_counter() - t0
+
+
+def choose(
+    reports: list[dict], replica_of: Callable[[int], int], need_data: bool
+) -> tuple[int | None, str | None, int | None]:
+    """(step, tier, replica) to restore, from every process's report (EmergencyCheckpointer._vet;
+    reports[0] is process 0's, the only one that reads the persistent tier). Every process
+    computes it from the same reports, so all agree.
+
+    A local step counts when every process of one replica holds it; a persistent one when
+    process 0 found it complete. need_data: a step also needs every process's data position
+    in the sidecar, except persistent steps in checkpointer.py's layout, which hold their own.
+    The newest wins; on a tie the local tier (no read from shared storage).
+    """
+    held: dict[int, set[int]] = {}  # replica -> local steps all its processes hold
+    for r in reports:
+        replica, steps = replica_of(r["process"]), set(r["local"])
+        held[replica] = held[replica] & steps if replica in held else steps
+    plain = set(reports[0]["plain"])
+    usable = (set(reports[0]["persistent"]) - plain).union(*held.values())
+    if need_data:
+        usable = usable.intersection(*(r["data"] for r in reports))
+    usable |= plain
+    if not usable:
+        return None, None, None
+    step = max(usable)
+    replica = next((k for k, steps in sorted(held.items()) if step in steps), None)
+    return step, ("persistent" if replica is None else "local"), replica
+
+
+def _list(directory: epath.Path) -> list[tuple[int, epath.Path]]:
+    try:
+        return integrity.step_dirs(directory)
+    except OSError as e:  # e.g. the path runs through a regular file
+        raise CheckpointError(f"cannot list checkpoints in {directory}: {one_line(e)}") from None

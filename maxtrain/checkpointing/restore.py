@@ -1,0 +1,91 @@
+"""Reading one step directory back: the state, its meta, and this process's data position.
+
+Two layouts are read, so a run can move between the two checkpointers (a multi-process run
+resumed on one process, or one that gained data-parallel replicas):
+
+- ours (checkpointer.py): items `state`, `meta`, `config`, `data` (grain: a JSON per process);
+- the persistent tier of Orbax's emergency manager (emergency.py): the state as item `default`,
+  the rest in the sidecar (sidecar.py) under the same tier directory.
+
+Every process calls it (Orbax reads each process's shards); it does not move or delete files.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import orbax.checkpoint as ocp
+from etils import epath
+
+from maxtrain.checkpointing import integrity, sidecar
+from maxtrain.checkpointing.data_state import adapter_for
+from maxtrain.checkpointing.integrity import (
+    EMERGENCY_STATE_ITEM,
+    STATE_ITEM,
+    CheckpointError,
+    Corrupt,
+    one_line,
+)
+
+
+def read_step(
+    path: epath.Path,
+    step: int,
+    abstract_state: Any,
+    data_iterator: Any,
+    log: Callable[[str], None],
+) -> tuple[Any, dict[str, Any]]:
+    """(state, info) of a complete step; Corrupt if it is not one, CheckpointError if it holds
+    another model (a user mistake, not a reason to fall back)."""
+    integrity.verify(path)
+    saved = integrity.read_state_shapes(path)
+    integrity.check_shapes(saved, integrity.flat_shapes(abstract_state), str(path))
+    emergency = integrity.state_dir(path).name == EMERGENCY_STATE_ITEM
+    item = EMERGENCY_STATE_ITEM if emergency else STATE_ITEM
+    try:
+        with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as ckptr:
+            items = {item: ocp.args.StandardRestore(abstract_state)}
+            if not emergency:
+                items["meta"] = ocp.args.JsonRestore()
+            restored = ckptr.restore(path, args=ocp.args.Composite(**items))
+            meta = sidecar.read_meta(path.parent, step) if emergency else restored["meta"]
+            if meta is not None and meta.get("step") != step:  # a renamed or mixed-up dir
+                raise Corrupt(f"its meta says step {meta.get('step')}")
+            if emergency:
+                data_restored = _sidecar_data(path, step, data_iterator, log)
+            else:
+                data_restored = _item_data(ckptr, path, data_iterator, log)
+    except (Corrupt, CheckpointError):
+        raise
+    except Exception as e:  # tensorstore/JSON read failures: unreadable bytes on disk
+        raise Corrupt(f"restore failed: {one_line(e)}") from None
+    return restored[item], {"step": step, "data_restored": data_restored, "meta": meta}
+
+
+def _item_data(ckptr, path: epath.Path, data_iterator: Any, log) -> bool:
+    adapter = adapter_for(data_iterator)
+    if adapter is None:
+        return False
+    if not (path / "data").exists():
+        log(f"{path} holds no data-iterator state; the data stream starts afresh")
+        return False
+    args = ocp.args.Composite(data=adapter.restore_args(data_iterator))
+    restored = ckptr.restore(path, args=args)
+    adapter.apply(data_iterator, restored["data"])
+    return True
+
+
+def _sidecar_data(path: epath.Path, step: int, data_iterator: Any, log) -> bool:
+    adapter = adapter_for(data_iterator)
+    if adapter is None:
+        return False
+    index, count = jax.process_index(), jax.process_count()
+    if sidecar.restore_data(path.parent, step, adapter, data_iterator, index, count):
+        return True
+    log(
+        f"{path} holds no data-iterator state for process {index} of {count}; the data stream "
+        "starts afresh"
+    )
+    return False

@@ -1,0 +1,236 @@
+"""Mixture-of-experts feed-forward layer: a router picks k of E SwiGLU experts per token.
+
+The router runs on the global (auto-sharded) activations like any other layer. The experts run
+per device inside `shard_map` (layers/moe_dispatch.py): tokens stay on the device that holds
+them, expert weights arrive gathered over FSDP and split over the `expert` mesh axis (expert
+parallelism, with all-to-all) and the `tensor` axis (each device computes a slice of every
+expert's hidden units; the partial outputs are summed).
+
+Besides its output the layer returns router statistics, used for the auxiliary losses, the
+aux-loss-free bias update and the per-layer metrics:
+  load [E]       assignments per expert in this batch (tokens x k in total)
+  balance_loss   Switch Transformer load-balancing loss: E * sum_e f_e * p_e, 1 when uniform
+  router_z_loss  mean squared log-sum-exp of the router logits (ST-MoE)
+  entropy        mean entropy of the per-token routing distribution (nats)
+  dropped        fraction of assignments dropped (capacity mode; 0 when dropless)
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+
+from maxtrain.config import ModelConfig
+from maxtrain.kernels.grouped_matmul import resolve_implementation
+from maxtrain.layers import moe_dispatch
+from maxtrain.layers.base import make_param
+from maxtrain.layers.mlp import SwiGLU
+from maxtrain.mesh import active_rules, logical_to_spec
+
+_TOKENS = ("batch", "length", "act_embed")
+_ROUTES = ("batch", "length", None)
+# Expert weights as stored (embed sharded by FSDP) and as the per-device code receives them:
+# gathered over FSDP, still split over experts and hidden units.
+_IN_AXES = ("exp", "embed", "mlp")
+_OUT_AXES = ("exp", "mlp", "embed")
+
+
+class ExpertKernel(nnx.Module):
+    """The stacked [E, in, out] weights of one projection of every expert."""
+
+    def __init__(self, shape, axes, *, init_std: float, param_dtype, rngs: nnx.Rngs):
+        self.kernel = make_param(rngs, shape, axes, std=init_std, dtype=param_dtype)
+
+
+class Router(nnx.Module):
+    """Token -> expert logits, plus the optional load-balancing bias (aux-loss-free mode)."""
+
+    def __init__(self, emb_dim: int, num_experts: int, *, init_std, param_dtype, use_bias, rngs):
+        self.kernel = make_param(
+            rngs, (emb_dim, num_experts), ("embed", None), std=init_std, dtype=param_dtype
+        )
+        # Not trained by the optimizer: train_step.py moves it toward equal expert load.
+        self.bias = (
+            nnx.Param(
+                jnp.zeros((num_experts,), jnp.float32), out_sharding=(None,), eager_sharding=False
+            )
+            if use_bias
+            else None
+        )
+
+
+class MoE(nnx.Module):
+    def __init__(self, cfg: ModelConfig, *, param_dtype, compute_dtype, rngs: nnx.Rngs):
+        m = cfg.moe
+        assert m is not None
+        D, E, F = cfg.emb_dim, m.num_experts, m.expert_mlp_dim
+        self.num_experts, self.top_k = E, m.top_k
+        self.score, self.renormalize, self.routed_scale = m.score, m.renormalize, m.routed_scale
+        self.capacity_factor = m.capacity_factor
+        self.gmm = resolve_implementation(m.grouped_matmul)
+        self.compute_dtype = compute_dtype
+        std = cfg.init_std
+        kw = dict(init_std=std, param_dtype=param_dtype, rngs=rngs)
+        self.router = Router(D, E, use_bias=m.bias_update_rate > 0, **kw)
+        self.gate = ExpertKernel((E, D, F), _IN_AXES, **kw)
+        self.up = ExpertKernel((E, D, F), _IN_AXES, **kw)
+        self.down = ExpertKernel((E, F, D), _OUT_AXES, **kw)
+        self.shared = (
+            SwiGLU(D, m.shared_experts * F, compute_dtype=compute_dtype, **kw)
+            if m.shared_experts
+            else None
+        )
+
+    def __call__(self, x: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
+        """x [B, T, D] -> (y [B, T, D], router statistics)."""
+        logits = jnp.einsum(
+            "btd,de->bte", x.astype(jnp.float32), self.router.kernel[...].astype(jnp.float32)
+        )
+        probs, expert_ids, weights = self._route(logits)
+        y, dropped = self._experts(x.astype(self.compute_dtype), expert_ids, weights)
+        if self.shared is not None:
+            y = y + self.shared(x)
+        stats = router_stats(logits, probs, expert_ids, self.num_experts)
+        stats["dropped"] = dropped / expert_ids.size
+        return y, stats
+
+    def _route(self, logits: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """Returns (routing distribution [B,T,E], chosen experts [B,T,k], their weights)."""
+        if self.score == "softmax":
+            scores = jax.nn.softmax(logits, axis=-1)
+        else:
+            scores = jax.nn.sigmoid(logits)
+        select = scores
+        if self.router.bias is not None:  # the bias steers the choice, never the weights
+            select = scores + jax.lax.stop_gradient(self.router.bias[...])
+        _, expert_ids = jax.lax.top_k(select, self.top_k)
+        weights = jnp.take_along_axis(scores, expert_ids, axis=-1)
+        if self.renormalize:
+            weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+        probs = scores / jnp.sum(scores, axis=-1, keepdims=True)
+        return probs, expert_ids, weights * self.routed_scale
+
+    def _experts(self, x, expert_ids, weights) -> tuple[jax.Array, jax.Array]:
+        """Runs the routed experts on each device's own tokens; returns (y, dropped count)."""
+        dt = self.compute_dtype
+        w = moe_dispatch.ExpertWeights(
+            self.gate.kernel[...].astype(dt),
+            self.up.kernel[...].astype(dt),
+            self.down.kernel[...].astype(dt),
+        )
+        active = active_rules()
+        if active is None:  # no mesh: one device holds everything
+            return self._local(
+                x, expert_ids, weights, w, self.num_experts, moe_dispatch.Parallelism(), ()
+            )
+        mesh, rules = active
+        gathered = {**rules, "embed": []}
+        x_spec = logical_to_spec(_TOKENS, rules, mesh, x.shape)
+        route_spec = logical_to_spec(_ROUTES, rules, mesh, expert_ids.shape)
+        in_spec = logical_to_spec(_IN_AXES, gathered, mesh, w.gate.shape)
+        out_spec = logical_to_spec(_OUT_AXES, gathered, mesh, w.down.shape)
+        expert_axes, tensor_axes = _axes(in_spec[0]), _axes(in_spec[2])
+        token_axes = tuple(a for part in x_spec for a in _axes(part))
+        par = moe_dispatch.Parallelism(expert_axes, math.prod(mesh.shape[a] for a in expert_axes))
+        # Normally tokens are split over the expert axes too and travel by all-to-all. A batch
+        # too small to split (e.g. a short eval batch) leaves them replicated there instead.
+        replicated = par.degree > 1 and not set(expert_axes) <= set(token_axes)
+        partial_axes = tensor_axes + (expert_axes if replicated else ())
+
+        def per_device(x, expert_ids, weights, gate, up, down):
+            w = moe_dispatch.ExpertWeights(gate, up, down)
+            num_experts = self.num_experts
+            if replicated:
+                # Mark the shared inputs as per-device: their gradients then get summed over
+                # the expert axes (each device saw only its own experts' share of them).
+                x, weights = jax.lax.pcast((x, weights), expert_axes, to="varying")
+                expert_ids, weights = moe_dispatch.keep_local_experts(
+                    expert_ids, weights, num_experts, par
+                )
+                num_experts //= par.degree
+            y, dropped = self._local(
+                x,
+                expert_ids,
+                weights,
+                w,
+                num_experts,
+                moe_dispatch.Parallelism() if replicated else par,
+                partial_axes,
+            )
+            count_axes = token_axes + (expert_axes if replicated else ())
+            return y, jax.lax.psum(dropped, count_axes) if count_axes else dropped
+
+        return jax.shard_map(
+            per_device,
+            mesh=mesh,
+            in_specs=(x_spec, route_spec, route_spec, in_spec, in_spec, out_spec),
+            out_specs=(x_spec, P()),
+        )(x, expert_ids, weights, w.gate, w.up, w.down)
+
+    def _local(
+        self, x, expert_ids, weights, w, num_experts, par, partial_axes
+    ) -> tuple[jax.Array, jax.Array]:
+        """One device's tokens through its experts; partial_axes: mesh axes over which each
+        device computed only part of the output (hidden-unit or expert slices), summed here."""
+        b, t, d = x.shape
+        flat_x = x.reshape(b * t, d)
+        flat_ids = expert_ids.reshape(b * t, -1)
+        flat_w = weights.reshape(b * t, -1)
+        if self.capacity_factor is None:
+            y = moe_dispatch.dropless(
+                flat_x, flat_ids, flat_w, w, num_experts=num_experts, par=par, impl=self.gmm
+            )
+            dropped = jnp.zeros((), jnp.int32)
+        else:
+            y, dropped = moe_dispatch.with_capacity(
+                flat_x,
+                flat_ids,
+                flat_w,
+                w,
+                num_experts=num_experts,
+                capacity_factor=self.capacity_factor,
+                par=par,
+            )
+        if partial_axes:
+            y = jax.lax.psum(y, partial_axes)
+        return y.reshape(b, t, d), dropped
+
+
+def _axes(part: str | tuple[str, ...] | None) -> tuple[str, ...]:
+    if part is None:
+        return ()
+    return (part,) if isinstance(part, str) else tuple(part)
+
+
+def router_stats(
+    logits: jax.Array, probs: jax.Array, expert_ids: jax.Array, num_experts: int
+) -> dict[str, jax.Array]:
+    """Load, balancing loss, z-loss and entropy of one layer's routing (see module docstring)."""
+    load = jnp.sum(jax.nn.one_hot(expert_ids, num_experts, dtype=jnp.float32), axis=(0, 1, 2))
+    fraction_routed = load / expert_ids.size  # f_e: share of the assignments
+    mean_prob = jnp.mean(probs, axis=(0, 1))  # p_e: mean routing probability
+    log_probs = jnp.log(jnp.maximum(probs, jnp.finfo(jnp.float32).tiny))
+    return {
+        "load": load,
+        "balance_loss": num_experts * jnp.sum(fraction_routed * mean_prob),
+        "router_z_loss": jnp.mean(jnp.square(jax.nn.logsumexp(logits, axis=-1))),
+        "entropy": jnp.mean(-jnp.sum(probs * log_probs, axis=-1)),
+    }
+
+
+def balance_router_bias(params: dict, old_params: dict, load: jax.Array, rate: float) -> dict:
+    """Aux-loss-free balancing (DeepSeek-V3): one step of the per-expert routing bias.
+
+    Each MoE layer's bias rises by `rate` for experts below the mean load and falls for those
+    above it. The new value is computed from the bias before this step (the optimizer never
+    trains it: its gradient is stopped), and returned in a copy of `params`.
+    """
+    bias = old_params["moe_layers"]["moe"]["router"]["bias"]  # [MoE layers, E]
+    step = rate * jnp.sign(jnp.mean(load, axis=-1, keepdims=True) - load)
+    router = {**params["moe_layers"]["moe"]["router"], "bias": bias + step}
+    moe = {**params["moe_layers"]["moe"], "router": router}
+    return {**params, "moe_layers": {**params["moe_layers"], "moe": moe}}

@@ -1,0 +1,158 @@
+"""Per-device memory of a training step, estimated from the config alone (no devices needed).
+
+`tools/benchmark.py --dry-run` prints it so a user can see whether a recipe fits before paying
+for a slice. The parts:
+
+  params, optimizer   each parameter's shard on one device (exact: the same logical-axis
+                      rules and divisibility fallbacks the real run uses), and AdamW's two
+                      moments, stored in the parameter dtype
+  gradients           one parameter-shaped buffer (two with gradient accumulation: the running
+                      sum and the current micro-batch's)
+  activations         what the backward pass keeps per layer under the remat policy, for one
+                      micro-batch, plus one layer's recomputation working set
+  logits              the [tokens, vocab] logits and their gradient (the loss never makes a
+                      float32 copy)
+
+The activation model is deliberately simple (per-token byte counts per layer; see
+`_saved_per_token`). tests/test_memory.py checks the whole estimate against XLA's own buffer
+assignment for compiled CPU steps (within 30%); on the H100 it gives 44.2 GiB for
+recipes/h100/dense-1.5b.yml, whose measured peak is 39.4 GiB.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import AbstractMesh
+
+from maxtrain.config import MESH_AXES, Config
+from maxtrain.kernels.grouped_matmul import resolve_implementation
+from maxtrain.mesh import axis_sizes, logical_to_spec
+from maxtrain.models import compute_dtype
+from maxtrain.state import model_def
+
+_BYTES = {"float32": 4, "bfloat16": 2}
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Bytes per device."""
+
+    params: int
+    optimizer: int
+    gradients: int
+    activations: int
+    logits: int
+
+    @property
+    def total(self) -> int:
+        return self.params + self.optimizer + self.gradients + self.activations + self.logits
+
+    def as_gib(self) -> dict[str, float]:
+        return {k: round(v / 2**30, 3) for k, v in {**asdict(self), "total": self.total}.items()}
+
+
+def estimate(cfg: Config, num_devices: int) -> MemoryEstimate:
+    sizes = axis_sizes(cfg.mesh, num_devices)
+    mesh = AbstractMesh(tuple(sizes[a] for a in MESH_AXES), MESH_AXES)
+    param_bytes = _bytes(cfg.model.param_dtype)
+    params = _sharded_param_elements(cfg, mesh) * param_bytes
+    batch_ways = math.prod(sizes[a] for a in cfg.mesh.rules.get("batch", []))
+    length_ways = math.prod(sizes[a] for a in cfg.mesh.rules.get("length", []))
+    batch = math.ceil(cfg.micro_batch_size / batch_ways)
+    length = math.ceil(cfg.train.seq_len / length_ways)
+    tokens = batch * length
+    c = jnp.dtype(compute_dtype(cfg.model)).itemsize
+    activations = _activation_bytes(cfg, sizes, batch, length, c)
+    logits = 2 * tokens * cfg.model.vocab_size * c  # no float32 copy: kernels/cross_entropy.py
+    return MemoryEstimate(
+        params=params,
+        optimizer=2 * params,
+        gradients=params * (2 if cfg.train.grad_accum_steps > 1 else 1),
+        activations=activations,
+        logits=logits,
+    )
+
+
+def _bytes(dtype_name: str) -> int:
+    return _BYTES[dtype_name]
+
+
+def _sharded_param_elements(cfg: Config, mesh: AbstractMesh) -> int:
+    """Sum over parameters of the elements one device holds."""
+    state = model_def(cfg).abstract_state
+    total = 0
+    for var in jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, nnx.Variable)):
+        value = var.get_value()
+        axes = var.get_metadata().get("out_sharding") or (None,) * value.ndim
+        spec = logical_to_spec(axes, cfg.mesh.rules, mesh, value.shape)
+        shard = [
+            dim // math.prod(mesh.shape[a] for a in _names(part))
+            for dim, part in zip(value.shape, tuple(spec) + (None,) * value.ndim, strict=False)
+        ]
+        total += math.prod(shard)
+    return total
+
+
+def _names(part) -> tuple[str, ...]:
+    if part is None:
+        return ()
+    return (part,) if isinstance(part, str) else tuple(part)
+
+
+def _activation_bytes(cfg: Config, sizes: dict[str, int], batch: int, length: int, c: int) -> int:
+    model = cfg.model
+    tokens = batch * length
+    per_layer = [_saved_per_token(cfg, is_moe, c) for is_moe in model.moe_layers]
+    working = max(
+        _saved_per_token(cfg, is_moe, c, policy="none") for is_moe in set(model.moe_layers)
+    )
+    scores = 0
+    if model.attention == "xla" or (model.attention == "auto" and jax.default_backend() == "cpu"):
+        # The reference attention materialises float32 scores and probabilities: one layer's
+        # while recomputing under remat, every layer's without it.
+        layers = model.num_layers if model.remat == "none" else 1
+        scores = layers * 2 * 4 * batch * model.num_heads * length * cfg.train.seq_len
+    return tokens * (sum(per_layer) + working) + scores + _moe_dispatch_bytes(cfg, sizes, tokens, c)
+
+
+def _moe_dispatch_bytes(cfg: Config, sizes: dict[str, int], tokens: int, c: int) -> int:
+    """One MoE layer's dispatch buffers, alive while it runs (forward or recomputation)."""
+    m = cfg.model.moe
+    if m is None:
+        return 0
+    D, Fe, routed = cfg.model.emb_dim, m.expert_mlp_dim, tokens * m.top_k
+    ways = math.prod(sizes[a] for a in cfg.mesh.rules.get("exp", []))
+    total = routed * (2 * D + 3 * Fe) * c  # sorted rows, gate, up, their product, outputs
+    if m.capacity_factor is None and ways > 1:  # all-to-all buffers sized for the worst case
+        total += 2 * ways * routed * D * c
+    if resolve_implementation(m.grouped_matmul) == "xla":
+        # lax.ragged_dot lowers densely: every projection computed for every expert.
+        total += routed * m.num_experts * (2 * Fe + D) * 4
+    return total
+
+
+def _saved_per_token(cfg: Config, is_moe: bool, c: int, policy: str | None = None) -> int:
+    """Bytes per token one layer keeps for its backward pass under a remat policy."""
+    model = cfg.model
+    policy = policy or model.remat
+    D, H = model.emb_dim, model.resolved_head_dim
+    if policy == "full":
+        return D * c  # the layer input only
+    attention = (2 * model.num_heads * H + 2 * model.num_kv_heads * H + D) * c  # q,k,v,out,o
+    if is_moe:
+        m = model.moe
+        ffn = m.num_experts * 4  # float32 router logits
+        ffn += (2 * m.shared_experts * m.expert_mlp_dim + D) * c if m.shared_experts else 0
+        if policy == "none" or resolve_implementation(m.grouped_matmul) == "tokamax":
+            ffn += m.top_k * (2 * m.expert_mlp_dim + D) * c  # kernel outputs are kept
+    else:
+        ffn = (2 * model.mlp_dim + D) * c  # gate, up, down
+    if policy == "none":  # norms, residual sums, SwiGLU product: everything stays
+        width = m.expert_mlp_dim * m.top_k if is_moe and model.moe else model.mlp_dim
+        return attention + ffn + (4 * D + 2 * width) * c
+    return attention + ffn

@@ -1,0 +1,55 @@
+"""The command line shared by tools/upcycle.py and tools/depth_upscale.py.
+
+    python tools/<mode>.py CONFIG.yml [key=value ...] --source CKPT --output DIR
+
+CONFIG (plus overrides) describes the new model and its `init:` section, exactly as a train run
+starting from CKPT would (`init.mode` is set by the tool, `checkpoint.load_parameters_path` by
+--source). The result is written to DIR as a parameters-only checkpoint that
+`checkpoint.load_parameters_path=DIR` starts a run from. User mistakes (config, layer map,
+shapes, a missing or mismatching checkpoint, an existing DIR) print one line and exit 2, with
+nothing written.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from maxtrain import config as config_lib
+from maxtrain import models
+from maxtrain.checkpointing import CheckpointError
+from maxtrain.checkpointing.export import save_parameters
+from maxtrain.config import ConfigError
+from maxtrain.mesh import build_mesh
+from maxtrain.transforms.initialize import abstract_params, initial_params
+
+
+def main(mode: str, argv: list[str], description: str) -> int:
+    parser = argparse.ArgumentParser(prog=f"tools/{mode}.py", description=description)
+    parser.add_argument("config", help="config of the new model, with its init: section")
+    parser.add_argument("overrides", nargs="*", help="key=value config overrides")
+    parser.add_argument(
+        "--source", required=True, help="checkpoint to read: a step, tier or run directory"
+    )
+    parser.add_argument("--output", required=True, help="directory to create for the result")
+    args = parser.parse_intermixed_args(argv)
+    try:
+        source = f"checkpoint.load_parameters_path={args.source}"
+        cfg = config_lib.load(args.config, [*args.overrides, f"init.mode={mode}", source])
+        mesh = build_mesh(cfg.mesh)
+        params = initial_params(cfg, abstract_params(cfg, mesh))
+        step_dir = save_parameters(
+            args.output,
+            params,
+            config_yaml=config_lib.to_yaml(cfg),
+            meta={"init": {**cfg.init.model_dump(), "source": args.source}},
+        )
+    except (ConfigError, CheckpointError) as e:
+        print(f"{mode}: error: {e}", file=sys.stderr)
+        return 2
+    print(
+        f"{mode}: wrote {step_dir}: model {cfg.model_name} "
+        f"({models.param_count(cfg.model):,} parameters) from {cfg.init.source_model} "
+        f"at {args.source}"
+    )
+    return 0
