@@ -1,0 +1,252 @@
+"""config.json <-> ModelConfig for the families in families.py.
+
+Both config.json layouts in the wild are read:
+
+- the older one most published checkpoints use: `rope_theta` and `rope_scaling` at top level,
+  `torch_dtype`, Qwen3-MoE's `num_experts`;
+- the one transformers 5 writes: `rope_parameters` (holding rope_theta and the scaling),
+  `dtype`, `num_local_experts`, `head_dim: null`.
+
+Export writes the older layout, which transformers 4 and 5 both read. A key that is absent
+takes the value transformers' config class gives it (Family.defaults); an option we do not model
+(sliding windows, biases, other RoPE types, quantization) is a ConversionError naming the key.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from pydantic import ValidationError
+
+from maxtrain.config import ModelConfig, RopeScaling
+from maxtrain.hf.errors import ConversionError
+from maxtrain.hf.families import FAMILIES, Family
+
+CONFIG_JSON = "config.json"
+_NO_DEFAULT = object()
+# Llama-3 RoPE scaling keys named alike in RopeScaling and config.json; the fourth differs:
+# original_max_position <-> original_max_position_embeddings.
+_LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor")
+
+
+def read_config_json(hf_dir: Path) -> tuple[dict[str, Any], Family]:
+    """config.json of a model directory and the family its model_type names."""
+    path = hf_dir / CONFIG_JSON
+    if not path.is_file():
+        raise ConversionError(
+            f"{hf_dir}: no {CONFIG_JSON}; expected a Hugging Face model directory "
+            "(config.json plus model.safetensors or model.safetensors.index.json)"
+        )
+    try:
+        hf = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ConversionError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(hf, dict):
+        raise ConversionError(f"{path}: expected a JSON object at top level")
+    model_type = hf.get("model_type")
+    if model_type not in FAMILIES:
+        raise ConversionError(
+            f"{path}: model_type {model_type!r} is not supported; supported: {', '.join(FAMILIES)}"
+        )
+    return hf, FAMILIES[model_type]
+
+
+def model_config(hf: dict[str, Any], family: Family, where: str) -> ModelConfig:
+    """Our ModelConfig for a config.json of `family` (where: its path, for messages)."""
+    _check_supported(hf, family, where)
+    defaults = {**family.defaults, **family.moe_defaults}
+
+    def value(key: str) -> Any:
+        """The key's value, else transformers' default; the shape keys have none."""
+        found = hf.get(key, defaults.get(key, _NO_DEFAULT))
+        if found is _NO_DEFAULT:
+            raise ConversionError(f"{where}: no {key!r}; a {family.model_type} config needs it")
+        return found
+
+    heads = value("num_attention_heads")
+    num_layers = value("num_hidden_layers")
+    theta, scaling = _rope(hf, family, where, value("max_position_embeddings"))
+    fields = dict(
+        vocab_size=value("vocab_size"),
+        emb_dim=value("hidden_size"),
+        num_layers=num_layers,
+        num_heads=heads,
+        num_kv_heads=value("num_key_value_heads") or heads,
+        head_dim=value("head_dim"),
+        mlp_dim=value("intermediate_size"),
+        rope_theta=theta,
+        rope_scaling=scaling,
+        qk_norm=family.qk_norm,
+        tie_embeddings=value("tie_word_embeddings"),
+        norm_eps=value("rms_norm_eps"),
+        max_seq_len=value("max_position_embeddings"),
+        init_std=value("initializer_range"),
+    )
+    hf_layers = None  # Qwen3-MoE: which layers transformers makes MoE
+    if family.is_moe:
+        count_key = next((k for k in family.expert_count_keys if k in hf), None)
+        renormalize = value(family.renormalize_key) if family.renormalize_key else True
+        fields["moe"] = dict(
+            num_experts=value(count_key or family.expert_count_keys[0]),
+            top_k=value("num_experts_per_tok"),
+            expert_mlp_dim=value(family.expert_width_key),
+            score="softmax",
+            renormalize=renormalize,
+            aux_loss_weight=value("router_aux_loss_coef"),
+        )
+        if family.sparse_layer_keys:
+            step = value("decoder_sparse_step")
+            hf_layers = _hf_moe_layers(value("mlp_only_layers"), step, num_layers, where)
+            fields["moe"].update(_sparse_layer_keys(hf_layers, step))
+    cfg = _validated(fields, where)
+    if hf_layers is not None and cfg.moe_layers != hf_layers:
+        raise ConversionError(
+            f"{where}: mlp_only_layers {value('mlp_only_layers')} with decoder_sparse_step "
+            f"{value('decoder_sparse_step')} makes layers {_indices(hf_layers)} MoE, which "
+            "model.moe.first_dense_layers and interval cannot express (only a leading run of "
+            "layers may be dense besides the interval)"
+        )
+    return cfg
+
+
+def hf_config(cfg: ModelConfig, family: Family, dtype: str) -> dict[str, Any]:
+    """The config.json (older layout) of `cfg` as a `family` model with weights in `dtype`."""
+    _check_exportable(cfg, family)
+    scaling = cfg.rope_scaling
+    out: dict[str, Any] = {
+        "architectures": [family.architecture],
+        "model_type": family.model_type,
+        "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.emb_dim,
+        "intermediate_size": cfg.mlp_dim,
+        "num_hidden_layers": cfg.num_layers,
+        "num_attention_heads": cfg.num_heads,
+        "num_key_value_heads": cfg.num_kv_heads,
+        "head_dim": cfg.resolved_head_dim,
+        "rms_norm_eps": cfg.norm_eps,
+        "max_position_embeddings": cfg.max_seq_len,
+        "rope_theta": cfg.rope_theta,
+        "rope_scaling": None
+        if scaling is None
+        else {
+            "rope_type": "llama3",
+            **{key: getattr(scaling, key) for key in _LLAMA3_KEYS},
+            "original_max_position_embeddings": scaling.original_max_position,
+        },
+        "tie_word_embeddings": cfg.tie_embeddings,
+        "initializer_range": cfg.init_std,
+        "torch_dtype": dtype,
+        **family.required,
+    }
+    m = cfg.moe
+    if m is not None:
+        out[family.expert_count_keys[0]] = m.num_experts
+        out["num_experts_per_tok"] = m.top_k
+        out[family.expert_width_key] = m.expert_mlp_dim
+        out["router_aux_loss_coef"] = m.aux_loss_weight
+        if family.renormalize_key:
+            out[family.renormalize_key] = m.renormalize
+        if family.sparse_layer_keys:
+            out["decoder_sparse_step"] = m.interval
+            out["mlp_only_layers"] = list(range(m.first_dense_layers))
+    return out
+
+
+def _check_supported(hf: dict[str, Any], family: Family, where: str) -> None:
+    if hf.get("quantization_config"):
+        raise ConversionError(
+            f"{where}: quantization_config is set; quantized checkpoints are not supported"
+        )
+    for key, want in family.required.items():
+        if key in hf and hf[key] != want:
+            raise ConversionError(
+                f"{where}: {key}={json.dumps(hf[key])} is not supported (a {family.model_type} "
+                f"model converts only with {key}={json.dumps(want)})"
+            )
+
+
+def _rope(
+    hf: dict[str, Any], family: Family, where: str, max_position: int
+) -> tuple[float, RopeScaling | None]:
+    """(theta, scaling) from either layout. As in transformers, `rope_scaling` wins over
+    `rope_parameters`, and a theta inside them over the top-level `rope_theta`."""
+    params = hf.get("rope_scaling") or hf.get("rope_parameters") or {}
+    if any(isinstance(v, dict) for v in params.values()):
+        raise ConversionError(f"{where}: per-layer-type RoPE parameters are not supported")
+    theta = params.get("rope_theta", hf.get("rope_theta", family.defaults["rope_theta"]))
+    partial = params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
+    if partial != 1.0:
+        raise ConversionError(
+            f"{where}: partial_rotary_factor={partial} is not supported (RoPE on every dim only)"
+        )
+    kind = params.get("rope_type", params.get("type", "default"))
+    if kind == "default":
+        return theta, None
+    if kind != "llama3":
+        raise ConversionError(
+            f"{where}: RoPE type {kind!r} is not supported; supported: default, llama3"
+        )
+    missing = [k for k in _LLAMA3_KEYS if k not in params]
+    if missing:
+        raise ConversionError(f"{where}: llama3 RoPE scaling without {missing[0]!r}")
+    scaling = {key: params[key] for key in _LLAMA3_KEYS}
+    original = params.get("original_max_position_embeddings", max_position)
+    return theta, RopeScaling(**scaling, original_max_position=original)
+
+
+def _hf_moe_layers(
+    mlp_only_layers: list[int], step: int, num_layers: int, where: str
+) -> tuple[bool, ...]:
+    """Per layer: True where transformers' Qwen3-MoE builds a sparse block."""
+    if step < 1:
+        raise ConversionError(f"{where}: decoder_sparse_step={step} is not supported (< 1)")
+    dense = set(mlp_only_layers)
+    return tuple(i not in dense and (i + 1) % step == 0 for i in range(num_layers))
+
+
+def _sparse_layer_keys(hf_layers: tuple[bool, ...], step: int) -> dict[str, int]:
+    """The only candidate (first_dense_layers, interval): the first MoE layer, the step.
+    model_config checks that the candidate reproduces every layer."""
+    first = hf_layers.index(True) if any(hf_layers) else len(hf_layers)
+    return {"first_dense_layers": first, "interval": step}
+
+
+def _validated(fields: dict[str, Any], where: str) -> ModelConfig:
+    try:
+        return ModelConfig.model_validate(fields)
+    except ValidationError as e:
+        err = e.errors()[0]
+        key = ".".join(str(p) for p in err["loc"])
+        msg = str(err["msg"]).removeprefix("Value error, ")
+        raise ConversionError(f"{where}: {key + ': ' if key else ''}{msg}") from None
+
+
+def _check_exportable(cfg: ModelConfig, family: Family) -> None:
+    """Raises ConversionError for what `family` cannot express."""
+    name = family.architecture
+    m = cfg.moe
+    unsupported = []
+    if m is not None:
+        if m.score != "softmax":
+            unsupported.append(f"model.moe.score={m.score}")
+        if m.shared_experts:
+            unsupported.append("model.moe.shared_experts > 0")
+        if m.routed_scale != 1.0:
+            unsupported.append(f"model.moe.routed_scale={m.routed_scale}")
+        if m.bias_update_rate > 0:
+            unsupported.append("model.moe.bias_update_rate > 0 (a routing bias)")
+        if family.renormalize_key is None and not m.renormalize:
+            unsupported.append("model.moe.renormalize=false")
+        if not family.sparse_layer_keys and not all(cfg.moe_layers):
+            unsupported.append("dense layers between MoE layers")
+    if unsupported:
+        raise ConversionError(
+            f"cannot export as {name} (the family for qk_norm={cfg.qk_norm}, "
+            f"{'MoE' if m else 'dense'}): {unsupported[0]} is not supported"
+        )
+
+
+def _indices(flags: tuple[bool, ...]) -> list[int]:
+    return [i for i, f in enumerate(flags) if f]

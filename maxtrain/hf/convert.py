@@ -1,0 +1,250 @@
+"""Import a Hugging Face model into a maxtrain checkpoint, and export one back.
+
+    cfg, params = read_hf_model(hf_dir)                    # host arrays in our layout
+    import_checkpoint(hf_dir, output)                      # + checkpoint and model.yml
+    write_hf_model(cfg, params, output)                    # config.json + safetensors
+    export_checkpoint(checkpoint, output)                  # from any maxtrain checkpoint
+
+Memory: import allocates the output parameters once (host jax arrays in our stacked layout)
+and writes each tensor into them in place as it is read, so it holds the output plus the
+tensor being converted; export holds the restored parameters plus the tensor being written.
+Neither holds the model twice while converting. (Orbax's asynchronous save of the imported
+checkpoint takes its own host copy of part of the state on top: see the README's numbers.)
+
+Outputs appear whole or not at all: each is written as the sibling `<output>.partial-<pid>`
+and renamed when complete; on any failure the partial directory is removed. All input checks
+(config, tensor names, shapes, dtypes) run before anything is written.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import json
+import os
+import re
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import yaml
+from flax import nnx
+from jax.sharding import SingleDeviceSharding
+from pydantic import ValidationError
+
+from maxtrain import config as config_lib
+from maxtrain import models
+from maxtrain.checkpointing import load_parameters, sidecar
+from maxtrain.checkpointing.checkpointer import _resolve_step_dir
+from maxtrain.checkpointing.common import absolute
+from maxtrain.checkpointing.export import save_parameters
+from maxtrain.config import ModelConfig
+from maxtrain.hf.config_map import CONFIG_JSON, hf_config, model_config, read_config_json
+from maxtrain.hf.errors import ConversionError
+from maxtrain.hf.families import Family, family_for
+from maxtrain.hf.layout import Slot, slots
+from maxtrain.hf.safetensors_io import OutputTensor, TensorReader, write_safetensors
+
+MODEL_YAML = "model.yml"  # written beside the imported checkpoint's step directory
+DTYPES = {"float32": np.dtype(np.float32), "bfloat16": np.dtype(ml_dtypes.bfloat16)}
+# Tensors some checkpoints carry that the model derives: old Llama exports saved RoPE's
+# inverse frequencies as buffers.
+_DERIVED = re.compile(r"\.rotary_emb\.inv_freq$")
+
+
+def read_hf_model(
+    hf_dir: str | os.PathLike, param_dtype: str = "float32"
+) -> tuple[ModelConfig, dict[str, Any]]:
+    """The ModelConfig and parameters (nested dict of host jax arrays in our layout and
+    param_dtype) of a Hugging Face model directory. Raises ConversionError for bad or
+    unsupported input."""
+    hf_dir = Path(hf_dir)
+    hf, family = read_config_json(hf_dir)
+    cfg = model_config(hf, family, where=str(hf_dir / CONFIG_JSON))
+    cfg = cfg.model_copy(update={"param_dtype": param_dtype})
+    host = jax.devices("cpu")[0]
+    params = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype, device=host), _abstract_params(cfg))
+    why = f"{CONFIG_JSON} ({family.model_type})"
+    layout = slots(cfg, family)
+    with TensorReader(hf_dir) as reader:
+        _check_names(reader, layout, cfg, family, why)
+        for slot in layout:
+            node, leaf = _at(params, slot.path[:-1]), slot.path[-1]
+            block_shape = node[leaf].shape[len(slot.index) :]
+            tensor = reader.read(slot.hf_name, slot.hf_shape(block_shape), why)
+            node[leaf] = _put_block(node[leaf], slot.to_ours(tensor, block_shape), *slot.index)
+    return cfg, params
+
+
+@functools.partial(jax.jit, donate_argnums=0)
+def _put_block(stack: jax.Array, block: jax.Array, *index: int) -> jax.Array:
+    """stack with stack[index] = block (cast to stack's dtype), written in place: the donated
+    stack's buffer is reused, so filling a stacked parameter never holds it twice. The index
+    is traced, so one compilation serves every layer and expert."""
+    return stack.at[index].set(block.astype(stack.dtype))
+
+
+def import_checkpoint(
+    hf_dir: str | os.PathLike, output: str | os.PathLike, param_dtype: str = "float32"
+) -> ModelConfig:
+    """Writes the Hugging Face model at hf_dir as a parameters-only checkpoint in the new
+    directory `output` (step 0, what checkpoint.load_parameters_path reads), with the model's
+    config file `output/model.yml` (the format of configs/models/*.yml)."""
+    output = Path(output)
+    _refuse_existing(output)
+    cfg, params = read_hf_model(hf_dir, param_dtype)
+    source = f"Imported from {Path(hf_dir).resolve()} by tools/convert_hf.py."
+    meta = {"source": {"hugging_face": str(Path(hf_dir).resolve())}}
+    with _atomic_directory(output) as staging:
+        save_parameters(staging, params, config_yaml=run_config_yaml(cfg, output.name), meta=meta)
+        (staging / MODEL_YAML).write_text(model_yaml(cfg, source))
+    return cfg
+
+
+def write_hf_model(
+    cfg: ModelConfig,
+    params: dict[str, Any],
+    output: str | os.PathLike,
+    dtype: str | None = None,
+    max_shard_bytes: int = 5 * 2**30,
+) -> Family:
+    """Writes params (numpy or CPU jax arrays, our layout) as a Hugging Face model directory
+    `output` (config.json + safetensors) with weights in dtype (default: cfg.param_dtype).
+    Returns the family it was written as."""
+    output = Path(output)
+    _refuse_existing(output)
+    family = family_for(cfg)
+    dtype = dtype or cfg.param_dtype
+    config_json = hf_config(cfg, family, dtype)
+    arrays = jax.tree.map(np.asarray, params)  # no copy for arrays already on the host
+
+    def produce(slot: Slot) -> np.ndarray:
+        return slot.to_hf(_at(arrays, slot.path)[slot.index])
+
+    tensors = [
+        OutputTensor(
+            slot.hf_name,
+            slot.hf_shape(_at(arrays, slot.path).shape[len(slot.index) :]),
+            DTYPES[dtype],
+            functools.partial(produce, slot),
+        )
+        for slot in slots(cfg, family)
+    ]
+    with _atomic_directory(output) as staging:
+        staging.mkdir(parents=True)
+        (staging / CONFIG_JSON).write_text(json.dumps(config_json, indent=2) + "\n")
+        write_safetensors(staging, tensors, max_shard_bytes)
+    return family
+
+
+def export_checkpoint(
+    checkpoint: str | os.PathLike,
+    output: str | os.PathLike,
+    dtype: str | None = None,
+    max_shard_bytes: int = 5 * 2**30,
+) -> tuple[ModelConfig, Family]:
+    """Writes the parameters of a maxtrain checkpoint (a step, tier or run directory; the model
+    is the config saved with it) as a Hugging Face model directory `output`."""
+    _refuse_existing(Path(output))  # before reading gigabytes
+    step_dir = _resolve_step_dir(absolute(checkpoint))
+    cfg = checkpoint_model_config(step_dir)
+    hf_config(cfg, family_for(cfg), dtype or cfg.param_dtype)  # unsupported: fail before reading
+    device = SingleDeviceSharding(jax.devices("cpu")[0])
+    abstract = jax.tree.map(
+        lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=device), _abstract_params(cfg)
+    )
+    params = load_parameters(step_dir, abstract)
+    return cfg, write_hf_model(cfg, params, output, dtype, max_shard_bytes)
+
+
+def checkpoint_model_config(step_dir: Path) -> ModelConfig:
+    """The model of a checkpoint step, from the resolved config saved with it: the `config`
+    item (our checkpointer) or the sidecar's config.yml (Orbax's emergency manager)."""
+    item = step_dir / "config" / "metadata"
+    step = int(step_dir.name) if step_dir.name.isdigit() else -1
+    side = sidecar.step_dir(step_dir.parent, step) / sidecar.CONFIG
+    if item.is_file():
+        path, text = item, json.loads(item.read_text())["yaml"]
+    elif side.is_file():
+        path, text = side, side.read_text()
+    else:
+        raise ConversionError(f"{step_dir}: holds no saved config ({item}); cannot tell the model")
+    model = (yaml.safe_load(text) or {}).get("model")
+    try:
+        return ModelConfig.model_validate(model)
+    except ValidationError as e:
+        raise ConversionError(
+            f"{path}: its model section is not a valid model ({e.errors()[0]['msg']})"
+        ) from None
+
+
+def model_yaml(cfg: ModelConfig, comment: str) -> str:
+    """cfg as a model file (configs/models/<name>.yml): the shape keys, not the run-time ones
+    that configs/base.yml sets (dtypes, remat, attention kernel, init)."""
+    runtime = set(_base_config()["model"])
+    keys = {k: v for k, v in cfg.model_dump(mode="json").items() if k not in runtime}
+    return f"# {comment}\n" + yaml.safe_dump(keys, sort_keys=False)
+
+
+def run_config_yaml(cfg: ModelConfig, model_name: str) -> str:
+    """The resolved config of a run of this model (configs/base.yml with cfg as its model), as
+    train runs save it with their checkpoints; export reads the model back from it."""
+    tree = config_lib.deep_merge(
+        _base_config(), {"model_name": model_name, "model": cfg.model_dump(mode="json")}
+    )
+    return config_lib.to_yaml(config_lib.validate(tree))
+
+
+def _base_config() -> dict[str, Any]:
+    return yaml.safe_load((config_lib.CONFIGS_DIR / "base.yml").read_text())
+
+
+def _abstract_params(cfg: ModelConfig) -> dict[str, Any]:
+    return nnx.to_pure_dict(nnx.state(models.abstract(cfg), nnx.Param))
+
+
+def _at(tree: dict[str, Any], path: tuple[str, ...]) -> Any:
+    return functools.reduce(dict.__getitem__, path, tree)
+
+
+def _check_names(
+    reader: TensorReader, layout: list[Slot], cfg: ModelConfig, family: Family, why: str
+) -> None:
+    """Before reading a byte: every tensor the config implies is listed, and every listed one
+    is used. A tensor the config does not explain means an option we would silently drop
+    (biases, extra norms); derived buffers and a tied model's head are skipped, as transformers
+    skips them."""
+    missing = [s.hf_name for s in layout if s.hf_name not in reader.files]
+    if missing:
+        raise ConversionError(f"{reader.listing}: no tensor {missing[0]!r} ({why} needs it)")
+    used = {s.hf_name for s in layout}
+    for name in sorted(reader.files):
+        tied_head = cfg.tie_embeddings and name == "lm_head.weight"
+        if name not in used and not tied_head and not _DERIVED.search(name):
+            raise ConversionError(
+                f"{reader.files[name]}: tensor {name!r} has no place in a {family.model_type} "
+                f"model as {CONFIG_JSON} describes it (an unsupported option?)"
+            )
+
+
+def _refuse_existing(output: Path) -> None:
+    if output.exists():
+        raise ConversionError(f"{output} already exists; name a new output directory")
+
+
+@contextlib.contextmanager
+def _atomic_directory(output: Path) -> Iterator[Path]:
+    """Yields the staging path `<output>.partial-<pid>` (not yet created), renamed to output
+    when the block completes and removed if it fails."""
+    staging = output.parent / f"{output.name}.partial-{os.getpid()}"
+    try:
+        yield staging
+        staging.rename(output)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise

@@ -1,0 +1,7 @@
+"""The one error the converters raise for a user's input."""
+
+
+class ConversionError(Exception):
+    """Bad or unsupported input (a missing file or tensor, a shape the config does not imply,
+    an architecture or option we do not model). The message is one line naming the file or
+    tensor and what was expected; the CLI prints it and exits with status 2."""

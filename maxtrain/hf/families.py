@@ -1,0 +1,141 @@
+"""The Hugging Face architectures we read and write, described as data.
+
+Four transformers families compute exactly our decoder (pre-norm RMSNorm, rotate-half RoPE,
+grouped-query attention, SwiGLU feed-forward or softmax-routed SwiGLU experts). They differ
+only in a few config.json keys and tensor names, which is all this module holds:
+
+    llama      LlamaForCausalLM     Llama 2/3 (Llama-3 RoPE scaling), Kanana, tied or not
+    qwen3      Qwen3ForCausalLM     qk-norm; head_dim is its own key (default 128)
+    mixtral    MixtralForCausalLM   every layer MoE; top-k weights always renormalised
+    qwen3_moe  Qwen3MoeForCausalLM  qk-norm; renormalisation optional (norm_topk_prob); dense
+                                    layers chosen by mlp_only_layers and decoder_sparse_step
+
+Router semantics match ours for both MoE families: transformers takes the softmax over all
+experts, keeps the top k, and (Mixtral always, Qwen3-MoE iff norm_topk_prob) divides by their
+sum; Mixtral's "softmax over the top-k logits" is the same number.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from maxtrain.config import ModelConfig
+
+
+@dataclass(frozen=True)
+class Family:
+    model_type: str
+    architecture: str
+    qk_norm: bool
+    # config.json keys that change the model's function, with the value transformers' config
+    # class assumes when the key is absent (class defaults differ between families).
+    defaults: Mapping[str, Any]
+    # Options of the family we do not model: a key present with another value is unsupported.
+    # Export writes them as they are here.
+    required: Mapping[str, Any]
+    # Mixture of experts only.
+    moe_block: str | None = None  # per-layer module holding the router (`gate`) and experts
+    expert_names: tuple[str, str, str] = ("", "", "")  # an expert's gate, up, down projections
+    # Keys naming the expert count, the first present wins; export writes the first.
+    expert_count_keys: tuple[str, ...] = ()
+    expert_width_key: str = ""  # each expert's hidden size
+    renormalize_key: str | None = None  # None: top-k weights are always renormalised
+    # mlp_only_layers / decoder_sparse_step pick the MoE layers (else every layer is MoE).
+    sparse_layer_keys: bool = False
+    moe_defaults: Mapping[str, Any] = field(default_factory=dict)
+
+    @property
+    def is_moe(self) -> bool:
+        return self.moe_block is not None
+
+
+_BASE_DEFAULTS = {"rope_theta": 10000.0, "tie_word_embeddings": False, "initializer_range": 0.02}
+
+LLAMA = Family(
+    model_type="llama",
+    architecture="LlamaForCausalLM",
+    qk_norm=False,
+    defaults={
+        **_BASE_DEFAULTS,
+        "rms_norm_eps": 1e-6,
+        "max_position_embeddings": 2048,
+        "num_key_value_heads": None,  # None: as many as query heads
+        "head_dim": None,  # None: hidden_size // num_attention_heads
+    },
+    required={"hidden_act": "silu", "attention_bias": False, "mlp_bias": False},
+)
+
+QWEN3 = Family(
+    model_type="qwen3",
+    architecture="Qwen3ForCausalLM",
+    qk_norm=True,
+    defaults={
+        **_BASE_DEFAULTS,
+        "rms_norm_eps": 1e-6,
+        "max_position_embeddings": 32768,
+        "num_key_value_heads": 32,
+        "head_dim": 128,
+    },
+    required={"hidden_act": "silu", "attention_bias": False, "use_sliding_window": False},
+)
+
+MIXTRAL = Family(
+    model_type="mixtral",
+    architecture="MixtralForCausalLM",
+    qk_norm=False,
+    defaults={
+        **_BASE_DEFAULTS,
+        "rope_theta": 1000000.0,
+        "rms_norm_eps": 1e-5,
+        "max_position_embeddings": 131072,
+        "num_key_value_heads": 8,
+        "head_dim": None,
+    },
+    required={"hidden_act": "silu", "sliding_window": None},
+    moe_block="block_sparse_moe",
+    expert_names=("w1", "w3", "w2"),
+    expert_count_keys=("num_local_experts",),
+    expert_width_key="intermediate_size",
+    moe_defaults={"num_local_experts": 8, "num_experts_per_tok": 2, "router_aux_loss_coef": 1e-3},
+)
+
+QWEN3_MOE = Family(
+    model_type="qwen3_moe",
+    architecture="Qwen3MoeForCausalLM",
+    qk_norm=True,
+    defaults={
+        **_BASE_DEFAULTS,
+        "rms_norm_eps": 1e-6,
+        "max_position_embeddings": 32768,
+        "num_key_value_heads": 4,
+        "head_dim": None,
+    },
+    required={"hidden_act": "silu", "attention_bias": False, "use_sliding_window": False},
+    moe_block="mlp",
+    expert_names=("gate_proj", "up_proj", "down_proj"),
+    # transformers <= 4 reads and writes num_experts; 5 writes num_local_experts.
+    expert_count_keys=("num_experts", "num_local_experts"),
+    expert_width_key="moe_intermediate_size",
+    renormalize_key="norm_topk_prob",
+    sparse_layer_keys=True,
+    moe_defaults={
+        "num_experts": 128,
+        "num_experts_per_tok": 8,
+        "moe_intermediate_size": 768,
+        "norm_topk_prob": False,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+        "router_aux_loss_coef": 1e-3,
+    },
+)
+
+FAMILIES = {f.model_type: f for f in (LLAMA, QWEN3, MIXTRAL, QWEN3_MOE)}
+
+
+def family_for(cfg: ModelConfig) -> Family:
+    """The family a model of ours exports as: the only one with its qk-norm and MoE choice."""
+    if cfg.moe is None:
+        return QWEN3 if cfg.qk_norm else LLAMA
+    return QWEN3_MOE if cfg.qk_norm else MIXTRAL

@@ -1,0 +1,102 @@
+"""Where each Hugging Face tensor lives in our parameter tree, and how the two layouts differ.
+
+transformers stores every linear map as a torch nn.Linear weight: [out, in], with heads
+flattened into the feature axis (q_proj: [N*H, D], o_proj: [D, N*H]). Our kernels are einsum
+operands with the input axes first and heads kept apart (layers/): q [D, N, H], o [N, H, D],
+gate [D, F], down [F, D], router [D, E], lm_head [D, V]. So one rule converts every linear
+weight: ours = W.T reshaped to our axes, W = ours flattened to [in, out] and transposed. No
+q/k permutation is needed: our RoPE pairs dim i with i + H/2 ("rotate half"), as transformers
+does. Embedding and norm scales have the same layout on both sides.
+
+Our per-layer parameters are stacked: model layer i is row stack_positions(...)[i] of
+params["layers"] (dense) or params["moe_layers"] (MoE), and a MoE layer's experts add one more
+axis. A Slot names one Hugging Face tensor and that position.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from maxtrain.config import ModelConfig
+from maxtrain.hf.families import Family
+from maxtrain.transforms.layers import STACKS, stack_positions
+
+# (our path inside a layer, Hugging Face name inside `model.layers.<i>.`, input axes of a
+# linear weight or None)
+_ATTENTION = (
+    (("attn_norm", "scale"), "input_layernorm.weight", None),
+    (("attn", "q", "kernel"), "self_attn.q_proj.weight", 1),
+    (("attn", "k", "kernel"), "self_attn.k_proj.weight", 1),
+    (("attn", "v", "kernel"), "self_attn.v_proj.weight", 1),
+    (("attn", "o", "kernel"), "self_attn.o_proj.weight", 2),
+    (("mlp_norm", "scale"), "post_attention_layernorm.weight", None),
+)
+_QK_NORM = (
+    (("attn", "q_norm", "scale"), "self_attn.q_norm.weight", None),
+    (("attn", "k_norm", "scale"), "self_attn.k_norm.weight", None),
+)
+_DENSE_MLP = (
+    (("mlp", "gate", "kernel"), "mlp.gate_proj.weight", 1),
+    (("mlp", "up", "kernel"), "mlp.up_proj.weight", 1),
+    (("mlp", "down", "kernel"), "mlp.down_proj.weight", 1),
+)
+_EXPERTS = ("gate", "up", "down")  # ours, in the order of Family.expert_names
+
+
+@dataclass(frozen=True)
+class Slot:
+    """One Hugging Face tensor: its name, our parameter path, and the position in that
+    (stacked) parameter: () for embedding/final norm/head, (layer,) or (layer, expert)."""
+
+    hf_name: str
+    path: tuple[str, ...]
+    index: tuple[int, ...]
+    in_axes: int | None  # a linear weight: leading input axes of our kernel; None: same layout
+
+    def hf_shape(self, block_shape: tuple[int, ...]) -> tuple[int, ...]:
+        """The Hugging Face shape of a tensor whose block of our parameter has block_shape."""
+        if self.in_axes is None:
+            return tuple(block_shape)
+        return (math.prod(block_shape[self.in_axes :]), math.prod(block_shape[: self.in_axes]))
+
+    def to_ours(self, tensor: np.ndarray, block_shape: tuple[int, ...]) -> np.ndarray:
+        return tensor if self.in_axes is None else tensor.T.reshape(block_shape)
+
+    def to_hf(self, block: np.ndarray) -> np.ndarray:
+        if self.in_axes is None:
+            return block
+        return block.reshape(math.prod(block.shape[: self.in_axes]), -1).T
+
+
+def slots(cfg: ModelConfig, family: Family) -> list[Slot]:
+    """Every tensor of `cfg` as a `family` checkpoint, in model order (embedding, layers,
+    final norm, head)."""
+    out = [Slot("model.embed_tokens.weight", ("embedding",), (), None)]
+    positions = stack_positions(cfg.moe_layers)
+    for i, (is_moe, j) in enumerate(zip(cfg.moe_layers, positions, strict=True)):
+        stack, prefix = STACKS[is_moe], f"model.layers.{i}."
+        per_layer = _ATTENTION + (_QK_NORM if cfg.qk_norm else ())
+        if not is_moe:
+            per_layer += _DENSE_MLP
+        out += [Slot(prefix + name, (stack, *path), (j,), ax) for path, name, ax in per_layer]
+        if is_moe:
+            block = f"{prefix}{family.moe_block}."
+            out.append(Slot(block + "gate.weight", (stack, "moe", "router", "kernel"), (j,), 1))
+            assert cfg.moe is not None  # a MoE layer implies it
+            for e in range(cfg.moe.num_experts):
+                out += [
+                    Slot(
+                        f"{block}experts.{e}.{name}.weight",
+                        (stack, "moe", ours, "kernel"),
+                        (j, e),
+                        1,
+                    )
+                    for ours, name in zip(_EXPERTS, family.expert_names, strict=True)
+                ]
+    out.append(Slot("model.norm.weight", ("final_norm", "scale"), (), None))
+    if not cfg.tie_embeddings:
+        out.append(Slot("lm_head.weight", ("lm_head", "kernel"), (), 1))
+    return out

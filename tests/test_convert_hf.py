@@ -1,0 +1,416 @@
+"""Hugging Face checkpoints in and out, with transformers as the oracle.
+
+The fixtures in tests/fixtures/hf/ are small random transformers models, the token ids they were
+run on and transformers' float32 logits (tools/make_hf_fixtures.py). Every family and option
+we support is imported and run by our model here, with no torch needed. The last test
+regenerates the fixtures and checks that our exports load back into transformers with the same
+logits; it needs a Python with torch and transformers (MAXTRAIN_HF_PYTHON).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import runpy
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import yaml
+from flax import nnx
+from safetensors import safe_open
+from safetensors.numpy import save_file
+
+from maxtrain import config as config_lib
+from maxtrain import models
+from maxtrain.checkpointing import load_parameters
+from maxtrain.config import ModelConfig, MoeConfig
+from maxtrain.hf import ConversionError, cli, read_hf_model, write_hf_model
+from maxtrain.hf import convert as convert_lib
+from maxtrain.hf.config_map import hf_config, model_config
+from maxtrain.hf.families import FAMILIES, family_for
+from maxtrain.hf.layout import slots
+from maxtrain.transforms import upcycle
+
+REPO = Path(__file__).resolve().parent.parent
+FIXTURES = REPO / "tests" / "fixtures" / "hf"
+MAKE_FIXTURES = REPO / "tools" / "make_hf_fixtures.py"
+CASES = sorted(runpy.run_path(str(MAKE_FIXTURES))["CASES"])
+TOLERANCE = 1e-4  # max |logits difference| in float32
+
+
+def logits(cfg: ModelConfig, params: dict, tokens: np.ndarray) -> np.ndarray:
+    """Our model's float32 logits for tokens [B, T], one document per row."""
+    cfg = cfg.model_copy(update={"compute_dtype": "float32", "param_dtype": "float32"})
+    graphdef, state = nnx.split(models.abstract(cfg))
+    nnx.replace_by_pure_dict(state, jax.tree.map(lambda a: jnp.asarray(a, jnp.float32), params))
+    b, t = tokens.shape
+    positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+
+    @jax.jit
+    def apply(state, tokens):
+        return nnx.merge(graphdef, state)(tokens, positions, jnp.ones((b, t), jnp.int32))[0]
+
+    return np.asarray(apply(state, jnp.asarray(tokens)))
+
+
+def abstract_params(cfg: ModelConfig) -> dict:
+    return nnx.to_pure_dict(nnx.state(models.abstract(cfg), nnx.Param))
+
+
+def max_diff(a: np.ndarray, b: np.ndarray) -> float:
+    assert a.shape == b.shape
+    return float(np.max(np.abs(a.astype(np.float32) - b.astype(np.float32))))
+
+
+def hf_tensors(model_dir: Path) -> dict[str, np.ndarray]:
+    out = {}
+    for path in sorted(model_dir.glob("*.safetensors")):
+        with safe_open(path, framework="numpy") as f:
+            out.update({name: f.get_tensor(name) for name in f.keys()})
+    return out
+
+
+def assert_same_tensors(exported: Path, original: Path) -> None:
+    """Same tensor names, dtypes and values, however the files are sharded."""
+    ours, theirs = hf_tensors(exported), hf_tensors(original)
+    assert sorted(ours) == sorted(theirs)
+    for name, tensor in theirs.items():
+        assert ours[name].dtype == tensor.dtype, name
+        np.testing.assert_array_equal(ours[name], tensor, err_msg=name)
+
+
+def explicit_head_dim(cfg: ModelConfig) -> ModelConfig:
+    """cfg as export writes it: head_dim always explicit (transformers 4 reads no null)."""
+    return cfg.model_copy(update={"head_dim": cfg.resolved_head_dim})
+
+
+def assert_trees_equal(a: dict, b: dict) -> None:
+    flat_a, flat_b = (jax.tree_util.tree_flatten_with_path(t)[0] for t in (a, b))
+    assert [p for p, _ in flat_a] == [p for p, _ in flat_b]
+    for (path, x), (_, y) in zip(flat_a, flat_b, strict=True):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y), err_msg=str(path))
+
+
+# ---- import: our logits against transformers' on the committed fixtures --------------------
+
+
+def test_fixtures_cover_every_family_and_option():
+    configs = [json.loads((FIXTURES / c / "config.json").read_text()) for c in CASES]
+    assert {c["model_type"] for c in configs} == set(FAMILIES)
+    assert {c.get("tie_word_embeddings") for c in configs} == {True, False}
+    assert {"rope_scaling" in c for c in configs} == {True, False}  # both layouts
+    sizes = sum(f.stat().st_size for f in FIXTURES.rglob("*") if f.is_file())
+    assert sizes < 5 * 2**20
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_imported_logits_match_transformers(case):
+    cfg, params = read_hf_model(FIXTURES / case)
+    tokens = np.load(FIXTURES / case / "tokens.npy")
+    diff = max_diff(logits(cfg, params, tokens), np.load(FIXTURES / case / "logits.npy"))
+    assert diff <= TOLERANCE, f"{case}: max |logits diff| {diff:.2e}"
+
+
+# ---- export: the round trip inside our code -----------------------------------------------
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_export_reproduces_the_original_files(case, tmp_path):
+    """Export writes exactly the tensors transformers saved (names, dtype, values, sharded or
+    not), and a config that imports as the same model."""
+    cfg, params = read_hf_model(FIXTURES / case)
+    stored = next(iter(hf_tensors(FIXTURES / case).values())).dtype.name
+    write_hf_model(cfg, params, tmp_path / "out", dtype=stored, max_shard_bytes=30_000)
+    assert_same_tensors(tmp_path / "out", FIXTURES / case)
+    again, params_again = read_hf_model(tmp_path / "out")
+    assert again == explicit_head_dim(cfg)
+    assert_trees_equal(params_again, params)
+
+
+@pytest.mark.parametrize(
+    "preset", ["llama3.2-1b", "qwen3-0.6b", "kanana-nano-2.1b", "mixtral-8x7b", "qwen3-30b-a3b"]
+)
+def test_preset_configs_round_trip(preset):
+    cfg = config_lib.load(config_lib.CONFIGS_DIR / "base.yml", [f"model_name={preset}"]).model
+    family = family_for(cfg)
+    hf = hf_config(cfg, family, "bfloat16")
+    assert model_config(hf, family, "config.json") == explicit_head_dim(cfg)
+
+
+def test_slots_cover_every_parameter_once():
+    cfg = ModelConfig(
+        vocab_size=16,
+        emb_dim=8,
+        num_layers=5,
+        num_heads=2,
+        num_kv_heads=1,
+        mlp_dim=12,
+        qk_norm=True,
+        moe=MoeConfig(num_experts=3, top_k=2, expert_mlp_dim=4, first_dense_layers=1, interval=2),
+    )
+    counts = jax.tree.map(lambda a: np.zeros(a.shape, int), abstract_params(cfg))
+    for slot in slots(cfg, family_for(cfg)):
+        node = counts
+        for key in slot.path:
+            node = node[key]
+        node[slot.index] += 1
+    assert all(np.all(c == 1) for c in jax.tree.leaves(counts))
+
+
+def test_cli_import_trains_from_and_exports_back(tmp_path, capsys):
+    """The tools' path: import writes a checkpoint that load_parameters reads (what
+    checkpoint.load_parameters_path does) and a model file the config system accepts; export
+    of that checkpoint writes the original tensors back."""
+    case = FIXTURES / "qwen3_moe_top3_sparse_step_v5"
+    ckpt, out = tmp_path / "ckpt", tmp_path / "hf"
+    assert cli.main(["import", "--hf-dir", str(case), "--output", str(ckpt)]) == 0
+    cfg, params = read_hf_model(case)
+
+    model_file = yaml.safe_load((ckpt / convert_lib.MODEL_YAML).read_text())
+    base = yaml.safe_load((config_lib.CONFIGS_DIR / "base.yml").read_text())
+    run = config_lib.validate(config_lib.deep_merge(base, {"model": model_file}))
+    assert run.model == cfg
+    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    abstract = jax.tree.map(
+        lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=device),
+        abstract_params(run.model),
+    )
+    assert_trees_equal(load_parameters(ckpt, abstract), params)
+
+    assert cli.main(["export", "--checkpoint", str(ckpt), "--output", str(out)]) == 0
+    assert "Qwen3MoeForCausalLM" in capsys.readouterr().out
+    assert_same_tensors(out, case)
+
+
+def test_tool_script_runs(tmp_path):
+    result = subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "tools" / "convert_hf.py"),
+            "import",
+            "--hf-dir",
+            str(FIXTURES / "llama3_mqa_tied_rope_scaling"),
+            "--output",
+            str(tmp_path / "c"),
+        ],
+        capture_output=True,
+        text=True,
+    )
+    assert result.returncode == 0, result.stderr
+    assert "load_parameters_path" in result.stdout
+
+
+# ---- bad input: one line, exit 2, nothing left behind --------------------------------------
+
+
+def edit_config(model_dir: Path, **changes) -> Path:
+    path = model_dir / "config.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), **changes}))
+    return model_dir
+
+
+def edit_tensors(model_dir: Path, change) -> Path:
+    """Applies change(tensors) to a single-file fixture's model.safetensors."""
+    tensors = hf_tensors(model_dir)
+    change(tensors)
+    save_file(tensors, model_dir / "model.safetensors", metadata={"format": "pt"})
+    return model_dir
+
+
+def no_config(d: Path) -> Path:
+    (d / "config.json").unlink()
+    return d
+
+
+def index_points_elsewhere(d: Path) -> Path:
+    """The index names a shard that does not hold the tensor."""
+    index = json.loads((d / "model.safetensors.index.json").read_text())
+    weight_map = index["weight_map"]
+    weight_map["model.norm.weight"] = weight_map["model.embed_tokens.weight"]
+    (d / "model.safetensors.index.json").write_text(json.dumps(index))
+    return d
+
+
+# problem -> (case, how to break it, what the one line must say)
+BAD_IMPORTS = {
+    "no config.json": ("llama_gqa_untied_sharded", no_config, "no config.json"),
+    "unknown model_type": (
+        "llama_gqa_untied_sharded",
+        lambda d: edit_config(d, model_type="gpt2"),
+        "model_type 'gpt2' is not supported",
+    ),
+    "missing tensor": (
+        "qwen3_gqa4_untied_v5",
+        lambda d: edit_tensors(d, lambda t: t.pop("model.layers.1.mlp.up_proj.weight")),
+        "model.safetensors: no tensor 'model.layers.1.mlp.up_proj.weight'",
+    ),
+    "shard without a listed tensor": (
+        "llama_gqa_untied_sharded",
+        index_points_elsewhere,
+        "no tensor 'model.norm.weight' (model.safetensors.index.json lists it)",
+    ),
+    "shape mismatch": (
+        "llama_gqa_untied_sharded",
+        lambda d: edit_config(d, intermediate_size=48),
+        "tensor 'model.layers.0.mlp.gate_proj.weight' has shape [64, 32]; config.json "
+        "(llama) implies [48, 32]",
+    ),
+    "unexplained tensor (a bias)": (
+        "qwen3_gqa4_untied_v5",
+        lambda d: edit_tensors(
+            d, lambda t: t.update({"model.layers.0.self_attn.q_proj.bias": np.zeros(64)})
+        ),
+        "tensor 'model.layers.0.self_attn.q_proj.bias' has no place in a qwen3 model",
+    ),
+    "unsupported RoPE": (
+        "llama3_mqa_tied_rope_scaling",
+        lambda d: edit_config(d, rope_scaling={"rope_type": "yarn", "factor": 4.0}),
+        "RoPE type 'yarn' is not supported",
+    ),
+    "unsupported option": (
+        "llama_gqa_untied_sharded",
+        lambda d: edit_config(d, attention_bias=True),
+        "attention_bias=true is not supported",
+    ),
+    "mlp_only_layers not expressible": (
+        "qwen3_moe_top3_sparse_step_v5",
+        lambda d: edit_config(d, mlp_only_layers=[3]),
+        "mlp_only_layers [3] with decoder_sparse_step 2 makes layers [1, 5] MoE",
+    ),
+    "quantized": (
+        "mixtral_top2_v5",
+        lambda d: edit_config(d, quantization_config={"quant_method": "fp8"}),
+        "quantized checkpoints are not supported",
+    ),
+}
+
+
+@pytest.mark.parametrize("problem", BAD_IMPORTS)
+def test_bad_import_is_one_line_exit_2_nothing_written(problem, tmp_path, capsys):
+    case, breaks, expected = BAD_IMPORTS[problem]
+    model_dir = breaks(Path(shutil.copytree(FIXTURES / case, tmp_path / "in")))
+    output = tmp_path / "out" / "ckpt"
+    output.parent.mkdir()
+    assert cli.main(["import", "--hf-dir", str(model_dir), "--output", str(output)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("convert_hf: error: "), err
+    assert expected in err
+    assert list(output.parent.iterdir()) == []
+
+
+def test_existing_output_is_refused(tmp_path, capsys):
+    (tmp_path / "out").mkdir()
+    args = ["import", "--hf-dir", str(FIXTURES / "mixtral_top2_v5"), "--output"]
+    assert cli.main([*args, str(tmp_path / "out")]) == 2
+    assert "already exists" in capsys.readouterr().err
+
+
+def test_export_of_a_missing_checkpoint_is_one_line(tmp_path, capsys):
+    args = ["export", "--checkpoint", str(tmp_path / "nope"), "--output", str(tmp_path / "hf")]
+    assert cli.main(args) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "no complete checkpoint found" in err
+    assert not (tmp_path / "hf").exists()
+
+
+def test_failed_export_leaves_no_directory(tmp_path, monkeypatch):
+    cfg, params = read_hf_model(FIXTURES / "mixtral_top2_v5")
+
+    def fail_midway(directory, tensors, max_shard_bytes):
+        (directory / "model.safetensors").write_bytes(b"partial")
+        raise OSError("disk full")
+
+    monkeypatch.setattr(convert_lib, "write_safetensors", fail_midway)
+    with pytest.raises(OSError, match="disk full"):
+        write_hf_model(cfg, params, tmp_path / "out")
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize(
+    "moe, expected",
+    [
+        (dict(shared_experts=1), "model.moe.shared_experts > 0"),
+        (dict(renormalize=False), "model.moe.renormalize=false"),  # Mixtral always renormalises
+        (dict(first_dense_layers=1), "dense layers between MoE layers"),
+        (dict(score="sigmoid"), "model.moe.score=sigmoid"),
+    ],
+)
+def test_unexportable_models_are_refused(moe, expected):
+    cfg = config_lib.load(
+        config_lib.CONFIGS_DIR / "base.yml", ["model_name=tiny-moe", "model.num_layers=3"]
+    ).model
+    cfg = cfg.model_copy(update={"moe": cfg.moe.model_copy(update=moe)})
+    with pytest.raises(ConversionError, match="cannot export as MixtralForCausalLM") as e:
+        hf_config(cfg, family_for(cfg), "float32")
+    assert expected in str(e.value)
+
+
+# ---- transformers as the oracle (needs torch + transformers) ------------------------------
+
+
+def hf_python() -> str:
+    """A Python with torch and transformers: MAXTRAIN_HF_PYTHON, else this one. maxtrain needs
+    Python >= 3.12, for which this machine has no CPU torch, so the two usually differ."""
+    python = os.environ.get("MAXTRAIN_HF_PYTHON", sys.executable)
+    probe = subprocess.run([python, "-c", "import torch, transformers"], capture_output=True)
+    if probe.returncode != 0:
+        pytest.skip(
+            "needs torch + transformers: set MAXTRAIN_HF_PYTHON (tools/make_hf_fixtures.py)"
+        )
+    return python
+
+
+def upcycled(case: str, moe: MoeConfig) -> tuple[ModelConfig, dict]:
+    """A fixture's dense model upcycled to `moe`, with a random router and perturbed experts
+    (so that routing decides the output)."""
+    dense, params = read_hf_model(FIXTURES / case)
+    cfg = dense.model_copy(update={"moe": moe})
+    return cfg, upcycle(params, dense, cfg, noise_std=0.3, router_init_std=0.5, seed=1)
+
+
+def test_transformers_loads_our_exports_with_the_same_logits(tmp_path):
+    python = hf_python()
+    regenerated = tmp_path / "fixtures"
+    subprocess.run([python, str(MAKE_FIXTURES), "build", "--output", str(regenerated)], check=True)
+    models_out = {}
+    for case in CASES:
+        committed, fresh = FIXTURES / case, regenerated / case
+        assert json.loads((fresh / "config.json").read_text()) == json.loads(
+            (committed / "config.json").read_text()
+        ), f"{case}: committed fixture is stale; rerun tools/make_hf_fixtures.py build"
+        cfg, params = read_hf_model(fresh)
+        tokens = np.load(fresh / "tokens.npy")
+        ours = logits(cfg, params, tokens)
+        assert max_diff(ours, np.load(fresh / "logits.npy")) <= TOLERANCE, case
+        assert max_diff(np.load(committed / "logits.npy"), np.load(fresh / "logits.npy")) < 1e-6
+        models_out[case] = (cfg, params, tokens, ours)
+    tokens = np.load(FIXTURES / CASES[0] / "tokens.npy")
+    for name, (cfg, params) in {
+        "upcycled_llama_as_mixtral": upcycled(
+            "llama_gqa_untied_sharded", MoeConfig(num_experts=4, top_k=2, expert_mlp_dim=32)
+        ),
+        "upcycled_qwen3_as_qwen3_moe": upcycled(
+            "qwen3_gqa4_untied_v5",
+            MoeConfig(
+                num_experts=6, top_k=2, expert_mlp_dim=32, renormalize=False, first_dense_layers=1
+            ),
+        ),
+    }.items():
+        models_out[name] = (cfg, params, tokens, logits(cfg, params, tokens))
+
+    exported = tmp_path / "exported"
+    exported.mkdir()
+    for name, (cfg, params, tokens, _) in models_out.items():
+        write_hf_model(cfg, params, exported / name, max_shard_bytes=50_000)
+        np.save(exported / name / "tokens.npy", tokens)
+    dirs = [str(exported / name) for name in models_out]
+    subprocess.run([python, str(MAKE_FIXTURES), "logits", *dirs], check=True)
+    for name, (*_, ours) in models_out.items():
+        diff = max_diff(ours, np.load(exported / name / "logits.npy"))
+        assert diff <= TOLERANCE, f"{name}: max |logits diff| {diff:.2e}"
