@@ -59,11 +59,13 @@ def _resolve_degrees(cfg: MeshConfig, devices_per_slice: int) -> list[int]:
 
 
 def _slices(devices: Sequence[jax.Device], num_slices: int) -> list[list[jax.Device]]:
-    """Groups devices by TPU slice; devices without a slice index (CPU, GPU) are cut in order.
+    """Groups TPU devices by their slice; other devices (GPU, CPU) are cut in order.
 
-    Cutting simulated CPU devices into contiguous groups lets tests exercise the DCN path.
+    jax.devices() lists devices process by process, so on a GPU cluster each cut is a group of
+    whole hosts joined by the data-center network, and simulated CPU devices (one process or
+    several) exercise the DCN path in tests.
     """
-    if all(hasattr(d, "slice_index") for d in devices):
+    if devices[0].platform == "tpu":
         groups: dict[int, list[jax.Device]] = {}
         for d in devices:
             groups.setdefault(d.slice_index, []).append(d)

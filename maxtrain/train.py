@@ -19,6 +19,7 @@ from typing import Any
 
 import jax
 import numpy as np
+from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding
 
 from maxtrain import config as config_lib
@@ -167,19 +168,39 @@ class NonFiniteLoss(Exception):
 
 
 class _Preemption:
-    """Turns SIGTERM (a preemption notice) into a flag the loop checks after each step."""
+    """Turns SIGTERM (a preemption notice) into "stop after this step", the same step on every
+    process.
+
+    One process: a Python signal handler sets a flag the loop checks after each step. Several
+    processes: a notice may reach one host only, or hosts at different steps, and a process
+    that stops alone leaves the others waiting in a collective. jax.distributed's preemption
+    service (on by default) catches SIGTERM on any host and makes
+    `reached_preemption_sync_point` true on every process at the same step, so all of them
+    save that step and exit together. Its C++ handler must keep SIGTERM, so no Python handler
+    is installed then.
+    """
 
     def __init__(self):
-        self.requested = False
+        self.stopped = False
+        self._requested = False
         self._previous = None
+        self._synced = jax.process_count() > 1
 
     def __enter__(self) -> _Preemption:
-        if threading.current_thread() is threading.main_thread():
+        if not self._synced and threading.current_thread() is threading.main_thread():
             self._previous = signal.signal(signal.SIGTERM, self._handle)
         return self
 
     def _handle(self, signum, frame) -> None:
-        self.requested = True
+        self._requested = True
+
+    def stop_after(self, step: int) -> bool:
+        """Called after every step, on every process."""
+        if self._synced:
+            self.stopped = multihost_utils.reached_preemption_sync_point(step)
+        else:
+            self.stopped = self._requested
+        return self.stopped
 
     def __exit__(self, *exc) -> None:
         if self._previous is not None:
@@ -276,7 +297,7 @@ def _train(trainer: Trainer, ckpt: Checkpointer | None, train_batches, eval_stre
             if ckpt is not None and ckpt.due(step):
                 _check_finite(cfg, step_metrics, step, ckpt)  # never save (over) a bad state
                 ckpt.maybe_save(step, trainer.state, train_batches)
-            stopping = preemption.requested  # fetch no further batch: the position is saved
+            stopping = preemption.stop_after(step)  # no further batch: the position is saved
             # The step runs asynchronously: the host builds the next batch meanwhile.
             t0 = time.perf_counter()
             if step < cfg.train.steps and not stopping:
@@ -319,7 +340,7 @@ def _train(trainer: Trainer, ckpt: Checkpointer | None, train_batches, eval_stre
                 break
 
     if ckpt is not None:
-        if preemption.requested:  # durable on the fast tier before exiting 0
+        if preemption.stopped:  # durable on the fast tier before exiting 0
             _check_finite(cfg, step_metrics, step, ckpt)
             ckpt.save_now(step, trainer.state, train_batches, tier="local", wait=True)
             _print(is_writer, f"maxtrain: SIGTERM: saved step {step} to the local tier; exiting")

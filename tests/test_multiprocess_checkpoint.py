@@ -30,6 +30,7 @@ from maxtrain import config as config_lib
 from maxtrain import optim
 from maxtrain.checkpointing import Checkpointer, integrity, load_parameters
 from maxtrain.state import TrainState, model_def
+from maxtrain.train import run
 
 NUM_PROCESSES, STEPS, TIMEOUT_S = 2, 16, 150
 ARGS = [
@@ -50,10 +51,10 @@ ARGS = [
 
 
 def launch(
-    run_dir: Path, jax_cache: Path, *overrides: str, stop_when=None
+    run_dir: Path, jax_cache: Path, *overrides: str, stop_when=None, sigterm_when=None
 ) -> list[tuple[int, str]]:
     """Runs the two processes (ARGS, then overrides) to the end, or kills both (SIGKILL) once
-    stop_when(run_dir).
+    stop_when(run_dir). Once sigterm_when(run_dir), process 1 alone gets a SIGTERM.
 
     Returns (exit status, output) per process. Any process failing, or TIMEOUT_S passing,
     stops the others, so a hang fails the test instead of hanging it. Launches share jax's
@@ -85,6 +86,9 @@ def launch(
         while any(p.poll() is None for p in procs):
             if stop_when is not None and stop_when(run_dir):
                 break
+            if sigterm_when is not None and sigterm_when(run_dir):
+                procs[1].send_signal(signal.SIGTERM)
+                sigterm_when = None
             if any(p.poll() not in (None, 0) for p in procs) or time.monotonic() > deadline:
                 break
             time.sleep(0.01)
@@ -194,6 +198,51 @@ def test_kill_both_processes_then_resume_from_the_local_tier_is_bit_exact(
     assert losses(run_dir) == losses(straight)  # every step, exact float equality
     assert sorted(losses(run_dir)) == list(range(1, STEPS + 1))
     assert_same_params(final_params(run_dir), final_params(straight))
+
+
+def test_sigterm_to_one_process_stops_both_at_one_step_and_resume_is_bit_exact(
+    tmp_path, straight, jax_cache
+):
+    run_dir = tmp_path / "run"
+    metrics = run_dir / "metrics.jsonl"
+    stopped = launch(
+        run_dir, jax_cache, sigterm_when=lambda _: metrics.exists() and len(losses(run_dir)) >= 2
+    )
+    assert_ok(stopped)  # both exit 0, though only process 1 was signalled
+    out = stopped[0][1]
+    step = int(out.split("SIGTERM: saved step ")[1].split()[0])
+    assert 2 <= step < STEPS, out[-3000:]
+    assert max(losses(run_dir)) == step  # process 0 stopped at the same step
+    assert local_steps(run_dir, 1)[-1] == step  # durable on the fast tier
+
+    resumed = launch(run_dir, jax_cache)
+    assert_ok(resumed)
+    assert f"resumed at step {step}" in resumed[0][1]
+    assert losses(run_dir) == losses(straight)
+    assert_same_params(final_params(run_dir), final_params(straight))
+
+
+@pytest.mark.parametrize("dcn", [False, True], ids=["one-slice", "two-slices-over-dcn"])
+def test_two_processes_train_exactly_like_one_process_on_the_same_mesh(
+    tmp_path, straight, jax_cache, dcn
+):
+    """The global batch, the mesh and so the losses do not depend on how many processes hold
+    the 8 devices. With dcn, each process is one simulated slice and data parallelism runs
+    across slices (mesh.dcn.data=2)."""
+    slices = ("mesh.num_slices=2", "mesh.dcn.data=2", "mesh.data=1") if dcn else ()
+    if dcn:
+        two_processes = tmp_path / "run"
+        assert_ok(launch(two_processes, jax_cache, *slices, "checkpoint.enabled=false"))
+    else:
+        two_processes = straight
+    cfg = config_lib.load(
+        config_lib.CONFIGS_DIR / "base.yml",
+        [*ARGS, *slices, "checkpoint.enabled=false", f"run.output_dir={tmp_path / 'one'}"],
+    )
+    run(cfg)  # this test process: one process, 8 devices
+    one, two = losses(cfg.run_dir), losses(two_processes)
+    assert sorted(one) == sorted(two) == list(range(1, STEPS + 1))
+    np.testing.assert_allclose([one[s] for s in one], [two[s] for s in one], rtol=1e-6)
 
 
 def test_joining_without_a_coordinator_or_cluster_is_one_line_and_exit_2(tmp_path):

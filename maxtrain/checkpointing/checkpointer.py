@@ -342,7 +342,7 @@ def load_parameters(path: str | epath.PathLike, abstract_params: Any) -> Any:
     Raises CheckpointError if nothing complete is found or a shape differs.
     """
     mark_absl_flags_parsed()
-    step_dir = _resolve_step_dir(absolute(path))
+    step_dir = resolve_step_dir(absolute(path))
     try:
         saved = integrity.read_state_shapes(step_dir)
     except Corrupt as e:
@@ -365,7 +365,7 @@ def load_parameters(path: str | epath.PathLike, abstract_params: Any) -> Any:
     return restored["params"]
 
 
-def _resolve_step_dir(path: epath.Path) -> epath.Path:
+def resolve_step_dir(path: epath.Path) -> epath.Path:
     """A step dir as given, else the newest complete step under path (or its tier dirs)."""
     if integrity.state_dir(path).is_dir():
         try:

@@ -40,7 +40,7 @@ from pydantic import ValidationError
 from maxtrain import config as config_lib
 from maxtrain import models
 from maxtrain.checkpointing import load_parameters, sidecar
-from maxtrain.checkpointing.checkpointer import _resolve_step_dir
+from maxtrain.checkpointing.checkpointer import resolve_step_dir
 from maxtrain.checkpointing.common import absolute
 from maxtrain.checkpointing.export import save_parameters
 from maxtrain.config import ModelConfig
@@ -151,7 +151,7 @@ def export_checkpoint(
     """Writes the parameters of a maxtrain checkpoint (a step, tier or run directory; the model
     is the config saved with it) as a Hugging Face model directory `output`."""
     _refuse_existing(Path(output))  # before reading gigabytes
-    step_dir = _resolve_step_dir(absolute(checkpoint))
+    step_dir = resolve_step_dir(absolute(checkpoint))
     cfg = checkpoint_model_config(step_dir)
     hf_config(cfg, family_for(cfg), dtype or cfg.param_dtype)  # unsupported: fail before reading
     device = SingleDeviceSharding(jax.devices("cpu")[0])
