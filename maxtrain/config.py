@@ -13,6 +13,7 @@ parallel degrees) are computed once, here, and nowhere else.
 from __future__ import annotations
 
 import difflib
+import re
 from pathlib import Path
 from typing import Any, Literal
 
@@ -319,6 +320,55 @@ def _layer_range(entry: Any) -> list[Any]:
     return list(range(int(first), int(last) + 1))
 
 
+# Quantized dtypes a rule may name (int4 is meant for weights: too coarse for activations).
+QType = Literal["int8", "int4", "float8_e4m3fn", "float8_e5m2"]
+# absmax[,s] | minmax[,s] | rms,s | fixed,lo,hi: how a tensor's range (hence scale) is chosen.
+_NUM = r"[0-9.eE+-]+"
+_CALIBRATION = re.compile(rf"(absmax|minmax)(,{_NUM})?|rms,{_NUM}|fixed,{_NUM},{_NUM}")
+
+
+class QuantRule(_Section):
+    """Quantization of the matmuls in the modules whose path matches `module_path`.
+
+    Paths are module attribute paths joined by '/', e.g. layers/attn/q, layers/mlp/down,
+    moe_layers/moe (the experts' grouped matmuls and the router), lm_head; '' is the decoder
+    itself (the tied-embedding logits). A qtype left null keeps that operand in compute dtype.
+    """
+
+    module_path: str  # regex, matched against the whole path
+    op_names: list[Literal["einsum", "dot_general", "ragged_dot"]] = Field(default_factory=list)
+    weight_qtype: QType | None = None
+    act_qtype: QType | None = None
+    bwd_qtype: QType | None = None  # gradients in the backward pass (training only)
+    tile_size: int | None = Field(default=None, gt=0)  # sub-channel scales every N inputs
+    weight_calibration: str = "absmax"
+    act_calibration: str = "absmax"
+
+    @model_validator(mode="after")
+    def _check(self) -> QuantRule:
+        try:
+            re.compile(self.module_path)
+        except re.error as e:
+            raise ValueError(
+                f"quantization.rules: module_path {self.module_path!r} is not a valid regex ({e})"
+            ) from None
+        for name in ("weight_calibration", "act_calibration"):
+            if not _CALIBRATION.fullmatch(getattr(self, name)):
+                raise ValueError(
+                    f"quantization.rules: {name} {getattr(self, name)!r} is not one of "
+                    "absmax[,scale], minmax[,scale], rms,scale, fixed,min,max"
+                )
+        return self
+
+
+class QuantizationConfig(_Section):
+    """Quantized training of the matmuls (maxtrain/quantization.py); parameters stay float."""
+
+    preset: Literal["none", "int8", "fp8", "w4a16-serving"] = "none"
+    # Checked in order before the preset's own rules: the first rule matching a matmul wins.
+    rules: list[QuantRule] = Field(default_factory=list)
+
+
 class ProfileConfig(_Section):
     start_step: int = Field(default=-1)  # -1: no profile
     num_steps: int = Field(default=3, gt=0)
@@ -341,6 +391,9 @@ class DistributedConfig(_Section):
     num_processes: int | None = Field(default=None, gt=0)
     process_id: int | None = Field(default=None, ge=0)
     initialization_timeout_s: int = Field(default=300, gt=0)
+    # A process that stops answering for this long is declared dead, and every other process
+    # then exits with an error instead of waiting forever in a collective.
+    heartbeat_timeout_s: int = Field(default=100, gt=0)
 
     @model_validator(mode="after")
     def _check(self) -> DistributedConfig:
@@ -372,6 +425,7 @@ class Config(_Section):
     init: InitConfig = InitConfig()
     run: RunConfig = RunConfig()
     distributed: DistributedConfig = DistributedConfig()
+    quantization: QuantizationConfig = QuantizationConfig()
 
     @model_validator(mode="after")
     def _check_train(self) -> Config:

@@ -53,7 +53,11 @@ def initialize(cfg: DistributedConfig) -> None:
     if cfg.num_processes == 1 or (not given and detected_cluster() is None):
         return
     try:
-        jax.distributed.initialize(**given, initialization_timeout=cfg.initialization_timeout_s)
+        jax.distributed.initialize(
+            **given,
+            initialization_timeout=cfg.initialization_timeout_s,
+            heartbeat_timeout_seconds=cfg.heartbeat_timeout_s,
+        )
     except ValueError as e:
         settings = ", ".join(f"{k}={v}" for k, v in given.items()) or "auto-detected"
         first = (str(e).strip().splitlines() or [type(e).__name__])[0]

@@ -17,7 +17,7 @@ from flax import nnx, struct
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from maxtrain import models
+from maxtrain import models, quantization
 from maxtrain.config import Config
 from maxtrain.mesh import logical_to_spec
 
@@ -44,7 +44,10 @@ class ModelDef:
 
 
 def model_def(cfg: Config) -> ModelDef:
-    graphdef, abstract_state = nnx.split(models.abstract(cfg.model))
+    """The model to run; with `quantization:` set, its matmuls quantized (quantization.py).
+    Quantization changes only the graph definition: the params are the float model's."""
+    model = quantization.quantize(models.abstract(cfg.model), cfg.quantization)
+    graphdef, abstract_state = nnx.split(model)
     return ModelDef(graphdef, abstract_state)
 
 

@@ -10,6 +10,7 @@ import contextlib
 import functools
 import json
 import math
+import os
 import signal
 import sys
 import threading
@@ -382,7 +383,26 @@ def main(argv: list[str] | None = None) -> int:
     except NonFiniteLoss as e:
         print(f"maxtrain: error: {e}", file=sys.stderr)
         return 1
+    except jax.errors.JaxRuntimeError as e:
+        if jax.process_count() == 1:
+            raise
+        _lost_peer(e)
     return 0
+
+
+def _lost_peer(error: Exception) -> None:
+    """A collective failed in a multi-process run: almost always another process died. Says so
+    in one line and exits at once: jax's own shutdown would wait on the dead process's barrier,
+    then abort with a C++ stack trace."""
+    first = (str(error).strip().splitlines() or [type(error).__name__])[0][:300]
+    print(
+        f"maxtrain: error: process {jax.process_index()} lost contact with the other processes "
+        f"({first}); restart all of them to resume from the last checkpoint",
+        file=sys.stderr,
+        flush=True,
+    )
+    sys.stdout.flush()
+    os._exit(1)
 
 
 if __name__ == "__main__":

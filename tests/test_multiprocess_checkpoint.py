@@ -51,10 +51,16 @@ ARGS = [
 
 
 def launch(
-    run_dir: Path, jax_cache: Path, *overrides: str, stop_when=None, sigterm_when=None
+    run_dir: Path,
+    jax_cache: Path,
+    *overrides: str,
+    stop_when=None,
+    sigterm_when=None,
+    kill_one_when=None,
 ) -> list[tuple[int, str]]:
     """Runs the two processes (ARGS, then overrides) to the end, or kills both (SIGKILL) once
-    stop_when(run_dir). Once sigterm_when(run_dir), process 1 alone gets a SIGTERM.
+    stop_when(run_dir). Once sigterm_when(run_dir), process 1 alone gets a SIGTERM; once
+    kill_one_when(run_dir), process 1 alone gets a SIGKILL and process 0 is left to notice.
 
     Returns (exit status, output) per process. Any process failing, or TIMEOUT_S passing,
     stops the others, so a hang fails the test instead of hanging it. Launches share jax's
@@ -89,7 +95,14 @@ def launch(
             if sigterm_when is not None and sigterm_when(run_dir):
                 procs[1].send_signal(signal.SIGTERM)
                 sigterm_when = None
-            if any(p.poll() not in (None, 0) for p in procs) or time.monotonic() > deadline:
+            if kill_one_when is not None and kill_one_when(run_dir):
+                procs[1].send_signal(signal.SIGKILL)
+                procs[1].wait()
+                kill_one_when = None
+            failed = [p.poll() not in (None, 0) for p in procs]
+            if (failed[0] or (failed[1] and kill_one_when is not None)) or (
+                time.monotonic() > deadline
+            ):
                 break
             time.sleep(0.01)
     finally:
@@ -220,6 +233,34 @@ def test_sigterm_to_one_process_stops_both_at_one_step_and_resume_is_bit_exact(
     assert f"resumed at step {step}" in resumed[0][1]
     assert losses(run_dir) == losses(straight)
     assert_same_params(final_params(run_dir), final_params(straight))
+
+
+def test_a_dead_peer_stops_the_survivor_in_bounded_time_and_both_resume(
+    tmp_path, straight, jax_cache
+):
+    run_dir = tmp_path / "run"
+    committed = run_dir / "checkpoints" / "local" / "process_1" / "4" / integrity.COMMIT_FILE
+    started = time.monotonic()
+    results = launch(
+        run_dir,
+        jax_cache,
+        "distributed.heartbeat_timeout_s=20",
+        kill_one_when=lambda _: committed.exists(),
+    )
+    (rc0, out0), (rc1, _) = results
+    assert rc1 == -signal.SIGKILL
+    # It exits by itself, saying why: our one line when its next collective fails (exit 1),
+    # or jax's own abort when the heartbeat timeout comes first (SIGABRT).
+    lost = "maxtrain: error: process 0 lost contact with the other processes" in out0
+    aborted = "Terminating process because the JAX distributed service detected fatal" in out0
+    assert (rc0 == 1 and lost) or (rc0 == -signal.SIGABRT and aborted), out0[-3000:]
+    assert time.monotonic() - started < 0.8 * TIMEOUT_S, out0[-3000:]
+    assert not (run_dir / "checkpoints" / "persistent" / str(STEPS)).exists()
+
+    resumed = launch(run_dir, jax_cache)
+    assert_ok(resumed)
+    assert "resumed at step " in resumed[0][1]
+    assert losses(run_dir) == losses(straight)
 
 
 @pytest.mark.parametrize("dcn", [False, True], ids=["one-slice", "two-slices-over-dcn"])

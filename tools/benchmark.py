@@ -24,7 +24,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 from maxtrain import config as config_lib  # noqa: E402
-from maxtrain import memory, metrics, models  # noqa: E402
+from maxtrain import memory, metrics, models, quantization  # noqa: E402
 from maxtrain.data import to_global  # noqa: E402
 from maxtrain.kernels.grouped_matmul import resolve_implementation  # noqa: E402
 from maxtrain.mesh import axis_sizes  # noqa: E402
@@ -48,9 +48,17 @@ def moe_settings(model: config_lib.ModelConfig) -> dict:
     }
 
 
+def matmul_dtypes(trainer, batch) -> dict[str, int]:
+    """The operand dtypes of the train step's matmuls, forward and backward, with how often
+    each occurs in the traced program: what quantization: really changed (and what not)."""
+    counts = quantization.matmul_dtypes(trainer.step_fn, trainer.state, batch)
+    return {f"{op} {' x '.join(dtypes)}": n for (op, dtypes), n in sorted(counts.items())}
+
+
 def benchmark(cfg: config_lib.Config, steps: int, warmup: int, profile_dir: str | None) -> dict:
     trainer = build_trainer(cfg)
     batch = to_global(next(data_streams(cfg)[0]), trainer.batch_sharding)
+    dtypes = matmul_dtypes(trainer, batch)  # traced before the steps donate the state
     times = []
     for _ in range(warmup + steps):
         t0 = time.perf_counter()
@@ -83,6 +91,8 @@ def benchmark(cfg: config_lib.Config, steps: int, warmup: int, profile_dir: str 
         "attention": cfg.model.attention,
         "remat": cfg.model.remat,
         **moe_settings(cfg.model),
+        "quantization": cfg.quantization.preset,
+        "matmul_dtypes": dtypes,
         "first_step_s": round(first_step, 2),
         "median_step_s": round(step_time, 5),
         "min_step_s": round(min(times), 5),

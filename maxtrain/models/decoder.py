@@ -162,7 +162,11 @@ class Decoder(nnx.Module):
         """tokens/positions/segment_ids: [B, T] int32 -> (logits [B, T, V] in compute dtype,
         router statistics of the MoE layers stacked in `moe_layers` order; {} if dense)."""
         table = self.embedding[...].astype(self.compute_dtype)
-        x = constrain(jnp.take(table, tokens, axis=0), ("batch", "length", "act_embed"))
+        # The lookup reads a table gathered whole, like every FSDP weight: rows looked up in a
+        # sharded table make XLA reshard the activations instead (a full rematerialisation when
+        # the batch is split over several mesh axes). The tied head keeps the sharded table.
+        whole = constrain(table, (None, None))
+        x = constrain(jnp.take(whole, tokens, axis=0), ("batch", "length", "act_embed"))
         moe_stats = []
         for is_moe, start, length in self.runs:
             x, stats = self._run_layers(
