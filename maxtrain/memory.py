@@ -30,6 +30,7 @@ from flax import nnx
 from jax.sharding import AbstractMesh
 
 from maxtrain.config import MESH_AXES, Config
+from maxtrain.kernels.attention import resolve_implementation as resolve_attention
 from maxtrain.kernels.grouped_matmul import resolve_implementation
 from maxtrain.mesh import axis_sizes, logical_to_spec
 from maxtrain.models import compute_dtype
@@ -59,7 +60,7 @@ class MemoryEstimate:
 def estimate(cfg: Config, num_devices: int) -> MemoryEstimate:
     sizes = axis_sizes(cfg.mesh, num_devices)
     mesh = AbstractMesh(tuple(sizes[a] for a in MESH_AXES), MESH_AXES)
-    param_bytes = _bytes(cfg.model.param_dtype)
+    param_bytes = _BYTES[cfg.model.param_dtype]
     params = _sharded_param_elements(cfg, mesh) * param_bytes
     batch_ways = math.prod(sizes[a] for a in cfg.mesh.rules.get("batch", []))
     length_ways = math.prod(sizes[a] for a in cfg.mesh.rules.get("length", []))
@@ -76,10 +77,6 @@ def estimate(cfg: Config, num_devices: int) -> MemoryEstimate:
         activations=activations,
         logits=logits,
     )
-
-
-def _bytes(dtype_name: str) -> int:
-    return _BYTES[dtype_name]
 
 
 def _sharded_param_elements(cfg: Config, mesh: AbstractMesh) -> int:
@@ -112,7 +109,7 @@ def _activation_bytes(cfg: Config, sizes: dict[str, int], batch: int, length: in
         _saved_per_token(cfg, is_moe, c, policy="none") for is_moe in set(model.moe_layers)
     )
     scores = 0
-    if model.attention == "xla" or (model.attention == "auto" and jax.default_backend() == "cpu"):
+    if resolve_attention(model.attention) == "xla":
         # The reference attention materialises float32 scores and probabilities: one layer's
         # while recomputing under remat, every layer's without it.
         layers = model.num_layers if model.remat == "none" else 1
