@@ -106,9 +106,12 @@ def launch(
                 break
             time.sleep(0.01)
     finally:
+        # Signal every process before reaping any: killing and reaping one at a time gives the
+        # survivor time to notice its lost peer and exit 1 by itself.
         for p in procs:
             if p.poll() is None:
                 p.send_signal(signal.SIGKILL)
+        for p in procs:
             p.wait()
     return [(p.returncode, log.read_text()) for p, log in zip(procs, logs, strict=True)]
 
