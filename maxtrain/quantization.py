@@ -1,12 +1,13 @@
 """Quantized training (QT) from the config's `quantization:` section, with no layer code touched.
 
 `qwix.quantize_model` gives the model a subclass whose `__call__` runs under Qwix's
-interception: while the model runs, `jnp.einsum`, `jax.lax.dot_general` and
-`jax.lax.ragged_dot` (the experts' grouped matmul on its xla path) become quantize -> matmul ->
-rescale, with straight-through gradients, as the first rule whose regex matches the calling
-module's path says. Only the graph definition changes. The parameters stay the same float
-arrays, so the train state, checkpoints, resume and starting from a float checkpoint are
-exactly those of a float run, and the model FLOPs (hence MFU) are counted the same way.
+interception: while the model runs, `jnp.einsum`, `jax.lax.dot_general` and the experts'
+grouped matmul (`jax.lax.ragged_dot` on its xla path, `tokamax.ragged_dot` on GPU/TPU) become
+quantize -> matmul -> rescale, with straight-through gradients, as the first rule whose regex
+matches the calling module's path says. Only the graph definition changes. The parameters stay
+the same float arrays, so the train state, checkpoints, resume and starting from a float
+checkpoint are exactly those of a float run, and the model FLOPs (hence MFU) are counted the
+same way.
 
 Paths are the module attribute paths joined by '/': `layers/attn/q`, `layers/mlp/down`,
 `moe_layers/moe` (router einsum and experts' ragged_dot), `moe_layers/moe/shared/up`, `lm_head`,
@@ -17,16 +18,17 @@ from __future__ import annotations
 
 import collections
 import re
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import qwix
+import tokamax
 from flax import nnx
 
 from maxtrain.config import ConfigError, QuantizationConfig, QuantRule
-from maxtrain.layers.moe import MoE
+from maxtrain.kernels.quantized_grouped_matmul import GroupedMatmulQuant, quantized_ragged_dot
 
 # The presets quantize every projection and the routed experts. They leave alone the attention
 # core (scores and weighted values: both operands are activations, and softmax inputs are
@@ -69,8 +71,7 @@ def quantize(model: nnx.Module, qcfg: QuantizationConfig) -> nnx.Module:
 
     Works on an abstract model (ShapeDtypeStruct leaves): no forward pass is run here, since
     dynamic-range QT creates no variables. Raises ConfigError for a rule of the config whose
-    module_path matches no module, or when experts would be quantized but run through
-    tokamax's kernel, which Qwix does not intercept (they would silently stay float).
+    module_path matches no module.
     """
     active = rules(qcfg)
     if not active:
@@ -82,14 +83,6 @@ def quantize(model: nnx.Module, qcfg: QuantizationConfig) -> nnx.Module:
                 f"quantization.rules[{i}].module_path {rule.module_path!r} matches no module; "
                 f"modules: {', '.join(sorted(p for p in paths if p))}"
             )
-    for path, module in paths.items():
-        rule = first_rule(active, path, "ragged_dot")
-        if isinstance(module, MoE) and module.gmm == "tokamax" and rule and rule.weight_qtype:
-            raise ConfigError(
-                f"quantization: the experts of {path} run through tokamax's grouped matmul, "
-                "which Qwix does not intercept; set model.moe.grouped_matmul=xla or add a "
-                f"rule for {path} with op_names [ragged_dot] and no qtypes"
-            )
     provider = _QtProvider([_qwix_rule(r) for r in active])
     # skip_nnx_init: the first call only creates variables (static-range statistics, LoRA
     # weights), none of which dynamic-range QT has; so the model may stay abstract.
@@ -97,19 +90,27 @@ def quantize(model: nnx.Module, qcfg: QuantizationConfig) -> nnx.Module:
 
 
 class _QtProvider(qwix.QtProvider):
-    """Qwix's QT provider, with ragged_dot made correct inside shard_map.
+    """Qwix's QT provider, extended to the experts' grouped matmul on both of its paths.
 
-    The experts run per device (layers/moe.py): the tokens vary over the data-parallel mesh
-    axes while the gathered weights do not. A plain ragged_dot lets jax mark the weights
-    varying implicitly, and the transpose of that mark sums their gradient over those axes.
-    Qwix's quantized ragged_dot is a custom_vjp, whose backward must return a gradient of its
-    input's type, so the mark is made here, before it: the gradient comes back varying and the
-    explicit pcast's transpose sums it, as in the float model.
+    On the xla path Qwix intercepts `jax.lax.ragged_dot` itself. On GPU/TPU the experts call
+    `tokamax.ragged_dot`, which this provider intercepts too and sends to
+    kernels/quantized_grouped_matmul.py: the quantized operands go to tokamax's kernel, with a
+    straight-through backward.
+
+    Either way the experts run per device (layers/moe.py): the tokens vary over the
+    data-parallel mesh axes while the gathered weights do not. A plain ragged_dot lets jax mark
+    the weights varying implicitly, and the transpose of that mark sums their gradient over
+    those axes. A quantized ragged_dot is a custom_vjp, whose backward must return a gradient
+    of its input's type, so the mark is made here, before it: the gradient comes back varying
+    and the explicit pcast's transpose sums it, as in the float model.
 
     Qwix's quantized ragged_dot also needs both operands quantized; a weight-only rule
-    (w4a16-serving) is handled here by fake-quantizing the weights, per expert and output
-    channel as Qwix would, with a straight-through gradient.
+    (w4a16-serving) on the xla path is handled here by fake-quantizing the weights, per expert
+    and output channel as Qwix would, with a straight-through gradient.
     """
+
+    def get_intercept_map(self):
+        return super().get_intercept_map() | {"tokamax.ragged_dot": self.tokamax_ragged_dot}
 
     def ragged_dot(self, lhs, rhs, group_sizes, *args, **kwargs):
         rule, _ = self._get_current_rule_and_op_id("ragged_dot", only_rule=True)
@@ -122,21 +123,34 @@ class _QtProvider(qwix.QtProvider):
             )
             rhs = rhs + jax.lax.stop_gradient(qwix.dequantize(q) - rhs)
             return jax.lax.ragged_dot(lhs, rhs, group_sizes, *args, **kwargs)
-        lhs_axes = jax.typeof(lhs).manual_axis_type.varying
-        rhs_axes = jax.typeof(rhs).manual_axis_type.varying
-        if rhs_axes - lhs_axes:
-            lhs = jax.lax.pcast(lhs, tuple(rhs_axes - lhs_axes), to="varying")
-        if lhs_axes - rhs_axes:
-            rhs = jax.lax.pcast(rhs, tuple(lhs_axes - rhs_axes), to="varying")
-        return super().ragged_dot(lhs, rhs, group_sizes, *args, **kwargs)
+        return super().ragged_dot(*_same_varying_axes(lhs, rhs), group_sizes, *args, **kwargs)
+
+    def tokamax_ragged_dot(self, lhs, rhs, group_sizes, *, preferred_element_type=None):
+        rule, _ = self._get_current_rule_and_op_id("ragged_dot", only_rule=True)
+        if rule is None or rule.weight_qtype is None:
+            return tokamax.ragged_dot(
+                lhs, rhs, group_sizes, preferred_element_type=preferred_element_type
+            )
+        quant = GroupedMatmulQuant(
+            weight_qtype=rule.weight_qtype,
+            act_qtype=rule.act_qtype,
+            bwd_qtype=rule.bwd_qtype,
+            weight_calibration=rule.weight_calibration_method,
+            act_calibration=rule.act_calibration_method,
+        )
+        lhs, rhs = _same_varying_axes(lhs, rhs)
+        return quantized_ragged_dot(lhs, rhs, group_sizes, quant, preferred_element_type)
 
 
-def first_rule(active: Iterable[QuantRule], path: str, op_name: str) -> QuantRule | None:
-    """The rule Qwix applies to `op_name` called from the module at `path` (first match)."""
-    for rule in active:
-        if _fullmatch(rule.module_path, path) and (not rule.op_names or op_name in rule.op_names):
-            return rule
-    return None
+def _same_varying_axes(lhs: jax.Array, rhs: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """lhs and rhs marked varying over the union of the manual mesh axes either varies over."""
+    lhs_axes = jax.typeof(lhs).manual_axis_type.varying
+    rhs_axes = jax.typeof(rhs).manual_axis_type.varying
+    if rhs_axes - lhs_axes:
+        lhs = jax.lax.pcast(lhs, tuple(rhs_axes - lhs_axes), to="varying")
+    if lhs_axes - rhs_axes:
+        rhs = jax.lax.pcast(rhs, tuple(lhs_axes - rhs_axes), to="varying")
+    return lhs, rhs
 
 
 def _fullmatch(pattern: str, path: str) -> bool:

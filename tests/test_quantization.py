@@ -16,7 +16,7 @@ from flax import nnx
 from maxtrain import models
 from maxtrain.checkpointing import integrity
 from maxtrain.checkpointing.export import save_parameters
-from maxtrain.config import CONFIGS_DIR, ConfigError, to_yaml
+from maxtrain.config import CONFIGS_DIR, to_yaml
 from maxtrain.quantization import matmul_dtypes
 from maxtrain.state import model_def
 from maxtrain.train import _with_rules, build_trainer, data_streams, main, run
@@ -102,21 +102,44 @@ def test_experts_multiply_int8_operands_forward_and_backward(make_cfg):
     assert {dtypes for _, dtypes in float_ragged} == {("float32", "float32")}
 
 
-def test_quantized_expert_gradients_match_float_on_an_8_device_mesh(make_cfg):
+def _expert_grads(make_cfg, *overrides):
+    """The experts' weight gradients of tiny-moe on an 8-device fsdp mesh (shard_map experts)."""
+    cfg = make_cfg("model_name=tiny-moe", "mesh.fsdp=8", *overrides)
+    trainer = build_trainer(cfg)
+    fn = functools.partial(summed_grads, trainer.mdef, z_loss=0.0, moe=cfg.model.moe)
+    batch = jax.device_put(_batch(cfg, seed=1), trainer.batch_sharding)
+    out, _ = jax.jit(_with_rules(fn, trainer.mesh, cfg))(trainer.state.params, batch)
+    return {proj: out["moe_layers"]["moe"][proj]["kernel"] for proj in ("gate", "up", "down")}
+
+
+def _relative(got, ref) -> float:
+    return float(jnp.linalg.norm(got - ref) / jnp.linalg.norm(ref))
+
+
+@pytest.mark.parametrize("gmm", ["xla", "tokamax"])
+def test_quantized_expert_gradients_match_float_on_an_8_device_mesh(make_cfg, gmm):
     """Experts run per device under shard_map: their weight gradient must still be summed over
     the data-parallel devices (quantization.py _QtProvider). Unsummed, it would be about 1/8 of
-    the float gradient; summed, int8 is within 5% of it (measured: 1.5% for gate, up and down)."""
-    grads = {}
-    for name, extra in (("float", ()), ("int8", (EXPERTS_INT8,))):
-        cfg = make_cfg("model_name=tiny-moe", "mesh.fsdp=8", *extra)
-        trainer = build_trainer(cfg)
-        fn = functools.partial(summed_grads, trainer.mdef, z_loss=0.0, moe=cfg.model.moe)
-        batch = jax.device_put(_batch(cfg, seed=1), trainer.batch_sharding)
-        out, _ = jax.jit(_with_rules(fn, trainer.mesh, cfg))(trainer.state.params, batch)
-        grads[name] = out["moe_layers"]["moe"]
-    for proj in ("gate", "up", "down"):
-        ref, got = grads["float"][proj]["kernel"], grads["int8"][proj]["kernel"]
-        assert float(jnp.linalg.norm(got - ref) / jnp.linalg.norm(ref)) < 0.05
+    the float gradient; summed, int8 is close to it. Measured: xla (Qwix's ragged_dot, one
+    weight scale per output channel) 1.5%; tokamax (kernels/quantized_grouped_matmul.py, one
+    per expert and output channel) 3.9-4.5%, as much as weight-only int8 on either path: the
+    gap is which top-k choices the quantized layers flip, not the path. Above 0.1%: the experts
+    really were quantized, not left float."""
+    ref = _expert_grads(make_cfg, f"model.moe.grouped_matmul={gmm}")
+    got = _expert_grads(make_cfg, f"model.moe.grouped_matmul={gmm}", EXPERTS_INT8)
+    for proj in ref:
+        assert 1e-3 < _relative(got[proj], ref[proj]) < 0.08, proj
+
+
+def test_tokamax_and_xla_paths_quantize_weight_only_experts_identically(make_cfg):
+    """A weight-only rule takes the same numbers through both grouped-matmul paths (int8
+    weights per expert and output channel, straight-through gradient), so the tokamax path's
+    custom VJP must reproduce the xla path's gradients."""
+    rule = EXPERTS_INT8.replace(", act_qtype: int8, bwd_qtype: int8", "")
+    xla = _expert_grads(make_cfg, "model.moe.grouped_matmul=xla", rule)
+    tok = _expert_grads(make_cfg, "model.moe.grouped_matmul=tokamax", rule)
+    for proj in xla:
+        np.testing.assert_allclose(tok[proj], xla[proj], rtol=1e-5, atol=1e-7, err_msg=proj)
 
 
 def _train(cfg, steps):
@@ -234,19 +257,3 @@ def _check_ptq_output(out, qtype):
     assert len(report["relative_error"]["moe_layers/moe/up/kernel"]) == layers
     assert report["bytes_after"] < report["bytes_before"]
     assert abs(report["eval_after"]["loss"] - report["eval_before"]["loss"]) < 0.05
-
-
-def test_experts_on_tokamax_are_refused_not_left_float(make_cfg):
-    """Qwix does not intercept tokamax's grouped matmul: quantizing experts that run through
-    it would silently train them in float, so the config is refused."""
-
-    tokamax_int8 = (
-        "model_name=tiny-moe",
-        "model.moe.grouped_matmul=tokamax",
-        "quantization.preset=int8",
-    )
-
-    with pytest.raises(ConfigError, match="tokamax's grouped matmul, which Qwix does not"):
-        model_def(make_cfg(*tokamax_int8))
-    no_experts = "quantization.rules=[{module_path: moe_layers/moe, op_names: [ragged_dot]}]"
-    model_def(make_cfg(*tokamax_int8, no_experts))  # the fix the message suggests
