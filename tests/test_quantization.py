@@ -116,25 +116,24 @@ def _relative(got, ref) -> float:
     return float(jnp.linalg.norm(got - ref) / jnp.linalg.norm(ref))
 
 
-@pytest.mark.parametrize("gmm", ["xla", "tokamax"])
-def test_quantized_expert_gradients_match_float_on_an_8_device_mesh(make_cfg, gmm):
+def test_quantized_expert_gradients_match_float_on_an_8_device_mesh(make_cfg):
     """Experts run per device under shard_map: their weight gradient must still be summed over
     the data-parallel devices (quantization.py _QtProvider). Unsummed, it would be about 1/8 of
-    the float gradient; summed, int8 is close to it. Measured: xla (Qwix's ragged_dot, one
-    weight scale per output channel) 1.5%; tokamax (kernels/quantized_grouped_matmul.py, one
-    per expert and output channel) 3.9-4.5%, as much as weight-only int8 on either path: the
-    gap is which top-k choices the quantized layers flip, not the path. Above 0.1%: the experts
-    really were quantized, not left float."""
-    ref = _expert_grads(make_cfg, f"model.moe.grouped_matmul={gmm}")
-    got = _expert_grads(make_cfg, f"model.moe.grouped_matmul={gmm}", EXPERTS_INT8)
+    the float gradient; summed, int8 is within 5% of it (measured: 1.5% for gate, up and down;
+    the tokamax path measured 3.9-4.5%, as much as weight-only int8 on either path, since the
+    gap is which top-k choices the quantized layers flip). Above 0.1%: the experts really were
+    quantized, not left float."""
+    ref = _expert_grads(make_cfg)
+    got = _expert_grads(make_cfg, EXPERTS_INT8)
     for proj in ref:
-        assert 1e-3 < _relative(got[proj], ref[proj]) < 0.08, proj
+        assert 1e-3 < _relative(got[proj], ref[proj]) < 0.05, proj
 
 
 def test_tokamax_and_xla_paths_quantize_weight_only_experts_identically(make_cfg):
     """A weight-only rule takes the same numbers through both grouped-matmul paths (int8
     weights per expert and output channel, straight-through gradient), so the tokamax path's
-    custom VJP must reproduce the xla path's gradients."""
+    custom VJP (kernels/quantized_grouped_matmul.py), run per device under shard_map, must
+    reproduce the xla path's gradients, their sum over the data-parallel devices included."""
     rule = EXPERTS_INT8.replace(", act_qtype: int8, bwd_qtype: int8", "")
     xla = _expert_grads(make_cfg, "model.moe.grouped_matmul=xla", rule)
     tok = _expert_grads(make_cfg, "model.moe.grouped_matmul=tokamax", rule)
@@ -256,4 +255,6 @@ def _check_ptq_output(out, qtype):
     report = json.loads((out / "report.json").read_text())
     assert len(report["relative_error"]["moe_layers/moe/up/kernel"]) == layers
     assert report["bytes_after"] < report["bytes_before"]
+    # On disk too, metadata included (measured: int8 0.39x, int4 0.28x of the float bytes).
+    assert report["disk_bytes"] < 0.5 * report["bytes_before"]
     assert abs(report["eval_after"]["loss"] - report["eval_before"]["loss"]) < 0.05

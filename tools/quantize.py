@@ -8,8 +8,9 @@ on. Every matmul kernel (attention, MLP, experts, lm_head; not the router, embed
 is stored as {qvalue: int8/int4, scale: float32}, one scale per output channel, layer and
 expert (maxtrain/quantization.py quantize_params). DIR is a parameters-only checkpoint
 (`save_parameters`), plus DIR/report.json: the relative L2 error of every kernel per layer, the
-held-out loss before and after (the float model run on the dequantized weights), and the bytes
-of the parameters before and after. Mistakes print one line and exit 2.
+held-out loss before and after (the float model run on the dequantized weights), the bytes of
+the parameters before and after, and the bytes DIR takes on disk. Mistakes print one line and
+exit 2.
 """
 
 from __future__ import annotations
@@ -92,13 +93,14 @@ def main(argv: list[str]) -> int:
     except (ConfigError, CheckpointError, DataError) as e:
         print(f"quantize: error: {e}", file=sys.stderr)
         return 2
+    report["disk_bytes"] = sum(f.stat().st_size for f in Path(step_dir).rglob("*") if f.is_file())
     (Path(args.output) / "report.json").write_text(json.dumps(report, indent=2))
     for path, per_layer in errors.items():
         print(f"{path:32s} relative error mean {np.mean(per_layer):.4f} max {max(per_layer):.4f}")
     print(
         f"quantize: wrote {step_dir} ({args.qtype}): eval loss {before['loss']:.4f} -> "
         f"{after['loss']:.4f}, parameters {report['bytes_before']:,} -> "
-        f"{report['bytes_after']:,} bytes"
+        f"{report['bytes_after']:,} bytes ({report['disk_bytes']:,} on disk)"
     )
     return 0
 
