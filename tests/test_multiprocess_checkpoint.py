@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -264,6 +265,34 @@ def test_a_dead_peer_stops_the_survivor_in_bounded_time_and_both_resume(
     assert_ok(resumed)
     assert "resumed at step " in resumed[0][1]
     assert losses(run_dir) == losses(straight)
+
+
+def test_a_truncated_local_step_is_set_aside_and_the_previous_one_resumes_bit_exact(
+    tmp_path, straight, jax_cache
+):
+    """The newest local step (16) of replica 1 loses a byte of its largest file after the
+    commit (a bad disk), and the persistent tier has nothing newer: both processes agree on
+    step 12, the bad copy is moved aside with a line saying why, and steps 13-16 come out
+    bit-identical to the uninterrupted run's."""
+    run_dir = tmp_path / "run"
+    shutil.copytree(straight, run_dir)
+    ckpts = run_dir / "checkpoints"
+    shutil.rmtree(ckpts / "persistent" / str(STEPS))
+    newest = ckpts / "local" / "process_1" / str(STEPS)
+    largest = max((f for f in newest.rglob("*") if f.is_file()), key=lambda f: f.stat().st_size)
+    os.truncate(largest, largest.stat().st_size - 1)
+
+    resumed = launch(run_dir, jax_cache)
+    assert_ok(resumed)
+    out = resumed[0][1]
+    said = re.search(
+        rf"checkpoint step {STEPS} in (\S+) is incomplete or corrupt: (.*); using step 12", out
+    )
+    assert said and said[1].endswith("process_1"), out[-3000:]  # process 0 speaks for both
+    assert "restored step 12 from the local tier of replica 1" in out, out[-3000:]
+    assert local_steps(run_dir, 1) == [12, STEPS]  # the bad 16 aside, a good one saved again
+    assert losses(run_dir) == losses(straight)
+    assert_same_params(final_params(run_dir), final_params(straight))
 
 
 @pytest.mark.parametrize("dcn", [False, True], ids=["one-slice", "two-slices-over-dcn"])
