@@ -176,7 +176,14 @@ _MATMULS = frozenset({"dot_general", "ragged_dot_general", "ragged_dot"})
 
 def matmul_dtypes(fn: Callable[..., Any], *args: Any) -> collections.Counter:
     """How often each (primitive, operand dtypes) matmul occurs in fn's traced program,
-    nested programs (scan, remat, shard_map, custom_vjp) included: what actually multiplies."""
+    nested programs (scan, remat, shard_map, custom_vjp) included: what actually multiplies.
+
+    A Pallas kernel (tokamax's attention and grouped matmul on GPU/TPU) counts as one entry,
+    `pallas_call <kernel name>`, with the dtypes of its first two matrix operands: what the
+    kernel is handed, e.g. int8 weights for the quantized grouped matmul. Its body is not
+    searched, since how a kernel multiplies inside is its own business (H100's quantized
+    grouped matmul scales its int8 weights to bf16 in registers).
+    """
     counts: collections.Counter = collections.Counter()
 
     def walk(jaxpr: jax.extend.core.Jaxpr) -> None:
@@ -184,6 +191,11 @@ def matmul_dtypes(fn: Callable[..., Any], *args: Any) -> collections.Counter:
             if eqn.primitive.name in _MATMULS:
                 dtypes = tuple(str(v.aval.dtype) for v in eqn.invars[:2])
                 counts[(eqn.primitive.name, dtypes)] += 1
+            elif eqn.primitive.name == "pallas_call":
+                matrices = [v for v in eqn.invars if getattr(v.aval, "ndim", 0) >= 2]
+                dtypes = tuple(str(v.aval.dtype) for v in matrices[:2])
+                counts[(f"pallas_call {eqn.params.get('name')}", dtypes)] += 1
+                continue
             for value in eqn.params.values():
                 for sub in value if isinstance(value, (tuple, list)) else (value,):
                     if isinstance(sub, jax.extend.core.ClosedJaxpr):

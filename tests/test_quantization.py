@@ -12,6 +12,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 from flax import nnx
+from jax.experimental import pallas as pl
 
 from maxtrain import models
 from maxtrain.checkpointing import integrity
@@ -100,6 +101,26 @@ def test_experts_multiply_int8_operands_forward_and_backward(make_cfg):
         k for k in grads(model_def(make_cfg("model_name=tiny-moe"))) if "ragged" in k[0]
     ]
     assert {dtypes for _, dtypes in float_ragged} == {("float32", "float32")}
+
+
+def test_a_pallas_kernel_is_reported_by_the_operands_it_is_handed():
+    """On GPU/TPU the hot matmuls run inside Pallas kernels (tokamax), whose bodies multiply in
+    their own way: the report names the kernel and the dtypes it receives (here int8 weights it
+    widens itself), and does not count the dot inside it as another matmul."""
+
+    def widen_and_multiply(x_ref, w_ref, o_ref):
+        o_ref[...] = jnp.dot(x_ref[...].astype(jnp.float32), w_ref[...].astype(jnp.float32))
+
+    def fn(x, w):
+        out = jax.ShapeDtypeStruct((8, 8), jnp.float32)
+        kernel = pl.pallas_call(widen_and_multiply, out_shape=out, interpret=True, name="qmm")
+        return kernel(x, w) @ w.astype(jnp.float32)
+
+    counts = matmul_dtypes(fn, jnp.ones((8, 8), jnp.bfloat16), jnp.ones((8, 8), jnp.int8))
+    assert counts == {
+        ("pallas_call qmm", ("bfloat16", "int8")): 1,
+        ("dot_general", ("float32", "float32")): 1,
+    }
 
 
 def _expert_grads(make_cfg, *overrides):
