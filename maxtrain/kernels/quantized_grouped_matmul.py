@@ -2,8 +2,9 @@
 
 On GPU/TPU the experts run through ``tokamax.ragged_dot`` (grouped_matmul.py), which Qwix does
 not intercept. Tokamax does accept Qwix ``QArray`` operands, and picks the kernel that reads
-them: on H100 one that streams int8/fp8/int4 weights and multiplies them with bf16 activations
-(a quantized activation is dequantized first; on B200 it can multiply both quantized). What it
+them (per its source; not yet run here): on H100 one that streams int8/fp8/int4 weights and
+scales them to bf16 in registers (a quantized activation is dequantized first; on B200 it can
+multiply both quantized), falling back to its XLA implementation where no kernel fits. What it
 cannot do is train: its gradient runs through the quantizer's rounding, and the weight gradient
 comes out wrong (measured on CPU: 106% relative error against the straight-through one).
 
