@@ -358,6 +358,11 @@ class QuantRule(_Section):
                     f"quantization.rules: {name} {getattr(self, name)!r} is not one of "
                     "absmax[,scale], minmax[,scale], rms,scale, fixed,min,max"
                 )
+        if self.tile_size is not None and self.op_names == ["ragged_dot"]:
+            raise ValueError(
+                "quantization.rules: tile_size does not apply to ragged_dot (the experts take "
+                "one scale per expert and output channel); drop it or add einsum/dot_general"
+            )
         return self
 
 

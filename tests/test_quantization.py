@@ -226,6 +226,11 @@ def test_quantized_run_starts_from_a_float_checkpoint_and_resumes_exactly(make_c
             "weight_calibration 'maxabs' is not one of",
         ),
         ("quantization.preset=int16", "config key 'quantization.preset'"),
+        (
+            "quantization.rules=[{module_path: moe_layers/moe, op_names: [ragged_dot], "
+            "weight_qtype: int8, tile_size: 128}]",
+            "tile_size does not apply to ragged_dot",
+        ),
     ],
 )
 def test_bad_quantization_config_exits_2_with_one_line(tmp_path, capsys, override, msg):
