@@ -4,7 +4,7 @@
 #   docker build --target cpu  -t maxtrain:cpu  .    # CPU only (what CI tests)
 # Run: docker run --rm [--gpus all | --privileged --net=host] maxtrain:<target> CONFIG.yml key=value ...
 # The repository is installed in editable mode because configs/ and recipes/ are read from the
-# checkout (maxtrain/config.py resolves them relative to the package).
+# checkout (maxtrain/config/loading.py resolves them relative to the package).
 
 FROM python:3.12-slim AS base
 ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1
