@@ -6,7 +6,8 @@ Writes the model's freshly initialised float parameters with `save_parameters` (
 `tools/convert_hf.py` and `tools/quantize.py` write too), then runs `tools/quantize.py` on them
 once per qtype and prints one JSON line per checkpoint: its bytes on disk, the parameters'
 bytes in memory and the held-out loss before and after (synthetic data: at initialisation
-only the change means anything). DIR (default: a temporary directory) is removed afterwards.
+only the change means anything). DIR (new; default: a temporary directory) is removed
+afterwards. Mistakes print one line and exit 2.
 """
 
 from __future__ import annotations
@@ -27,21 +28,32 @@ from flax import nnx  # noqa: E402
 from maxtrain import config as config_lib  # noqa: E402
 from maxtrain import models  # noqa: E402
 from maxtrain.checkpointing.export import save_parameters  # noqa: E402
+from maxtrain.config import ConfigError  # noqa: E402
 
 
 def disk_bytes(directory: Path) -> int:
     return sum(f.stat().st_size for f in Path(directory).rglob("*") if f.is_file())
 
 
-def main(argv: list[str]) -> None:
+def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default="qwen3-0.6b", help="a preset in configs/models")
-    parser.add_argument("--qtypes", nargs="+", default=["int8", "int4"])
-    parser.add_argument("--dir", help="where to write (default: a temporary directory)")
+    parser.add_argument("--qtypes", nargs="+", choices=("int8", "int4"), default=["int8", "int4"])
+    parser.add_argument("--dir", help="a new directory to write in (default: a temporary one)")
     args = parser.parse_args(argv)
 
     overrides = [f"model_name={args.model}", "data.kind=synthetic"]
-    cfg = config_lib.load(config_lib.CONFIGS_DIR / "base.yml", overrides)
+    try:
+        cfg = config_lib.load(config_lib.CONFIGS_DIR / "base.yml", overrides)
+    except ConfigError as e:
+        print(f"benchmark_ptq: error: {e}", file=sys.stderr)
+        return 2
+    if args.dir and Path(args.dir).exists():  # it is removed afterwards: never someone's files
+        print(
+            f"benchmark_ptq: error: {args.dir} already exists; name a new directory",
+            file=sys.stderr,
+        )
+        return 2
     params = nnx.to_pure_dict(nnx.state(models.build(cfg.model), nnx.Param))
     root = Path(args.dir or tempfile.mkdtemp(prefix="benchmark_ptq-"))
     try:
@@ -54,7 +66,7 @@ def main(argv: list[str]) -> None:
         del params
         for qtype in args.qtypes:
             out = root / qtype
-            subprocess.run(
+            quantize = subprocess.run(
                 [
                     sys.executable,
                     str(ROOT / "tools" / "quantize.py"),
@@ -69,9 +81,10 @@ def main(argv: list[str]) -> None:
                     str(out),
                     f"--qtype={qtype}",
                 ],  # fmt: skip
-                check=True,
                 stdout=subprocess.DEVNULL,
             )
+            if quantize.returncode:  # it printed why
+                return quantize.returncode
             report = json.loads((out / "report.json").read_text())
             line = {"model": args.model, "qtype": qtype}
             line |= {k: report[k] for k in ("disk_bytes", "bytes_before", "bytes_after")}
@@ -80,7 +93,8 @@ def main(argv: list[str]) -> None:
             print(json.dumps(line))
     finally:
         shutil.rmtree(root, ignore_errors=True)
+    return 0
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    sys.exit(main(sys.argv[1:]))
