@@ -141,6 +141,13 @@ def logical_to_spec(
     return P(*spec)
 
 
+def spec_axes(part: str | tuple[str, ...] | None) -> tuple[str, ...]:
+    """The mesh axes one entry of a PartitionSpec names (None: none)."""
+    if part is None:
+        return ()
+    return (part,) if isinstance(part, str) else tuple(part)
+
+
 def batch_degree(rules: dict[str, list[str]], mesh: Mesh) -> int:
     """How many ways the batch dimension is split (data-parallel degree)."""
     return math.prod(mesh.shape[a] for a in rules.get("batch", []))

@@ -22,6 +22,7 @@ from typing import IO, Any
 import numpy as np
 
 from maxtrain.config import ModelConfig
+from maxtrain.models.stacks import is_moe_per_layer
 
 # ---- FLOP counting ------------------------------------------------------------------------
 
@@ -66,7 +67,8 @@ def matmul_params(model: ModelConfig) -> int:
     matmuls.
     """
     ffn = sum(
-        active_moe_params(model) if is_moe else mlp_params(model) for is_moe in model.moe_layers
+        active_moe_params(model) if is_moe else mlp_params(model)
+        for is_moe in is_moe_per_layer(model)
     )
     return model.num_layers * attention_proj_params(model) + ffn + head_params(model)
 

@@ -1,13 +1,11 @@
 """The train state (step, params, optimizer state), created directly in its sharded layout.
 
-Parameters are kept as a plain nested dict of arrays (`nnx.to_pure_dict`): what optax, Orbax
-and the checkpoint converters all handle natively. The model's graph definition and logical
-axis metadata are kept beside it to rebuild the module inside jit.
+Parameters are a plain nested dict of arrays (see models/definition.py); their shardings come
+from each parameter's logical axes and the config's mesh rules.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 import jax
@@ -17,9 +15,10 @@ from flax import nnx, struct
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from maxtrain import models, quantization
+from maxtrain import models
 from maxtrain.config import Config
 from maxtrain.mesh import logical_to_spec
+from maxtrain.models import ModelDef, model_def
 
 
 @struct.dataclass
@@ -27,28 +26,6 @@ class TrainState:
     step: jax.Array
     params: Any
     opt_state: Any
-
-
-@dataclass(frozen=True)
-class ModelDef:
-    """Everything needed to run the model on a params dict inside jit."""
-
-    graphdef: nnx.GraphDef
-    abstract_state: nnx.State  # nnx.Param tree with shapes and logical-axis metadata
-
-    def apply(self, params: Any, tokens, positions, segment_ids) -> tuple[jax.Array, dict]:
-        """Returns (logits, router statistics of the MoE layers; {} for a dense model)."""
-        state = jax.tree.map(lambda v: v, self.abstract_state)  # a fresh copy to fill
-        nnx.replace_by_pure_dict(state, params)
-        return nnx.merge(self.graphdef, state)(tokens, positions, segment_ids)
-
-
-def model_def(cfg: Config) -> ModelDef:
-    """The model to run; with `quantization:` set, its matmuls quantized (quantization.py).
-    Quantization changes only the graph definition: the params are the float model's."""
-    model = quantization.quantize(models.abstract(cfg.model), cfg.quantization)
-    graphdef, abstract_state = nnx.split(model)
-    return ModelDef(graphdef, abstract_state)
 
 
 def param_shardings(mdef: ModelDef, cfg: Config, mesh: Mesh) -> Any:

@@ -23,8 +23,8 @@ import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding
 
+from maxtrain import cache, distributed, optim
 from maxtrain import config as config_lib
-from maxtrain import distributed, optim
 from maxtrain import metrics as metrics_lib
 from maxtrain.checkpointing import Checkpointer, CheckpointError, open_checkpointer
 from maxtrain.config import Config, ConfigError
@@ -32,7 +32,8 @@ from maxtrain.data import batch_sharding, to_global
 from maxtrain.data.errors import DataError
 from maxtrain.data.pipeline import STREAMS, EvalStream
 from maxtrain.mesh import batch_degree, build_mesh, sharding_rules
-from maxtrain.state import ModelDef, TrainState, init_state
+from maxtrain.models import ModelDef
+from maxtrain.state import TrainState, init_state
 from maxtrain.train_step import eval_step, train_step
 from maxtrain.transforms.initialize import initial_params
 
@@ -102,7 +103,6 @@ def build_trainer(cfg: Config, devices: list[jax.Device] | None = None) -> Train
         lr_schedule=lr_schedule,
         grad_accum_steps=cfg.train.grad_accum_steps,
         z_loss=cfg.train.z_loss,
-        moe=cfg.model.moe,
         skip_nonfinite=cfg.train.on_nonfinite == "skip",
     )
     step_fn = jax.jit(
@@ -247,6 +247,7 @@ def _check_finite(
 def run(cfg: Config) -> dict[str, Any]:
     """Trains per the config; returns the final metrics summary (also written to the run dir)."""
     distributed.initialize(cfg.distributed)  # before anything touches devices
+    cache.enable_compilation_cache(cfg.run.compilation_cache_dir)
     # Config and data mistakes surface in these two calls, before anything is written.
     trainer = build_trainer(cfg)
     train_batches, eval_streams = data_streams(cfg)
@@ -310,8 +311,10 @@ def _train(trainer: Trainer, ckpt: Checkpointer | None, train_batches, eval_stre
 
             if step % cfg.train.log_every == 0 or step == cfg.train.steps or stopping:
                 fetched = jax.device_get(step_metrics)
-                if "moe/load" in fetched:  # per layer and expert: histograms, not scalars
-                    writer.write_histograms(step, {"moe/load": fetched.pop("moe/load")}, "train")
+                # Arrays (e.g. moe/load, per layer and expert) are histograms, not scalars.
+                arrays = {k: fetched.pop(k) for k in list(fetched) if np.ndim(fetched[k]) > 0}
+                if arrays:
+                    writer.write_histograms(step, arrays, "train")
                 fetched = {k: float(v) for k, v in fetched.items()}
                 elapsed = time.perf_counter() - window_start  # device_get above synchronised
                 step_time = elapsed / window_steps

@@ -19,7 +19,8 @@ SEGMENT_IDS = np.array(
 
 
 # Jitted once per implementation: eager op-by-op dispatch is several times slower on CPU.
-_attention = jax.jit(attn.attention, static_argnames="implementation")
+def _attention(q, k, v, seg, *, implementation: str) -> jax.Array:
+    return jax.jit(attn.attention_kernel(implementation))(q, k, v, seg)
 
 
 def _qkv(seed: int = 0) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -88,15 +89,18 @@ def test_tokamax_k_start_path_matches_reference_forward_and_grad(impl):
 
 def test_auto_resolves_to_xla_on_cpu_and_unknown_names_raise():
     assert jax.default_backend() == "cpu"
-    assert attn.resolve_implementation("auto") == "xla"
-    assert attn.resolve_implementation("triton") == "triton"
+    assert attn.attention_implementation("auto") == "xla"
+    assert attn.attention_kernel("auto") is attn.reference_attention
+    assert attn.attention_implementation("triton") == "triton"
     with pytest.raises(ValueError, match="valid: .*xla.*tokamax_xla"):
-        attn.resolve_implementation("flash")
-    q, k, v = _qkv()
+        attn.attention_implementation("flash")
     with pytest.raises(ValueError, match="'flash'"):
-        attn.attention(q, k, v, jnp.asarray(SEGMENT_IDS), implementation="flash")
+        attn.attention_kernel("flash")
+    # A GPU/TPU kernel can be picked on CPU (a dry run builds the model) but not run.
+    mosaic = attn.attention_kernel("mosaic")
+    q, k, v = _qkv()
     with pytest.raises(NotImplementedError, match="gpu or tpu"):
-        attn.attention(q, k, v, jnp.asarray(SEGMENT_IDS), implementation="mosaic")
+        mosaic(q, k, v, jnp.asarray(SEGMENT_IDS))
 
 
 def test_segment_starts():

@@ -28,7 +28,8 @@ from maxtrain.checkpointing import (
 )
 from maxtrain.checkpointing.emergency import choose
 from maxtrain.mesh import build_mesh, sharding_rules
-from maxtrain.state import TrainState, model_def, state_shardings
+from maxtrain.models import model_def
+from maxtrain.state import TrainState, state_shardings
 
 
 def random_state(cfg, devices=None, seed=0) -> TrainState:

@@ -188,6 +188,18 @@ def test_cli_import_trains_from_and_exports_back(tmp_path, capsys):
     assert_same_tensors(out, case)
 
 
+def test_import_and_export_do_not_depend_on_training_settings(tmp_path):
+    """A context shorter than configs/base.yml's train.seq_len (128) is the model's business,
+    not a reason to refuse the import (it was: "train.seq_len (128) exceeds model.max_seq_len")."""
+    case = Path(shutil.copytree(FIXTURES / "llama_gqa_untied_sharded", tmp_path / "in"))
+    edit_config(case, max_position_embeddings=64)
+    ckpt, out = tmp_path / "ckpt", tmp_path / "hf"
+    assert cli.main(["import", "--hf-dir", str(case), "--output", str(ckpt)]) == 0
+    assert yaml.safe_load((ckpt / convert_lib.MODEL_YAML).read_text())["max_seq_len"] == 64
+    assert cli.main(["export", "--checkpoint", str(ckpt), "--output", str(out)]) == 0
+    assert json.loads((out / "config.json").read_text())["max_position_embeddings"] == 64
+
+
 def test_tool_script_runs(tmp_path):
     result = subprocess.run(
         [

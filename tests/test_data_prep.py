@@ -20,7 +20,7 @@ import pytest
 from array_record.python.array_record_module import ArrayRecordWriter
 
 from maxtrain.config import REPO_ROOT
-from maxtrain.data import embedded
+from maxtrain.corpora import embedded
 from maxtrain.data.errors import DataError
 from maxtrain.data.readers import DocumentReader
 from maxtrain.data.shards import (

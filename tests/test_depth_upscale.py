@@ -32,7 +32,8 @@ def init_params(cfg: config_lib.Config) -> dict:
 
 def layer(params: dict, cfg: config_lib.Config, i: int) -> dict:
     """Model layer i's parameters, found by counting (independently of the transforms' code)."""
-    kinds = cfg.model.moe_layers
+    m = cfg.model.moe
+    kinds = [m is not None and m.is_moe_layer(j) for j in range(cfg.model.num_layers)]
     position = sum(kind == kinds[i] for kind in kinds[:i])
     stack = params["moe_layers" if kinds[i] else "layers"]
     return jax.tree.map(lambda a: a[position], stack)

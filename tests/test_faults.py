@@ -13,7 +13,7 @@ from flax import nnx
 
 from maxtrain import config as config_lib
 from maxtrain.checkpointing import load_parameters
-from maxtrain.state import model_def
+from maxtrain.models import model_def
 
 TINY = [
     "model_name=tiny",

@@ -2,7 +2,7 @@
 
 import pytest
 
-from maxtrain import memory
+from maxtrain.analysis import memory
 from maxtrain.data import to_global
 from maxtrain.train import build_trainer, data_streams
 

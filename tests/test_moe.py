@@ -13,11 +13,11 @@ from maxtrain import config as config_lib
 from maxtrain import metrics, models
 from maxtrain.config import ConfigError
 from maxtrain.data import to_global
-from maxtrain.kernels.grouped_matmul import grouped_matmul
+from maxtrain.kernels.grouped_matmul import xla_grouped_matmul
 from maxtrain.layers import moe_dispatch
 from maxtrain.layers.moe import MoE, router_stats
 from maxtrain.mesh import build_mesh, sharding_rules
-from maxtrain.models.decoder import layer_runs
+from maxtrain.models.stacks import is_moe_per_layer, layer_runs
 from maxtrain.train import build_trainer, data_streams, run
 
 D, E, K, F = 16, 8, 2, 12
@@ -75,7 +75,7 @@ def test_grouped_matmul_multiplies_each_row_by_its_groups_matrix():
     x = jax.random.normal(jax.random.key(0), (10, 4))
     w = jax.random.normal(jax.random.key(1), (3, 4, 5))
     sizes = jnp.array([4, 0, 3])  # rows 7..9 belong to no group
-    out = grouped_matmul(x, w, sizes, implementation="xla")
+    out = xla_grouped_matmul(x, w, sizes)
     group = np.repeat([0, 1, 2], np.asarray(sizes))
     expected = np.stack([np.asarray(x[r]) @ np.asarray(w[g]) for r, g in enumerate(group)])
     np.testing.assert_allclose(out[:7], expected, rtol=1e-5, atol=1e-5)
@@ -241,8 +241,8 @@ def test_layer_schedule_first_dense_then_every_second_layer():
             },
         }
     )
-    assert cfg.moe_layers == (False, False, False, True, False, True)
-    assert layer_runs(cfg.moe_layers) == [
+    assert is_moe_per_layer(cfg) == (False, False, False, True, False, True)
+    assert layer_runs(is_moe_per_layer(cfg)) == [
         (False, 0, 3),
         (True, 0, 1),
         (False, 3, 1),
@@ -266,7 +266,7 @@ def test_mixed_stack_gives_the_same_logits_scanned_and_unrolled(make_cfg):
         trainer = build_trainer(make_cfg(*overrides, f"model.scan_layers={scan}"))
         tokens = jnp.arange(64, dtype=jnp.int32).reshape(2, 32) % 256
         with sharding_rules(trainer.mesh, trainer.cfg.mesh.rules):
-            out, stats = jax.jit(trainer.mdef.apply)(
+            out, _, stats = jax.jit(trainer.mdef.apply)(
                 trainer.state.params,
                 tokens,
                 jnp.tile(jnp.arange(32), (2, 1)),

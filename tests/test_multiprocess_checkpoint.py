@@ -30,7 +30,8 @@ from test_pipeline_multiprocess import free_port
 from maxtrain import config as config_lib
 from maxtrain import optim
 from maxtrain.checkpointing import Checkpointer, integrity, load_parameters
-from maxtrain.state import TrainState, model_def
+from maxtrain.models import model_def
+from maxtrain.state import TrainState
 from maxtrain.train import run
 
 NUM_PROCESSES, STEPS, TIMEOUT_S = 2, 16, 150

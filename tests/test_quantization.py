@@ -1,4 +1,4 @@
-"""Quantized training from the config's `quantization:` section (maxtrain/quantization.py)."""
+"""Quantized training from the config's `quantization:` section (maxtrain/quantization/)."""
 
 import functools
 import json
@@ -15,11 +15,11 @@ from flax import nnx
 from jax.experimental import pallas as pl
 
 from maxtrain import models
+from maxtrain.analysis.program import matmul_dtypes
 from maxtrain.checkpointing import integrity
 from maxtrain.checkpointing.export import save_parameters
 from maxtrain.config import CONFIGS_DIR, to_yaml
-from maxtrain.quantization import matmul_dtypes
-from maxtrain.state import model_def
+from maxtrain.models import model_def
 from maxtrain.train import _with_rules, build_trainer, data_streams, main, run
 from maxtrain.train_step import summed_grads
 
@@ -65,8 +65,8 @@ def test_quantized_forward_is_close_to_float(make_cfg, model):
 
 def test_weight_only_int4_quantizes_the_experts(make_cfg):
     """Qwix's quantized ragged_dot needs a quantized activation; weight-only expert rules are
-    fake-quantized by maxtrain/quantization.py instead. A rule for the experts alone moves the
-    tiny-moe logits (measured 0.70%), and the gradient still flows to the experts."""
+    fake-quantized by maxtrain/quantization/training.py instead. A rule for the experts alone moves
+    the tiny-moe logits (measured 0.70%), and the gradient still flows to the experts."""
     rule = (
         "quantization.rules=[{module_path: moe_layers/moe, op_names: [ragged_dot], "
         "weight_qtype: int4}]"
@@ -127,7 +127,7 @@ def _expert_grads(make_cfg, *overrides):
     """The experts' weight gradients of tiny-moe on an 8-device fsdp mesh (shard_map experts)."""
     cfg = make_cfg("model_name=tiny-moe", "mesh.fsdp=8", *overrides)
     trainer = build_trainer(cfg)
-    fn = functools.partial(summed_grads, trainer.mdef, z_loss=0.0, moe=cfg.model.moe)
+    fn = functools.partial(summed_grads, trainer.mdef, z_loss=0.0)
     batch = jax.device_put(_batch(cfg, seed=1), trainer.batch_sharding)
     out, _ = jax.jit(_with_rules(fn, trainer.mesh, cfg))(trainer.state.params, batch)
     return {proj: out["moe_layers"]["moe"][proj]["kernel"] for proj in ("gate", "up", "down")}
@@ -139,9 +139,9 @@ def _relative(got, ref) -> float:
 
 def test_quantized_expert_gradients_match_float_on_an_8_device_mesh(make_cfg):
     """Experts run per device under shard_map: their weight gradient must still be summed over
-    the data-parallel devices (quantization.py _QtProvider). Unsummed, it would be about 1/8 of
-    the float gradient; summed, int8 is within 5% of it (measured: 1.5% for gate, up and down;
-    the tokamax path measured 3.9-4.5%, as much as weight-only int8 on either path, since the
+    the data-parallel devices (quantization/training.py _QtProvider). Unsummed, it would be about
+    1/8 of the float gradient; summed, int8 is within 5% of it (measured: 1.5% for gate, up and
+    down; the tokamax path measured 3.9-4.5%, as much as weight-only int8 on either path, since the
     gap is which top-k choices the quantized layers flip). Above 0.1%: the experts really were
     quantized, not left float."""
     ref = _expert_grads(make_cfg)

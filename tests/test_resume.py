@@ -20,7 +20,7 @@ from flax import nnx
 
 from maxtrain import config as config_lib
 from maxtrain.checkpointing import load_parameters
-from maxtrain.state import model_def
+from maxtrain.models import model_def
 
 STEPS = 60
 ARGS = [

@@ -19,7 +19,7 @@ from maxtrain.checkpointing import load_parameters
 from maxtrain.checkpointing.export import save_parameters
 from maxtrain.config import ConfigError
 from maxtrain.mesh import build_mesh
-from maxtrain.state import model_def
+from maxtrain.models import model_def
 from maxtrain.train import data_streams, run
 from maxtrain.train_step import eval_step
 from maxtrain.transforms import cli, upcycle
@@ -43,7 +43,7 @@ def upcycled(params: dict, dense: config_lib.Config, moe: config_lib.Config, **o
 
 
 def forward(cfg: config_lib.Config):
-    """params -> (logits, router statistics) on one fixed batch, compiled once."""
+    """params -> (logits, auxiliary loss, router statistics) on one fixed batch, compiled once."""
     tokens = jax.random.randint(jax.random.key(0), (2, 32), 0, 256)
     positions, segment_ids = jnp.tile(jnp.arange(32), (2, 1)), jnp.ones_like(tokens)
     apply = jax.jit(model_def(cfg).apply)
@@ -87,8 +87,8 @@ def test_upcycled_model_computes_the_dense_function_at_step_0(make_cfg, variant)
         shape, nnx.to_pure_dict(model_def(moe).abstract_state)
     )
     assert sum(x.size for x in jax.tree.leaves(upcycled_params)) == models.param_count(moe.model)
-    want, _ = forward(dense)(params)
-    got, stats = forward(moe)(upcycled_params)
+    want, *_ = forward(dense)(params)
+    got, _, stats = forward(moe)(upcycled_params)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
     # The zero router chose experts 0..top_k-1 for every token: each slice exactly once.
     k = moe.model.moe.top_k
@@ -113,9 +113,9 @@ def test_experts_are_copies_of_the_dense_slices_and_noise_breaks_the_symmetry(ma
         assert not np.array_equal(w[:, 0], w[:, 4])  # two copies of slice 0 now differ
         relative = np.sqrt(np.mean((w - w0) ** 2) / np.mean(w0**2))
         assert 0.005 < relative < 0.02  # noise_std is relative to the weights' RMS
-    want, _ = forward(dense)(params)
+    want, *_ = forward(dense)(params)
     moe_forward = forward(moe)
-    got, _ = moe_forward(noisy)
+    got, *_ = moe_forward(noisy)
     assert 1e-4 < np.abs(got - want).max() < 0.1 * np.abs(want).max()
 
     routed = upcycled(params, dense, moe, router_init_std=0.02)

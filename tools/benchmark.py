@@ -24,9 +24,11 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 from maxtrain import config as config_lib  # noqa: E402
-from maxtrain import memory, metrics, models, quantization  # noqa: E402
+from maxtrain import metrics, models  # noqa: E402
+from maxtrain.analysis import memory  # noqa: E402
+from maxtrain.analysis.program import matmul_dtypes as traced_matmul_dtypes  # noqa: E402
 from maxtrain.data import to_global  # noqa: E402
-from maxtrain.kernels.grouped_matmul import resolve_implementation  # noqa: E402
+from maxtrain.kernels.grouped_matmul import grouped_matmul_implementation  # noqa: E402
 from maxtrain.mesh import axis_sizes  # noqa: E402
 from maxtrain.train import build_trainer, data_streams  # noqa: E402
 
@@ -43,7 +45,7 @@ def moe_settings(model: config_lib.ModelConfig) -> dict:
         return {}
     return {
         "experts": f"{model.moe.num_experts} top-{model.moe.top_k}",
-        "grouped_matmul": resolve_implementation(model.moe.grouped_matmul),
+        "grouped_matmul": grouped_matmul_implementation(model.moe.grouped_matmul),
         "moe_mode": "dropless" if model.moe.capacity_factor is None else "capacity",
     }
 
@@ -51,7 +53,7 @@ def moe_settings(model: config_lib.ModelConfig) -> dict:
 def matmul_dtypes(trainer, batch) -> dict[str, int]:
     """The operand dtypes of the train step's matmuls, forward and backward, with how often
     each occurs in the traced program: what quantization: really changed (and what not)."""
-    counts = quantization.matmul_dtypes(trainer.step_fn, trainer.state, batch)
+    counts = traced_matmul_dtypes(trainer.step_fn, trainer.state, batch)
     return {f"{op} {' x '.join(dtypes)}": n for (op, dtypes), n in sorted(counts.items())}
 
 
@@ -128,7 +130,7 @@ def main() -> int:
     parser.add_argument(
         "--dry-run",
         action="store_true",
-        help="run nothing: print the estimated memory per device (maxtrain/memory.py)",
+        help="run nothing: print the estimated memory per device (maxtrain/analysis/memory.py)",
     )
     parser.add_argument(
         "--devices", type=int, help="--dry-run: devices in the run (default: this host's)"

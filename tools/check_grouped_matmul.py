@@ -21,7 +21,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from check_kernels import rel_err, timed  # noqa: E402
 
-from maxtrain.kernels.grouped_matmul import grouped_matmul  # noqa: E402
+from maxtrain.kernels.grouped_matmul import IMPLEMENTATIONS  # noqa: E402
 
 
 def skewed_group_sizes(rows: int, experts: int, seed: int) -> np.ndarray:
@@ -39,16 +39,18 @@ def check(impl: str, M: int, E: int, K: int, N: int) -> dict:
     cot = jax.random.normal(keys[2], (M, N), jnp.bfloat16)
     sizes = jnp.asarray(skewed_group_sizes(M, E, 0))
 
-    def loss(impl, x, w):
-        out = grouped_matmul(x, w, sizes, implementation=impl)
+    grouped_matmul = IMPLEMENTATIONS[impl]
+
+    def loss(x, w):
+        out = grouped_matmul(x, w, sizes)
         return jnp.sum(out.astype(jnp.float32) * cot.astype(jnp.float32))
 
     def reference(x, w):  # float32, each row against its own expert's matrix
         groups = jnp.repeat(jnp.arange(E), sizes, total_repeat_length=M)
         return jnp.einsum("mk,mkn->mn", x.astype(jnp.float32), w.astype(jnp.float32)[groups])
 
-    forward = jax.jit(lambda x, w: grouped_matmul(x, w, sizes, implementation=impl))
-    both = jax.jit(jax.grad(lambda x, w: loss(impl, x, w), argnums=(0, 1)))
+    forward = jax.jit(lambda x, w: grouped_matmul(x, w, sizes))
+    both = jax.jit(jax.grad(loss, argnums=(0, 1)))
     ref_out = jax.jit(reference)(x, w)
     ref_grads = jax.jit(
         jax.grad(lambda x, w: jnp.sum(reference(x, w) * cot.astype(jnp.float32)), argnums=(0, 1))

@@ -20,7 +20,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from maxtrain.kernels.attention import attention, reference_attention  # noqa: E402
+from maxtrain.kernels.attention import attention_kernel, reference_attention  # noqa: E402
 
 
 def packed_segments(batch: int, seq: int, seed: int) -> np.ndarray:
@@ -58,7 +58,7 @@ def check(impl: str, B: int, T: int, N: int, K: int, H: int) -> dict:
     def loss(fn, q, k, v):
         return jnp.sum(fn(q, k, v, seg).astype(jnp.float32) * cot.astype(jnp.float32))
 
-    fast = lambda q, k, v, s: attention(q, k, v, s, implementation=impl)
+    fast = attention_kernel(impl)
     ref = lambda q, k, v, s: reference_attention(
         q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32), s
     )

@@ -6,7 +6,7 @@
 CONFIG (plus overrides) names the model the checkpoint holds and the held-out data to score it
 on. Every matmul kernel (attention, MLP, experts, lm_head; not the router, embedding or norms)
 is stored as {qvalue: int8/int4, scale: float32}, one scale per output channel, layer and
-expert (maxtrain/quantization.py quantize_params). DIR is a parameters-only checkpoint
+expert (maxtrain/quantization/ptq.py quantize_params). DIR is a parameters-only checkpoint
 (`save_parameters`), plus DIR/report.json: the relative L2 error of every kernel per layer, the
 held-out loss before and after (the float model run on the dequantized weights), the bytes of
 the parameters before and after, and the bytes DIR takes on disk. Mistakes print one line and

@@ -51,6 +51,10 @@ class MoeConfig(_Section):
     capacity_factor: float | None = Field(default=None, gt=0)
     grouped_matmul: Literal["auto", "xla", "tokamax"] = "auto"  # auto: tokamax on GPU/TPU
 
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether model layer `layer` (0-based) is a mixture of experts."""
+        return layer >= self.first_dense_layers and (layer + 1) % self.interval == 0
+
     @model_validator(mode="after")
     def _check_routing(self) -> MoeConfig:
         if self.top_k > self.num_experts:
@@ -60,7 +64,10 @@ class MoeConfig(_Section):
         return self
 
 
-class ModelConfig(_Section):
+class ModelArchitecture(_Section):
+    """The model itself: what its parameters' shapes and its function depend on. A model file
+    (configs/models/<name>.yml) holds these keys; tools/convert_hf.py writes them."""
+
     vocab_size: int = Field(gt=0)
     emb_dim: int = Field(gt=0)
     num_layers: int = Field(gt=0)
@@ -74,24 +81,16 @@ class ModelConfig(_Section):
     tie_embeddings: bool = False
     norm_eps: float = 1e-5
     max_seq_len: int = 8192
-    init_std: float = 0.02
-    param_dtype: Literal["float32", "bfloat16"] = "float32"
-    compute_dtype: Literal["auto", "float32", "bfloat16"] = "auto"
-    scan_layers: bool = True
-    remat: Literal["none", "full", "minimal"] = "full"
-    attention: Literal["auto", "xla", "mosaic", "cudnn", "triton", "xla_chunked", "tokamax_xla"] = (
-        "auto"
-    )
     moe: MoeConfig | None = None
 
     @model_validator(mode="after")
-    def _check_heads(self) -> ModelConfig:
+    def _check_heads(self) -> ModelArchitecture:
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
                 f"model.num_heads ({self.num_heads}) must be a multiple of "
                 f"model.num_kv_heads ({self.num_kv_heads})"
             )
-        if self.moe is not None and not any(self.moe_layers):
+        if self.moe is not None and not any(map(self.moe.is_moe_layer, range(self.num_layers))):
             raise ValueError(
                 f"model.moe makes no layer a mixture of experts: first_dense_layers "
                 f"({self.moe.first_dense_layers}) and interval ({self.moe.interval}) leave all "
@@ -108,14 +107,19 @@ class ModelConfig(_Section):
     def resolved_head_dim(self) -> int:
         return self.head_dim if self.head_dim is not None else self.emb_dim // self.num_heads
 
-    @property
-    def moe_layers(self) -> tuple[bool, ...]:
-        """Per layer: True where the feed-forward block is a mixture of experts."""
-        m = self.moe
-        return tuple(
-            m is not None and i >= m.first_dense_layers and (i + 1) % m.interval == 0
-            for i in range(self.num_layers)
-        )
+
+class ModelConfig(ModelArchitecture):
+    """The `model:` section of a run: the architecture, and how this run initialises, stores
+    and computes it (configs/base.yml sets these run-time keys)."""
+
+    init_std: float = 0.02
+    param_dtype: Literal["float32", "bfloat16"] = "float32"
+    compute_dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    scan_layers: bool = True
+    remat: Literal["none", "full", "minimal"] = "full"
+    attention: Literal["auto", "xla", "mosaic", "cudnn", "triton", "xla_chunked", "tokamax_xla"] = (
+        "auto"
+    )
 
 
 class MeshAxes(_Section):
@@ -180,7 +184,7 @@ class DataSource(_Section):
     weight: float = Field(default=1.0, allow_inf_nan=False)  # share of TOKENS; 0 = eval only
 
 
-# `sources: embedded` expands to this: the corpus built offline on first use (data/embedded.py).
+# `sources: embedded` expands to this: the corpus built offline on first use (corpora/embedded.py).
 EMBEDDED_SOURCES = (
     {"name": "prose", "path": "embedded:prose", "weight": 0.5},
     {"name": "code", "path": "embedded:code", "weight": 0.3},
@@ -352,7 +356,7 @@ class QuantRule(_Section):
 
 
 class QuantizationConfig(_Section):
-    """Quantized training of the matmuls (maxtrain/quantization.py); parameters stay float."""
+    """Quantized training of the matmuls (maxtrain/quantization/); parameters stay float."""
 
     preset: Literal["none", "int8", "fp8", "w4a16-serving"] = "none"
     # Checked in order before the preset's own rules: the first rule matching a matmul wins.
@@ -368,6 +372,9 @@ class RunConfig(_Section):
     name: str = "default"
     output_dir: str = "runs"
     seed: int = 0
+    # JAX's persistent compilation cache (maxtrain/cache.py): None = $MAXTRAIN_CACHE or
+    # ~/.cache/maxtrain, under compilation/; "" = off.
+    compilation_cache_dir: str | None = None
 
 
 class DistributedConfig(_Section):

@@ -105,7 +105,7 @@ def _embedded_dirs(data: DataConfig) -> dict[str, str]:
     if not wanted:
         return {}
     try:
-        from maxtrain.data.embedded import ensure_embedded_corpus
+        from maxtrain.corpora.embedded import ensure_embedded_corpus
     except ImportError as e:
         raise DataError(f"the embedded corpus is not available in this checkout ({e})") from None
     built = ensure_embedded_corpus(data.cache_dir)

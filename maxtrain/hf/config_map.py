@@ -23,6 +23,7 @@ from pydantic import ValidationError
 from maxtrain.config import ModelConfig, RopeScaling
 from maxtrain.hf.errors import ConversionError
 from maxtrain.hf.families import FAMILIES, Family
+from maxtrain.models.stacks import is_moe_per_layer
 
 CONFIG_JSON = "config.json"
 _NO_DEFAULT = object()
@@ -98,10 +99,10 @@ def model_config(hf: dict[str, Any], family: Family, where: str) -> ModelConfig:
         )
         if family.sparse_layer_keys:
             step = value("decoder_sparse_step")
-            hf_layers = _hf_moe_layers(value("mlp_only_layers"), step, num_layers, where)
+            hf_layers = _hf_sparse_layers(value("mlp_only_layers"), step, num_layers, where)
             fields["moe"].update(_sparse_layer_keys(hf_layers, step))
     cfg = _validated(fields, where)
-    if hf_layers is not None and cfg.moe_layers != hf_layers:
+    if hf_layers is not None and is_moe_per_layer(cfg) != hf_layers:
         raise ConversionError(
             f"{where}: mlp_only_layers {value('mlp_only_layers')} with decoder_sparse_step "
             f"{value('decoder_sparse_step')} makes layers {_indices(hf_layers)} MoE, which "
@@ -196,7 +197,7 @@ def _rope(
     return theta, RopeScaling(**scaling, original_max_position=original)
 
 
-def _hf_moe_layers(
+def _hf_sparse_layers(
     mlp_only_layers: list[int], step: int, num_layers: int, where: str
 ) -> tuple[bool, ...]:
     """Per layer: True where transformers' Qwen3-MoE builds a sparse block."""
@@ -239,7 +240,7 @@ def _check_exportable(cfg: ModelConfig, family: Family) -> None:
             unsupported.append("model.moe.bias_update_rate > 0 (a routing bias)")
         if family.renormalize_key is None and not m.renormalize:
             unsupported.append("model.moe.renormalize=false")
-        if not family.sparse_layer_keys and not all(cfg.moe_layers):
+        if not family.sparse_layer_keys and not all(is_moe_per_layer(cfg)):
             unsupported.append("dense layers between MoE layers")
     if unsupported:
         raise ConversionError(

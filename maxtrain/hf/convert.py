@@ -37,13 +37,12 @@ from flax import nnx
 from jax.sharding import SingleDeviceSharding
 from pydantic import ValidationError
 
-from maxtrain import config as config_lib
 from maxtrain import models
 from maxtrain.checkpointing import load_parameters, sidecar
 from maxtrain.checkpointing.checkpointer import resolve_step_dir
 from maxtrain.checkpointing.common import absolute
 from maxtrain.checkpointing.export import save_parameters
-from maxtrain.config import ModelConfig
+from maxtrain.config import ModelArchitecture, ModelConfig
 from maxtrain.hf.config_map import CONFIG_JSON, hf_config, model_config, read_config_json
 from maxtrain.hf.errors import ConversionError
 from maxtrain.hf.families import Family, family_for
@@ -101,7 +100,7 @@ def import_checkpoint(
     source = f"Imported from {Path(hf_dir).resolve()} by tools/convert_hf.py."
     meta = {"source": {"hugging_face": str(Path(hf_dir).resolve())}}
     with _atomic_directory(output) as staging:
-        save_parameters(staging, params, config_yaml=run_config_yaml(cfg, output.name), meta=meta)
+        save_parameters(staging, params, config_yaml=model_config_yaml(cfg, output.name), meta=meta)
         (staging / MODEL_YAML).write_text(model_yaml(cfg, source))
     return cfg
 
@@ -184,24 +183,19 @@ def checkpoint_model_config(step_dir: Path) -> ModelConfig:
 
 
 def model_yaml(cfg: ModelConfig, comment: str) -> str:
-    """cfg as a model file (configs/models/<name>.yml): the shape keys, not the run-time ones
-    that configs/base.yml sets (dtypes, remat, attention kernel, init)."""
-    runtime = set(_base_config()["model"])
-    keys = {k: v for k, v in cfg.model_dump(mode="json").items() if k not in runtime}
+    """cfg as a model file (configs/models/<name>.yml): its architecture keys, not the run-time
+    ones (dtypes, remat, attention kernel, init) that configs/base.yml sets."""
+    keys = cfg.model_dump(mode="json", include=set(ModelArchitecture.model_fields))
     return f"# {comment}\n" + yaml.safe_dump(keys, sort_keys=False)
 
 
-def run_config_yaml(cfg: ModelConfig, model_name: str) -> str:
-    """The resolved config of a run of this model (configs/base.yml with cfg as its model), as
-    train runs save it with their checkpoints; export reads the model back from it."""
-    tree = config_lib.deep_merge(
-        _base_config(), {"model_name": model_name, "model": cfg.model_dump(mode="json")}
+def model_config_yaml(cfg: ModelConfig, model_name: str) -> str:
+    """The config saved with an imported checkpoint: its model alone (what export reads back).
+    No run settings: importing must not depend on them (a model whose max_seq_len is below
+    base.yml's train.seq_len imports all the same)."""
+    return yaml.safe_dump(
+        {"model_name": model_name, "model": cfg.model_dump(mode="json")}, sort_keys=False
     )
-    return config_lib.to_yaml(config_lib.validate(tree))
-
-
-def _base_config() -> dict[str, Any]:
-    return yaml.safe_load((config_lib.CONFIGS_DIR / "base.yml").read_text())
 
 
 def _abstract_params(cfg: ModelConfig) -> dict[str, Any]:

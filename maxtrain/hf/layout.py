@@ -8,9 +8,9 @@ weight: ours = W.T reshaped to our axes, W = ours flattened to [in, out] and tra
 q/k permutation is needed: our RoPE pairs dim i with i + H/2 ("rotate half"), as transformers
 does. Embedding and norm scales have the same layout on both sides.
 
-Our per-layer parameters are stacked: model layer i is row stack_positions(...)[i] of
-params["layers"] (dense) or params["moe_layers"] (MoE), and a MoE layer's experts add one more
-axis. A Slot names one Hugging Face tensor and that position.
+Our per-layer parameters are stacked: model layer i is row stack_positions(...)[i] of its
+kind's stack (models/stacks.py), and a MoE layer's experts add one more axis. A Slot names one
+Hugging Face tensor and that position.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import numpy as np
 
 from maxtrain.config import ModelConfig
 from maxtrain.hf.families import Family
-from maxtrain.transforms.layers import STACKS, stack_positions
+from maxtrain.models.stacks import STACKS, is_moe_per_layer, stack_positions
 
 # (our path inside a layer, Hugging Face name inside `model.layers.<i>.`, input axes of a
 # linear weight or None)
@@ -75,8 +75,8 @@ def slots(cfg: ModelConfig, family: Family) -> list[Slot]:
     """Every tensor of `cfg` as a `family` checkpoint, in model order (embedding, layers,
     final norm, head)."""
     out = [Slot("model.embed_tokens.weight", ("embedding",), (), None)]
-    positions = stack_positions(cfg.moe_layers)
-    for i, (is_moe, j) in enumerate(zip(cfg.moe_layers, positions, strict=True)):
+    kinds = is_moe_per_layer(cfg)
+    for i, (is_moe, j) in enumerate(zip(kinds, stack_positions(kinds), strict=True)):
         stack, prefix = STACKS[is_moe], f"model.layers.{i}."
         per_layer = _ATTENTION + (_QK_NORM if cfg.qk_norm else ())
         if not is_moe:

@@ -1,4 +1,4 @@
-"""Causal self-attention over packed sequences, with one switch for the implementation.
+"""Causal self-attention over packed sequences: the reference and tokamax's kernels, picked once.
 
 Pre-training rows pack several documents back to back; `segment_ids` names each token's document,
 and a query may only see earlier keys of its own document. `reference_attention` ("xla") spells
@@ -7,6 +7,9 @@ On GPU/TPU the tokamax kernels do the work. tokamax has no segment-id argument, 
 documents are contiguous, "same document and causal" equals "causal and key index >= the first
 index of the query's document" -- a per-query `k_start`, which tokamax's Mask takes natively and
 lets the flash kernels skip whole key blocks instead of reading a [T, T] mask from memory.
+
+`attention_kernel(name)` returns the function for a configured name; the attention layer calls
+it at construction and keeps the function, so nothing is looked up by name while tracing.
 """
 
 import math
@@ -88,22 +91,20 @@ def _tokamax(kernel: str, make_mask: Callable[[jax.Array], tokamax_base.Mask]) -
     return fn
 
 
-_MOSAIC = {"gpu": _tokamax("mosaic_gpu", _k_start_mask), "tpu": _tokamax("mosaic_tpu", _dense_mask)}
+def _unavailable(name: str, backend: str) -> AttentionFn:
+    """Stands in for a kernel this backend cannot run. Raising when called rather than when the
+    model is built lets a CPU host still build (and dry-run) a GPU/TPU recipe's model."""
+
+    def fn(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array) -> jax.Array:
+        raise NotImplementedError(f"{name!r} attention needs a gpu or tpu backend, not {backend}")
+
+    return fn
 
 
-def _mosaic(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array) -> jax.Array:
-    """tokamax's Pallas Mosaic flash attention for the current backend (GPU or TPU)."""
-    backend = jax.default_backend()
-    if backend not in _MOSAIC:
-        raise NotImplementedError(f"'mosaic' attention needs a gpu or tpu backend, not {backend}")
-    return _MOSAIC[backend](q, k, v, segment_ids)
-
-
-_IMPLEMENTATIONS: dict[str, AttentionFn] = {
+IMPLEMENTATIONS: dict[str, AttentionFn] = {
     "xla": reference_attention,
-    "mosaic": _mosaic,
-    "mosaic_gpu": _MOSAIC["gpu"],
-    "mosaic_tpu": _MOSAIC["tpu"],
+    "mosaic_gpu": _tokamax("mosaic_gpu", _k_start_mask),
+    "mosaic_tpu": _tokamax("mosaic_tpu", _dense_mask),
     "cudnn": _tokamax("cudnn", _k_start_mask),
     "triton": _tokamax("triton", _k_start_mask),
     "xla_chunked": _tokamax("xla_chunked", _k_start_mask),
@@ -111,30 +112,29 @@ _IMPLEMENTATIONS: dict[str, AttentionFn] = {
     # mask construction the GPU kernels receive.
     "tokamax_xla": _tokamax("xla", _k_start_mask),
 }
-_AUTO = {"gpu": "mosaic", "tpu": "mosaic", "cpu": "xla"}
+_AUTO = {"gpu": "mosaic_gpu", "tpu": "mosaic_tpu"}  # on every other backend: the reference
 
 
-def resolve_implementation(name: str) -> str:
-    """Maps "auto" to the best implementation for `jax.default_backend()`; validates the name."""
+def attention_implementation(name: str) -> str:
+    """The kernel a configured name means on this backend (`jax.default_backend()`): "auto" is
+    tokamax's Mosaic flash kernel on GPU/TPU and the reference ("xla") elsewhere; "mosaic" is
+    "mosaic_<backend>". Raises ValueError for a name that is no kernel."""
+    backend = jax.default_backend()
     if name == "auto":
-        name = _AUTO.get(jax.default_backend(), "xla")
-    if name not in _IMPLEMENTATIONS:
-        valid = ", ".join(["auto", *_IMPLEMENTATIONS])
+        return _AUTO.get(backend, "xla")
+    if name == "mosaic":
+        return f"mosaic_{backend}"
+    if name not in IMPLEMENTATIONS:
+        valid = ", ".join(["auto", "mosaic", *IMPLEMENTATIONS])
         raise ValueError(f"unknown attention implementation {name!r}; valid: {valid}")
     return name
 
 
-def attention(
-    q: jax.Array,
-    k: jax.Array,
-    v: jax.Array,
-    segment_ids: jax.Array,
-    *,
-    implementation: str = "xla",
-) -> jax.Array:
-    """Causal attention within packed documents, scale 1/sqrt(H).
-
-    q: [B, T, N, H]; k, v: [B, T, K, H] with N % K == 0 (q head n uses kv head n // (N // K));
-    segment_ids: [B, T] int32, documents contiguous. Returns [B, T, N, H] in q.dtype.
-    """
-    return _IMPLEMENTATIONS[resolve_implementation(implementation)](q, k, v, segment_ids)
+def attention_kernel(name: str) -> AttentionFn:
+    """The attention function a configured name picks, chosen once (layers store it):
+    (q [B, T, N, H], k, v [B, T, K, H], segment_ids [B, T]) -> [B, T, N, H] in q.dtype, causal
+    within packed documents, scale 1/sqrt(H); N % K == 0, query head n uses kv head n // G."""
+    resolved = attention_implementation(name)
+    if resolved in IMPLEMENTATIONS:
+        return IMPLEMENTATIONS[resolved]
+    return _unavailable(name, jax.default_backend())

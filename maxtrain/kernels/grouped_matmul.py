@@ -3,45 +3,61 @@
 This is the dropless MoE workhorse: after tokens are sorted by expert, ``x[M, K]`` holds
 ``group_sizes[e]`` consecutive rows for expert e, and row r is multiplied by ``w[e(r)]``.
 
-Two implementations, one switch:
+Two implementations, picked once by `grouped_matmul_kernel` (the MoE layer keeps the function):
   * ``xla``: ``jax.lax.ragged_dot``. Exact and the CPU path, but on GPU it lowers to a dense
     computation over every group (E times the work) and at real sizes runs out of memory
     (../shared/notes/h100-measurements.md: 32 GiB for 64 experts).
   * ``tokamax``: ``tokamax.ragged_dot``, the Pallas Mosaic kernels on GPU/TPU, which touch only
     each row's own group.
 
-Rows past ``sum(group_sizes)`` produce zeros in both; the MoE layer relies on that to park
-dropped or padding rows at the end.
+Both look their op up on its module when called, not when picked: quantized training
+(quantization/training.py) intercepts `jax.lax.ragged_dot` and `tokamax.ragged_dot` by name
+while the model runs. Rows past ``sum(group_sizes)`` produce zeros in both; the MoE layer relies
+on that to park dropped or padding rows at the end.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 import tokamax
 
-IMPLEMENTATIONS = ("xla", "tokamax")
+# (x [M, K] rows sorted by group, w [G, K, N], group_sizes [G] int32) -> [M, N] in x.dtype,
+# accumulated in float32 whatever the input dtype.
+type GroupedMatmul = Callable[[jax.Array, jax.Array, jax.Array], jax.Array]
 
 
-def resolve_implementation(name: str) -> str:
+def xla_grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array) -> jax.Array:
+    out = jax.lax.ragged_dot(
+        x, w, group_sizes.astype(jnp.int32), preferred_element_type=jnp.float32
+    )
+    return out.astype(x.dtype)
+
+
+def tokamax_grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array) -> jax.Array:
+    out = tokamax.ragged_dot(
+        x, w, group_sizes.astype(jnp.int32), preferred_element_type=jnp.float32
+    )
+    return out.astype(x.dtype)
+
+
+IMPLEMENTATIONS: dict[str, GroupedMatmul] = {
+    "xla": xla_grouped_matmul,
+    "tokamax": tokamax_grouped_matmul,
+}
+
+
+def grouped_matmul_implementation(name: str) -> str:
     """'auto' is tokamax on GPU/TPU and xla on CPU (tokamax's kernels do not run on CPU)."""
     if name == "auto":
         return "xla" if jax.default_backend() == "cpu" else "tokamax"
     if name not in IMPLEMENTATIONS:
-        raise ValueError(f"unknown grouped matmul {name!r}; expected auto or {IMPLEMENTATIONS}")
+        raise ValueError(f"unknown grouped matmul {name!r}; expected auto or {(*IMPLEMENTATIONS,)}")
     return name
 
 
-def grouped_matmul(
-    x: jax.Array, w: jax.Array, group_sizes: jax.Array, *, implementation: str
-) -> jax.Array:
-    """x [M, K] (rows sorted by group), w [G, K, N], group_sizes [G] int32 -> [M, N] in x.dtype.
-
-    Accumulates in float32 whatever the input dtype.
-    """
-    group_sizes = group_sizes.astype(jnp.int32)
-    if implementation == "tokamax":
-        out = tokamax.ragged_dot(x, w, group_sizes, preferred_element_type=jnp.float32)
-    else:
-        out = jax.lax.ragged_dot(x, w, group_sizes, preferred_element_type=jnp.float32)
-    return out.astype(x.dtype)
+def grouped_matmul_kernel(name: str) -> GroupedMatmul:
+    """The grouped matmul a configured name picks on this backend."""
+    return IMPLEMENTATIONS[grouped_matmul_implementation(name)]

@@ -30,8 +30,9 @@ import jax
 import qwix
 import tokamax
 
-# Bound at import, before Qwix's interception can patch `tokamax.ragged_dot` (quantization.py
-# routes that name here): the calls below must reach the kernel itself, never the interceptor.
+# Bound at import, before Qwix's interception can patch `tokamax.ragged_dot` (quantization/
+# training.py routes that name here): the calls below must reach the kernel itself, never the
+# interceptor.
 _RAGGED_DOT_GENERAL = tokamax.ragged_dot_general
 
 

@@ -6,7 +6,7 @@ import jax
 from flax import nnx
 
 from maxtrain.config import ModelConfig
-from maxtrain.kernels.attention import attention
+from maxtrain.kernels.attention import attention_kernel
 from maxtrain.layers.base import Projection
 from maxtrain.layers.norms import RMSNorm
 from maxtrain.layers.rope import apply_rope, inverse_frequencies
@@ -14,9 +14,7 @@ from maxtrain.mesh import constrain
 
 
 class Attention(nnx.Module):
-    def __init__(
-        self, cfg: ModelConfig, *, implementation: str, param_dtype, compute_dtype, rngs: nnx.Rngs
-    ):
+    def __init__(self, cfg: ModelConfig, *, param_dtype, compute_dtype, rngs: nnx.Rngs):
         D, N, K, H = cfg.emb_dim, cfg.num_heads, cfg.num_kv_heads, cfg.resolved_head_dim
         kw = dict(
             init_std=cfg.init_std, param_dtype=param_dtype, compute_dtype=compute_dtype, rngs=rngs
@@ -31,7 +29,7 @@ class Attention(nnx.Module):
         else:
             self.q_norm = self.k_norm = None
         self.rope = (H, cfg.rope_theta, cfg.rope_scaling)  # static: frequencies built at trace
-        self.implementation = implementation
+        self.attend = attention_kernel(cfg.attention)  # the kernel, picked once
 
     def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array) -> jax.Array:
         q = constrain(self.q(x), ("batch", "length", "heads", "head_dim"))  # [B, T, N, H]
@@ -42,5 +40,5 @@ class Attention(nnx.Module):
         inv_freq = inverse_frequencies(*self.rope)
         q = apply_rope(q, positions, inv_freq)
         k = apply_rope(k, positions, inv_freq)
-        out = attention(q, k, v, segment_ids, implementation=self.implementation)  # [B, T, N, H]
+        out = self.attend(q, k, v, segment_ids)  # [B, T, N, H]
         return self.o(out)

@@ -1,8 +1,6 @@
 """Parameter creation with logical axis names, and the einsum projection every layer uses.
 
-Shape letters used across layers/ and models/:
-  B batch, T sequence length, D embedding (emb_dim), N query heads, K key/value heads,
-  G query heads per kv head (N // K), H head dim, F MLP hidden dim, V vocabulary, L layers.
+Shape letters are the package's (maxtrain/__init__.py).
 """
 
 from __future__ import annotations

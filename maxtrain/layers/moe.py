@@ -25,11 +25,11 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from maxtrain.config import ModelConfig
-from maxtrain.kernels.grouped_matmul import resolve_implementation
+from maxtrain.kernels.grouped_matmul import grouped_matmul_kernel
 from maxtrain.layers import moe_dispatch
 from maxtrain.layers.base import make_param
 from maxtrain.layers.mlp import SwiGLU
-from maxtrain.mesh import active_rules, logical_to_spec
+from maxtrain.mesh import active_rules, logical_to_spec, spec_axes
 
 _TOKENS = ("batch", "length", "act_embed")
 _ROUTES = ("batch", "length", None)
@@ -53,7 +53,7 @@ class Router(nnx.Module):
         self.kernel = make_param(
             rngs, (emb_dim, num_experts), ("embed", None), std=init_std, dtype=param_dtype
         )
-        # Not trained by the optimizer: train_step.py moves it toward equal expert load.
+        # Not trained by the optimizer: models/moe.py moves it toward equal expert load.
         self.bias = (
             nnx.Param(
                 jnp.zeros((num_experts,), jnp.float32), out_sharding=(None,), eager_sharding=False
@@ -71,7 +71,7 @@ class MoE(nnx.Module):
         self.num_experts, self.top_k = E, m.top_k
         self.score, self.renormalize, self.routed_scale = m.score, m.renormalize, m.routed_scale
         self.capacity_factor = m.capacity_factor
-        self.gmm = resolve_implementation(m.grouped_matmul)
+        self.gmm = grouped_matmul_kernel(m.grouped_matmul)  # the kernel, picked once
         self.compute_dtype = compute_dtype
         std = cfg.init_std
         kw = dict(init_std=std, param_dtype=param_dtype, rngs=rngs)
@@ -133,8 +133,8 @@ class MoE(nnx.Module):
         route_spec = logical_to_spec(_ROUTES, rules, mesh, expert_ids.shape)
         in_spec = logical_to_spec(_IN_AXES, gathered, mesh, w.gate.shape)
         out_spec = logical_to_spec(_OUT_AXES, gathered, mesh, w.down.shape)
-        expert_axes, tensor_axes = _axes(in_spec[0]), _axes(in_spec[2])
-        token_axes = tuple(a for part in x_spec for a in _axes(part))
+        expert_axes, tensor_axes = spec_axes(in_spec[0]), spec_axes(in_spec[2])
+        token_axes = tuple(a for part in x_spec for a in spec_axes(part))
         par = moe_dispatch.Parallelism(expert_axes, math.prod(mesh.shape[a] for a in expert_axes))
         # Normally tokens are split over the expert axes too and travel by all-to-all. A batch
         # too small to split (e.g. a short eval batch) leaves them replicated there instead.
@@ -182,7 +182,7 @@ class MoE(nnx.Module):
         flat_w = weights.reshape(b * t, -1)
         if self.capacity_factor is None:
             y = moe_dispatch.dropless(
-                flat_x, flat_ids, flat_w, w, num_experts=num_experts, par=par, impl=self.gmm
+                flat_x, flat_ids, flat_w, w, num_experts=num_experts, par=par, gmm=self.gmm
             )
             dropped = jnp.zeros((), jnp.int32)
         else:
@@ -200,12 +200,6 @@ class MoE(nnx.Module):
         return y.reshape(b, t, d), dropped
 
 
-def _axes(part: str | tuple[str, ...] | None) -> tuple[str, ...]:
-    if part is None:
-        return ()
-    return (part,) if isinstance(part, str) else tuple(part)
-
-
 def router_stats(
     logits: jax.Array, probs: jax.Array, expert_ids: jax.Array, num_experts: int
 ) -> dict[str, jax.Array]:
@@ -220,17 +214,3 @@ def router_stats(
         "router_z_loss": jnp.mean(jnp.square(jax.nn.logsumexp(logits, axis=-1))),
         "entropy": jnp.mean(-jnp.sum(probs * log_probs, axis=-1)),
     }
-
-
-def balance_router_bias(params: dict, old_params: dict, load: jax.Array, rate: float) -> dict:
-    """Aux-loss-free balancing (DeepSeek-V3): one step of the per-expert routing bias.
-
-    Each MoE layer's bias rises by `rate` for experts below the mean load and falls for those
-    above it. The new value is computed from the bias before this step (the optimizer never
-    trains it: its gradient is stopped), and returned in a copy of `params`.
-    """
-    bias = old_params["moe_layers"]["moe"]["router"]["bias"]  # [MoE layers, E]
-    step = rate * jnp.sign(jnp.mean(load, axis=-1, keepdims=True) - load)
-    router = {**params["moe_layers"]["moe"]["router"], "bias": bias + step}
-    moe = {**params["moe_layers"]["moe"], "router": router}
-    return {**params, "moe_layers": {**params["moe_layers"], "moe": moe}}

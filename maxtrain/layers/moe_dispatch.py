@@ -14,9 +14,8 @@ compute them:
   [experts, C, D] blocks and the experts run as one batched matmul -- the GShard layout,
   cheap to all-to-all and friendly to TPUs.
 
-Shape letters: n local tokens, k experts per token, A = n * k assignments, E experts,
-EL experts on this device, P expert-parallel degree (E = P * EL), C rows per expert, D model
-width, F expert hidden width.
+Shape letters are the package's (maxtrain/__init__.py): n tokens on this device, k experts per
+token, R = n * k assignments, E experts, EL of them on this device, P expert-parallel degree.
 """
 
 from __future__ import annotations
@@ -27,7 +26,7 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 
-from maxtrain.kernels.grouped_matmul import grouped_matmul
+from maxtrain.kernels.grouped_matmul import GroupedMatmul
 
 
 @dataclass(frozen=True)
@@ -59,11 +58,11 @@ def keep_local_experts(
     return jnp.where(mine, ids, local), jnp.where(mine, weights, 0)
 
 
-def _swiglu_grouped(rows: jax.Array, group_sizes: jax.Array, w: ExpertWeights, impl: str):
+def _swiglu_grouped(rows: jax.Array, group_sizes: jax.Array, w: ExpertWeights, gmm: GroupedMatmul):
     """Each row through its expert's SwiGLU; rows past sum(group_sizes) come out zero."""
-    gate = grouped_matmul(rows, w.gate, group_sizes, implementation=impl)
-    up = grouped_matmul(rows, w.up, group_sizes, implementation=impl)
-    return grouped_matmul(jax.nn.silu(gate) * up, w.down, group_sizes, implementation=impl)
+    gate = gmm(rows, w.gate, group_sizes)
+    up = gmm(rows, w.up, group_sizes)
+    return gmm(jax.nn.silu(gate) * up, w.down, group_sizes)
 
 
 def _swiglu_batched(blocks: jax.Array, w: ExpertWeights) -> jax.Array:
@@ -74,7 +73,7 @@ def _swiglu_batched(blocks: jax.Array, w: ExpertWeights) -> jax.Array:
 
 
 def _sort_by_expert(expert_ids: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """[A] expert ids -> (order, sorted ids, rank of each sorted assignment within its expert)."""
+    """[R] expert ids -> (order, sorted ids, rank of each sorted assignment within its expert)."""
     order = jnp.argsort(expert_ids, stable=True)
     sorted_ids = expert_ids[order]
     rank = jnp.arange(sorted_ids.shape[0]) - jnp.searchsorted(sorted_ids, sorted_ids, side="left")
@@ -82,7 +81,7 @@ def _sort_by_expert(expert_ids: jax.Array) -> tuple[jax.Array, jax.Array, jax.Ar
 
 
 def _combine(sorted_out: jax.Array, order: jax.Array, weights: jax.Array) -> jax.Array:
-    """Outputs in expert-sorted order [A, D] -> weighted sum per token [n, D].
+    """Outputs in expert-sorted order [R, D] -> weighted sum per token [n, D].
 
     Un-sorting with a gather (inverse permutation) and summing the k copies avoids a
     scatter-add, which is slow on GPUs.
@@ -100,7 +99,7 @@ def dropless(
     *,
     num_experts: int,
     par: Parallelism,
-    impl: str,
+    gmm: GroupedMatmul,
 ) -> jax.Array:
     """x [n, D], expert_ids/weights [n, k] -> [n, D]; every assignment computed."""
     n, k = expert_ids.shape
@@ -109,7 +108,7 @@ def dropless(
     if par.degree == 1:
         # Ids equal to num_experts (experts held elsewhere) sort last and stay outside every group.
         group_sizes = jnp.bincount(sorted_ids, length=num_experts + 1)[:num_experts]
-        out = _swiglu_grouped(rows, group_sizes, w, impl)
+        out = _swiglu_grouped(rows, group_sizes, w, gmm)
         return _combine(out, order, weights)
 
     local_experts = num_experts // par.degree
@@ -125,7 +124,7 @@ def dropless(
     local_order = jnp.argsort(recv_ids, stable=True)
     group_sizes = jnp.bincount(recv_ids, length=local_experts + 1)[:local_experts]
     local_rows = recv_rows.reshape(-1, x.shape[-1])[local_order]
-    local_out = _swiglu_grouped(local_rows, group_sizes, w, impl)
+    local_out = _swiglu_grouped(local_rows, group_sizes, w, gmm)
     unsorted = local_out[jnp.argsort(local_order)].reshape(send_rows.shape)
     back = jax.lax.all_to_all(unsorted, par.expert_axes, 0, 0, tiled=True)
     return _combine(back[dest, slot], order, weights)

@@ -1,51 +1,27 @@
-"""Model assembly: build a decoder from config, count its parameters, apply it to a batch."""
+"""Models: the decoder (dense and mixture-of-experts layers), built from the config.
 
-from __future__ import annotations
+models.build(cfg.model)        a freshly initialised decoder (build.py)
+models.model_def(cfg)          what the rest of maxtrain runs: apply, after_update, metrics
+                               on a params dict (definition.py, auxiliary.py)
+models.stacks                  where the layers live in the parameter tree (stacks.py)
+"""
 
-import jax
-import jax.numpy as jnp
-from flax import nnx
+from maxtrain.models.build import (
+    abstract,
+    active_param_count,
+    build,
+    compute_dtype,
+    param_count,
+)
+from maxtrain.models.definition import ModelDef, ModelOutput, model_def
 
-from maxtrain.config import ModelConfig
-from maxtrain.kernels.attention import resolve_implementation
-from maxtrain.models.decoder import Decoder
-
-_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
-
-
-def compute_dtype(cfg: ModelConfig) -> jnp.dtype:
-    """'auto' is bfloat16 on accelerators and float32 on CPU (where bf16 is emulated, slowly)."""
-    if cfg.compute_dtype == "auto":
-        return jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16
-    return _DTYPES[cfg.compute_dtype]
-
-
-def build(cfg: ModelConfig, seed: int = 0) -> Decoder:
-    """A freshly initialised model (call under jit to get sharded parameters, see state.py)."""
-    return Decoder(
-        cfg,
-        attention_impl=resolve_implementation(cfg.attention),
-        param_dtype=_DTYPES[cfg.param_dtype],
-        compute_dtype=compute_dtype(cfg),
-        rngs=nnx.Rngs(params=seed),
-    )
-
-
-def abstract(cfg: ModelConfig) -> Decoder:
-    """The model with ShapeDtypeStruct leaves: shapes and metadata, no memory."""
-    return nnx.eval_shape(lambda: build(cfg))
-
-
-def param_count(cfg: ModelConfig) -> int:
-    """Total parameters of the model this config builds (embedding and head included)."""
-    state = nnx.state(abstract(cfg), nnx.Param)
-    return sum(int(x.size) for x in jax.tree.leaves(state))
-
-
-def active_param_count(cfg: ModelConfig) -> int:
-    """Parameters one token uses: the total less the experts it was not routed to."""
-    idle = 0
-    if cfg.moe is not None:
-        m = cfg.moe
-        idle = sum(cfg.moe_layers) * (m.num_experts - m.top_k) * 3 * cfg.emb_dim * m.expert_mlp_dim
-    return param_count(cfg) - idle
+__all__ = [
+    "ModelDef",
+    "ModelOutput",
+    "abstract",
+    "active_param_count",
+    "build",
+    "compute_dtype",
+    "model_def",
+    "param_count",
+]

@@ -9,6 +9,7 @@ see the same tree either way.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
@@ -17,10 +18,11 @@ from flax import nnx
 from maxtrain.config import ModelConfig
 from maxtrain.layers.attention import Attention
 from maxtrain.layers.base import Projection, make_param
-from maxtrain.layers.mlp import SwiGLU
+from maxtrain.layers.mlp import MLP
 from maxtrain.layers.moe import MoE
 from maxtrain.layers.norms import RMSNorm
 from maxtrain.mesh import constrain
+from maxtrain.models.stacks import DENSE_STACK, MOE_STACK, is_moe_per_layer, layer_runs
 
 # Primitives of the fused attention kernels. Their outputs (attention output plus the small
 # softmax statistics the kernel's backward needs) are cheap to keep and costly to recompute.
@@ -40,75 +42,46 @@ REMAT_POLICIES: dict[str, Callable | None] = {
 }
 
 
-class DecoderBlock(nnx.Module):
-    """Pre-norm attention then a feed-forward block: a SwiGLU (`mlp`) or experts (`moe`)."""
+@dataclass(frozen=True)
+class BlockKind:
+    """A kind of decoder layer: the params key of its stack (models/stacks.py) and its
+    feed-forward block, kept under the attribute `ffn_name` (a key of the checkpoint format)."""
 
-    def __init__(
-        self,
-        cfg: ModelConfig,
-        *,
-        is_moe: bool,
-        attention_impl: str,
-        param_dtype,
-        compute_dtype,
-        rngs,
-    ):
+    stack: str
+    ffn_name: str
+    make_ffn: Callable[..., nnx.Module]  # (cfg, *, param_dtype, compute_dtype, rngs)
+
+
+DENSE = BlockKind(DENSE_STACK, "mlp", MLP)
+MOE = BlockKind(MOE_STACK, "moe", MoE)
+BLOCK_KINDS = {False: DENSE, True: MOE}  # is_moe -> kind
+
+
+class DecoderBlock(nnx.Module):
+    """Pre-norm attention then the feed-forward block this kind of layer was built with."""
+
+    def __init__(self, cfg: ModelConfig, kind: BlockKind, *, param_dtype, compute_dtype, rngs):
         norm_kw = dict(eps=cfg.norm_eps, param_dtype=param_dtype, rngs=rngs)
+        dtypes = dict(param_dtype=param_dtype, compute_dtype=compute_dtype)
         self.attn_norm = RMSNorm(cfg.emb_dim, **norm_kw)
-        self.attn = Attention(
-            cfg,
-            implementation=attention_impl,
-            param_dtype=param_dtype,
-            compute_dtype=compute_dtype,
-            rngs=rngs,
-        )
+        self.attn = Attention(cfg, **dtypes, rngs=rngs)
         self.mlp_norm = RMSNorm(cfg.emb_dim, **norm_kw)
-        ffn_kw = dict(param_dtype=param_dtype, compute_dtype=compute_dtype, rngs=rngs)
-        if is_moe:
-            self.moe = MoE(cfg, **ffn_kw)
-        else:
-            self.mlp = SwiGLU(cfg.emb_dim, cfg.mlp_dim, init_std=cfg.init_std, **ffn_kw)
+        self.ffn_name = kind.ffn_name
+        setattr(self, kind.ffn_name, kind.make_ffn(cfg, **dtypes, rngs=rngs))
 
     def __call__(
         self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array
     ) -> tuple[jax.Array, dict[str, jax.Array]]:
-        """Returns the new residual stream [B, T, D] and the router statistics (MoE only)."""
+        """Returns the new residual stream [B, T, D] and the feed-forward's statistics."""
         x = x + self.attn(self.attn_norm(x), positions, segment_ids)
-        if hasattr(self, "moe"):
-            ffn_out, stats = self.moe(self.mlp_norm(x))
-        else:
-            ffn_out, stats = self.mlp(self.mlp_norm(x)), {}
+        ffn_out, stats = getattr(self, self.ffn_name)(self.mlp_norm(x))
         x = x + ffn_out
         return constrain(x, ("batch", "length", "act_embed")), stats
 
 
-def layer_runs(moe_layers: tuple[bool, ...]) -> list[tuple[bool, int, int]]:
-    """Consecutive layers of one kind: [(is_moe, start in that kind's stack, length)].
-
-    Dense and MoE layers live in two stacks (`layers`, `moe_layers`); a model is run as the
-    sequence of these runs. Llama is one dense run, Mixtral one MoE run, "first N dense" two.
-    """
-    runs: list[tuple[bool, int, int]] = []
-    seen = {False: 0, True: 0}
-    for is_moe in moe_layers:
-        if runs and runs[-1][0] == is_moe:
-            kind, start, length = runs[-1]
-            runs[-1] = (kind, start, length + 1)
-        else:
-            runs.append((is_moe, seen[is_moe], 1))
-        seen[is_moe] += 1
-    return runs
-
-
 class Decoder(nnx.Module):
     def __init__(
-        self,
-        cfg: ModelConfig,
-        *,
-        attention_impl: str,
-        param_dtype: jnp.dtype,
-        compute_dtype: jnp.dtype,
-        rngs: nnx.Rngs,
+        self, cfg: ModelConfig, *, param_dtype: jnp.dtype, compute_dtype: jnp.dtype, rngs: nnx.Rngs
     ):
         D, V = cfg.emb_dim, cfg.vocab_size
         self.compute_dtype = compute_dtype
@@ -118,9 +91,12 @@ class Decoder(nnx.Module):
             rngs, (V, D), ("vocab", "embed"), std=cfg.init_std, dtype=param_dtype
         )
 
-        self.runs = tuple(layer_runs(cfg.moe_layers))
+        kinds = is_moe_per_layer(cfg)
+        self.runs = tuple(
+            (BLOCK_KINDS[is_moe].stack, start, n) for is_moe, start, n in layer_runs(kinds)
+        )
 
-        def stack(count: int, is_moe: bool) -> DecoderBlock | None:
+        def stack(count: int, kind: BlockKind) -> DecoderBlock | None:
             if count == 0:
                 return None
 
@@ -128,19 +104,14 @@ class Decoder(nnx.Module):
             @nnx.vmap(in_axes=0, out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
             def stacked_blocks(rngs: nnx.Rngs) -> DecoderBlock:
                 return DecoderBlock(
-                    cfg,
-                    is_moe=is_moe,
-                    attention_impl=attention_impl,
-                    param_dtype=param_dtype,
-                    compute_dtype=compute_dtype,
-                    rngs=rngs,
+                    cfg, kind, param_dtype=param_dtype, compute_dtype=compute_dtype, rngs=rngs
                 )
 
             return stacked_blocks(rngs)
 
-        num_moe = sum(cfg.moe_layers)
-        self.layers = stack(cfg.num_layers - num_moe, is_moe=False)
-        self.moe_layers = stack(num_moe, is_moe=True)
+        # Created in this order (dense stack first) so the random initialisation stays the same.
+        for is_moe, kind in BLOCK_KINDS.items():
+            setattr(self, kind.stack, stack(kinds.count(is_moe), kind))
         self.final_norm = RMSNorm(D, eps=cfg.norm_eps, param_dtype=param_dtype, rngs=rngs)
         self.lm_head = (
             None
@@ -160,26 +131,26 @@ class Decoder(nnx.Module):
         self, tokens: jax.Array, positions: jax.Array, segment_ids: jax.Array
     ) -> tuple[jax.Array, dict[str, jax.Array]]:
         """tokens/positions/segment_ids: [B, T] int32 -> (logits [B, T, V] in compute dtype,
-        router statistics of the MoE layers stacked in `moe_layers` order; {} if dense)."""
+        statistics of the blocks that return any (MoE: the router's), stacked in layer order)."""
         table = self.embedding[...].astype(self.compute_dtype)
         # The lookup reads a table gathered whole, like every FSDP weight: rows looked up in a
         # sharded table make XLA reshard the activations instead (a full rematerialisation when
         # the batch is split over several mesh axes). The tied head keeps the sharded table.
         whole = constrain(table, (None, None))
         x = constrain(jnp.take(whole, tokens, axis=0), ("batch", "length", "act_embed"))
-        moe_stats = []
-        for is_moe, start, length in self.runs:
+        per_run = []
+        for stack, start, length in self.runs:
             x, stats = self._run_layers(
-                self.moe_layers if is_moe else self.layers, start, length, x, positions, segment_ids
+                getattr(self, stack), start, length, x, positions, segment_ids
             )
-            if is_moe:
-                moe_stats.append(stats)
+            if stats:
+                per_run.append(stats)
         x = self.final_norm(x)
         if self.lm_head is None:
             logits = jnp.einsum("btd,vd->btv", x, table)
         else:
             logits = self.lm_head(x)
-        stats = jax.tree.map(lambda *runs: jnp.concatenate(runs), *moe_stats) if moe_stats else {}
+        stats = jax.tree.map(lambda *runs: jnp.concatenate(runs), *per_run) if per_run else {}
         return constrain(logits, ("batch", "length", "vocab")), stats
 
     def _run_layers(

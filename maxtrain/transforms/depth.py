@@ -17,8 +17,9 @@ from collections.abc import Sequence
 from typing import Any
 
 from maxtrain.config import ConfigError, ModelConfig
-from maxtrain.transforms.layers import (
+from maxtrain.models.stacks import (
     STACKS,
+    is_moe_per_layer,
     outside_layers,
     stack_members,
     stack_positions,
@@ -36,7 +37,8 @@ def solar_layer_map(num_layers: int, trim: int) -> list[int]:
 def layer_kinds(cfg: ModelConfig, layer_map: Sequence[int]) -> tuple[bool, ...]:
     """Per new layer: whether it is MoE, i.e. whether the source layer it copies is."""
     check_layer_map(cfg, layer_map)
-    return tuple(cfg.moe_layers[source] for source in layer_map)
+    kinds = is_moe_per_layer(cfg)
+    return tuple(kinds[source] for source in layer_map)
 
 
 def check_layer_map(cfg: ModelConfig, layer_map: Sequence[int]) -> None:
@@ -59,7 +61,7 @@ def depth_upscale(
     Embedding, final norm and LM head are copied; the new model has len(layer_map) layers.
     """
     kinds = layer_kinds(cfg, layer_map)
-    position = stack_positions(cfg.moe_layers)
+    position = stack_positions(is_moe_per_layer(cfg))
     out = outside_layers(params)
     for is_moe, members in stack_members(kinds).items():
         if members:

@@ -24,7 +24,9 @@ from maxtrain import config as config_lib
 from maxtrain.checkpointing import load_parameters
 from maxtrain.checkpointing.integrity import flat_shapes
 from maxtrain.config import Config, ConfigError, ModelConfig
-from maxtrain.state import model_def, param_shardings
+from maxtrain.models import model_def
+from maxtrain.models.stacks import is_moe_per_layer
+from maxtrain.state import param_shardings
 from maxtrain.transforms.depth import depth_upscale, layer_kinds
 from maxtrain.transforms.upcycle import upcycle
 
@@ -72,11 +74,11 @@ def transform(params: Any, source: ModelConfig, cfg: Config) -> Any:
     if init.mode == "depth_upscale":
         assert init.layer_map is not None  # the config requires it in this mode
         kinds = layer_kinds(source, init.layer_map)
-        if kinds != cfg.model.moe_layers:
+        if kinds != is_moe_per_layer(cfg.model):
             raise ConfigError(
                 f"init.layer_map gives MoE layers {_moe_indices(kinds)} (the kinds of the "
                 f"source layers it copies), but model.moe makes layers "
-                f"{_moe_indices(cfg.model.moe_layers)} MoE"
+                f"{_moe_indices(is_moe_per_layer(cfg.model))} MoE"
             )
         return depth_upscale(params, source, init.layer_map)
     raise ValueError(f"init.mode {init.mode!r} has no transform")

@@ -35,7 +35,13 @@ import jax
 import jax.numpy as jnp
 
 from maxtrain.config import ConfigError, ModelConfig, MoeConfig
-from maxtrain.transforms.layers import STACKS, outside_layers, stack_members, take_layers
+from maxtrain.models.stacks import (
+    STACKS,
+    is_moe_per_layer,
+    outside_layers,
+    stack_members,
+    take_layers,
+)
 
 
 def upcycle(
@@ -57,7 +63,7 @@ def upcycle(
     check_upcycle(dense_cfg, moe_cfg)
     m = moe_cfg.moe
     assert m is not None
-    members = stack_members(moe_cfg.moe_layers)
+    members = stack_members(is_moe_per_layer(moe_cfg))
     dense_stack = dense_params[STACKS[False]]
     out = outside_layers(dense_params)
     if members[False]:  # the target's dense layers: the source's at the same depth

@@ -30,11 +30,11 @@ from flax import nnx
 from jax.sharding import AbstractMesh
 
 from maxtrain.config import MESH_AXES, Config
-from maxtrain.kernels.attention import resolve_implementation as resolve_attention
-from maxtrain.kernels.grouped_matmul import resolve_implementation
-from maxtrain.mesh import axis_sizes, logical_to_spec
-from maxtrain.models import compute_dtype
-from maxtrain.state import model_def
+from maxtrain.kernels.attention import attention_implementation
+from maxtrain.kernels.grouped_matmul import grouped_matmul_implementation
+from maxtrain.mesh import axis_sizes, logical_to_spec, spec_axes
+from maxtrain.models import compute_dtype, model_def
+from maxtrain.models.stacks import is_moe_per_layer
 
 _BYTES = {"float32": 4, "bfloat16": 2}
 
@@ -88,28 +88,21 @@ def _sharded_param_elements(cfg: Config, mesh: AbstractMesh) -> int:
         axes = var.get_metadata().get("out_sharding") or (None,) * value.ndim
         spec = logical_to_spec(axes, cfg.mesh.rules, mesh, value.shape)
         shard = [
-            dim // math.prod(mesh.shape[a] for a in _names(part))
+            dim // math.prod(mesh.shape[a] for a in spec_axes(part))
             for dim, part in zip(value.shape, tuple(spec) + (None,) * value.ndim, strict=False)
         ]
         total += math.prod(shard)
     return total
 
 
-def _names(part) -> tuple[str, ...]:
-    if part is None:
-        return ()
-    return (part,) if isinstance(part, str) else tuple(part)
-
-
 def _activation_bytes(cfg: Config, sizes: dict[str, int], batch: int, length: int, c: int) -> int:
     model = cfg.model
     tokens = batch * length
-    per_layer = [_saved_per_token(cfg, is_moe, c) for is_moe in model.moe_layers]
-    working = max(
-        _saved_per_token(cfg, is_moe, c, policy="none") for is_moe in set(model.moe_layers)
-    )
+    kinds = is_moe_per_layer(model)
+    per_layer = [_saved_per_token(cfg, is_moe, c) for is_moe in kinds]
+    working = max(_saved_per_token(cfg, is_moe, c, policy="none") for is_moe in set(kinds))
     scores = 0
-    if resolve_attention(model.attention) == "xla":
+    if attention_implementation(model.attention) == "xla":
         # The reference attention materialises float32 scores and probabilities: one layer's
         # while recomputing under remat, every layer's without it.
         layers = model.num_layers if model.remat == "none" else 1
@@ -127,7 +120,7 @@ def _moe_dispatch_bytes(cfg: Config, sizes: dict[str, int], tokens: int, c: int)
     total = routed * (2 * D + 3 * Fe) * c  # sorted rows, gate, up, their product, outputs
     if m.capacity_factor is None and ways > 1:  # all-to-all buffers sized for the worst case
         total += 2 * ways * routed * D * c
-    if resolve_implementation(m.grouped_matmul) == "xla":
+    if grouped_matmul_implementation(m.grouped_matmul) == "xla":
         # lax.ragged_dot lowers densely: every projection computed for every expert.
         total += routed * m.num_experts * (2 * Fe + D) * 4
     return total
@@ -145,7 +138,7 @@ def _saved_per_token(cfg: Config, is_moe: bool, c: int, policy: str | None = Non
         m = model.moe
         ffn = m.num_experts * 4  # float32 router logits
         ffn += (2 * m.shared_experts * m.expert_mlp_dim + D) * c if m.shared_experts else 0
-        if policy == "none" or resolve_implementation(m.grouped_matmul) == "tokamax":
+        if policy == "none" or grouped_matmul_implementation(m.grouped_matmul) == "tokamax":
             ffn += m.top_k * (2 * m.expert_mlp_dim + D) * c  # kernel outputs are kept
     else:
         ffn = (2 * model.mlp_dim + D) * c  # gate, up, down

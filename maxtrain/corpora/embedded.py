@@ -18,13 +18,13 @@ tokenizer's hash; bump BUILDER_VERSION whenever the documents change. A lock ser
 concurrent builders, and the finished corpus appears by one atomic rename of a temporary
 directory, so a reader never sees half of it.
 
-The committed tokenizer (assets/default.model) was trained on these documents:
+The committed tokenizer (maxtrain/data/assets/default.model) was trained on these documents:
 
-    python -m maxtrain.data.embedded dump /tmp/embedded
+    python -m maxtrain.corpora.embedded dump /tmp/embedded
     python tools/train_tokenizer.py --input '/tmp/embedded/*.jsonl' \\
         --output maxtrain/data/assets/default --vocab-size 1024 --model-type bpe
 
-`python -m maxtrain.data.embedded stats` builds the corpus (if needed) and prints its size and
+`python -m maxtrain.corpora.embedded stats` builds the corpus (if needed) and prints its size and
 unigram entropy.
 """
 
@@ -51,10 +51,11 @@ from pathlib import Path
 
 import numpy as np
 
+from maxtrain import cache
 from maxtrain.data.shards import load_tokenizer, read_metadata, read_shard, write_shards
 
 BUILDER_VERSION = 1
-DEFAULT_TOKENIZER = Path(__file__).parent / "assets" / "default.model"
+DEFAULT_TOKENIZER = Path(__file__).parents[1] / "data" / "assets" / "default.model"
 SOURCES = ("prose", "code", "math")
 CODE_MAX_BYTES = 1_500_000
 CODE_MAX_FILE_BYTES = 60_000  # larger files would crowd out the variety
@@ -68,10 +69,6 @@ _SKIP_DIRS = frozenset(
     {"test", "tests", "idle_test", "idlelib", "tkinter", "turtledemo", "lib2to3", "ensurepip"}
     | {"pydoc_data", "encodings", "__phello__", "site-packages", "dist-packages", "__pycache__"}
 )
-
-
-def default_cache_dir() -> Path:
-    return Path(os.environ.get("MAXTRAIN_CACHE") or Path.home() / ".cache" / "maxtrain")
 
 
 # ---------------------------------------------------------------------------------- documents
@@ -233,7 +230,7 @@ def ensure_embedded_corpus(
     cache_dir: str | Path | None = None, tokenizer_path: str | Path = DEFAULT_TOKENIZER
 ) -> dict[str, Path]:
     """{source: prepared-source dir} of the embedded corpus, built into the cache on first use."""
-    cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    cache_dir = Path(cache_dir) if cache_dir is not None else cache.root()
     tokenizer = load_tokenizer(tokenizer_path)
     final = cache_dir / f"embedded-v{BUILDER_VERSION}-{cache_key(tokenizer.sha256)}"
     dirs = {source: final / source for source in SOURCES}
@@ -328,7 +325,7 @@ def _stats() -> None:
 
 
 if __name__ == "__main__":
-    usage = "usage: python -m maxtrain.data.embedded dump DIR | stats"
+    usage = "usage: python -m maxtrain.corpora.embedded dump DIR | stats"
     match sys.argv[1:]:
         case ["dump", out]:
             _dump(Path(out))

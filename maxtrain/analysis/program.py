@@ -1,0 +1,140 @@
+"""What a traced training step really computes: the operand dtypes of its matmuls.
+
+`tools/benchmark.py` prints it beside the step time, and the quantization tests assert it, so a
+quantization rule that silently matches nothing shows up as float matmuls.
+"""
+
+from __future__ import annotations
+
+import collections
+import re
+from collections.abc import Callable
+from typing import Any
+
+import jax
+
+# Primitives that do a matmul's work (ragged_dot lowers to ragged_dot_general).
+_MATMULS = frozenset({"dot_general", "ragged_dot_general", "ragged_dot"})
+
+
+def matmul_dtypes(fn: Callable[..., Any], *args: Any) -> collections.Counter:
+    """How often each (primitive, operand dtypes) matmul occurs in fn's traced program,
+    nested programs (scan, remat, shard_map, custom_vjp) included: what actually multiplies.
+
+    A Pallas kernel (tokamax's attention and grouped matmul on GPU/TPU) counts as one entry,
+    `pallas_call <kernel name>`, with the dtypes of its first two matrix operands: what the
+    kernel is handed, e.g. int8 weights for the quantized grouped matmul. Its body is not
+    searched, since how a kernel multiplies inside is its own business (H100's quantized
+    grouped matmul scales its int8 weights to bf16 in registers).
+    """
+    counts: collections.Counter = collections.Counter()
+
+    def walk(jaxpr: jax.extend.core.Jaxpr) -> None:
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name in _MATMULS:
+                dtypes = tuple(str(v.aval.dtype) for v in eqn.invars[:2])
+                counts[(eqn.primitive.name, dtypes)] += 1
+            elif eqn.primitive.name == "pallas_call":
+                matrices = [v for v in eqn.invars if getattr(v.aval, "ndim", 0) >= 2]
+                dtypes = tuple(str(v.aval.dtype) for v in matrices[:2])
+                counts[(f"pallas_call {eqn.params.get('name')}", dtypes)] += 1
+                continue
+            for value in eqn.params.values():
+                for sub in value if isinstance(value, (tuple, list)) else (value,):
+                    if isinstance(sub, jax.extend.core.ClosedJaxpr):
+                        walk(sub.jaxpr)
+                    elif isinstance(sub, jax.extend.core.Jaxpr):
+                        walk(sub)
+
+    walk(jax.make_jaxpr(fn)(*args).jaxpr)
+    return counts
+
+
+# ---- collectives of a compiled program --------------------------------------------------------
+
+COLLECTIVES = {
+    "all-to-all": "all-to-all",
+    "ragged-all-to-all": "ragged-all-to-all",
+    "all-gather": "all-gather",
+    "all-gather-start": "all-gather",
+    "reduce-scatter": "reduce-scatter",
+    "all-reduce": "all-reduce",
+    "all-reduce-start": "all-reduce",
+    "collective-permute": "collective-permute",
+    "collective-permute-start": "collective-permute",
+}
+_DTYPE_BYTES = {"pred": 1, "s4": 1, "u4": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2}
+_DTYPE_BYTES |= {"bf16": 2, "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8}
+_DTYPE_BYTES |= {"f8e4m3fn": 1, "f8e5m2": 1, "f8e4m3": 1, "f8e5m2fnuz": 1, "f8e4m3fnuz": 1}
+_ARRAY = re.compile(r"\b([a-z][a-z0-9]*)\[([0-9,]*)\]")
+_INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%([\w.\-]+)\s*=\s*(.+?)\s+([a-z][a-z0-9\-]*)\((.*)$")
+_COMPUTATION = re.compile(r"^(?:ENTRY\s+)?%([\w.\-]+)\s*\(")
+_CALLEE = re.compile(r"\b(?:body|calls|true_computation|false_computation)=%([\w.\-]+)")
+_BRANCHES = re.compile(r"\bbranch_computations=\{([^}]*)\}")
+_TRIP_COUNT = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
+
+
+def _shape_bytes(text: str) -> list[int]:
+    """Bytes of each array in an HLO shape (an array or a tuple of them)."""
+    sizes = []
+    for dtype, dims in _ARRAY.findall(text):
+        if dtype in _DTYPE_BYTES:
+            count = 1
+            for d in filter(None, dims.split(",")):
+                count *= int(d)
+            sizes.append(count * _DTYPE_BYTES[dtype])
+    return sizes
+
+
+def collective_bytes(hlo_text: str) -> dict[str, int]:
+    """Bytes per collective kind that one execution of a compiled program moves, per device.
+
+    Each collective counts its whole buffer as the program declares it (the larger of its
+    operands and its result: an all-gather's output, a reduce-scatter's input), times how often
+    it runs: a collective inside a loop (a scan over layers) counts once per iteration, by the
+    trip count XLA records. Read from `jax.jit(f).lower(...).compile().as_text()`, so it sees
+    the collectives the SPMD partitioner inserted as well as those written by hand.
+    """
+    computations: dict[str, list[str]] = {}
+    entry, current = None, None
+    for line in hlo_text.splitlines():
+        match = _COMPUTATION.match(line)
+        if match:
+            current = match.group(1)
+            computations[current] = []
+            if line.startswith("ENTRY"):
+                entry = current
+        elif current is not None and line.strip() and line.strip() != "}":
+            computations[current].append(line)
+    if entry is None:
+        raise ValueError("no ENTRY computation in the HLO text")
+
+    totals: dict[str, int] = collections.Counter()
+
+    def visit(name: str, times: int) -> None:
+        shapes: dict[str, list[int]] = {}
+        for line in computations.get(name, []):
+            match = _INSTRUCTION.match(line)
+            if match is None:
+                continue
+            result, shape, opcode, rest = match.groups()
+            shapes[result] = _shape_bytes(shape)
+            kind = COLLECTIVES.get(opcode)
+            if kind is not None:
+                operands = re.findall(r"%([\w.\-]+)", rest.split(")", 1)[0])
+                operand_bytes = [sum(shapes.get(o, [0])) for o in operands]
+                if opcode.endswith("-start") or opcode == "ragged-all-to-all":
+                    moved = max([*shapes[result], *operand_bytes])  # input and output buffers
+                else:
+                    moved = max(sum(shapes[result]), sum(operand_bytes))
+                totals[kind] += times * moved
+            trips = _TRIP_COUNT.search(rest) if opcode == "while" else None
+            repeat = int(trips.group(1)) if trips else 1
+            callees = _CALLEE.findall(rest)
+            for branches in _BRANCHES.findall(rest):
+                callees += re.findall(r"%([\w.\-]+)", branches)
+            for callee in callees:
+                visit(callee, times * repeat)
+
+    visit(entry, 1)
+    return dict(totals)

@@ -1,0 +1,107 @@
+"""What a model adds to the train step besides its logits, behind one small interface.
+
+The train step (train_step.py) is the same for every model: it adds the model's auxiliary loss
+to the token loss, calls `after_update` once the optimizer has updated the parameters, and
+reports `metrics`. What those mean is the model's business:
+
+- a dense decoder adds nothing (`NoAuxiliary`);
+- a mixture-of-experts decoder (`RouterTraining`) adds the router losses, moves its
+  aux-loss-free balancing bias after each update, and reports the router's health.
+
+A new model family with training-time extras implements `AuxiliaryTraining` and is picked in
+`models.definition.model_def`.
+
+Statistics (`stats`) are whatever the model's forward pass returns beside its logits; over the
+micro-batches of one step the train step sums them, so they must be sums or means of sums.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import jax
+import jax.numpy as jnp
+
+from maxtrain.config import MoeConfig
+from maxtrain.models.stacks import MOE_STACK
+
+Stats = dict[str, jax.Array]
+
+
+class AuxiliaryTraining(Protocol):
+    def aux_loss(self, stats: Stats) -> jax.Array:
+        """A scalar added to the step's mean token loss (already weighted)."""
+        ...
+
+    def after_update(self, params: Any, old_params: Any, stats: Stats) -> Any:
+        """The parameters after the optimizer's update, changed by any non-gradient rule."""
+        ...
+
+    def metrics(self, stats: Stats, num_micro_batches: int, aux_loss: jax.Array) -> Stats:
+        """Step metrics from the step's summed statistics; aux_loss: its mean over tokens."""
+        ...
+
+
+class NoAuxiliary:
+    """A model that trains on its token loss alone."""
+
+    def aux_loss(self, stats: Stats) -> jax.Array:
+        return jnp.zeros(())
+
+    def after_update(self, params: Any, old_params: Any, stats: Stats) -> Any:
+        return params
+
+    def metrics(self, stats: Stats, num_micro_batches: int, aux_loss: jax.Array) -> Stats:
+        return {}
+
+
+@dataclass(frozen=True)
+class RouterTraining:
+    """The MoE layers' training extras. Their statistics (layers/moe.py `router_stats`) come
+    with a leading axis over the MoE layers: load [layers, E], balance_loss, router_z_loss,
+    entropy and dropped [layers]."""
+
+    moe: MoeConfig
+
+    def aux_loss(self, stats: Stats) -> jax.Array:
+        """Load-balancing and router z-loss: weights x their mean over MoE layers."""
+        return self.moe.aux_loss_weight * jnp.mean(
+            stats["balance_loss"]
+        ) + self.moe.router_z_loss_weight * jnp.mean(stats["router_z_loss"])
+
+    def after_update(self, params: Any, old_params: Any, stats: Stats) -> Any:
+        """Aux-loss-free balancing (DeepSeek-V3): one step of the per-expert routing bias.
+
+        Each MoE layer's bias rises by `bias_update_rate` for experts below the mean load and
+        falls for those above it. The new value is computed from the bias before this step (the
+        optimizer never trains it: its gradient is stopped), and returned in a copy of `params`.
+        """
+        if self.moe.bias_update_rate <= 0:
+            return params
+        load = stats["load"]
+        bias = old_params[MOE_STACK]["moe"]["router"]["bias"]  # [MoE layers, E]
+        step = self.moe.bias_update_rate * jnp.sign(jnp.mean(load, axis=-1, keepdims=True) - load)
+        router = {**params[MOE_STACK]["moe"]["router"], "bias": bias + step}
+        moe = {**params[MOE_STACK]["moe"], "router": router}
+        return {**params, MOE_STACK: {**params[MOE_STACK], "moe": moe}}
+
+    def metrics(self, stats: Stats, num_micro_batches: int, aux_loss: jax.Array) -> Stats:
+        """Router health, averaged over MoE layers, plus each layer's expert load.
+
+        `moe/load` [layers, experts] is each expert's share of the assignments (1/E when
+        balanced); `moe/max_load` is the busiest expert's share relative to fair, 1.0 =
+        perfectly balanced.
+        """
+        load = stats["load"]
+        share = load / jnp.maximum(jnp.sum(load, axis=-1, keepdims=True), 1.0)
+        mean = lambda name: jnp.mean(stats[name]) / num_micro_batches  # noqa: E731
+        return {
+            "moe/router_loss": aux_loss,
+            "moe/balance_loss": mean("balance_loss"),
+            "moe/router_z_loss": mean("router_z_loss"),
+            "moe/entropy": mean("entropy"),
+            "moe/dropped": mean("dropped"),
+            "moe/max_load": jnp.max(share) * load.shape[-1],
+            "moe/load": share,
+        }

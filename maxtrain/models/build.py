@@ -1,0 +1,56 @@
+"""Model assembly: build a decoder from config and count its parameters."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from maxtrain.config import ModelConfig
+from maxtrain.models.decoder import Decoder
+from maxtrain.models.stacks import is_moe_per_layer
+
+_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+
+
+def compute_dtype(cfg: ModelConfig) -> jnp.dtype:
+    """'auto' is bfloat16 on accelerators and float32 on CPU (where bf16 is emulated, slowly)."""
+    if cfg.compute_dtype == "auto":
+        return jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16
+    return _DTYPES[cfg.compute_dtype]
+
+
+def build(cfg: ModelConfig, seed: int = 0) -> Decoder:
+    """A freshly initialised model (call under jit to get sharded parameters, see state.py)."""
+    return Decoder(
+        cfg,
+        param_dtype=_DTYPES[cfg.param_dtype],
+        compute_dtype=compute_dtype(cfg),
+        rngs=nnx.Rngs(params=seed),
+    )
+
+
+def abstract(cfg: ModelConfig) -> Decoder:
+    """The model with ShapeDtypeStruct leaves: shapes and metadata, no memory."""
+    return nnx.eval_shape(lambda: build(cfg))
+
+
+def param_count(cfg: ModelConfig) -> int:
+    """Total parameters of the model this config builds (embedding and head included)."""
+    state = nnx.state(abstract(cfg), nnx.Param)
+    return sum(int(x.size) for x in jax.tree.leaves(state))
+
+
+def active_param_count(cfg: ModelConfig) -> int:
+    """Parameters one token uses: the total less the experts it was not routed to."""
+    idle = 0
+    if cfg.moe is not None:
+        m = cfg.moe
+        idle = (
+            sum(is_moe_per_layer(cfg))
+            * (m.num_experts - m.top_k)
+            * 3
+            * cfg.emb_dim
+            * m.expert_mlp_dim
+        )
+    return param_count(cfg) - idle

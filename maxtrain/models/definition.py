@@ -1,0 +1,62 @@
+"""The model as the rest of maxtrain sees it: a pure function of a params dict, plus its extras.
+
+Parameters are kept as a plain nested dict of arrays (`nnx.to_pure_dict`): what optax, Orbax and
+the checkpoint converters all handle natively. `ModelDef` holds what is needed to run the model
+on such a dict inside jit (the graph definition and the logical-axis metadata of every
+parameter) and what the model adds to training (models/auxiliary.py). The train step, the
+evaluation and the tools use only this interface, so they read the same for a dense model, a
+mixture of experts and whatever family comes next.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import jax
+from flax import nnx
+
+from maxtrain import quantization
+from maxtrain.config import Config
+from maxtrain.models.auxiliary import AuxiliaryTraining, NoAuxiliary, RouterTraining, Stats
+from maxtrain.models.build import abstract
+
+
+class ModelOutput(NamedTuple):
+    logits: jax.Array  # [B, T, V] in compute dtype
+    aux_loss: jax.Array  # scalar, weighted, added to the mean token loss
+    stats: Stats  # forward-pass statistics (router load, ...); {} for a dense model
+
+
+@dataclass(frozen=True)
+class ModelDef:
+    """Everything needed to run and train the model on a params dict inside jit."""
+
+    graphdef: nnx.GraphDef
+    abstract_state: nnx.State  # nnx.Param tree with shapes and logical-axis metadata
+    auxiliary: AuxiliaryTraining
+
+    def apply(self, params: Any, tokens, positions, segment_ids) -> ModelOutput:
+        """tokens/positions/segment_ids [B, T] int32 -> logits, auxiliary loss, statistics."""
+        state = jax.tree.map(lambda v: v, self.abstract_state)  # a fresh copy to fill
+        nnx.replace_by_pure_dict(state, params)
+        logits, stats = nnx.merge(self.graphdef, state)(tokens, positions, segment_ids)
+        return ModelOutput(logits, self.auxiliary.aux_loss(stats), stats)
+
+    def after_update(self, params: Any, old_params: Any, stats: Stats) -> Any:
+        """Called by the train step after the optimizer's update (see models/auxiliary.py)."""
+        return self.auxiliary.after_update(params, old_params, stats)
+
+    def metrics(self, stats: Stats, num_micro_batches: int, aux_loss: jax.Array) -> Stats:
+        """The model's own step metrics, from the step's summed statistics."""
+        return self.auxiliary.metrics(stats, num_micro_batches, aux_loss)
+
+
+def model_def(cfg: Config) -> ModelDef:
+    """The model to run; with `quantization:` set, its matmuls quantized (quantization/).
+    Quantization changes only the graph definition: the params are the float model's."""
+    model = quantization.quantize(abstract(cfg.model), cfg.quantization)
+    graphdef, abstract_state = nnx.split(model)
+    moe = cfg.model.moe
+    auxiliary = RouterTraining(moe) if moe is not None else NoAuxiliary()
+    return ModelDef(graphdef, abstract_state, auxiliary)
