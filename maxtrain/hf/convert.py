@@ -13,8 +13,8 @@ checkpoint takes its own host copy of part of the state on top: see the README's
 
 Outputs appear whole or not at all (maxtrain/files.py atomic_directory): each is written as the
 sibling `<output>.partial-<pid>` and renamed when complete; on any failure the partial directory
-is removed. All input checks
-(config, tensor names, shapes, dtypes) run before anything is written.
+is removed. All input checks (config, tensor names, shapes, dtypes) run before anything is
+written.
 """
 
 from __future__ import annotations
