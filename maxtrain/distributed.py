@@ -25,6 +25,7 @@ from __future__ import annotations
 import jax
 
 from maxtrain.config import ConfigError, DistributedConfig
+from maxtrain.errors import first_line
 
 
 def detected_cluster() -> str | None:
@@ -60,8 +61,7 @@ def initialize(cfg: DistributedConfig) -> None:
         )
     except ValueError as e:
         settings = ", ".join(f"{k}={v}" for k, v in given.items()) or "auto-detected"
-        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
         raise ConfigError(
             f"could not join the distributed run ({settings}, initialization_timeout_s="
-            f"{cfg.initialization_timeout_s}): {first[:300]}"
+            f"{cfg.initialization_timeout_s}): {first_line(e, 300)}"
         ) from None

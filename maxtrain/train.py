@@ -26,11 +26,17 @@ from jax.sharding import Mesh, NamedSharding
 from maxtrain import cache, distributed, optim
 from maxtrain import config as config_lib
 from maxtrain import metrics as metrics_lib
-from maxtrain.checkpointing import Checkpointer, CheckpointError, open_checkpointer
+from maxtrain.checkpointing import (
+    CheckpointError,
+    TieredCheckpointer,
+    abstract_like,
+    open_checkpointer,
+)
 from maxtrain.config import Config, ConfigError
 from maxtrain.data import batch_sharding, to_global
 from maxtrain.data.errors import DataError
 from maxtrain.data.pipeline import STREAMS, EvalStream
+from maxtrain.errors import first_line
 from maxtrain.mesh import batch_degree, build_mesh, sharding_rules
 from maxtrain.models import ModelDef
 from maxtrain.state import TrainState, init_state
@@ -208,28 +214,24 @@ class _Preemption:
             signal.signal(signal.SIGTERM, self._previous)
 
 
-def _abstract(tree: Any) -> Any:
-    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
-
-
-def _resume_or_load(trainer: Trainer, ckpt: Checkpointer | None, train_batches) -> int:
+def _resume_or_load(trainer: Trainer, ckpt: TieredCheckpointer | None, train_batches) -> int:
     """Restores the newest checkpoint (state and data position) and returns its step; else
     loads checkpoint.load_parameters_path into the fresh state, if set (transformed per
     init.mode: upcycling, depth upscaling), and returns 0."""
     if ckpt is not None:
-        restored = ckpt.restore_latest(_abstract(trainer.state), train_batches)
+        restored = ckpt.restore_latest(abstract_like(trainer.state), train_batches)
         if restored is not None:
             trainer.state, step = restored
             return step
     path = trainer.cfg.checkpoint.load_parameters_path
     if path:
-        params = initial_params(trainer.cfg, _abstract(trainer.state.params))
+        params = initial_params(trainer.cfg, abstract_like(trainer.state.params))
         trainer.state = trainer.state.replace(params=params)
     return 0
 
 
 def _check_finite(
-    cfg: Config, step_metrics: dict[str, jax.Array], step: int, ckpt: Checkpointer | None
+    cfg: Config, step_metrics: dict[str, jax.Array], step: int, ckpt: TieredCheckpointer | None
 ) -> None:
     """Under on_nonfinite=stop, raises once the loss is NaN/inf (NaN parameters stay NaN, so
     checking the newest step covers the ones before it). Under skip, bad updates were dropped
@@ -265,7 +267,7 @@ def run(cfg: Config) -> dict[str, Any]:
         raise
 
 
-def _train(trainer: Trainer, ckpt: Checkpointer | None, train_batches, eval_streams) -> dict:
+def _train(trainer: Trainer, ckpt: TieredCheckpointer | None, train_batches, eval_streams) -> dict:
     cfg, run_dir, is_writer = trainer.cfg, trainer.cfg.run_dir, jax.process_index() == 0
     start_step = _resume_or_load(trainer, ckpt, train_batches)
     if ckpt is not None and start_step < cfg.train.steps:
@@ -397,10 +399,9 @@ def _lost_peer(error: Exception) -> None:
     """A collective failed in a multi-process run: almost always another process died. Says so
     in one line and exits at once: jax's own shutdown would wait on the dead process's barrier,
     then abort with a C++ stack trace."""
-    first = (str(error).strip().splitlines() or [type(error).__name__])[0][:300]
     print(
         f"maxtrain: error: process {jax.process_index()} lost contact with the other processes "
-        f"({first}); restart all of them to resume from the last checkpoint",
+        f"({first_line(error, 300)}); restart all of them to resume from the last checkpoint",
         file=sys.stderr,
         flush=True,
     )

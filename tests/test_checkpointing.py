@@ -25,6 +25,8 @@ from maxtrain.checkpointing import (
     EmergencyCheckpointer,
     integrity,
     load_parameters,
+    read_saved_config,
+    sidecar,
 )
 from maxtrain.checkpointing.emergency import choose
 from maxtrain.mesh import build_mesh, sharding_rules
@@ -417,6 +419,30 @@ def test_load_parameters_returns_params_only(setup):
 
     with pytest.raises(CheckpointError, match="no complete checkpoint"):
         load_parameters(cfg.run_dir / "nowhere", target)
+
+
+def test_the_saved_config_reads_back_from_either_layout_and_damage_is_one_line(setup, tmp_path):
+    cfg, state, _, checkpointer = setup()
+    with checkpointer() as ckpt:
+        ckpt.save_now(10, state)
+    step_dir = cfg.run_dir / "checkpoints" / "local" / "10"
+    assert read_saved_config(step_dir) == config_lib.to_yaml(cfg)
+    # The emergency layout: the state alone as item `default`, the config in the sidecar.
+    persistent = tmp_path / "emergency" / "persistent"
+    (persistent / "10" / integrity.EMERGENCY_STATE_ITEM).mkdir(parents=True)
+    sidecar.write(persistent, 10, {sidecar.CONFIG: config_lib.to_yaml(cfg)})
+    assert read_saved_config(persistent / "10") == config_lib.to_yaml(cfg)
+
+    item = step_dir / integrity.CONFIG_ITEM / "metadata"
+    item.write_text(item.read_text()[:20])  # truncated
+    with pytest.raises(CheckpointError) as err:
+        read_saved_config(step_dir)
+    unreadable = f"{item}: the config saved with the checkpoint is unreadable (JSONDecodeError: "
+    assert str(err.value).startswith(unreadable) and "\n" not in str(err.value)
+    shutil.rmtree(item.parent)
+    with pytest.raises(CheckpointError) as err:
+        read_saved_config(step_dir)
+    assert str(err.value) == f"{step_dir}: holds no saved config ({item})"
 
 
 def test_disabled_checkpointer_does_nothing(setup):

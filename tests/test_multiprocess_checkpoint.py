@@ -29,7 +29,7 @@ from test_pipeline_multiprocess import free_port
 
 from maxtrain import config as config_lib
 from maxtrain import optim
-from maxtrain.checkpointing import Checkpointer, integrity, load_parameters
+from maxtrain.checkpointing import Checkpointer, integrity, load_parameters, read_saved_config
 from maxtrain.models import model_def
 from maxtrain.state import TrainState
 from maxtrain.train import run
@@ -195,6 +195,12 @@ def test_replicas_split_the_tiers_and_the_state_reads_back_anywhere(straight):
         state, step = ckpt.restore_latest(abstract_state())
     assert step == STEPS and ckpt.restore_info["meta"]["step"] == STEPS
     assert_same_params(state.params, final_params(straight))
+
+
+def test_the_config_saved_in_the_emergency_layout_reads_back(straight):
+    """Its persistent step holds the state alone (item `default`); the config is the sidecar's."""
+    step_dir = straight / "checkpoints" / "persistent" / str(STEPS)
+    assert read_saved_config(step_dir) == (straight / "config.yml").read_text()
 
 
 def test_kill_both_processes_then_resume_from_the_local_tier_is_bit_exact(

@@ -42,7 +42,7 @@ from jax.sharding import PartitionSpec as P
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from maxtrain.checkpointing import Checkpointer  # noqa: E402
+from maxtrain.checkpointing import Checkpointer, abstract_like  # noqa: E402
 from maxtrain.config import CheckpointConfig, CheckpointTier  # noqa: E402
 from maxtrain.state import TrainState  # noqa: E402
 
@@ -194,9 +194,7 @@ def run(args: argparse.Namespace, root: Path) -> int:
     ckpt.close()
 
     expected = jax.device_get(checksums(state))
-    abstract = jax.tree.map(
-        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state
-    )
+    abstract = abstract_like(state)
     del state, ckpt  # room for the restored copy
     release_host_memory()
     t0 = time.perf_counter()

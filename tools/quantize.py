@@ -27,7 +27,7 @@ import numpy as np  # noqa: E402
 
 from maxtrain import config as config_lib  # noqa: E402
 from maxtrain import quantization  # noqa: E402
-from maxtrain.checkpointing import CheckpointError, load_parameters  # noqa: E402
+from maxtrain.checkpointing import CheckpointError, abstract_like, load_parameters  # noqa: E402
 from maxtrain.checkpointing.export import save_parameters  # noqa: E402
 from maxtrain.config import ConfigError  # noqa: E402
 from maxtrain.data.errors import DataError  # noqa: E402
@@ -61,11 +61,7 @@ def main(argv: list[str]) -> int:
             args.config, [*args.overrides, *fixed, f"train.eval_steps={args.eval_batches}"]
         )
         trainer = build_trainer(cfg)
-        target = jax.tree.map(
-            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
-            trainer.state.params,
-        )
-        params = load_parameters(args.source, target)
+        params = load_parameters(args.source, abstract_like(trainer.state.params))
         kernels = quantization.quantizable_kernels(trainer.mdef.abstract_state)
         qparams, errors = quantization.quantize_params(params, kernels, args.qtype)
         _, eval_streams = data_streams(cfg)

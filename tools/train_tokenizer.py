@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import io
 import itertools
-import os
 import re
 import sys
 import time
@@ -34,6 +33,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from maxtrain.data.errors import ArgumentParser, DataError  # noqa: E402
 from maxtrain.data.readers import FORMATS, DocumentReader  # noqa: E402
+from maxtrain.errors import first_line  # noqa: E402
+from maxtrain.files import write_atomic  # noqa: E402
 
 PROG = "train_tokenizer"
 SEED = 0
@@ -94,14 +95,8 @@ def train(docs: list[str], vocab_size: int, model_type: str, character_coverage:
             minloglevel=2,
         )
     except RuntimeError as e:  # e.g. "Vocabulary size too high (400). Please set it to <= 287."
-        raise DataError(_SPM_MESSAGE_PREFIX.sub("", str(e).splitlines()[0])) from e
+        raise DataError(_SPM_MESSAGE_PREFIX.sub("", first_line(e))) from e
     return model.getvalue()
-
-
-def write_atomic(path: Path, data: bytes) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_bytes(data)
-    os.replace(tmp, path)
 
 
 def vocab_text(model: bytes) -> str:

@@ -7,13 +7,16 @@ survives the machine (the persistent tier: any path Orbax/etils writes, e.g. a b
 checkpoint of either tier, so the tiers need no coordination beyond one restore policy.
 
     ckpt = open_checkpointer(cfg.checkpoint, cfg.run_dir, to_yaml(cfg), state)
-    restored = ckpt.restore_latest(abstract_state, data_iterator)  # (state, step) or None
+    restored = ckpt.restore_latest(abstract_like(state), data_iterator)  # (state, step) or None
     ckpt.maybe_save(step, state, data_iterator)       # async: returns after the host copy
     ckpt.save_now(step, state, data_iterator, tier="local", wait=True)  # SIGTERM: durable
     ckpt.close()
     params = load_parameters(path, abstract_params)   # checkpoint.load_parameters_path
+    config_yaml = read_saved_config(step_dir)         # which model a step holds
 
-Two implementations of that interface, picked by open_checkpointer:
+That interface and its lifecycle (which tiers are due, skipping a busy persistent tier, waiting,
+closing, prewarming) are TieredCheckpointer's (lifecycle.py). Two strategies implement the
+Orbax side, picked by open_checkpointer:
 
 - Checkpointer (checkpointer.py): one Orbax CheckpointManager per tier. One process with any
   number of devices, and multi-process runs with a single data-parallel replica (every process
@@ -22,7 +25,7 @@ Two implementations of that interface, picked by open_checkpointer:
   multi-process runs with >= 2 data-parallel replicas (mesh axis `data`): the local tier is
   kept per replica and a lost host's part is restored from a peer replica. Its persistent
   layout differs (the state item is `default`, the rest is in a sidecar); both
-  implementations and load_parameters read both layouts.
+  implementations, load_parameters and read_saved_config read both layouts (restore.py).
 
 On disk, per tier directory (Checkpointer):
 
@@ -52,23 +55,28 @@ import jax
 from etils import epath
 
 from maxtrain.checkpointing.checkpointer import Checkpointer, load_parameters
-from maxtrain.checkpointing.common import stderr_log
+from maxtrain.checkpointing.common import abstract_like, stderr_log
 from maxtrain.checkpointing.emergency import EmergencyCheckpointer, unsupported_reason
 from maxtrain.checkpointing.integrity import CheckpointError
+from maxtrain.checkpointing.lifecycle import TieredCheckpointer
+from maxtrain.checkpointing.restore import read_saved_config
 from maxtrain.config import CheckpointConfig
 
 __all__ = [
     "CheckpointError",
     "Checkpointer",
     "EmergencyCheckpointer",
+    "TieredCheckpointer",
+    "abstract_like",
     "load_parameters",
     "open_checkpointer",
+    "read_saved_config",
 ]
 
 
 def open_checkpointer(
     cfg: CheckpointConfig, run_dir: str | epath.PathLike, config_yaml: str, state: Any
-) -> Checkpointer | EmergencyCheckpointer:
+) -> TieredCheckpointer:
     """The emergency checkpointer where Orbax's emergency manager applies to this run (state:
     the train state, concrete or abstract, laid out on the run's mesh), else the Checkpointer.
     A multi-process run that falls back says why on stderr."""

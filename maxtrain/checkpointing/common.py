@@ -1,5 +1,6 @@
-"""What both checkpointers share: tier directories, warnings, write probes, the host-copy prewarm,
-and the meta record saved with every checkpoint."""
+"""Helpers both checkpointers use: tier directories and their listing, warnings, write probes,
+the abstract state a restore reads into, the host-copy prewarm, and the meta record saved with
+every checkpoint. (The lifecycle they share is lifecycle.py.)"""
 
 from __future__ import annotations
 
@@ -13,23 +14,11 @@ import numpy as np
 from etils import epath
 
 from maxtrain.checkpointing import integrity
-from maxtrain.checkpointing.integrity import CheckpointError, one_line
+from maxtrain.checkpointing.integrity import CheckpointError
 from maxtrain.config import CheckpointConfig
+from maxtrain.errors import first_line
 
 TIERS = ("local", "persistent")
-_ABSL_MARKED = False
-
-
-def mark_absl_flags_parsed() -> None:
-    """Orbax (and grain workers) read absl flags, which raise unless parsed; we run outside
-    absl.app. Done once per process."""
-    global _ABSL_MARKED
-    if not _ABSL_MARKED:
-        from absl import flags
-
-        if not flags.FLAGS.is_parsed():
-            flags.FLAGS.mark_as_parsed()
-        _ABSL_MARKED = True
 
 
 def stderr_log(line: str) -> None:
@@ -60,6 +49,16 @@ def tier_dirs(cfg: CheckpointConfig, run_dir: str | epath.PathLike) -> dict[str,
     return dirs
 
 
+def listed_steps(directory: epath.Path) -> list[tuple[int, epath.Path]]:
+    """integrity.step_dirs, with a directory that cannot be listed as a CheckpointError."""
+    try:
+        return integrity.step_dirs(directory)
+    except OSError as e:  # e.g. the path runs through a regular file
+        raise CheckpointError(
+            f"cannot list checkpoints in {directory}: {first_line(e, 300, typed=True)}"
+        ) from None
+
+
 def probe_writable(directory: epath.Path) -> None:
     """Creates the directory and writes one small file, so an unwritable path fails here with a
     clear message instead of inside Orbax's background thread."""
@@ -69,7 +68,15 @@ def probe_writable(directory: epath.Path) -> None:
         probe.write_text("ok")
         probe.unlink()
     except Exception as e:
-        raise CheckpointError(f"cannot write checkpoints to {directory}: {one_line(e)}") from e
+        raise CheckpointError(
+            f"cannot write checkpoints to {directory}: {first_line(e, 300, typed=True)}"
+        ) from e
+
+
+def abstract_like(tree: Any) -> Any:
+    """The tree's arrays as jax.ShapeDtypeStruct with their shardings: the target layout that
+    restore_latest and load_parameters read a checkpoint into (resharding it on read)."""
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
 
 
 def meta_record(step: int, state: Any, tier: str, seed: Any, extra: Any) -> dict[str, Any]:

@@ -1,4 +1,4 @@
-"""Orbax's emergency multi-tier manager behind the Checkpointer's interface (multi-process runs).
+"""Orbax's emergency multi-tier manager as a TieredCheckpointer (multi-process runs).
 
 Why: on a multi-host run the local tier is each host's own disk or RAM disk, and a lost host
 takes its part of every local checkpoint with it; two plain managers (checkpointer.py) would
@@ -25,7 +25,8 @@ It applies (`unsupported_reason` is None) with more than one process, mesh.data 
 state leaf sharded over `data`, and no process holding devices of two replicas (Orbax gives
 each process one replica). Otherwise `open_checkpointer` keeps the two plain managers.
 
-Kept from the Checkpointer, around Orbax:
+The lifecycle (which tiers are due, the busy-persistent skip, waiting, closing, prewarming) is
+lifecycle.py's, shared with the Checkpointer. Kept from the Checkpointer, around Orbax:
 - Data positions, meta and config: Orbax saves only the state; sidecar.py keeps the rest per
   process, atomically, in the persistent directory (shared, it survives any host).
 - Integrity: persistent steps get our manifest before Orbax commits (its post-finalization
@@ -57,7 +58,6 @@ from typing import Any
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
-import yaml
 from etils import epath
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding
@@ -67,26 +67,23 @@ from orbax.checkpoint.experimental.emergency.path import sync_global_data
 
 from maxtrain.checkpointing import integrity, sidecar
 from maxtrain.checkpointing.common import (
-    TIERS,
+    abstract_like,
     host_copy,
-    mark_absl_flags_parsed,
+    listed_steps,
     meta_record,
     probe_writable,
     stderr_log,
-    tier_dirs,
 )
 from maxtrain.checkpointing.data_state import adapter_for
 from maxtrain.checkpointing.integrity import EMERGENCY_STATE_ITEM as EMERGENCY_ITEM
-from maxtrain.checkpointing.integrity import CheckpointError, Corrupt, one_line
+from maxtrain.checkpointing.integrity import CheckpointError, Corrupt
+from maxtrain.checkpointing.lifecycle import Restored, TieredCheckpointer
 from maxtrain.checkpointing.restore import read_step
 from maxtrain.config import CheckpointConfig
+from maxtrain.errors import first_line
 
 REPLICA_AXIS = 0  # mesh axis `data`; see the module docstring
 PRIMARY_REPLICA = 0  # Orbax: replica 0 writes the persistent tier, the others the local one
-
-
-def _abstract(tree: Any) -> Any:
-    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
 
 
 def unsupported_reason(state: Any) -> str | None:
@@ -114,8 +111,8 @@ def unsupported_reason(state: Any) -> str | None:
     return None
 
 
-class EmergencyCheckpointer:
-    """The Checkpointer's interface over Orbax's emergency manager; see the module docstring.
+class EmergencyCheckpointer(TieredCheckpointer):
+    """Orbax's emergency manager behind TieredCheckpointer; see the module docstring.
 
     Every method is called by every process at the same point (they are collective).
     """
@@ -130,39 +127,28 @@ class EmergencyCheckpointer:
         prewarm: bool = True,
         log: Callable[[str], None] = stderr_log,
     ):
-        mark_absl_flags_parsed()
-        self.cfg, self.config_yaml, self.log, self.mesh = cfg, config_yaml, log, mesh
-        dirs = tier_dirs(cfg, run_dir)
+        super().__init__(cfg, run_dir, config_yaml, prewarm=prewarm, log=log)
+        self.mesh = mesh
         self.process, self.processes = jax.process_index(), jax.process_count()
-        self.local_dir = dirs["local"] / f"process_{self.process}"
-        self.persistent_dir = dirs["persistent"]
+        self.local_dir = self.dirs["local"] / f"process_{self.process}"
+        self.persistent_dir = self.dirs["persistent"]
         replica = dict(replica_id=PRIMARY_REPLICA, replica_axis_index=REPLICA_AXIS)
         self.in_primary_replica = multislice.in_replica(self.process, mesh, **replica)
         self.persistent_primary = self.process == multislice.primary_process_in_replica(
             mesh, **replica
         )
-        self.last_saved_step: int | None = None  # newest step saved or restored, any tier
-        self.restore_info: dict[str, Any] | None = None
-        self.prewarm_times: dict[str, float] = {}
-        self._seed = (yaml.safe_load(config_yaml) or {}).get("run", {}).get("seed")
         self._manager: ecm.CheckpointManager | None = None
-        self._tier_step: dict[str, int | None] = dict.fromkeys(TIERS)
         self._want: set[str] = set()  # the tiers the save in progress writes (should_save_fn)
         self._persistent_pending: int | None = None  # persistent primary: step being written
         self._local_unlisted: int | None = None  # newest local step saved here, no manifest yet
         self._recent: list[int] = []  # newest steps saved or restored (their sidecars stay)
-        self._prewarmed = not prewarm
-        self._closed = False
 
     # ---- restore ------------------------------------------------------------------------------
 
-    def restore_latest(self, abstract_state: Any, data_iterator: Any = None):
-        """(state, step) from the newest step complete across the tiers and processes, or None.
-
-        Same contract as Checkpointer.restore_latest; every process returns the same step.
-        """
-        if not self.cfg.enabled:
-            return None
+    def _restore_newest(self, abstract_state: Any, data_iterator: Any) -> Restored | None:
+        """The newest step complete across the tiers and processes (every process returns the
+        same): each process vets what it holds, the reports are exchanged, and all choose
+        alike."""
         adapter = adapter_for(data_iterator)
         reports = sync_global_data(self._vet(abstract_state))
         errors = [r["error"] for r in reports if r["error"]]
@@ -175,11 +161,7 @@ class EmergencyCheckpointer:
         unusable = [u for r in reports for u in r["steps"] if step is None or u[1] > step]
         if step is None:
             if unusable:
-                listing = "; ".join(f"step {s} in {d}: {why}" for _, s, d, why in unusable)
-                raise CheckpointError(
-                    f"no complete checkpoint to resume from: {listing}. Move these aside (or "
-                    "start a new run.name) to start from scratch"
-                )
+                raise self._no_complete_checkpoint([(s, d, why) for _, s, d, why in unusable])
             return None
         self._set_aside(unusable, step, reports[self.process])
         path = self.persistent_dir / str(step)
@@ -197,10 +179,8 @@ class EmergencyCheckpointer:
             info = {"step": step, "data_restored": data_restored, "meta": meta}
         where = f"the local tier of replica {replica}" if tier == "local" else "the persistent tier"
         self.log(f"restored step {step} from {where}")
-        self._tier_step[tier] = self.last_saved_step = step
         self._recent = [step]
-        self.restore_info = {**info, "tier": tier}
-        return state, step
+        return Restored(state, step, tier, info)
 
     def _vet(self, abstract_state: Any) -> dict[str, Any]:
         """What this process holds: usable steps per tier, its data positions, and problems.
@@ -224,7 +204,7 @@ class EmergencyCheckpointer:
             tiers.append(("persistent", self.persistent_dir))
         for tier, directory in tiers:
             shapes_checked = False
-            for step, path in _list(directory):
+            for step, path in listed_steps(directory):
                 why = "not held by every process of a replica, or a data position is missing"
                 try:
                     integrity.verify(path, require_manifest=tier == "persistent")
@@ -255,7 +235,7 @@ class EmergencyCheckpointer:
         aside = [
             (directory, s)
             for name, directory in dirs
-            for s, _ in _list(directory)
+            for s, _ in listed_steps(directory)
             if s > step or (s == step and s not in mine[name])
         ]
         suffix = time.strftime("%Y%m%d-%H%M%S")
@@ -263,71 +243,30 @@ class EmergencyCheckpointer:
             try:
                 integrity.quarantine(directory / str(s), suffix)
             except OSError as e:
-                self.log(f"could not move {directory / str(s)} aside ({one_line(e)})")
+                self.log(
+                    f"could not move {directory / str(s)} aside ({first_line(e, 300, typed=True)})"
+                )
 
     # ---- save ---------------------------------------------------------------------------------
 
-    def due(self, step: int) -> bool:
-        """Whether maybe_save(step) would save to some tier (the loop checks the state first)."""
-        return (
-            self.cfg.enabled
-            and step > 0
-            and any(step % getattr(self.cfg, t).every_steps == 0 for t in TIERS)
-        )
-
-    def maybe_save(
-        self, step: int, state: Any, data_iterator: Any = None, meta: dict[str, Any] | None = None
-    ) -> list[str]:
-        """Starts an async save of step to the due tiers; returns their names.
-
-        Each process writes its replica's tier only (one host copy). A due persistent save
-        whose previous one is still being written is skipped with a warning.
-        """
-        if not self.cfg.enabled or step <= 0:
-            return []
-        if not self._prewarmed:
-            self.prewarm(state)
-        self._check_for_errors()
-        due = [
-            t
-            for t in TIERS
-            if step % getattr(self.cfg, t).every_steps == 0 and self._tier_step[t] != step
-        ]
-        if "persistent" in due and self._persistent_busy():
-            self.log(
-                f"skipping the persistent checkpoint of step {step}: the previous one is still "
-                f"being written to {self.persistent_dir} (slow storage?)"
-            )
-            due.remove("persistent")
-        if due:
-            self._save(step, state, data_iterator, meta, due)
+    def _tiers_to_save(self, due: list[str]) -> list[str]:
+        """Every due tier: each process writes only its replica's tier (replica 0 the
+        persistent one, the others the local one), so each still makes one host copy."""
         return due
 
-    def save_now(
-        self,
-        step: int,
-        state: Any,
-        data_iterator: Any = None,
-        tier: str = "local",
-        wait: bool = True,
-        meta: dict[str, Any] | None = None,
-    ) -> None:
-        """Saves step to one tier now, whatever the interval; wait=True: durable on return."""
-        if tier not in TIERS:
-            raise ValueError(f"unknown checkpoint tier {tier!r}; tiers: {', '.join(TIERS)}")
-        if self._tier_step[tier] != step:
-            self._save(step, state, data_iterator, meta, [tier])
-        if wait:
-            self.wait_until_finished()
-
-    def _persistent_busy(self) -> bool:
+    def _persistent_busy(self) -> str | None:
         """Whether the persistent primary is still writing the previous persistent save, as
-        every process learns it (only that process knows; one tiny all-gather)."""
+        every process learns it (only that process knows; one tiny all-gather). Never waited
+        for: all processes would wait together."""
         mine = np.array([int(self._persistent_pending is not None)], np.int32)
-        return bool(np.max(multihost_utils.process_allgather(mine)))
+        if not np.max(multihost_utils.process_allgather(mine)):
+            return None
+        return f"the previous one is still being written to {self.persistent_dir}"
 
-    def _save(self, step: int, state: Any, data_iterator: Any, meta, tiers: list[str]) -> None:
-        manager = self._open(_abstract(state))
+    def _start_save(
+        self, step: int, state: Any, data_iterator: Any, meta, tiers: list[str]
+    ) -> None:
+        manager = self._open(abstract_like(state))
         files = {}
         adapter = adapter_for(data_iterator)
         if adapter is not None:
@@ -340,7 +279,8 @@ class EmergencyCheckpointer:
             sidecar.write(self.persistent_dir, step, files)
         except OSError as e:
             raise CheckpointError(
-                f"cannot write the sidecar of step {step} to {self.persistent_dir}: {one_line(e)}"
+                f"cannot write the sidecar of step {step} to {self.persistent_dir}: "
+                f"{first_line(e, 300, typed=True)}"
             ) from e
         if "persistent" in tiers and self.persistent_primary:
             self._persistent_pending = step
@@ -349,16 +289,14 @@ class EmergencyCheckpointer:
             manager.save(step, args=ocp.args.Composite(state=ocp.args.PyTreeSave(state)))
         except Exception as e:
             raise CheckpointError(
-                f"saving step {step} to the {' and '.join(tiers)} tier failed: {one_line(e)}"
+                f"saving step {step} to the {' and '.join(tiers)} tier failed: "
+                f"{first_line(e, 300, typed=True)}"
             ) from e
         finally:
             self._want = set()
         if "local" in tiers and not self.in_primary_replica:  # this process wrote it
             self._manifest_local()  # the previous one: Orbax waited for its commit
             self._local_unlisted = step
-        for t in tiers:
-            self._tier_step[t] = step
-        self.last_saved_step = step
         if step not in self._recent:
             self._recent = (self._recent + [step])[-(self.cfg.local.keep + 1) :]
         if self.process == 0:
@@ -366,7 +304,7 @@ class EmergencyCheckpointer:
 
     def _prune_sidecars(self, step: int) -> None:
         """Drops the sidecars of steps no tier can still hold (retention removed them)."""
-        keep = {s for s, _ in _list(self.persistent_dir)} | set(self._recent)
+        keep = {s for s, _ in listed_steps(self.persistent_dir)} | set(self._recent)
         every = self.cfg.local.keep_every_steps
         sidecar.prune(
             self.persistent_dir, step, lambda s: s in keep or bool(every and s % every == 0)
@@ -411,7 +349,7 @@ class EmergencyCheckpointer:
             except Exception as e:
                 raise CheckpointError(
                     f"cannot open the checkpoint directories {self.local_dir} and "
-                    f"{self.persistent_dir}: {one_line(e)}"
+                    f"{self.persistent_dir}: {first_line(e, 300, typed=True)}"
                 ) from e
         return self._manager
 
@@ -422,14 +360,16 @@ class EmergencyCheckpointer:
             integrity.write_manifest(integrity.in_flight_dir(self.persistent_dir, step), step)
         self._persistent_pending = None
 
-    # ---- waiting, errors, prewarm -------------------------------------------------------------
+    # ---- waiting and errors -------------------------------------------------------------------
 
-    def _check_for_errors(self) -> None:
+    def _raise_finished_errors(self) -> None:
         if self._manager is not None:
             try:
                 self._manager.check_for_errors()
             except Exception as e:
-                raise CheckpointError(f"a checkpoint save failed: {one_line(e)}") from e
+                raise CheckpointError(
+                    f"a checkpoint save failed: {first_line(e, 300, typed=True)}"
+                ) from e
 
     def wait_until_finished(self) -> None:
         """Blocks until this process's saves in flight are committed."""
@@ -438,9 +378,13 @@ class EmergencyCheckpointer:
                 self._manager.wait_until_finished()
             except Exception as e:
                 raise CheckpointError(
-                    f"saving step {self.last_saved_step} failed: {one_line(e)}"
+                    f"saving step {self.last_saved_step} failed: {first_line(e, 300, typed=True)}"
                 ) from e
             self._manifest_local()
+
+    def _wait_for(self, tier: str) -> None:
+        """One manager holds both tiers: waiting for one is waiting for all."""
+        self.wait_until_finished()
 
     def _manifest_local(self) -> None:
         """Writes the manifest of this process's newest local step, now committed."""
@@ -449,37 +393,22 @@ class EmergencyCheckpointer:
         if step is not None and (path / integrity.COMMIT_FILE).exists():
             integrity.write_manifest(path, step)
 
-    def close(self) -> None:
-        """Waits for saves in flight, then releases Orbax's threads."""
-        if self._closed:
-            return
-        self._closed = True
-        try:
-            self.wait_until_finished()
-        finally:
-            if self._manager is not None:
-                self._manager.close()
-                self._manager = None
+    def _release(self) -> None:
+        if self._manager is not None:
+            self._manager.close()
+            self._manager = None
 
-    def __enter__(self) -> EmergencyCheckpointer:
-        return self
+    # ---- first-save costs ---------------------------------------------------------------------
 
-    def __exit__(self, *exc) -> None:
-        self.close()
+    def _open_managers(self, state: Any) -> None:
+        self._open(abstract_like(state))
 
-    def prewarm(self, state: Any) -> float:
-        """The first save's one-time costs, before the loop (see Checkpointer.prewarm). Each
-        process writes one tier, so one host copy in flight at a time, sliced as its tier's
-        handler slices (replica 0: one replica's shards; the others: every local shard)."""
-        t0 = time.perf_counter()
-        self._prewarmed = True
-        if self.cfg.enabled:
-            self._open(_abstract(state))
-            t1 = time.perf_counter()
-            replica_id = 0 if self.in_primary_replica else None
-            host_copy(state, copies=1, replica_id=replica_id, use_replica_parallel=False)
-            self.prewarm_times = {"open_s": t1 - t0, "host_copy_s": time.perf_counter() - t1}
-        return time.perf_counter() - t0
+    def _host_copy(self, state: Any) -> None:
+        """Each process writes one tier, so one host copy in flight at a time, sliced as its
+        tier's handler slices (replica 0: one replica's shards; the others: every local
+        shard)."""
+        replica_id = 0 if self.in_primary_replica else None
+        host_copy(state, copies=1, replica_id=replica_id, use_replica_parallel=False)
 
 
 def choose(
@@ -508,10 +437,3 @@ def choose(
     step = max(usable)
     replica = next((k for k, steps in sorted(held.items()) if step in steps), None)
     return step, ("persistent" if replica is None else "local"), replica
-
-
-def _list(directory: epath.Path) -> list[tuple[int, epath.Path]]:
-    try:
-        return integrity.step_dirs(directory)
-    except OSError as e:  # e.g. the path runs through a regular file
-        raise CheckpointError(f"cannot list checkpoints in {directory}: {one_line(e)}") from None

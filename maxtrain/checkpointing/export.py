@@ -17,6 +17,7 @@ from etils import epath
 from maxtrain.checkpointing.checkpointer import Checkpointer
 from maxtrain.checkpointing.integrity import CheckpointError
 from maxtrain.config import CheckpointConfig, CheckpointTier
+from maxtrain.files import atomic_directory
 
 
 def save_parameters(
@@ -38,16 +39,10 @@ def save_parameters(
     output = epath.Path(output)
     if output.exists():
         raise CheckpointError(f"{output} already exists; name a new output directory")
-    partial = output.parent / f"{output.name}.partial-{os.getpid()}"
-    tier = CheckpointTier(dir=os.fspath(partial), every_steps=1, keep=1)
-    try:
+    with atomic_directory(output) as partial:
+        tier = CheckpointTier(dir=os.fspath(partial), every_steps=1, keep=1)
         with Checkpointer(
             CheckpointConfig(persistent=tier), run_dir=partial, config_yaml=config_yaml
         ) as ckpt:
             ckpt.save_now(0, {"params": params}, tier="persistent", wait=True, meta=meta)
-        partial.rename(output)
-    except BaseException:
-        if partial.exists():
-            partial.rmtree()
-        raise
     return output / "0"

@@ -25,11 +25,15 @@ from typing import Any
 import jax
 from etils import epath
 
+from maxtrain.errors import first_line
+from maxtrain.files import write_atomic
+
 MANIFEST = "maxtrain_manifest.json"
 COMMIT_FILE = "commit_success.txt"  # orbax atomicity_types.COMMIT_SUCCESS_FILE
 ORBAX_METADATA = "_CHECKPOINT_METADATA"
 TMP_SUFFIX = ".orbax-checkpoint-tmp"  # orbax atomicity_types.TMP_DIR_SUFFIX
 STATE_ITEM = "state"
+CONFIG_ITEM = "config"  # {"yaml": the resolved config}
 # The persistent tier of Orbax's emergency manager (emergency.py) saves the state as its only
 # item, which Orbax names "default".
 EMERGENCY_STATE_ITEM = "default"
@@ -44,11 +48,6 @@ class CheckpointError(Exception):
 
 class Corrupt(Exception):
     """A step directory that is not a complete checkpoint; the message says what is wrong."""
-
-
-def one_line(e: BaseException) -> str:
-    text = str(e).strip().splitlines()
-    return f"{type(e).__name__}: {text[0] if text else ''}"[:300]
 
 
 # ---- listing and verifying steps --------------------------------------------------------------
@@ -81,9 +80,9 @@ def _files(root: epath.Path) -> list[epath.Path]:
 def write_manifest(step_dir: epath.Path, step: int) -> None:
     """Records the size of every file under the item directories (format: {path: bytes}).
 
-    Top-level files are left out: Orbax rewrites them at commit, after this runs. Written to a
-    temporary name and renamed: the local tier of emergency.py adds it to committed steps, where
-    a torn manifest would make a good step look corrupt.
+    Top-level files are left out: Orbax rewrites them at commit, after this runs. Written
+    atomically: the local tier of emergency.py adds it to committed steps, where a torn manifest
+    would make a good step look corrupt.
     """
     step_dir = epath.Path(step_dir)
     files = {
@@ -93,9 +92,7 @@ def write_manifest(step_dir: epath.Path, step: int) -> None:
         for p in _files(item)
     }
     text = json.dumps({"format": 1, "step": step, "files": dict(sorted(files.items()))}, indent=1)
-    tmp = step_dir / f".{MANIFEST}.tmp"
-    tmp.write_text(text)
-    tmp.replace(step_dir / MANIFEST)
+    write_atomic(step_dir / MANIFEST, text)
 
 
 def verify(step_dir: epath.Path, require_manifest: bool = True) -> None:
@@ -106,7 +103,7 @@ def verify(step_dir: epath.Path, require_manifest: bool = True) -> None:
     try:
         meta = json.loads((step_dir / ORBAX_METADATA).read_text())
     except (OSError, ValueError) as e:
-        raise Corrupt(f"{ORBAX_METADATA} unreadable ({one_line(e)})") from None
+        raise Corrupt(f"{ORBAX_METADATA} unreadable ({first_line(e, 300, typed=True)})") from None
     if not meta.get("commit_timestamp_nsecs"):
         raise Corrupt(f"{ORBAX_METADATA} has no commit timestamp")
     if not (step_dir / MANIFEST).exists():
@@ -116,7 +113,7 @@ def verify(step_dir: epath.Path, require_manifest: bool = True) -> None:
     try:
         listed = json.loads((step_dir / MANIFEST).read_text())["files"]
     except (OSError, ValueError, KeyError) as e:
-        raise Corrupt(f"{MANIFEST} unreadable ({one_line(e)})") from None
+        raise Corrupt(f"{MANIFEST} unreadable ({first_line(e, 300, typed=True)})") from None
     for rel, size in listed.items():
         path = step_dir / rel
         if not path.exists():
@@ -174,7 +171,7 @@ def read_state_shapes(step_dir: epath.Path) -> dict[str, tuple[int, ...]]:
     try:
         md = ocp.PyTreeCheckpointHandler().metadata(state_dir(step_dir))
     except Exception as e:  # any failure to read metadata means the step is unusable
-        raise Corrupt(f"state metadata unreadable ({one_line(e)})") from None
+        raise Corrupt(f"state metadata unreadable ({first_line(e, 300, typed=True)})") from None
     return flat_shapes(getattr(md, "tree", md))
 
 

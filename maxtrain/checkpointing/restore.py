@@ -1,4 +1,5 @@
-"""Reading one step directory back: the state, its meta, and this process's data position.
+"""Reading one step directory back: the state, its meta, this process's data position, and the
+config saved with it.
 
 Two layouts are read, so a run can move between the two checkpointers (a multi-process run
 resumed on one process, or one that gained data-parallel replicas):
@@ -12,6 +13,7 @@ Every process calls it (Orbax reads each process's shards); it does not move or 
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from typing import Any
 
@@ -22,12 +24,13 @@ from etils import epath
 from maxtrain.checkpointing import integrity, sidecar
 from maxtrain.checkpointing.data_state import adapter_for
 from maxtrain.checkpointing.integrity import (
+    CONFIG_ITEM,
     EMERGENCY_STATE_ITEM,
     STATE_ITEM,
     CheckpointError,
     Corrupt,
-    one_line,
 )
+from maxtrain.errors import first_line
 
 
 def read_step(
@@ -60,7 +63,7 @@ def read_step(
     except (Corrupt, CheckpointError):
         raise
     except Exception as e:  # tensorstore/JSON read failures: unreadable bytes on disk
-        raise Corrupt(f"restore failed: {one_line(e)}") from None
+        raise Corrupt(f"restore failed: {first_line(e, 300, typed=True)}") from None
     return restored[item], {"step": step, "data_restored": data_restored, "meta": meta}
 
 
@@ -89,3 +92,28 @@ def _sidecar_data(path: epath.Path, step: int, data_iterator: Any, log) -> bool:
         "starts afresh"
     )
     return False
+
+
+def read_saved_config(step_dir: epath.PathLike) -> str:
+    """The resolved config (YAML) saved with a step: the `config` item of ours, else the sidecar's
+    config.yml (the emergency layout). It says which model the step holds, for the tools that
+    read a checkpoint without a run's config (export to Hugging Face).
+
+    CheckpointError, one line naming the file, if the step holds no config or it is unreadable.
+    """
+    step_dir = epath.Path(step_dir)
+    item = step_dir / CONFIG_ITEM / "metadata"  # what Orbax's JsonSave wrote
+    step = int(step_dir.name) if step_dir.name.isdigit() else -1
+    side = sidecar.step_dir(step_dir.parent, step) / sidecar.CONFIG
+    try:
+        if item.is_file():
+            return json.loads(item.read_text())["yaml"]
+        if side.is_file():
+            return side.read_text()
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        path = item if item.is_file() else side
+        raise CheckpointError(
+            f"{path}: the config saved with the checkpoint is unreadable "
+            f"({first_line(e, 300, typed=True)})"
+        ) from None
+    raise CheckpointError(f"{step_dir}: holds no saved config ({item})")

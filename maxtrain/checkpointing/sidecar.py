@@ -17,13 +17,13 @@ only once every process's position is there, so the order of the two never matte
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Callable
 from typing import Any
 
 from etils import epath
 
 from maxtrain.checkpointing.data_state import DataStateAdapter
+from maxtrain.files import write_atomic
 
 SIDECAR = "sidecar"
 META = "meta.json"
@@ -43,9 +43,7 @@ def write(persistent_dir: epath.Path, step: int, files: dict[str, str]) -> None:
     directory = step_dir(persistent_dir, step)
     directory.mkdir(parents=True, exist_ok=True)
     for name, text in files.items():
-        tmp = directory / f".{name}.tmp-{os.getpid()}"
-        tmp.write_text(text)
-        tmp.replace(directory / name)  # a step saved again (final, SIGTERM) overwrites
+        write_atomic(directory / name, text)  # a step saved again (final, SIGTERM) overwrites
 
 
 def steps_with(persistent_dir: epath.Path, name: str) -> set[int]:

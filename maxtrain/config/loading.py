@@ -12,6 +12,7 @@ import yaml
 from pydantic import BaseModel, ValidationError
 
 from maxtrain.config.schema import Config
+from maxtrain.errors import first_line
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 CONFIGS_DIR = REPO_ROOT / "configs"
@@ -27,7 +28,7 @@ def _read_yaml(path: Path) -> dict[str, Any]:
     try:
         data = yaml.safe_load(path.read_text()) or {}
     except yaml.YAMLError as e:
-        raise ConfigError(f"config file {path} is not valid YAML: {str(e).splitlines()[0]}") from e
+        raise ConfigError(f"config file {path} is not valid YAML: {first_line(e)}") from e
     if not isinstance(data, dict):
         raise ConfigError(f"config file {path} must hold a mapping at top level")
     return data

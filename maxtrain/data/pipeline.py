@@ -43,6 +43,7 @@ from typing import Any
 import grain
 import numpy as np
 
+from maxtrain import absl_flags
 from maxtrain.config import Config, DataConfig
 from maxtrain.data import host_rows, packing, shards
 from maxtrain.data.errors import DataError
@@ -254,7 +255,7 @@ def prefetch(ds: grain.IterDataset, num_workers: int, buffer_size: int) -> grain
     """Worker processes (num_workers > 0) or one background thread, so batches are ready when
     the train step asks; both keep the iterator's state exact."""
     if num_workers > 0:
-        _mark_absl_flags_parsed()
+        absl_flags.mark_parsed()  # grain's workers read them
         options = grain.MultiprocessingOptions(
             num_workers=num_workers, per_worker_buffer_size=max(buffer_size, 1)
         )
@@ -262,14 +263,6 @@ def prefetch(ds: grain.IterDataset, num_workers: int, buffer_size: int) -> grain
     if buffer_size > 0:
         return grain.experimental.ThreadPrefetchIterDataset(ds, prefetch_buffer_size=buffer_size)
     return ds
-
-
-def _mark_absl_flags_parsed() -> None:
-    """grain workers read absl flags, which raise unless parsed; we run outside absl.app."""
-    from absl import flags
-
-    if not flags.FLAGS.is_parsed():
-        flags.FLAGS.mark_as_parsed()
 
 
 # ---- the train loop's entry points (by data.kind) ---------------------------------------------

@@ -29,6 +29,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from maxtrain.data.errors import DataError
+from maxtrain.errors import first_line
 
 Format = Literal["auto", "txt", "jsonl", "parquet"]
 TxtSplit = Literal["file", "paragraph"]
@@ -86,7 +87,8 @@ class DocumentReader:
             try:
                 yield from self._documents(path, fmt)
             except (OSError, pa.ArrowException) as e:
-                raise DataError(f"cannot read {path}: {_one_line(e)}") from e
+                reason = getattr(e, "strerror", None) or e  # an OSError's, without the path again
+                raise DataError(f"cannot read {path}: {first_line(reason)}") from e
 
     def _documents(self, path: Path, fmt: str) -> Iterator[str]:
         if fmt == "txt":
@@ -173,8 +175,3 @@ def _has_text(text: str, skipped: Counter[str]) -> bool:
         return True
     skipped["empty-text"] += 1
     return False
-
-
-def _one_line(e: BaseException) -> str:
-    text = getattr(e, "strerror", None) or str(e) or type(e).__name__
-    return text.splitlines()[0]

@@ -29,6 +29,8 @@ import sentencepiece as spm
 from array_record.python.array_record_module import ArrayRecordReader, ArrayRecordWriter
 
 from maxtrain.data.errors import DataError
+from maxtrain.errors import first_line
+from maxtrain.files import write_atomic
 
 FORMAT = "maxtrain-tokens-v1"
 METADATA = "metadata.json"
@@ -130,7 +132,7 @@ def write_shards(
         if not shards:
             raise DataError(f"no documents to write to {out_dir}; skipped: {_describe(skips)}")
         metadata = _metadata(tokenizer, shards, skips, inputs)
-        _write_json_atomic(out_dir / METADATA, metadata)
+        write_atomic(out_dir / METADATA, json.dumps(metadata, indent=1) + "\n", fsync=True)
     except BaseException:
         writer.abort()
         if created is not None:
@@ -228,16 +230,6 @@ def _fsync(path: Path) -> None:
         os.fsync(f.fileno())
 
 
-def _write_json_atomic(path: Path, obj: Any) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with tmp.open("w") as f:
-        json.dump(obj, f, indent=1)
-        f.write("\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
 def _describe(counts: Mapping[str, int]) -> str:
     return ", ".join(f"{k} {v}" for k, v in counts.items()) or "nothing"
 
@@ -302,7 +294,7 @@ def _check_shard(path: Path, expected_records: int, eos_id: int) -> None:
     try:
         records = _first_and_last_record(path, expected_records)
     except RuntimeError as e:
-        raise DataError(f"corrupt ArrayRecord file {path}: {str(e).splitlines()[0]}") from e
+        raise DataError(f"corrupt ArrayRecord file {path}: {first_line(e)}") from e
     for record in records:
         if len(record) % TOKEN_DTYPE.itemsize or not record or decode_record(record)[-1] != eos_id:
             raise DataError(f"corrupt shard {path}: a record is not int32 tokens ending in EOS")

@@ -11,20 +11,18 @@ tensor being converted; export holds the restored parameters plus the tensor bei
 Neither holds the model twice while converting. (Orbax's asynchronous save of the imported
 checkpoint takes its own host copy of part of the state on top: see the README's numbers.)
 
-Outputs appear whole or not at all: each is written as the sibling `<output>.partial-<pid>`
-and renamed when complete; on any failure the partial directory is removed. All input checks
-(config, tensor names, shapes, dtypes) run before anything is written.
+Outputs appear whole or not at all (maxtrain/files.py atomic_directory): each is written as the
+sibling `<output>.partial-<pid>` and renamed when complete; on any failure the partial directory
+is removed. All input checks (config, tensor names, shapes, dtypes) run before anything is
+written.
 """
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import json
 import os
 import re
-import shutil
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -38,11 +36,12 @@ from jax.sharding import SingleDeviceSharding
 from pydantic import ValidationError
 
 from maxtrain import models
-from maxtrain.checkpointing import load_parameters, sidecar
+from maxtrain.checkpointing import CheckpointError, load_parameters, read_saved_config
 from maxtrain.checkpointing.checkpointer import resolve_step_dir
 from maxtrain.checkpointing.common import absolute
 from maxtrain.checkpointing.export import save_parameters
 from maxtrain.config import ModelArchitecture, ModelConfig
+from maxtrain.files import atomic_directory
 from maxtrain.hf.config_map import CONFIG_JSON, hf_config, model_config, read_config_json
 from maxtrain.hf.errors import ConversionError
 from maxtrain.hf.families import Family, family_for
@@ -99,7 +98,7 @@ def import_checkpoint(
     cfg, params = read_hf_model(hf_dir, param_dtype)
     source = f"Imported from {Path(hf_dir).resolve()} by tools/convert_hf.py."
     meta = {"source": {"hugging_face": str(Path(hf_dir).resolve())}}
-    with _atomic_directory(output) as staging:
+    with atomic_directory(output) as staging:
         save_parameters(staging, params, config_yaml=model_config_yaml(cfg, output.name), meta=meta)
         (staging / MODEL_YAML).write_text(model_yaml(cfg, source))
     return cfg
@@ -134,7 +133,7 @@ def write_hf_model(
         )
         for slot in slots(cfg, family)
     ]
-    with _atomic_directory(output) as staging:
+    with atomic_directory(output) as staging:
         staging.mkdir(parents=True)
         (staging / CONFIG_JSON).write_text(json.dumps(config_json, indent=2) + "\n")
         write_safetensors(staging, tensors, max_shard_bytes)
@@ -162,23 +161,19 @@ def export_checkpoint(
 
 
 def checkpoint_model_config(step_dir: Path) -> ModelConfig:
-    """The model of a checkpoint step, from the resolved config saved with it: the `config`
-    item (our checkpointer) or the sidecar's config.yml (Orbax's emergency manager)."""
-    item = step_dir / "config" / "metadata"
-    step = int(step_dir.name) if step_dir.name.isdigit() else -1
-    side = sidecar.step_dir(step_dir.parent, step) / sidecar.CONFIG
-    if item.is_file():
-        path, text = item, json.loads(item.read_text())["yaml"]
-    elif side.is_file():
-        path, text = side, side.read_text()
-    else:
-        raise ConversionError(f"{step_dir}: holds no saved config ({item}); cannot tell the model")
+    """The model of a checkpoint step, from the resolved config saved with it (either layout:
+    checkpointing.read_saved_config)."""
+    try:
+        text = read_saved_config(step_dir)
+    except CheckpointError as e:
+        raise ConversionError(f"{e}; cannot tell the model") from None
     model = (yaml.safe_load(text) or {}).get("model")
     try:
         return ModelConfig.model_validate(model)
     except ValidationError as e:
         raise ConversionError(
-            f"{path}: its model section is not a valid model ({e.errors()[0]['msg']})"
+            f"{step_dir}: the model section of its saved config is not a valid model "
+            f"({e.errors()[0]['msg']})"
         ) from None
 
 
@@ -229,16 +224,3 @@ def _check_names(
 def _refuse_existing(output: Path) -> None:
     if output.exists():
         raise ConversionError(f"{output} already exists; name a new output directory")
-
-
-@contextlib.contextmanager
-def _atomic_directory(output: Path) -> Iterator[Path]:
-    """Yields the staging path `<output>.partial-<pid>` (not yet created), renamed to output
-    when the block completes and removed if it fails."""
-    staging = output.parent / f"{output.name}.partial-{os.getpid()}"
-    try:
-        yield staging
-        staging.rename(output)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
