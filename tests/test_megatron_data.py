@@ -11,6 +11,7 @@ import signal
 import struct
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -227,33 +228,42 @@ def test_token_ids_beyond_the_vocab_and_missing_eods_are_data_errors(megatron_cf
     too_large = r"data\.sources\[code\]: .*code\.bin holds token id \d+, outside .* \[0, 256\)"
     with pytest.raises(DataError, match=too_large):
         MegatronData(megatron_cfg("code_s48_int32", "model.vocab_size=256"))
-    no_eod = r"none of 110 documents checked ends in the end-of-document id 7 .*\.eod_mask_loss relies"
+    no_eod = (
+        r"none of 110 documents checked ends in the end-of-document id 7 .*\.eod_mask_loss relies"
+    )
     with pytest.raises(DataError, match=no_eod):
         MegatronData(
             megatron_cfg("web_s32", "data.megatron.eod_id=7", "data.megatron.eod_mask_loss=true")
         )
 
 
-def cli(tmp_path: Path, *overrides: str) -> subprocess.CompletedProcess:
-    run = tmp_path / "run"
-    cmd = [sys.executable, "-m", "maxtrain.train", str(config_lib.CONFIGS_DIR / "base.yml"),
-           "model_name=tiny", f"run.output_dir={tmp_path}", "run.name=run", *overrides]  # fmt: skip
-    result = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env())
-    assert not run.exists()  # refused before anything is written
-    return result
+def start_cli(tmp_path: Path, name: str, *overrides: str) -> subprocess.Popen:
+    base = str(config_lib.CONFIGS_DIR / "base.yml")
+    run = [f"run.output_dir={tmp_path}", f"run.name={name}"]
+    cmd = [sys.executable, "-m", "maxtrain.train", base, "model_name=tiny", *run, *overrides]
+    return subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env()
+    )
 
 
 def test_the_cli_refuses_a_half_pair_and_a_too_large_id_in_one_line_with_exit_2(tmp_path):
-    prefix = copy_corpus(tmp_path, "code")
-    prefix.with_suffix(".idx").rename(tmp_path / "elsewhere.idx")
-    missing = cli(tmp_path, "data.kind=megatron", source_list([["code", 1.0]], tmp_path))
-    copy_corpus(tmp_path, "code")
-    too_large = cli(tmp_path, "data.kind=megatron", source_list([["code", 1.0]], tmp_path),
-                    f"data.cache_dir={tmp_path / 'cache'}")  # fmt: skip
-    for result, words in ((missing, "code.idx not found"), (too_large, "holds token id")):
-        assert result.returncode == 2, result.stderr[-2000:]
-        assert result.stderr.startswith("maxtrain: error: data.sources[code]: ")
-        assert words in result.stderr and result.stderr.count("\n") == 1
+    for name in ("half", "whole"):
+        (tmp_path / name).mkdir()
+        copy_corpus(tmp_path / name, "code")
+    (tmp_path / "half" / "code.idx").unlink()
+    runs = {  # both at once: each spends most of its time starting jax
+        "code.idx not found": start_cli(tmp_path, "run1", "data.kind=megatron",
+                                        source_list([["code", 1.0]], tmp_path / "half")),
+        "holds token id": start_cli(tmp_path, "run2", "data.kind=megatron",
+                                    source_list([["code", 1.0]], tmp_path / "whole"),
+                                    f"data.cache_dir={tmp_path / 'cache'}"),
+    }  # fmt: skip
+    for words, proc in runs.items():
+        _, stderr = proc.communicate(timeout=300)
+        assert proc.returncode == 2, stderr[-2000:]
+        assert stderr.startswith("maxtrain: error: data.sources[code]: ")
+        assert words in stderr and stderr.count("\n") == 1
+    assert not (tmp_path / "run1").exists() and not (tmp_path / "run2").exists()  # nothing written
 
 
 @pytest.mark.parametrize("code", sorted(DTYPES))
@@ -335,8 +345,10 @@ def test_training_on_a_megatron_blend_resumes_bit_exactly_after_sigkill(tmp_path
         "train.eval_every=6", "train.eval_steps=1", "checkpoint.local.every_steps=3",
     ]  # fmt: skip
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
-    run_to_end(straight, args)
-    killed = interrupt(resumed, logged_step_at_least(7), signal.SIGKILL, args)
+    with ThreadPoolExecutor(1) as pool:  # the reference run alongside the interrupted one
+        reference = pool.submit(run_to_end, straight, args)
+        killed = interrupt(resumed, logged_step_at_least(7), signal.SIGKILL, args)
+        reference.result()
     assert killed.returncode == -signal.SIGKILL
     assert "resumed at step" in run_to_end(resumed, args).stdout
     assert sorted(losses(resumed)) == list(range(1, 13))
