@@ -27,19 +27,12 @@ from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from maxtrain.data.errors import ArgumentParser, DataError  # noqa: E402
+from maxtrain.data.errors import ArgumentParser, DataError, positive_int  # noqa: E402
 from maxtrain.data.megatron.prepare import write_corpus  # noqa: E402
 from maxtrain.data.readers import FORMATS, DocumentReader  # noqa: E402
 from maxtrain.data.shards import load_tokenizer, write_shards  # noqa: E402
 
 PROG = "prepare_data"
-
-
-def positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, not {value}")
-    return value
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

@@ -12,7 +12,6 @@ Megatron config, sample s of Megatron's train dataset is `inputs[s // B, s % B]`
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
@@ -22,17 +21,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from maxtrain import config as config_lib  # noqa: E402
 from maxtrain.data import BATCH_KEYS  # noqa: E402
-from maxtrain.data.errors import ArgumentParser, DataError  # noqa: E402
+from maxtrain.data.errors import ArgumentParser, DataError, positive_int  # noqa: E402
 from maxtrain.train import data_streams  # noqa: E402
 
 PROG = "show_data"
-
-
-def positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, not {value}")
-    return value
 
 
 def collect(cfg: config_lib.Config, steps: int) -> dict[str, np.ndarray]:
