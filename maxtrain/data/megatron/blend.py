@@ -52,8 +52,8 @@ def build(weights: list[float], num_samples: int) -> BlendIndices:
     """The blend of the sources for a split of num_samples samples (Megatron's greedy fill).
 
     The greedy choice depends on every earlier one, so it runs as a loop, in plain Python
-    floats, which compute w * i - taken exactly as the C++ helper's doubles do (about 0.7 us
-    per sample on a 2-core CPU; the result is cached on disk by the caller).
+    floats, which compute w * i - taken exactly as the C++ helper's doubles do (1-2 us per
+    sample on the 2-core dev CPU; the caller caches the result on disk).
     """
     size = sum(target_samples(weights, num_samples))
     w = normalize(normalize(weights))
