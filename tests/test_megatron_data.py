@@ -142,11 +142,18 @@ def test_token_switches_give_megatrons_loss_mask_positions_and_attention(megatro
     assert (batch["segment_ids"] > 1).any() == bool(switched.get("reset_attention_mask"))
 
 
-def test_switches_without_an_eod_id_are_a_config_error(make_cfg):
-    with pytest.raises(
-        ConfigError, match=r"data\.megatron\.eod_mask_loss needs data\.megatron\.eod_id"
-    ):
-        make_cfg("data.kind=megatron", "data.megatron.eod_mask_loss=true")
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("data.megatron.eod_mask_loss=true", r"eod_mask_loss needs data\.megatron\.eod_id"),
+        ("data.megatron.split=99/1", r"'99/1' is not a Megatron --split"),
+        ("data.megatron.split=0,0,0", r"'0,0,0' gives every split 0"),
+        ("data.sources=[{name: a, path: x, weight: 0}, {name: b, path: y}]", r"\[a\]\.weight is 0"),
+    ],
+)
+def test_megatron_config_mistakes_are_config_errors(make_cfg, override, message):
+    with pytest.raises(ConfigError, match=message):
+        make_cfg("data.kind=megatron", override)
 
 
 # ---- per host, resume --------------------------------------------------------------------------

@@ -191,14 +191,14 @@ EMBEDDED_SOURCES = (
 
 
 # Megatron's split string: up to three non-negative numbers (train, valid, test), as it parses it.
-_MEGATRON_SPLIT = r"^\s*[.0-9]+\s*(,\s*[.0-9]+\s*){0,2}$"
+_MEGATRON_SPLIT = r"\s*[0-9]*\.?[0-9]+\s*(,\s*[0-9]*\.?[0-9]+\s*){0,2}"
 
 
 class MegatronConfig(_Section):
     """data.kind megatron: Megatron-LM corpora sampled as Megatron's GPTDataset/BlendedDataset
     do (maxtrain/data/megatron/); each key is the Megatron flag of the same name."""
 
-    split: str = Field(default="969,30,1", pattern=_MEGATRON_SPLIT)  # --split train,valid,test
+    split: str = "969,30,1"  # --split: train,valid,test shares of each corpus's sequences
     # The end-of-document token id (Megatron's tokenizer.eod); needed by the three switches.
     eod_id: int | None = Field(default=None, ge=0)
     reset_position_ids: bool = False  # positions restart after every EOD
@@ -207,6 +207,11 @@ class MegatronConfig(_Section):
 
     @model_validator(mode="after")
     def _check(self) -> MegatronConfig:
+        if not re.fullmatch(_MEGATRON_SPLIT, self.split):
+            raise ValueError(
+                f"data.megatron.split {self.split!r} is not a Megatron --split: up to three "
+                "non-negative numbers (train, valid, test), e.g. 969,30,1"
+            )
         if sum(float(x) for x in re.findall(r"[.0-9]+", self.split)) <= 0:
             raise ValueError(f"data.megatron.split {self.split!r} gives every split 0")
         switches = ("reset_position_ids", "reset_attention_mask", "eod_mask_loss")

@@ -77,10 +77,9 @@ class IndexedCorpus:
     def num_sequences(self) -> int:
         return len(self.sequence_lengths)
 
-    @property
-    def sequence_starts(self) -> np.ndarray:
-        """[n] int64: the index in `tokens` of each sequence's first token."""
-        return self.sequence_pointers // self.tokens.dtype.itemsize
+    def token_offsets(self, sequences: np.ndarray) -> np.ndarray:
+        """The index in `tokens` of each given sequence's first token."""
+        return self.sequence_pointers[sequences] // self.tokens.dtype.itemsize
 
     def sequence(self, i: int) -> np.ndarray:
         start = int(self.sequence_pointers[i]) // self.tokens.dtype.itemsize

@@ -43,7 +43,7 @@ class GptSamples:
         is_last = doc == last_doc[row]
         end = np.where(is_last, last_offset[row] + 1, self.corpus.sequence_lengths[sequence])
         lengths = end - begin
-        start = self.corpus.sequence_starts[sequence] + begin  # in corpus.tokens
+        start = self.corpus.token_offsets(sequence) + begin  # in corpus.tokens
         offsets = np.arange(int(lengths.sum())) - np.repeat(np.cumsum(lengths) - lengths, lengths)
         tokens = self.corpus.tokens[np.repeat(start, lengths) + offsets]
         return tokens.reshape(len(ids), self.seq_len + 1).astype(np.int32)
