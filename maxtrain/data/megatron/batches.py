@@ -30,8 +30,10 @@ class TokenHandling:
     eod_mask_loss: bool = False
 
     @property
-    def uses_eod(self) -> bool:
-        return self.reset_position_ids or self.reset_attention_mask or self.eod_mask_loss
+    def switches_on(self) -> list[str]:
+        """The names of the switches that are on: each one relies on EOD tokens."""
+        names = ("reset_position_ids", "reset_attention_mask", "eod_mask_loss")
+        return [name for name in names if getattr(self, name)]
 
 
 def to_batch(windows: np.ndarray, handling: TokenHandling) -> dict[str, np.ndarray]:
@@ -40,7 +42,7 @@ def to_batch(windows: np.ndarray, handling: TokenHandling) -> dict[str, np.ndarr
     rows, seq_len = inputs.shape
     t = np.broadcast_to(np.arange(seq_len, dtype=np.int32), (rows, seq_len))
     ones = np.ones((rows, seq_len), np.int32)
-    if not handling.uses_eod:
+    if not handling.switches_on:
         return _batch(inputs, targets, ones, ones, t)
     is_eod = inputs == handling.eod_id
     after_eod = np.zeros_like(is_eod)

@@ -121,10 +121,12 @@ def open_corpus(prefix: str | Path) -> IndexedCorpus:
     documents = np.frombuffer(raw, "<i8", d, HEADER.size + 12 * n)
     if d == 0 or documents[0] != 0 or documents[-1] != n or np.any(np.diff(documents) < 0):
         raise DataError(f"{idx}: the document indices must rise from 0 to the sequence count {n}")
+    if n and (lengths.min() < 0 or pointers[0] != 0):
+        raise DataError(f"{idx}: a negative sequence length or a first offset other than 0")
     dtype = DTYPES[code]
     expected_bin = int(pointers[-1]) + int(lengths[-1]) * dtype.itemsize if n else 0
     bin_size = bin_.stat().st_size
-    if bin_size != expected_bin or (n and (lengths.min() < 0 or pointers[0] != 0)):
+    if bin_size != expected_bin:
         raise DataError(
             f"{bin_} is {bin_size} bytes, but {idx.name} places its last sequence to end at "
             f"byte {expected_bin} ({dtype.name} tokens): the pair does not belong together"

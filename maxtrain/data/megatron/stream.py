@@ -87,12 +87,8 @@ class MegatronData:
         try:
             corpus = open_corpus(Path(prefix).expanduser())
             checks.check_vocab(corpus, vocab_size, self.cache_dir)
-            if self.handling.uses_eod:
-                needed_by = next(
-                    n for n in ("reset_position_ids", "reset_attention_mask", "eod_mask_loss")
-                    if getattr(self.handling, n)
-                )  # fmt: skip
-                checks.check_eod(corpus, self.handling.eod_id, needed_by)
+            if self.handling.switches_on:
+                checks.check_eod(corpus, self.handling.eod_id, self.handling.switches_on[0])
         except DataError as e:
             raise DataError(f"data.sources[{name}]: {e}") from None
         return corpus
