@@ -8,27 +8,40 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import IO, Any
 
 from etils import epath
 
 
-def write_atomic(path: epath.PathLike, data: str | bytes, *, fsync: bool = False) -> None:
-    """Writes data (text or bytes) to path through a temporary name beside it, renamed over it.
+def write_atomic(
+    path: epath.PathLike, data: str | bytes | Callable[[IO[bytes]], Any], *, fsync: bool = False
+) -> None:
+    """Writes data to path through a temporary name beside it, renamed over it.
 
-    A reader (or a process that resumes after a crash) finds the old file or the new one, never a
-    torn one; rename is atomic on local filesystems, and an object store publishes an object
-    whole. fsync: flush the data to disk before the rename, for a file that marks something
-    complete and must survive a power loss (local paths only).
+    data: text, bytes, or a function that writes into the open binary file (a large array
+    streamed by np.save). A reader (or a process that resumes after a crash) finds the old file
+    or the new one, never a torn one; rename is atomic on local filesystems, and an object store
+    publishes an object whole. A failed write removes the temporary file. fsync: flush the data
+    to disk before the rename, for a file that marks something complete and must survive a power
+    loss (local paths only).
     """
     path = epath.Path(path)
     tmp = path.parent / f".{path.name}.tmp-{os.getpid()}"
-    with tmp.open("wb" if isinstance(data, bytes) else "w") as f:
-        f.write(data)
-        if fsync:
-            f.flush()
-            os.fsync(f.fileno())
-    tmp.replace(path)
+    try:
+        with tmp.open("w" if isinstance(data, str) else "wb") as f:
+            if callable(data):
+                data(f)
+            else:
+                f.write(data)
+            if fsync:
+                f.flush()
+                os.fsync(f.fileno())
+        tmp.replace(path)
+    except BaseException:
+        with contextlib.suppress(OSError):  # the error that got us here is the one to report
+            tmp.unlink(missing_ok=True)
+        raise
 
 
 @contextlib.contextmanager

@@ -38,9 +38,9 @@ ARGS = [
 ]
 
 
-def command(run_dir: Path) -> list[str]:
+def command(run_dir: Path, args: list[str] = ARGS) -> list[str]:
     return [
-        sys.executable, "-m", "maxtrain.train", str(config_lib.CONFIGS_DIR / "base.yml"), *ARGS,
+        sys.executable, "-m", "maxtrain.train", str(config_lib.CONFIGS_DIR / "base.yml"), *args,
         f"run.output_dir={run_dir.parent}", f"run.name={run_dir.name}",
     ]  # fmt: skip
 
@@ -49,9 +49,9 @@ def env() -> dict[str, str]:
     return {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}
 
 
-def run_to_end(run_dir: Path) -> subprocess.CompletedProcess:
+def run_to_end(run_dir: Path, args: list[str] = ARGS) -> subprocess.CompletedProcess:
     result = subprocess.run(
-        command(run_dir), capture_output=True, text=True, env=env(), timeout=300
+        command(run_dir, args), capture_output=True, text=True, env=env(), timeout=300
     )
     assert result.returncode == 0, result.stderr[-2000:]
     return result
@@ -78,10 +78,10 @@ def final_params(run_dir: Path):
     return jax.device_get(load_parameters(step_dir, abstract))
 
 
-def interrupt(run_dir: Path, when, sig: int) -> subprocess.CompletedProcess:
+def interrupt(run_dir: Path, when, sig: int, args: list[str] = ARGS) -> subprocess.CompletedProcess:
     """Starts the run, sends `sig` as soon as when(run_dir) is true, returns the exit."""
-    proc = subprocess.Popen(command(run_dir), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, env=env())  # fmt: skip
+    proc = subprocess.Popen(command(run_dir, args), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=env())  # fmt: skip
     deadline = time.monotonic() + 240
     while not when(run_dir):
         assert proc.poll() is None, f"run ended before the interruption: {proc.stderr.read()}"

@@ -1,10 +1,15 @@
 """Measures the input pipeline alone: tokens/s through read, mix, pack and batch.
 
     python tools/benchmark_data.py CONFIG.yml [key=value ...] [--batches N] [--warmup W]
+    python tools/benchmark_data.py CONFIG.yml [key=value ...] --compare-megatron
 
 Builds this host's train iterator exactly as the train loop does (`maxtrain.train.data_streams`)
 and pulls batches as fast as it can. Prints one JSON line: tokens/s for the host and per host
 core (the pipeline's workers share the host's cores), and the median time per batch.
+
+--compare-megatron: for a grain config, also writes its sources' documents (the same token ids,
+EOS as the end-of-document token) as Megatron corpora into a temporary directory and measures
+data.kind megatron on them with the same batch shape: a second JSON line, same tokens.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ import json
 import os
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -21,6 +27,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from maxtrain import config as config_lib  # noqa: E402
 from maxtrain.data.errors import DataError  # noqa: E402
+from maxtrain.data.megatron.indexed import IndexedWriter, token_dtype  # noqa: E402
+from maxtrain.data.pipeline import resolve_sources  # noqa: E402
+from maxtrain.data.shards import read_shard, validate_source  # noqa: E402
 from maxtrain.train import data_streams  # noqa: E402
 
 
@@ -39,7 +48,7 @@ def benchmark(cfg: config_lib.Config, batches: int, warmup: int) -> dict:
     cores = os.cpu_count() or 1
     return {
         "kind": cfg.data.kind,
-        "packing": cfg.data.packing,
+        "packing": cfg.data.packing if cfg.data.kind == "grain" else None,
         "num_workers": cfg.data.num_workers,
         "host_batch": list(batch["inputs"].shape),
         "batches": batches,
@@ -50,16 +59,44 @@ def benchmark(cfg: config_lib.Config, batches: int, warmup: int) -> dict:
     }
 
 
+def megatron_overrides(cfg: config_lib.Config, out_dir: Path) -> list[str]:
+    """Writes the config's grain sources as Megatron corpora in out_dir; the overrides that read
+    them with data.kind megatron (same weights, EOS as the end-of-document id)."""
+    listed = []
+    for source in resolve_sources(cfg.data, cfg.model.vocab_size):
+        metadata = validate_source(source.shards[0]).metadata
+        writer = IndexedWriter(out_dir / source.name, token_dtype(metadata["vocab_size"]))
+        for shard in source.shards:
+            for document in read_shard(Path(shard)):
+                writer.add_document(document)
+        writer.finish()
+        listed.append(
+            {"name": source.name, "path": str(out_dir / source.name), "weight": source.weight}
+        )
+    return [
+        "data.kind=megatron",
+        "data.sources=" + json.dumps(listed),
+        f"data.megatron.eod_id={metadata['eos_id']}",
+        f"data.cache_dir={out_dir / 'cache'}",
+    ]
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("config")
     parser.add_argument("overrides", nargs="*", help="key=value config overrides")
     parser.add_argument("--batches", type=int, default=200)
     parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--compare-megatron", action="store_true", help="see the docstring")
     args = parser.parse_intermixed_args()
     try:
         cfg = config_lib.load(args.config, args.overrides)
-        print(json.dumps(benchmark(cfg, args.batches, args.warmup)))
+        print(json.dumps(benchmark(cfg, args.batches, args.warmup)), flush=True)
+        if args.compare_megatron:
+            with tempfile.TemporaryDirectory() as tmp:
+                extra = megatron_overrides(cfg, Path(tmp))
+                megatron = config_lib.load(args.config, [*args.overrides, *extra])
+                print(json.dumps(benchmark(megatron, args.batches, args.warmup)))
     except (config_lib.ConfigError, DataError) as e:
         print(f"benchmark_data: error: {e}", file=sys.stderr)
         return 2

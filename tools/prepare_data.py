@@ -1,6 +1,12 @@
 """Tokenizes text, JSONL or Parquet files into a prepared source: ArrayRecord shards + metadata.
 
     python tools/prepare_data.py --input 'corpus/*.jsonl' --tokenizer tok.model --output data/web
+    python tools/prepare_data.py --input 'corpus/*.jsonl' --tokenizer tok.model \
+        --output data/web --output-format megatron      # data/web.bin + data/web.idx
+
+With `--output-format megatron` the output is a Megatron-LM corpus instead, the PREFIX.bin /
+PREFIX.idx pair Megatron's preprocess_data.py writes (maxtrain/data/megatron/prepare.py), for
+`data.kind: megatron` here and for Megatron-LM itself. (`--format` names the input's format.)
 
 Each document becomes one record of int32 token ids ending in EOS (the format is described in
 maxtrain/data/shards.py); a config then names the shards, e.g. `path: data/web/*.arrayrecord`.
@@ -21,18 +27,12 @@ from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from maxtrain.data.errors import ArgumentParser, DataError  # noqa: E402
+from maxtrain.data.errors import ArgumentParser, DataError, positive_int  # noqa: E402
+from maxtrain.data.megatron.prepare import write_corpus  # noqa: E402
 from maxtrain.data.readers import FORMATS, DocumentReader  # noqa: E402
 from maxtrain.data.shards import load_tokenizer, write_shards  # noqa: E402
 
 PROG = "prepare_data"
-
-
-def positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, not {value}")
-    return value
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -41,7 +41,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--tokenizer", required=True, help="sentencepiece .model file")
     parser.add_argument("--output", required=True, type=Path, metavar="DIR")
     parser.add_argument("--field", default="text", help="JSONL field / Parquet column")
-    parser.add_argument("--format", choices=("auto", *FORMATS), default="auto")
+    parser.add_argument("--format", choices=("auto", *FORMATS), default="auto", help="input")
+    parser.add_argument(
+        "--output-format",
+        choices=("arrayrecord", "megatron"),
+        default="arrayrecord",
+        help="megatron: --output is a prefix; writes PREFIX.bin and PREFIX.idx",
+    )
     parser.add_argument("--txt-split", choices=("file", "paragraph"), default="file")
     parser.add_argument("--docs-per-shard", type=positive_int, default=10_000)
     parser.add_argument("--tokens-per-shard", type=positive_int, default=None)
@@ -61,6 +67,15 @@ def prepare(args: argparse.Namespace) -> dict:
             bar.set_postfix_str(f"{tokens:,} tokens", refresh=False)
             bar.update(documents)
 
+        if args.output_format == "megatron":
+            return write_corpus(
+                reader,
+                tokenizer,
+                args.output,
+                skipped=reader.skipped,
+                overwrite=args.overwrite,
+                on_progress=progress,
+            )
         return write_shards(
             reader,
             tokenizer,
@@ -76,9 +91,13 @@ def prepare(args: argparse.Namespace) -> dict:
 
 def summary(metadata: dict, output: Path, seconds: float) -> str:
     skipped = ", ".join(f"{k} {v:,}" for k, v in metadata["skipped"].items()) or "none"
+    if "files" in metadata:  # a Megatron pair
+        written = f"{' and '.join(metadata['files'])} (end-of-document id {metadata['eod_id']})"
+    else:
+        written = f"{output} ({len(metadata['shards'])} shards)"
     return (
-        f"{PROG}: wrote {output}: {metadata['documents']:,} documents, "
-        f"{metadata['tokens']:,} tokens, {len(metadata['shards'])} shards in {seconds:.1f} s "
+        f"{PROG}: wrote {written}: {metadata['documents']:,} documents, "
+        f"{metadata['tokens']:,} tokens in {seconds:.1f} s "
         f"({metadata['tokens'] / max(seconds, 1e-9):,.0f} tokens/s)\n"
         f"{PROG}: skipped records: {skipped}"
     )

@@ -6,7 +6,9 @@ it. The first adapter that matches wins; add one to DATA_STATE_ADAPTERS for a ne
 - grain iterators go through grain's own Orbax handler: one `process_<i>-of-<n>.json` per
   process, so every host restores its own shard position.
 - anything else with `get_state()`/`set_state()` is saved as the JSON of `get_state()`, written
-  by the primary process (single-process runs only; use a grain iterator on several hosts).
+  by the primary process and read by every process: for states that are the same on every host,
+  such as the Megatron reader's next step (data/megatron/stream.py), which therefore restores on
+  any number of hosts. A state that differs per host needs a grain iterator instead.
 - an iterator without state (a generator) saves nothing; the train loop then has to replay or
   recompute its position from the step (the synthetic stream does that from start_step).
 

@@ -176,12 +176,14 @@ class OptimConfig(_Section):
 
 
 class DataSource(_Section):
-    """One prepared corpus in the mixture (a directory or glob of tokenized shards)."""
+    """One prepared corpus in the mixture (a directory or glob of tokenized shards), or with
+    data.kind megatron one Megatron corpus (the prefix of PREFIX.bin / PREFIX.idx)."""
 
     # Names key the held-out split and the eval metrics (eval/<name>/loss): keep them stable.
     name: str = Field(min_length=1)
-    path: str = Field(min_length=1)  # shard directory, glob, or embedded:<prose|code|math>
-    weight: float = Field(default=1.0, allow_inf_nan=False)  # share of TOKENS; 0 = eval only
+    path: str = Field(min_length=1)  # shard directory, glob, embedded:<prose|code|math>, prefix
+    # grain: share of TOKENS, 0 = eval only; megatron: Megatron's blend weight (share of SAMPLES)
+    weight: float = Field(default=1.0, allow_inf_nan=False)
 
 
 # `sources: embedded` expands to this: the corpus built offline on first use (corpora/embedded.py).
@@ -192,21 +194,56 @@ EMBEDDED_SOURCES = (
 )
 
 
+# Megatron's split string: up to three non-negative numbers (train, valid, test), as it parses it.
+_MEGATRON_SPLIT = r"\s*[0-9]*\.?[0-9]+\s*(,\s*[0-9]*\.?[0-9]+\s*){0,2}"
+
+
+class MegatronConfig(_Section):
+    """data.kind megatron: Megatron-LM corpora sampled as Megatron's GPTDataset/BlendedDataset
+    do (maxtrain/data/megatron/); each key is the Megatron flag of the same name."""
+
+    split: str = "969,30,1"  # --split: train,valid,test shares of each corpus's sequences
+    # The end-of-document token id (Megatron's tokenizer.eod); needed by the three switches.
+    eod_id: int | None = Field(default=None, ge=0)
+    reset_position_ids: bool = False  # positions restart after every EOD
+    reset_attention_mask: bool = False  # attention does not cross an EOD
+    eod_mask_loss: bool = False  # no loss where the input token is an EOD
+
+    @model_validator(mode="after")
+    def _check(self) -> MegatronConfig:
+        if not re.fullmatch(_MEGATRON_SPLIT, self.split):
+            raise ValueError(
+                f"data.megatron.split {self.split!r} is not a Megatron --split: up to three "
+                "non-negative numbers (train, valid, test), e.g. 969,30,1"
+            )
+        if sum(float(x) for x in re.findall(r"[.0-9]+", self.split)) <= 0:
+            raise ValueError(f"data.megatron.split {self.split!r} gives every split 0")
+        switches = ("reset_position_ids", "reset_attention_mask", "eod_mask_loss")
+        on = [name for name in switches if getattr(self, name)]
+        if on and self.eod_id is None:
+            raise ValueError(
+                f"data.megatron.{on[0]} needs data.megatron.eod_id, the end-of-document token id"
+            )
+        return self
+
+
 class DataConfig(_Section):
-    kind: Literal["synthetic", "grain"] = "synthetic"
+    kind: Literal["synthetic", "grain", "megatron"] = "synthetic"
     # Synthetic text: each token has this many likely successors, so the loss floor is ~log(it).
     synthetic_branching: int = Field(default=4, gt=0)
     # grain: the weighted mixture of prepared sources; the string "embedded" = EMBEDDED_SOURCES.
     sources: list[DataSource] = Field(
         default_factory=lambda: [DataSource(**s) for s in EMBEDDED_SOURCES]
     )
-    cache_dir: str | None = None  # embedded corpus; None: $MAXTRAIN_CACHE or ~/.cache/maxtrain
+    # the embedded corpus and Megatron index files; None: $MAXTRAIN_CACHE or ~/.cache/maxtrain
+    cache_dir: str | None = None
     packing: Literal["concat_then_split", "first_fit"] = "concat_then_split"
     first_fit_bins: int = Field(default=8, gt=0)  # first_fit: open rows per stream (less padding)
     eval_fraction: float = Field(default=0.05, ge=0, lt=1)  # held-out documents per source
     shuffle_seed: int | None = Field(default=None, ge=0)  # None: run.seed
     num_workers: int = Field(default=0, ge=0)  # 0: read in-process; >0: grain worker processes
     worker_buffer_size: int = Field(default=2, ge=0)  # batches buffered per worker (or thread)
+    megatron: MegatronConfig = MegatronConfig()
 
     @model_validator(mode="before")
     @classmethod
@@ -233,6 +270,11 @@ class DataConfig(_Section):
         for s in self.sources:
             if s.weight < 0:
                 raise ValueError(f"data.sources[{s.name}].weight is negative ({s.weight})")
+            if s.weight == 0 and self.kind == "megatron":
+                raise ValueError(
+                    f"data.sources[{s.name}].weight is 0; Megatron's blend takes positive "
+                    "weights only"
+                )
         if sum(s.weight for s in self.sources) <= 0:
             raise ValueError(
                 "data.sources: the weights sum to 0; give at least one source a positive weight"

@@ -14,6 +14,14 @@ class DataError(Exception):
     """A user mistake in data paths, formats or files; the message names the file or pattern."""
 
 
+def positive_int(text: str) -> int:
+    """An argparse type: an integer of at least 1 (a bad one is a usage error, exit 2)."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, not {value}")
+    return value
+
+
 class ArgumentParser(argparse.ArgumentParser):
     """The data tools' parser: a usage mistake is one line `PROG: error: ...` and exit 2 too."""
 

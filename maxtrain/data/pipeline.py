@@ -306,7 +306,16 @@ def synthetic_streams(cfg: Config, start_step: int = 0) -> tuple[Iterator[Batch]
     ]
 
 
+def megatron_streams(cfg: Config, start_step: int = 0) -> tuple[Iterator[Batch], list[EvalStream]]:
+    """Megatron-LM corpora in Megatron's sample order (maxtrain/data/megatron/stream.py),
+    imported on use: that module builds on this one's EvalStream and prefetch."""
+    from maxtrain.data.megatron.stream import megatron_streams as streams
+
+    return streams(cfg, start_step)
+
+
 STREAMS: dict[str, Callable[[Config, int], tuple[Iterator[Batch], list[EvalStream]]]] = {
     "synthetic": synthetic_streams,
     "grain": grain_streams,
+    "megatron": megatron_streams,
 }
