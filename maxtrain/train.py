@@ -37,6 +37,7 @@ from maxtrain.data import batch_sharding, to_global
 from maxtrain.data.errors import DataError
 from maxtrain.data.pipeline import STREAMS, EvalStream
 from maxtrain.errors import first_line
+from maxtrain.layers.expert_parallel import exchange_implementation
 from maxtrain.mesh import batch_degree, build_mesh, sharding_rules
 from maxtrain.models import ModelDef
 from maxtrain.state import TrainState, init_state
@@ -91,6 +92,12 @@ def check_experts(cfg: Config, mesh: Mesh) -> None:
         raise ConfigError(
             f"mesh.rules.exp splits experts over {', '.join(missing)}, which mesh.rules.batch "
             f"does not split tokens over; add it to mesh.rules.batch"
+        )
+    exchange = exchange_implementation(moe.ep_dispatch)
+    if degree > 1 and exchange == "ragged" and jax.default_backend() == "cpu":
+        raise ConfigError(
+            "model.moe.ep_dispatch=ragged needs a GPU or TPU (XLA:CPU has no ragged "
+            "all-to-all); use all_to_all or all_gather, or auto"
         )
 
 

@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from ragged_all_to_all_reference import emulated_ragged_all_to_all
 
 from maxtrain import config as config_lib
 from maxtrain import metrics, models
@@ -15,6 +16,7 @@ from maxtrain.config import ConfigError
 from maxtrain.data import to_global
 from maxtrain.kernels.grouped_matmul import xla_grouped_matmul
 from maxtrain.layers import moe_dispatch
+from maxtrain.layers.expert_parallel import Ragged
 from maxtrain.layers.moe import MoE, router_stats
 from maxtrain.mesh import build_mesh, sharding_rules
 from maxtrain.models.stacks import is_moe_per_layer, layer_runs
@@ -116,19 +118,31 @@ def test_dropless_gradients_match_the_dense_reference():
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
 
 
+# ep_capacity_factor >= the expert degree: the exchanges' buffers hold the worst case, so the
+# sharded layer must equal the single-device one exactly (drops are tests/test_moe_dispatch.py's).
+NO_DROPS = dict(ep_capacity_factor=8.0)
+
+
 @pytest.mark.parametrize(
-    "mesh_axes, batch, capacity_factor",
+    "mesh_axes, batch, moe",
     [
-        ({"expert": 4, "fsdp": 2}, 8, None),  # expert parallel: all-to-all across 4 devices
-        ({"expert": 2, "tensor": 2, "fsdp": 2}, 8, None),  # experts and hidden units split
-        ({"data": 2, "fsdp": 4}, 8, None),  # experts replicated, gathered from FSDP shards
-        ({"expert": 4, "fsdp": 2}, 1, None),  # batch too small to split: tokens replicated
-        ({"expert": 4, "fsdp": 2}, 8, 8.0),  # capacity blocks by all-to-all; too big to drop
+        ({"expert": 4, "fsdp": 2}, 8, dict(ep_dispatch="all_to_all", **NO_DROPS)),
+        ({"expert": 4, "fsdp": 2}, 8, dict(ep_dispatch="all_gather", **NO_DROPS)),
+        ({"expert": 4, "fsdp": 2}, 8, dict(ep_dispatch="ragged", **NO_DROPS)),
+        # experts and hidden units split, with each exchange
+        ({"expert": 2, "tensor": 2, "fsdp": 2}, 8, dict(ep_dispatch="all_to_all", **NO_DROPS)),
+        ({"expert": 2, "tensor": 2, "fsdp": 2}, 8, dict(ep_dispatch="all_gather", **NO_DROPS)),
+        ({"expert": 2, "tensor": 2, "fsdp": 2}, 8, dict(ep_dispatch="ragged", **NO_DROPS)),
+        ({"data": 2, "fsdp": 4}, 8, {}),  # experts replicated, gathered from FSDP shards
+        ({"expert": 4, "fsdp": 2}, 1, {}),  # batch too small to split: tokens replicated
+        ({"expert": 4, "fsdp": 2}, 8, dict(capacity_factor=8.0)),  # GShard blocks, no drops
     ],
 )
-def test_sharded_layer_equals_the_single_device_result(mesh_axes, batch, capacity_factor):
+def test_sharded_layer_equals_the_single_device_result(mesh_axes, batch, moe):
     single_layer = make_layer()
-    layer = make_layer(capacity_factor=capacity_factor)
+    layer = make_layer(**moe)
+    if moe.get("ep_dispatch") == "ragged":  # XLA:CPU lacks the op: its documented semantics
+        layer.dispatch = Ragged(moe["ep_capacity_factor"], exchange=emulated_ragged_all_to_all)
     nnx.update(layer, nnx.state(single_layer))
     x = jax.random.normal(jax.random.key(4), (batch, 8, D))
     rules = config_lib.MeshConfig().rules | {
@@ -309,7 +323,9 @@ def test_tiny_moe_trains_with_expert_parallelism_and_logs_router_health(make_cfg
     np.testing.assert_allclose(loads[-1].sum(-1), 1.0, rtol=1e-5)
     scalars = [x for x in lines if "train/moe/entropy" in x][-1]
     assert 0 < scalars["train/moe/entropy"] <= math.log(8) + 1e-5
-    assert scalars["train/moe/dropped"] == 0.0
+    # 32 tokens per device: 64 routed rows, 20 per peer fit (moe.ep_capacity_factor 1.25); a
+    # few overflow while the router is still unbalanced, and are reported.
+    assert 0.0 <= scalars["train/moe/dropped"] < 0.1
 
 
 def test_bias_balancing_moves_load_toward_the_mean(make_cfg):

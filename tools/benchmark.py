@@ -3,8 +3,10 @@
     python tools/benchmark.py CONFIG.yml [key=value ...] [--steps N] [--warmup W]
     python tools/benchmark.py CONFIG.yml [key=value ...] --dry-run [--devices N]
 
-Runs W warm-up steps (compilation included), then N timed steps, each synchronised so the
-median is a true per-step time. One synthetic batch is reused, so the figure is the model
+Compiles the step (compile_s), runs W warm-up steps, then N timed steps, each synchronised so
+the median is a true per-step time. It also prints the bytes each kind of collective moves per
+device and step, read from the compiled program, and for an MoE the routed rows' bytes beside
+them. One synthetic batch is reused, so the figure is the model
 step alone, not the input pipeline. FLOPs are model FLOPs (train.py's count), never the
 recomputation remat adds.
 """
@@ -26,10 +28,13 @@ import jax.numpy as jnp  # noqa: E402
 from maxtrain import config as config_lib  # noqa: E402
 from maxtrain import metrics, models  # noqa: E402
 from maxtrain.analysis import memory  # noqa: E402
+from maxtrain.analysis.program import collective_bytes  # noqa: E402
 from maxtrain.analysis.program import matmul_dtypes as traced_matmul_dtypes  # noqa: E402
 from maxtrain.data import to_global  # noqa: E402
 from maxtrain.kernels.grouped_matmul import grouped_matmul_implementation  # noqa: E402
-from maxtrain.mesh import axis_sizes  # noqa: E402
+from maxtrain.layers.expert_parallel import exchange_implementation  # noqa: E402
+from maxtrain.mesh import axis_sizes, batch_degree  # noqa: E402
+from maxtrain.models.stacks import is_moe_per_layer  # noqa: E402
 from maxtrain.train import build_trainer, data_streams  # noqa: E402
 
 
@@ -47,6 +52,21 @@ def moe_settings(model: config_lib.ModelConfig) -> dict:
         "experts": f"{model.moe.num_experts} top-{model.moe.top_k}",
         "grouped_matmul": grouped_matmul_implementation(model.moe.grouped_matmul),
         "moe_mode": "dropless" if model.moe.capacity_factor is None else "capacity",
+        "ep_dispatch": exchange_implementation(model.moe.ep_dispatch),
+    }
+
+
+def routed_bytes(cfg: config_lib.Config, trainer) -> dict:
+    """One device's routed rows per step, one way (to the experts): what an expert-parallel
+    exchange must move at least, to set beside `collective_bytes` (none for a dense model)."""
+    m = cfg.model.moe
+    if m is None:
+        return {}
+    tokens = cfg.tokens_per_step // batch_degree(cfg.mesh.rules, trainer.mesh)
+    moe_layers = sum(is_moe_per_layer(cfg.model))
+    itemsize = jnp.dtype(models.compute_dtype(cfg.model)).itemsize
+    return {
+        "moe_routed_bytes_one_way": moe_layers * tokens * m.top_k * cfg.model.emb_dim * itemsize
     }
 
 
@@ -61,18 +81,21 @@ def benchmark(cfg: config_lib.Config, steps: int, warmup: int, profile_dir: str 
     trainer = build_trainer(cfg)
     batch = to_global(next(data_streams(cfg)[0]), trainer.batch_sharding)
     dtypes = matmul_dtypes(trainer, batch)  # traced before the steps donate the state
+    t0 = time.perf_counter()
+    step = trainer.step_fn.lower(trainer.state, batch).compile()
+    compile_s = time.perf_counter() - t0
     times = []
     for _ in range(warmup + steps):
         t0 = time.perf_counter()
-        trainer.state, step_metrics = trainer.step_fn(trainer.state, batch)
+        trainer.state, step_metrics = step(trainer.state, batch)
         jax.block_until_ready(step_metrics)
         times.append(time.perf_counter() - t0)
-    first_step, times = times[0], times[warmup:]  # the first step includes compilation
+    first_step, times = times[0], times[warmup:]
     step_time = statistics.median(times)
     if profile_dir:  # two more steps under the profiler, after timing so it costs nothing there
         with jax.profiler.trace(profile_dir):
             for _ in range(2):
-                trainer.state, step_metrics = trainer.step_fn(trainer.state, batch)
+                trainer.state, step_metrics = step(trainer.state, batch)
             jax.block_until_ready(step_metrics)
     device_kind = jax.devices()[0].device_kind
     stats = metrics.step_stats(
@@ -95,6 +118,10 @@ def benchmark(cfg: config_lib.Config, steps: int, warmup: int, profile_dir: str 
         **moe_settings(cfg.model),
         "quantization": cfg.quantization.preset,
         "matmul_dtypes": dtypes,
+        # Per device and step, from the compiled program (maxtrain/analysis/program.py).
+        "collective_bytes": collective_bytes(step.as_text()),
+        **routed_bytes(cfg, trainer),
+        "compile_s": round(compile_s, 2),
         "first_step_s": round(first_step, 2),
         "median_step_s": round(step_time, 5),
         "min_step_s": round(min(times), 5),

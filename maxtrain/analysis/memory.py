@@ -32,6 +32,7 @@ from jax.sharding import AbstractMesh
 from maxtrain.config import MESH_AXES, Config
 from maxtrain.kernels.attention import attention_implementation
 from maxtrain.kernels.grouped_matmul import grouped_matmul_implementation
+from maxtrain.layers.expert_parallel import exchange_implementation, routed_capacity
 from maxtrain.mesh import axis_sizes, logical_to_spec, spec_axes
 from maxtrain.models import compute_dtype, model_def
 from maxtrain.models.stacks import is_moe_per_layer
@@ -117,12 +118,22 @@ def _moe_dispatch_bytes(cfg: Config, sizes: dict[str, int], tokens: int, c: int)
         return 0
     D, Fe, routed = cfg.model.emb_dim, m.expert_mlp_dim, tokens * m.top_k
     ways = math.prod(sizes[a] for a in cfg.mesh.rules.get("exp", []))
-    total = routed * (2 * D + 3 * Fe) * c  # sorted rows, gate, up, their product, outputs
-    if m.capacity_factor is None and ways > 1:  # all-to-all buffers sized for the worst case
-        total += 2 * ways * routed * D * c
+    computed = routed  # rows through the experts on this device
+    exchange = 0  # expert-parallel buffers of routed rows (layers/expert_parallel.py)
+    if m.capacity_factor is None and ways > 1:
+        computed = routed_capacity(routed, m.ep_capacity_factor, ways * routed)
+        name = exchange_implementation(m.ep_dispatch)
+        if name == "all_to_all":  # the blocks sent and received
+            exchange = 2 * computed
+        elif name == "ragged":  # the receive buffer, and the sorted rows the outputs return to
+            exchange = computed + routed
+        else:  # all_gather: every device's tokens, and their partial outputs
+            exchange = 2 * ways * tokens
+    # sorted rows, the experts' outputs, the exchange; gate, up and their product
+    total = (routed + computed + exchange) * D * c + 3 * computed * Fe * c
     if grouped_matmul_implementation(m.grouped_matmul) == "xla":
         # lax.ragged_dot lowers densely: every projection computed for every expert.
-        total += routed * m.num_experts * (2 * Fe + D) * 4
+        total += computed * m.num_experts * (2 * Fe + D) * 4
     return total
 
 

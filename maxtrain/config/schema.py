@@ -50,6 +50,12 @@ class MoeConfig(_Section):
     # most capacity_factor * tokens * top_k / num_experts tokens per device; the rest drop.
     capacity_factor: float | None = Field(default=None, gt=0)
     grouped_matmul: Literal["auto", "xla", "tokamax"] = "auto"  # auto: tokamax on GPU/TPU
+    # Dropless with experts split over devices (mesh.expert > 1): how rows reach their experts
+    # (layers/expert_parallel.py). auto: ragged on GPU/TPU, all_to_all elsewhere.
+    ep_dispatch: Literal["auto", "all_to_all", "ragged", "all_gather"] = "auto"
+    # Its buffers hold this many times the routed rows; rows beyond are dropped (moe/dropped).
+    # >= mesh.expert never drops (worst-case buffers, P times the traffic).
+    ep_capacity_factor: float = Field(default=1.25, gt=0)
 
     def is_moe_layer(self, layer: int) -> bool:
         """Whether model layer `layer` (0-based) is a mixture of experts."""

@@ -3,8 +3,9 @@
 The router runs on the global (auto-sharded) activations like any other layer. The experts run
 per device inside `shard_map` (layers/moe_dispatch.py): tokens stay on the device that holds
 them, expert weights arrive gathered over FSDP and split over the `expert` mesh axis (expert
-parallelism, with all-to-all) and the `tensor` axis (each device computes a slice of every
-expert's hidden units; the partial outputs are summed).
+parallelism: rows travel to their experts by one of the exchanges of layers/expert_parallel.py)
+and the `tensor` axis (each device computes a slice of every expert's hidden units; the partial
+outputs are summed).
 
 Besides its output the layer returns router statistics, used for the auxiliary losses, the
 aux-loss-free bias update and the per-layer metrics:
@@ -12,7 +13,8 @@ aux-loss-free bias update and the per-layer metrics:
   balance_loss   Switch Transformer load-balancing loss: E * sum_e f_e * p_e, 1 when uniform
   router_z_loss  mean squared log-sum-exp of the router logits (ST-MoE)
   entropy        mean entropy of the per-token routing distribution (nats)
-  dropped        fraction of assignments dropped (capacity mode; 0 when dropless)
+  dropped        fraction of assignments dropped (capacity mode, or an expert-parallel exchange
+                 whose buffers were full; 0 otherwise)
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from maxtrain.config import ModelConfig
 from maxtrain.kernels.grouped_matmul import grouped_matmul_kernel
 from maxtrain.layers import moe_dispatch
 from maxtrain.layers.base import make_param
+from maxtrain.layers.expert_parallel import make_dispatch
 from maxtrain.layers.mlp import SwiGLU
 from maxtrain.mesh import active_rules, logical_to_spec, spec_axes
 
@@ -70,8 +73,8 @@ class MoE(nnx.Module):
         D, E, F = cfg.emb_dim, m.num_experts, m.expert_mlp_dim
         self.num_experts, self.top_k = E, m.top_k
         self.score, self.renormalize, self.routed_scale = m.score, m.renormalize, m.routed_scale
-        self.capacity_factor = m.capacity_factor
         self.gmm = grouped_matmul_kernel(m.grouped_matmul)  # the kernel, picked once
+        self.dispatch = make_dispatch(m)  # how rows reach their experts, picked once
         self.compute_dtype = compute_dtype
         std = cfg.init_std
         kw = dict(init_std=std, param_dtype=param_dtype, rngs=rngs)
@@ -180,21 +183,9 @@ class MoE(nnx.Module):
         flat_x = x.reshape(b * t, d)
         flat_ids = expert_ids.reshape(b * t, -1)
         flat_w = weights.reshape(b * t, -1)
-        if self.capacity_factor is None:
-            y = moe_dispatch.dropless(
-                flat_x, flat_ids, flat_w, w, num_experts=num_experts, par=par, gmm=self.gmm
-            )
-            dropped = jnp.zeros((), jnp.int32)
-        else:
-            y, dropped = moe_dispatch.with_capacity(
-                flat_x,
-                flat_ids,
-                flat_w,
-                w,
-                num_experts=num_experts,
-                capacity_factor=self.capacity_factor,
-                par=par,
-            )
+        y, dropped = self.dispatch(
+            flat_x, flat_ids, flat_w, w, num_experts=num_experts, par=par, gmm=self.gmm
+        )
         if partial_axes:
             y = jax.lax.psum(y, partial_axes)
         return y.reshape(b, t, d), dropped

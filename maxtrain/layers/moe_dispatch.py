@@ -1,27 +1,26 @@
 """Sending tokens to their experts and back: the per-device half of a mixture-of-experts layer.
 
 Everything here runs on one device's tokens (inside `shard_map` when there is a mesh). Each
-token was routed to k experts, giving ``n * k`` (token, expert, weight) assignments. Two ways to
-compute them:
+token was routed to k experts, giving R = n * k (token, expert, weight) assignments. Two ways to
+compute them, `moe.capacity_factor` picks:
 
-* **Dropless** (default): sort the assignments by expert and run each expert on exactly its
-  rows with one grouped matmul. Nothing is dropped; the work is exactly the routed tokens'.
-  Under expert parallelism the sorted rows travel to the device owning their expert with an
-  all-to-all. Static shapes force a send buffer sized for the worst case (every local
-  assignment bound for one device), so the buffer is EP times the routed rows.
-* **Capacity**: every expert takes at most C rows per device; the rest are dropped (their
-  contribution is zero, the residual connection carries the token on). Buffers are fixed
-  [experts, C, D] blocks and the experts run as one batched matmul -- the GShard layout,
-  cheap to all-to-all and friendly to TPUs.
+* **Dropless** (null, the default): sort the assignments by expert and run each expert on
+  exactly its rows with one grouped matmul. On one device nothing is dropped and the work is
+  exactly the routed rows'. Split over devices (expert parallelism), the rows travel to their
+  experts by one of the exchanges of expert_parallel.py.
+* **Capacity** (a number): every expert takes at most C rows per device; the rest are dropped
+  (their contribution is zero, the residual connection carries the token on). Buffers are
+  fixed [E, C, D] blocks and the experts run as one batched matmul -- the GShard layout, which
+  an all-to-all moves as it is (E * C rows each way) and TPUs like.
 
-Shape letters are the package's (maxtrain/__init__.py): n tokens on this device, k experts per
-token, R = n * k assignments, E experts, EL of them on this device, P expert-parallel degree.
+Shape letters are the package's (maxtrain/__init__.py).
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import NamedTuple, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -29,8 +28,7 @@ import jax.numpy as jnp
 from maxtrain.kernels.grouped_matmul import GroupedMatmul
 
 
-@dataclass(frozen=True)
-class ExpertWeights:
+class ExpertWeights(NamedTuple):
     """One device's share of the experts' SwiGLU weights: [EL, D, F], [EL, D, F], [EL, F, D]."""
 
     gate: jax.Array
@@ -46,19 +44,38 @@ class Parallelism:
     degree: int = 1
 
 
+class Dispatch(Protocol):
+    """How one device's assignments reach their experts and come back (one per MoE layer,
+    picked at construction: dispatch.py)."""
+
+    def __call__(
+        self,
+        x: jax.Array,
+        expert_ids: jax.Array,
+        weights: jax.Array,
+        w: ExpertWeights,
+        *,
+        num_experts: int,
+        par: Parallelism,
+        gmm: GroupedMatmul,
+    ) -> tuple[jax.Array, jax.Array]:
+        """x [n, D], expert_ids/weights [n, k] -> (y [n, D], assignments dropped)."""
+        ...
+
+
 def keep_local_experts(
     expert_ids: jax.Array, weights: jax.Array, num_experts: int, par: Parallelism
 ) -> tuple[jax.Array, jax.Array]:
     """For tokens replicated over the expert axes: re-number this device's experts 0..EL-1 and
     mark the rest EL with weight 0. Each device then computes its experts' share of every
-    token, and a sum over the expert axes completes the output (no all-to-all needed)."""
+    token, and a sum over the expert axes completes the output (no exchange needed)."""
     local = num_experts // par.degree
     ids = expert_ids - jax.lax.axis_index(par.expert_axes) * local
     mine = (ids >= 0) & (ids < local)
     return jnp.where(mine, ids, local), jnp.where(mine, weights, 0)
 
 
-def _swiglu_grouped(rows: jax.Array, group_sizes: jax.Array, w: ExpertWeights, gmm: GroupedMatmul):
+def swiglu_grouped(rows: jax.Array, group_sizes: jax.Array, w: ExpertWeights, gmm: GroupedMatmul):
     """Each row through its expert's SwiGLU; rows past sum(group_sizes) come out zero."""
     gate = gmm(rows, w.gate, group_sizes)
     up = gmm(rows, w.up, group_sizes)
@@ -72,7 +89,7 @@ def _swiglu_batched(blocks: jax.Array, w: ExpertWeights) -> jax.Array:
     return jnp.einsum("...ecf,efd->...ecd", jax.nn.silu(gate) * up, w.down)
 
 
-def _sort_by_expert(expert_ids: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+def sort_by_expert(expert_ids: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
     """[R] expert ids -> (order, sorted ids, rank of each sorted assignment within its expert)."""
     order = jnp.argsort(expert_ids, stable=True)
     sorted_ids = expert_ids[order]
@@ -80,7 +97,7 @@ def _sort_by_expert(expert_ids: jax.Array) -> tuple[jax.Array, jax.Array, jax.Ar
     return order, sorted_ids, rank
 
 
-def _combine(sorted_out: jax.Array, order: jax.Array, weights: jax.Array) -> jax.Array:
+def combine(sorted_out: jax.Array, order: jax.Array, weights: jax.Array) -> jax.Array:
     """Outputs in expert-sorted order [R, D] -> weighted sum per token [n, D].
 
     Un-sorting with a gather (inverse permutation) and summing the k copies avoids a
@@ -91,43 +108,22 @@ def _combine(sorted_out: jax.Array, order: jax.Array, weights: jax.Array) -> jax
     return jnp.einsum("nkd,nk->nd", per_assignment, weights.astype(per_assignment.dtype))
 
 
-def dropless(
+def dropless_local(
     x: jax.Array,
     expert_ids: jax.Array,
     weights: jax.Array,
     w: ExpertWeights,
     *,
     num_experts: int,
-    par: Parallelism,
     gmm: GroupedMatmul,
-) -> jax.Array:
-    """x [n, D], expert_ids/weights [n, k] -> [n, D]; every assignment computed."""
-    n, k = expert_ids.shape
-    order, sorted_ids, _ = _sort_by_expert(expert_ids.reshape(-1))
-    rows = x[order // k]  # assignment a belongs to token a // k
-    if par.degree == 1:
-        # Ids equal to num_experts (experts held elsewhere) sort last and stay outside every group.
-        group_sizes = jnp.bincount(sorted_ids, length=num_experts + 1)[:num_experts]
-        out = _swiglu_grouped(rows, group_sizes, w, gmm)
-        return _combine(out, order, weights)
-
-    local_experts = num_experts // par.degree
-    dest = sorted_ids // local_experts  # device owning each assignment's expert
-    slot = jnp.arange(n * k) - jnp.searchsorted(dest, dest, side="left")
-    send_rows = jnp.zeros((par.degree, n * k, x.shape[-1]), x.dtype).at[dest, slot].set(rows)
-    send_ids = (
-        jnp.full((par.degree, n * k), local_experts).at[dest, slot].set(sorted_ids % local_experts)
-    )
-    recv_rows = jax.lax.all_to_all(send_rows, par.expert_axes, 0, 0, tiled=True)
-    recv_ids = jax.lax.all_to_all(send_ids, par.expert_axes, 0, 0, tiled=True).reshape(-1)
-    # Empty slots carry id `local_experts`: sorted last, outside every group, computed as zeros.
-    local_order = jnp.argsort(recv_ids, stable=True)
-    group_sizes = jnp.bincount(recv_ids, length=local_experts + 1)[:local_experts]
-    local_rows = recv_rows.reshape(-1, x.shape[-1])[local_order]
-    local_out = _swiglu_grouped(local_rows, group_sizes, w, gmm)
-    unsorted = local_out[jnp.argsort(local_order)].reshape(send_rows.shape)
-    back = jax.lax.all_to_all(unsorted, par.expert_axes, 0, 0, tiled=True)
-    return _combine(back[dest, slot], order, weights)
+) -> tuple[jax.Array, jax.Array]:
+    """Every assignment computed on this device. Ids equal to num_experts (experts held
+    elsewhere, see keep_local_experts) sort last and stay outside every group."""
+    k = expert_ids.shape[1]
+    order, sorted_ids, _ = sort_by_expert(expert_ids.reshape(-1))
+    group_sizes = jnp.bincount(sorted_ids, length=num_experts + 1)[:num_experts]
+    out = swiglu_grouped(x[order // k], group_sizes, w, gmm)  # assignment a is token a // k
+    return combine(out, order, weights), jnp.zeros((), jnp.int32)
 
 
 def capacity(num_tokens: int, top_k: int, num_experts: int, factor: float) -> int:
@@ -135,32 +131,38 @@ def capacity(num_tokens: int, top_k: int, num_experts: int, factor: float) -> in
     return max(1, math.ceil(factor * num_tokens * top_k / num_experts))
 
 
-def with_capacity(
-    x: jax.Array,
-    expert_ids: jax.Array,
-    weights: jax.Array,
-    w: ExpertWeights,
-    *,
-    num_experts: int,
-    capacity_factor: float,
-    par: Parallelism,
-) -> tuple[jax.Array, jax.Array]:
-    """x [n, D] -> ([n, D], number of dropped assignments); earlier tokens win a full expert."""
-    n, k = expert_ids.shape
-    cap = capacity(n, k, num_experts, capacity_factor)
-    order, sorted_ids, rank = _sort_by_expert(expert_ids.reshape(-1))
-    kept = rank < cap
-    slot = jnp.where(kept, rank, cap)  # out of bounds: the scatter below drops it
-    blocks = jnp.zeros((num_experts, cap, x.shape[-1]), x.dtype)
-    blocks = blocks.at[sorted_ids, slot].set(x[order // k], mode="drop")
-    if par.degree == 1:
-        out_blocks = _swiglu_batched(blocks, w)
-    else:
-        local = blocks.reshape(par.degree, num_experts // par.degree, cap, -1)
-        received = jax.lax.all_to_all(local, par.expert_axes, 0, 0, tiled=True)
-        computed = _swiglu_batched(received, w)
-        out_blocks = jax.lax.all_to_all(computed, par.expert_axes, 0, 0, tiled=True)
-        out_blocks = out_blocks.reshape(num_experts, cap, -1)
-    out = out_blocks.at[sorted_ids, slot].get(mode="fill", fill_value=0)
-    dropped = jnp.sum(~kept & (sorted_ids < num_experts))  # ids >= num_experts are not ours
-    return _combine(out, order, weights), dropped
+@dataclass(frozen=True)
+class ExpertBlocks:
+    """The capacity (GShard) mode: fixed [E, C, D] blocks; earlier tokens win a full expert."""
+
+    capacity_factor: float
+
+    def __call__(
+        self,
+        x: jax.Array,
+        expert_ids: jax.Array,
+        weights: jax.Array,
+        w: ExpertWeights,
+        *,
+        num_experts: int,
+        par: Parallelism,
+        gmm: GroupedMatmul,
+    ) -> tuple[jax.Array, jax.Array]:
+        n, k = expert_ids.shape
+        cap = capacity(n, k, num_experts, self.capacity_factor)
+        order, sorted_ids, rank = sort_by_expert(expert_ids.reshape(-1))
+        kept = rank < cap
+        slot = jnp.where(kept, rank, cap)  # out of bounds: the scatter below drops it
+        blocks = jnp.zeros((num_experts, cap, x.shape[-1]), x.dtype)
+        blocks = blocks.at[sorted_ids, slot].set(x[order // k], mode="drop")
+        if par.degree == 1:
+            out_blocks = _swiglu_batched(blocks, w)
+        else:
+            local = blocks.reshape(par.degree, num_experts // par.degree, cap, -1)
+            received = jax.lax.all_to_all(local, par.expert_axes, 0, 0, tiled=True)
+            computed = _swiglu_batched(received, w)
+            out_blocks = jax.lax.all_to_all(computed, par.expert_axes, 0, 0, tiled=True)
+            out_blocks = out_blocks.reshape(num_experts, cap, -1)
+        out = out_blocks.at[sorted_ids, slot].get(mode="fill", fill_value=0)
+        dropped = jnp.sum(~kept & (sorted_ids < num_experts))  # ids >= num_experts: not ours
+        return combine(out, order, weights), dropped
