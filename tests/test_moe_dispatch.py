@@ -21,7 +21,13 @@ from ragged_all_to_all_reference import emulated_ragged_all_to_all
 from maxtrain.analysis.program import collective_bytes
 from maxtrain.kernels.grouped_matmul import xla_grouped_matmul
 from maxtrain.layers.expert_parallel import AllGather, AllToAll, Ragged
-from maxtrain.layers.moe_dispatch import ExpertWeights, Parallelism, dropless_local
+from maxtrain.layers.moe_dispatch import (
+    ExpertBlocks,
+    ExpertWeights,
+    Parallelism,
+    capacity,
+    dropless_local,
+)
 
 D, F, E = 8, 12, 16  # model width, expert width, experts
 N = 16  # tokens per device
@@ -220,7 +226,7 @@ def test_default_cpu_exchange_moves_and_holds_at_most_1_3x_the_routed_rows(peers
     run = sharded(dispatch, peers)
 
     def loss(x):
-        return jnp.sum(run(x, ids, mix, w)[0])
+        return jnp.sum(jnp.sin(run(x, ids, mix, w)[0]))
 
     routed = MANY * k * WIDE * 4  # one device's routed rows, float32
     moved = collective_bytes(jax.jit(jax.grad(loss)).lower(x).compile().as_text())
@@ -243,7 +249,10 @@ def test_all_gather_moves_peers_over_k_times_the_routed_rows(peers, k):
     run = sharded(AllGather(capacity_factor=1.25), peers)
     routed = MANY * k * WIDE * 4
     moved = collective_bytes(
-        jax.jit(jax.grad(lambda x: jnp.sum(run(x, ids, mix, w)[0]))).lower(x).compile().as_text()
+        jax.jit(jax.grad(lambda x: jnp.sum(jnp.sin(run(x, ids, mix, w)[0]))))
+        .lower(x)
+        .compile()
+        .as_text()
     )
     # Tokens gathered and outputs scattered, forward and backward; the routing (ids, weights)
     # travels with the tokens, k numbers per token beside D.
@@ -257,7 +266,7 @@ def test_ragged_exchange_buffers_follow_the_routing(peers):
     k = 2
     x, ids, mix, w = inputs("balanced", peers, k)
     run = sharded(Ragged(capacity_factor=1.25), peers)
-    jaxpr = jax.make_jaxpr(jax.grad(lambda x: jnp.sum(run(x, ids, mix, w)[0])))(x).jaxpr
+    jaxpr = jax.make_jaxpr(jax.grad(lambda x: jnp.sum(jnp.sin(run(x, ids, mix, w)[0]))))(x).jaxpr
     sizes = []
 
     def walk(jaxpr):
@@ -270,3 +279,23 @@ def test_ragged_exchange_buffers_follow_the_routing(peers):
     walk(jaxpr)
     assert len(sizes) == 4  # to the experts and back, and the transposes of both
     assert max(sizes) <= math.ceil(1.25 * N * k)
+
+
+def test_capacity_blocks_move_each_expert_block_once_per_way():
+    """The capacity (GShard) mode's [E, C, D] blocks cross the all-to-all as they are."""
+    peers, k, factor = 4, 2, 1.25
+    x = jax.random.normal(jax.random.key(2), (peers * MANY, WIDE))
+    ids = jnp.asarray((np.arange(peers * MANY)[:, None] * k + np.arange(k)) % E, jnp.int32)
+    mix = jnp.full((peers * MANY, k), 1.0 / k)
+    w = ExpertWeights(
+        jnp.ones((E, WIDE, F)) / WIDE, jnp.ones((E, WIDE, F)) / WIDE, jnp.ones((E, F, WIDE)) / F
+    )
+    run = sharded(ExpertBlocks(capacity_factor=factor), peers)
+    moved = collective_bytes(
+        jax.jit(jax.grad(lambda x: jnp.sum(jnp.sin(run(x, ids, mix, w)[0]))))
+        .lower(x)
+        .compile()
+        .as_text()
+    )
+    blocks = E * capacity(MANY, k, E, factor) * WIDE * 4
+    assert moved["all-to-all"] == 4 * blocks  # to the experts and back, forward and backward
