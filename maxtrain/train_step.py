@@ -107,7 +107,7 @@ def train_step(
         "tokens": count,
         "finite": finite,
     }
-    metrics.update(mdef.metrics(stats, grad_accum_steps, aux / denom))
+    metrics.update(mdef.metrics(stats, aux / denom))
     return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics
 
 

@@ -19,6 +19,7 @@ from maxtrain.layers import moe_dispatch
 from maxtrain.layers.expert_parallel import Ragged
 from maxtrain.layers.moe import MoE, router_stats
 from maxtrain.mesh import build_mesh, sharding_rules
+from maxtrain.models.auxiliary import RouterTraining
 from maxtrain.models.stacks import is_moe_per_layer, layer_runs
 from maxtrain.train import build_trainer, data_streams, run
 
@@ -200,7 +201,7 @@ def test_capacity_mode_drops_exactly_the_assignments_it_reports():
     y, stats = layer(x)
     expected, _ = reference(layer, x, keep)
     np.testing.assert_allclose(y, expected, rtol=1e-5, atol=1e-5)
-    assert float(stats["dropped"]) == pytest.approx((1 - keep).sum() / (n * K))
+    assert float(stats["dropped"]) == (1 - keep).sum()
 
 
 def test_router_statistics_match_hand_computation():
@@ -208,14 +209,35 @@ def test_router_statistics_match_hand_computation():
     probs = jax.nn.softmax(logits, -1)
     expert_ids = jnp.array([[[0], [2]]])  # top-1
     stats = router_stats(logits, probs, expert_ids, 3)
+    metrics = RouterTraining(moe_model_cfg(num_experts=3, top_k=1).moe).metrics(
+        {**jax.tree.map(lambda a: a[None], stats), "dropped": jnp.zeros(1)}, jnp.zeros(())
+    )  # one MoE layer
     # f = [1/2, 0, 1/2]; p = [0.4, 0.25, 0.35] -> 3 * (0.2 + 0 + 0.175)
-    assert float(stats["balance_loss"]) == pytest.approx(3 * 0.375, rel=1e-5)
-    assert float(stats["router_z_loss"]) == pytest.approx(0.0, abs=1e-6)  # log(sum p) = 0
+    assert float(metrics["moe/balance_loss"]) == pytest.approx(3 * 0.375, rel=1e-5)
+    assert float(metrics["moe/router_z_loss"]) == pytest.approx(0.0, abs=1e-6)  # log(sum p) = 0
     entropy = -np.mean(
         [sum(p * math.log(p) for p in row) for row in [[0.7, 0.2, 0.1], [0.1, 0.3, 0.6]]]
     )
-    assert float(stats["entropy"]) == pytest.approx(entropy, rel=1e-5)
+    assert float(metrics["moe/entropy"]) == pytest.approx(entropy, rel=1e-5)
     np.testing.assert_array_equal(stats["load"], [1, 0, 1])
+    assert float(stats["tokens"]) == 2
+
+
+def test_router_statistics_of_micro_batches_add_up_to_the_whole_batch():
+    """Sums over tokens: gradient accumulation and pipeline micro-batches report exactly the
+    whole batch's balance loss, which a mean over micro-batches would not."""
+    logits = jax.random.normal(jax.random.key(11), (4, 6, E))
+    probs = jax.nn.softmax(logits, -1)
+    _, expert_ids = jax.lax.top_k(probs, K)
+    layer = lambda s: {**jax.tree.map(lambda a: a[None], s), "dropped": jnp.zeros(1)}  # noqa: E731
+    whole = router_stats(logits, probs, expert_ids, E)
+    halves = [router_stats(logits[i::2], probs[i::2], expert_ids[i::2], E) for i in (0, 1)]
+    summed = jax.tree.map(jnp.add, *halves)
+    training = RouterTraining(moe_model_cfg().moe)
+    for name, value in training.metrics(layer(whole), jnp.zeros(())).items():
+        np.testing.assert_allclose(
+            training.metrics(layer(summed), jnp.zeros(()))[name], value, rtol=1e-6, err_msg=name
+        )
 
 
 def test_sigmoid_scores_and_shared_expert_are_added_to_the_routed_output():

@@ -7,14 +7,17 @@ parallelism: rows travel to their experts by one of the exchanges of layers/expe
 and the `tensor` axis (each device computes a slice of every expert's hidden units; the partial
 outputs are summed).
 
-Besides its output the layer returns router statistics, used for the auxiliary losses, the
-aux-loss-free bias update and the per-layer metrics:
-  load [E]       assignments per expert in this batch (tokens x k in total)
-  balance_loss   Switch Transformer load-balancing loss: E * sum_e f_e * p_e, 1 when uniform
-  router_z_loss  mean squared log-sum-exp of the router logits (ST-MoE)
-  entropy        mean entropy of the per-token routing distribution (nats)
-  dropped        fraction of assignments dropped (capacity mode, or an expert-parallel exchange
-                 whose buffers were full; 0 otherwise)
+Besides its output the layer returns router statistics, for the auxiliary losses, the
+aux-loss-free bias update and the metrics (models/auxiliary.py turns them into those). They are
+sums over the batch's tokens, so the statistics of several micro-batches (gradient
+accumulation, pipeline stages) add up to exactly those of the whole batch:
+  tokens         tokens routed
+  load [E]       assignments per expert (tokens x k in total)
+  probs [E]      routing probability per expert, summed over tokens
+  z_squares      squared log-sum-exp of the router logits, summed over tokens (ST-MoE z-loss)
+  entropy        entropy of each token's routing distribution (nats), summed over tokens
+  dropped        assignments dropped (capacity mode, or an expert-parallel exchange whose
+                 buffers were full; 0 otherwise)
 """
 
 from __future__ import annotations
@@ -98,7 +101,7 @@ class MoE(nnx.Module):
         if self.shared is not None:
             y = y + self.shared(x)
         stats = router_stats(logits, probs, expert_ids, self.num_experts)
-        stats["dropped"] = dropped / expert_ids.size
+        stats["dropped"] = dropped.astype(jnp.float32)
         return y, stats
 
     def _route(self, logits: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -194,14 +197,12 @@ class MoE(nnx.Module):
 def router_stats(
     logits: jax.Array, probs: jax.Array, expert_ids: jax.Array, num_experts: int
 ) -> dict[str, jax.Array]:
-    """Load, balancing loss, z-loss and entropy of one layer's routing (see module docstring)."""
-    load = jnp.sum(jax.nn.one_hot(expert_ids, num_experts, dtype=jnp.float32), axis=(0, 1, 2))
-    fraction_routed = load / expert_ids.size  # f_e: share of the assignments
-    mean_prob = jnp.mean(probs, axis=(0, 1))  # p_e: mean routing probability
+    """One layer's routing statistics, as sums over tokens (see the module docstring)."""
     log_probs = jnp.log(jnp.maximum(probs, jnp.finfo(jnp.float32).tiny))
     return {
-        "load": load,
-        "balance_loss": num_experts * jnp.sum(fraction_routed * mean_prob),
-        "router_z_loss": jnp.mean(jnp.square(jax.nn.logsumexp(logits, axis=-1))),
-        "entropy": jnp.mean(-jnp.sum(probs * log_probs, axis=-1)),
+        "tokens": jnp.asarray(expert_ids.shape[0] * expert_ids.shape[1], jnp.float32),
+        "load": jnp.sum(jax.nn.one_hot(expert_ids, num_experts, dtype=jnp.float32), (0, 1, 2)),
+        "probs": jnp.sum(probs, axis=(0, 1)),
+        "z_squares": jnp.sum(jnp.square(jax.nn.logsumexp(logits, axis=-1))),
+        "entropy": jnp.sum(-jnp.sum(probs * log_probs, axis=-1)),
     }

@@ -12,7 +12,8 @@ A new model family with training-time extras implements `AuxiliaryTraining` and 
 `models.definition.model_def`.
 
 Statistics (`stats`) are whatever the model's forward pass returns beside its logits; over the
-micro-batches of one step the train step sums them, so they must be sums or means of sums.
+micro-batches of one step the train step sums them, so they are sums over tokens, from which
+the metrics of the whole batch follow exactly.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ class AuxiliaryTraining(Protocol):
         """The parameters after the optimizer's update, changed by any non-gradient rule."""
         ...
 
-    def metrics(self, stats: Stats, num_micro_batches: int, aux_loss: jax.Array) -> Stats:
+    def metrics(self, stats: Stats, aux_loss: jax.Array) -> Stats:
         """Step metrics from the step's summed statistics; aux_loss: its mean over tokens."""
         ...
 
@@ -52,23 +53,23 @@ class NoAuxiliary:
     def after_update(self, params: Any, old_params: Any, stats: Stats) -> Any:
         return params
 
-    def metrics(self, stats: Stats, num_micro_batches: int, aux_loss: jax.Array) -> Stats:
+    def metrics(self, stats: Stats, aux_loss: jax.Array) -> Stats:
         return {}
 
 
 @dataclass(frozen=True)
 class RouterTraining:
-    """The MoE layers' training extras. Their statistics (layers/moe.py `router_stats`) come
-    with a leading axis over the MoE layers: load [layers, E], balance_loss, router_z_loss,
-    entropy and dropped [layers]."""
+    """The MoE layers' training extras. Their statistics (layers/moe.py `router_stats`: sums
+    over tokens) come with a leading axis over the MoE layers: load and probs [layers, E];
+    tokens, z_squares, entropy and dropped [layers]."""
 
     moe: MoeConfig
 
     def aux_loss(self, stats: Stats) -> jax.Array:
         """Load-balancing and router z-loss: weights x their mean over MoE layers."""
         return self.moe.aux_loss_weight * jnp.mean(
-            stats["balance_loss"]
-        ) + self.moe.router_z_loss_weight * jnp.mean(stats["router_z_loss"])
+            balance_loss(stats)
+        ) + self.moe.router_z_loss_weight * jnp.mean(stats["z_squares"] / stats["tokens"])
 
     def after_update(self, params: Any, old_params: Any, stats: Stats) -> Any:
         """Aux-loss-free balancing (DeepSeek-V3): one step of the per-expert routing bias.
@@ -86,22 +87,31 @@ class RouterTraining:
         moe = {**params[MOE_STACK]["moe"], "router": router}
         return {**params, MOE_STACK: {**params[MOE_STACK], "moe": moe}}
 
-    def metrics(self, stats: Stats, num_micro_batches: int, aux_loss: jax.Array) -> Stats:
-        """Router health, averaged over MoE layers, plus each layer's expert load.
+    def metrics(self, stats: Stats, aux_loss: jax.Array) -> Stats:
+        """Router health over the whole batch, averaged over MoE layers, plus each layer's
+        expert load.
 
         `moe/load` [layers, experts] is each expert's share of the assignments (1/E when
         balanced); `moe/max_load` is the busiest expert's share relative to fair, 1.0 =
-        perfectly balanced.
+        perfectly balanced; `moe/dropped` the share of assignments dropped.
         """
-        load = stats["load"]
+        load, tokens = stats["load"], stats["tokens"]
         share = load / jnp.maximum(jnp.sum(load, axis=-1, keepdims=True), 1.0)
-        mean = lambda name: jnp.mean(stats[name]) / num_micro_batches  # noqa: E731
         return {
             "moe/router_loss": aux_loss,
-            "moe/balance_loss": mean("balance_loss"),
-            "moe/router_z_loss": mean("router_z_loss"),
-            "moe/entropy": mean("entropy"),
-            "moe/dropped": mean("dropped"),
+            "moe/balance_loss": jnp.mean(balance_loss(stats)),
+            "moe/router_z_loss": jnp.mean(stats["z_squares"] / tokens),
+            "moe/entropy": jnp.mean(stats["entropy"] / tokens),
+            "moe/dropped": jnp.mean(stats["dropped"] / (tokens * self.moe.top_k)),
             "moe/max_load": jnp.max(share) * load.shape[-1],
             "moe/load": share,
         }
+
+
+def balance_loss(stats: Stats) -> jax.Array:
+    """Per layer, the Switch Transformer load-balancing loss E * sum_e f_e * p_e (1 when
+    uniform): f_e the expert's share of the assignments, p_e its mean routing probability."""
+    load, tokens = stats["load"], stats["tokens"][..., None]
+    fraction_routed = load / jnp.sum(load, axis=-1, keepdims=True)
+    mean_prob = stats["probs"] / tokens
+    return load.shape[-1] * jnp.sum(fraction_routed * mean_prob, axis=-1)

@@ -47,9 +47,9 @@ class ModelDef:
         """Called by the train step after the optimizer's update (see models/auxiliary.py)."""
         return self.auxiliary.after_update(params, old_params, stats)
 
-    def metrics(self, stats: Stats, num_micro_batches: int, aux_loss: jax.Array) -> Stats:
+    def metrics(self, stats: Stats, aux_loss: jax.Array) -> Stats:
         """The model's own step metrics, from the step's summed statistics."""
-        return self.auxiliary.metrics(stats, num_micro_batches, aux_loss)
+        return self.auxiliary.metrics(stats, aux_loss)
 
 
 def model_def(cfg: Config) -> ModelDef:
