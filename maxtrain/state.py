@@ -6,6 +6,8 @@ from each parameter's logical axes and the config's mesh rules.
 
 from __future__ import annotations
 
+import functools
+from dataclasses import dataclass
 from typing import Any
 
 import jax
@@ -18,7 +20,8 @@ from jax.sharding import PartitionSpec as P
 from maxtrain import models
 from maxtrain.config import Config
 from maxtrain.mesh import logical_to_spec
-from maxtrain.models import ModelDef, model_def
+from maxtrain.models import ModelDef, model_def, pipeline
+from maxtrain.models.pipeline import StageLayout
 
 
 @struct.dataclass
@@ -64,13 +67,73 @@ def state_shardings(
 def init_state(
     cfg: Config, mesh: Mesh, tx: optax.GradientTransformation
 ) -> tuple[TrainState, ModelDef, TrainState]:
-    """Returns (state, model definition, shardings of the state), parameters born sharded."""
+    """Returns (state, model definition, shardings of the state), parameters born sharded.
+
+    A pipelined model starts from the parameters the plain one is initialised with, moved into
+    its stages: the same run with or without stages starts from the same model.
+    """
     mdef = model_def(cfg)
     shardings = state_shardings(mdef, cfg, mesh, tx)
 
     def create() -> TrainState:
-        params = nnx.to_pure_dict(nnx.state(models.build(cfg.model, seed=cfg.run.seed), nnx.Param))
+        model = models.build(cfg.model, seed=cfg.run.seed)
+        params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+        if mdef.layout is not None:
+            params = pipeline.to_stages(params, mdef.layout)
         return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params))
 
     state = jax.jit(create, out_shardings=shardings)()
     return state, mdef, shardings
+
+
+@dataclass(frozen=True)
+class SavedLayout:
+    """The train state as checkpoints hold it, and the conversions to and from the run's.
+
+    Checkpoints keep the layers in model order whatever the pipeline (models/pipeline.py), so
+    any run, pipelined or not, resumes from them and every tool reads them. Without a pipeline
+    the two layouts are the same and nothing is converted; with one, a save first copies the
+    state into model order on the devices (a transient second copy of the layer parameters and
+    optimizer moments, and for repeats > 1 an exchange between stages), and a restore moves it
+    back into the stages.
+    """
+
+    layout: StageLayout | None
+    shardings: TrainState  # of the state in model order
+
+    def saved(self, state: TrainState) -> TrainState:
+        """The state to save: in model order."""
+        return state if self.layout is None else self._to_saved(state)
+
+    def abstract(self, state: TrainState) -> Any:
+        """The saved state's shapes and shardings: the target a restore reads into."""
+        shapes = jax.eval_shape(self.saved, state)
+        return jax.tree.map(
+            lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), shapes, self.shardings
+        )
+
+    def restored(self, state: Any, run_shardings: Any) -> Any:
+        """A state (or params) read from a checkpoint, laid out as the run's."""
+        if self.layout is None:
+            return state
+        convert = functools.partial(pipeline.map_params, convert=self._to_stages)
+        return jax.jit(convert, out_shardings=run_shardings)(state)
+
+    @functools.cached_property
+    def _to_saved(self):
+        convert = functools.partial(pipeline.map_params, convert=self._to_model_order)
+        return jax.jit(convert, out_shardings=self.shardings)
+
+    def _to_model_order(self, params: dict) -> dict:
+        return pipeline.to_model_order(params, self.layout)
+
+    def _to_stages(self, params: dict) -> dict:
+        return pipeline.to_stages(params, self.layout)
+
+
+def saved_layout(
+    cfg: Config, mesh: Mesh, tx: optax.GradientTransformation, mdef: ModelDef
+) -> SavedLayout:
+    if mdef.layout is None:
+        return SavedLayout(None, state_shardings(mdef, cfg, mesh, tx))
+    return SavedLayout(mdef.layout, state_shardings(model_def(cfg, pipelined=False), cfg, mesh, tx))

@@ -29,7 +29,6 @@ from maxtrain import metrics as metrics_lib
 from maxtrain.checkpointing import (
     CheckpointError,
     TieredCheckpointer,
-    abstract_like,
     open_checkpointer,
 )
 from maxtrain.config import Config, ConfigError
@@ -40,7 +39,7 @@ from maxtrain.errors import first_line
 from maxtrain.layers.expert_parallel import exchange_implementation
 from maxtrain.mesh import batch_degree, build_mesh, sharding_rules
 from maxtrain.models import ModelDef
-from maxtrain.state import TrainState, init_state
+from maxtrain.state import SavedLayout, TrainState, init_state, saved_layout
 from maxtrain.train_step import eval_step, train_step
 from maxtrain.transforms.initialize import initial_params
 
@@ -57,6 +56,12 @@ class Trainer:
     step_fn: Any  # (state, batch) -> (state, metrics), donates state
     eval_fn: Any  # (params, batch) -> {nll_sum, tokens}
     flops_per_token: float
+    shardings: TrainState  # of the state
+    saved: SavedLayout  # the state as checkpoints hold it (models/pipeline.py)
+
+    def saved_state(self) -> TrainState:
+        """The state to hand a checkpointer: in model order, whatever the pipeline."""
+        return self.saved.saved(self.state)
 
 
 def check_batch(cfg: Config, mesh: Mesh) -> None:
@@ -67,6 +72,16 @@ def check_batch(cfg: Config, mesh: Mesh) -> None:
             f"train.grad_accum_steps={cfg.train.grad_accum_steps} gives micro-batches of "
             f"{cfg.micro_batch_size} sequences, not divisible by the data-parallel degree "
             f"{degree} (mesh axes {', '.join(cfg.mesh.rules.get('batch', []))})"
+        )
+    pipeline_microbatches = cfg.pipeline.microbatches or cfg.mesh.stage * cfg.mesh.dcn.stage
+    if cfg.mesh.stage * cfg.mesh.dcn.stage > 1 and (
+        cfg.micro_batch_size % pipeline_microbatches
+        or (cfg.micro_batch_size // pipeline_microbatches) % degree
+    ):
+        raise ConfigError(
+            f"micro-batches of {cfg.micro_batch_size} sequences do not split into "
+            f"pipeline.microbatches={pipeline_microbatches} parts divisible by the "
+            f"data-parallel degree {degree}"
         )
     if cfg.train.global_batch_size % jax.process_count():
         raise ConfigError(
@@ -108,6 +123,7 @@ def build_trainer(cfg: Config, devices: list[jax.Device] | None = None) -> Train
     tx, lr_schedule = optim.build(cfg.optim, cfg.train.steps)
     with sharding_rules(mesh, cfg.mesh.rules):
         state, mdef, shardings = init_state(cfg, mesh, tx)
+        saved = saved_layout(cfg, mesh, tx, mdef)
     data_sharding = batch_sharding(mesh, cfg.mesh.rules)
     step = functools.partial(
         train_step,
@@ -129,7 +145,7 @@ def build_trainer(cfg: Config, devices: list[jax.Device] | None = None) -> Train
         in_shardings=(shardings.params, data_sharding),
     )
     flops = metrics_lib.train_flops_per_token(cfg.model, cfg.train.seq_len)
-    return Trainer(cfg, mesh, mdef, state, data_sharding, step_fn, eval_fn, flops)
+    return Trainer(cfg, mesh, mdef, state, data_sharding, step_fn, eval_fn, flops, shardings, saved)
 
 
 def _with_rules(fn, mesh: Mesh, cfg: Config):
@@ -225,15 +241,19 @@ def _resume_or_load(trainer: Trainer, ckpt: TieredCheckpointer | None, train_bat
     """Restores the newest checkpoint (state and data position) and returns its step; else
     loads checkpoint.load_parameters_path into the fresh state, if set (transformed per
     init.mode: upcycling, depth upscaling), and returns 0."""
+    saved = trainer.saved.abstract(trainer.state)  # checkpoints hold layers in model order
     if ckpt is not None:
-        restored = ckpt.restore_latest(abstract_like(trainer.state), train_batches)
+        restored = ckpt.restore_latest(saved, train_batches)
         if restored is not None:
-            trainer.state, step = restored
+            state, step = restored
+            trainer.state = trainer.saved.restored(state, trainer.shardings)
             return step
     path = trainer.cfg.checkpoint.load_parameters_path
     if path:
-        params = initial_params(trainer.cfg, abstract_like(trainer.state.params))
-        trainer.state = trainer.state.replace(params=params)
+        params = initial_params(trainer.cfg, saved.params)
+        trainer.state = trainer.state.replace(
+            params=trainer.saved.restored(params, trainer.shardings.params)
+        )
     return 0
 
 
@@ -263,7 +283,10 @@ def run(cfg: Config) -> dict[str, Any]:
     ckpt = None
     if cfg.checkpoint.enabled:
         ckpt = open_checkpointer(
-            cfg.checkpoint, cfg.run_dir, config_lib.to_yaml(cfg), trainer.state
+            cfg.checkpoint,
+            cfg.run_dir,
+            config_lib.to_yaml(cfg),
+            trainer.saved.abstract(trainer.state),
         )
     try:
         return _train(trainer, ckpt, train_batches, eval_streams)
@@ -278,7 +301,7 @@ def _train(trainer: Trainer, ckpt: TieredCheckpointer | None, train_batches, eva
     cfg, run_dir, is_writer = trainer.cfg, trainer.cfg.run_dir, jax.process_index() == 0
     start_step = _resume_or_load(trainer, ckpt, train_batches)
     if ckpt is not None and start_step < cfg.train.steps:
-        ckpt.prewarm(trainer.state)  # the first save's one-time costs, paid before the loop
+        ckpt.prewarm(trainer.saved_state())  # the first save's one-time costs, before the loop
     if is_writer:
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.yml").write_text(config_lib.to_yaml(cfg))
@@ -307,7 +330,7 @@ def _train(trainer: Trainer, ckpt: TieredCheckpointer | None, train_batches, eva
             # Save before fetching the next batch: the saved data position must be step + 1.
             if ckpt is not None and ckpt.due(step):
                 _check_finite(cfg, step_metrics, step, ckpt)  # never save (over) a bad state
-                ckpt.maybe_save(step, trainer.state, train_batches)
+                ckpt.maybe_save(step, trainer.saved_state(), train_batches)
             stopping = preemption.stop_after(step)  # no further batch: the position is saved
             # The step runs asynchronously: the host builds the next batch meanwhile.
             t0 = time.perf_counter()
@@ -355,11 +378,11 @@ def _train(trainer: Trainer, ckpt: TieredCheckpointer | None, train_batches, eva
     if ckpt is not None:
         if preemption.stopped:  # durable on the fast tier before exiting 0
             _check_finite(cfg, step_metrics, step, ckpt)
-            ckpt.save_now(step, trainer.state, train_batches, tier="local", wait=True)
+            ckpt.save_now(step, trainer.saved_state(), train_batches, tier="local", wait=True)
             _print(is_writer, f"maxtrain: SIGTERM: saved step {step} to the local tier; exiting")
         elif step > start_step:  # the final state, so a restart finds the run complete
             _check_finite(cfg, step_metrics, step, ckpt)
-            ckpt.save_now(step, trainer.state, train_batches, tier="persistent", wait=True)
+            ckpt.save_now(step, trainer.saved_state(), train_batches, tier="persistent", wait=True)
         ckpt.close()
     writer.close()
     summary = {"step": step, **{k: v for k, v in last.items() if v is not None}}

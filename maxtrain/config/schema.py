@@ -158,6 +158,11 @@ class MeshConfig(MeshAxes):
 
     @model_validator(mode="after")
     def _check_rules(self) -> MeshConfig:
+        if self.stage == -1:
+            raise ValueError(
+                "mesh.stage must be given (it splits the model's layers), not -1; use 1 for no "
+                "pipeline"
+            )
         for logical, axes in self.rules.items():
             for axis in axes:
                 if axis not in MESH_AXES:
@@ -179,6 +184,25 @@ class OptimConfig(_Section):
     eps: float = 1e-8
     weight_decay: float = Field(default=0.1, ge=0)
     clip_norm: float = Field(default=1.0, ge=0)  # 0 disables clipping
+
+
+class PipelineConfig(_Section):
+    """Pipeline parallelism over mesh.stage x mesh.dcn.stage stages (models/pipeline.py)."""
+
+    # gpipe: each stage holds one block of consecutive layers; circular: `repeats` blocks
+    # spread over the depth, so the idle bubble (S - 1) / (R * M + S - 1) shrinks with R.
+    schedule: Literal["gpipe", "circular"] = "gpipe"
+    microbatches: int | None = Field(default=None, gt=0)  # M per step; null: the stage count
+    repeats: int = Field(default=1, gt=0)  # circular: layer blocks per stage
+
+    @model_validator(mode="after")
+    def _check_schedule(self) -> PipelineConfig:
+        if self.schedule == "gpipe" and self.repeats != 1:
+            raise ValueError(
+                f"pipeline.repeats={self.repeats} needs pipeline.schedule=circular (gpipe "
+                "holds one block of layers per stage)"
+            )
+        return self
 
 
 class DataSource(_Section):
@@ -462,6 +486,7 @@ class Config(_Section):
     model_name: str
     model: ModelConfig
     mesh: MeshConfig = MeshConfig()
+    pipeline: PipelineConfig = PipelineConfig()
     optim: OptimConfig = OptimConfig()
     data: DataConfig = DataConfig()
     train: TrainConfig = TrainConfig()

@@ -50,6 +50,7 @@ from maxtrain.layers.moe_dispatch import (
     Parallelism,
     combine,
     dropless_local,
+    rank_in_group,
     sort_by_expert,
     swiglu_grouped,
 )
@@ -86,9 +87,9 @@ class AllToAll:
         n, k = expert_ids.shape
         P, EL = par.degree, num_experts // par.degree
         Q = routed_capacity(n * k, self.capacity_factor / P, n * k)  # rows per peer
-        order, sorted_ids, _ = sort_by_expert(expert_ids.reshape(-1))
+        order, sorted_ids, _ = sort_by_expert(expert_ids.reshape(-1), num_experts)
         dest = sorted_ids // EL  # [R] the device holding each row's expert
-        slot = jnp.arange(n * k) - jnp.searchsorted(dest, dest, side="left")  # rank at dest
+        slot = rank_in_group(dest, P)  # [R] the row's place in its peer's block
         rows = x[order // k]  # [R, D]; assignment a belongs to token a // k
         # Rows ranked Q or later for their peer fall outside the block: dropped.
         send = jnp.zeros((P, Q, x.shape[-1]), x.dtype).at[dest, slot].set(rows, mode="drop")
@@ -177,7 +178,7 @@ class Ragged:
         n, k = expert_ids.shape
         P, EL = par.degree, num_experts // par.degree
         capacity = routed_capacity(n * k, self.capacity_factor, P * n * k)
-        order, sorted_ids, _ = sort_by_expert(expert_ids.reshape(-1))
+        order, sorted_ids, _ = sort_by_expert(expert_ids.reshape(-1), num_experts)
         rows = x[order // k]  # [R, D] sorted by global expert id, i.e. by (device, expert)
         mine = jnp.bincount(sorted_ids, length=num_experts).reshape(P, EL)
         counts = jax.lax.all_gather(mine, par.expert_axes)  # [P, P, EL] integers: tiny

@@ -89,12 +89,24 @@ def _swiglu_batched(blocks: jax.Array, w: ExpertWeights) -> jax.Array:
     return jnp.einsum("...ecf,efd->...ecd", jax.nn.silu(gate) * up, w.down)
 
 
-def sort_by_expert(expert_ids: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """[R] expert ids -> (order, sorted ids, rank of each sorted assignment within its expert)."""
+def sort_by_expert(
+    expert_ids: jax.Array, num_experts: int
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """[R] expert ids (< num_experts, or num_experts for experts held elsewhere) -> (order,
+    sorted ids, rank of each sorted assignment within its expert)."""
     order = jnp.argsort(expert_ids, stable=True)
     sorted_ids = expert_ids[order]
-    rank = jnp.arange(sorted_ids.shape[0]) - jnp.searchsorted(sorted_ids, sorted_ids, side="left")
-    return order, sorted_ids, rank
+    return order, sorted_ids, rank_in_group(sorted_ids, num_experts + 1)
+
+
+def rank_in_group(sorted_keys: jax.Array, num_keys: int) -> jax.Array:
+    """[R] keys in 0..num_keys-1, ascending -> each one's position among equal keys.
+
+    Counting (a group starts after all smaller keys) rather than a search: jnp.searchsorted is a
+    loop, which jax cannot yet batch inside shard_map under a pipeline's stage map."""
+    counts = jnp.bincount(sorted_keys, length=num_keys)
+    starts = jnp.cumsum(counts) - counts
+    return jnp.arange(sorted_keys.shape[0]) - starts[sorted_keys]
 
 
 def combine(sorted_out: jax.Array, order: jax.Array, weights: jax.Array) -> jax.Array:
@@ -120,7 +132,7 @@ def dropless_local(
     """Every assignment computed on this device. Ids equal to num_experts (experts held
     elsewhere, see keep_local_experts) sort last and stay outside every group."""
     k = expert_ids.shape[1]
-    order, sorted_ids, _ = sort_by_expert(expert_ids.reshape(-1))
+    order, sorted_ids, _ = sort_by_expert(expert_ids.reshape(-1), num_experts)
     group_sizes = jnp.bincount(sorted_ids, length=num_experts + 1)[:num_experts]
     out = swiglu_grouped(x[order // k], group_sizes, w, gmm)  # assignment a is token a // k
     return combine(out, order, weights), jnp.zeros((), jnp.int32)
@@ -150,7 +162,7 @@ class ExpertBlocks:
     ) -> tuple[jax.Array, jax.Array]:
         n, k = expert_ids.shape
         cap = capacity(n, k, num_experts, self.capacity_factor)
-        order, sorted_ids, rank = sort_by_expert(expert_ids.reshape(-1))
+        order, sorted_ids, rank = sort_by_expert(expert_ids.reshape(-1), num_experts)
         kept = rank < cap
         slot = jnp.where(kept, rank, cap)  # out of bounds: the scatter below drops it
         blocks = jnp.zeros((num_experts, cap, x.shape[-1]), x.dtype)

@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 
 from maxtrain.config import MoeConfig
-from maxtrain.models.stacks import MOE_STACK
+from maxtrain.models.stacks import MOE_STACK, stack_path
 
 Stats = dict[str, jax.Array]
 
@@ -80,12 +80,13 @@ class RouterTraining:
         """
         if self.moe.bias_update_rate <= 0:
             return params
-        load = stats["load"]
-        bias = old_params[MOE_STACK]["moe"]["router"]["bias"]  # [MoE layers, E]
+        load = stats["load"]  # [MoE layers, E] in model order
+        path = stack_path(params, MOE_STACK)
+        blocks, old_blocks = _at(params, path), _at(old_params, path)
+        bias = old_blocks["moe"]["router"]["bias"]  # [MoE layers, E], or pipelined [R, S, ., E]
         step = self.moe.bias_update_rate * jnp.sign(jnp.mean(load, axis=-1, keepdims=True) - load)
-        router = {**params[MOE_STACK]["moe"]["router"], "bias": bias + step}
-        moe = {**params[MOE_STACK]["moe"], "router": router}
-        return {**params, MOE_STACK: {**params[MOE_STACK], "moe": moe}}
+        router = {**blocks["moe"]["router"], "bias": bias + step.reshape(bias.shape)}
+        return _replace(params, path, {**blocks, "moe": {**blocks["moe"], "router": router}})
 
     def metrics(self, stats: Stats, aux_loss: jax.Array) -> Stats:
         """Router health over the whole batch, averaged over MoE layers, plus each layer's
@@ -115,3 +116,16 @@ def balance_loss(stats: Stats) -> jax.Array:
     fraction_routed = load / jnp.sum(load, axis=-1, keepdims=True)
     mean_prob = stats["probs"] / tokens
     return load.shape[-1] * jnp.sum(fraction_routed * mean_prob, axis=-1)
+
+
+def _at(tree: dict, path: tuple[str, ...]) -> Any:
+    for key in path:
+        tree = tree[key]
+    return tree
+
+
+def _replace(tree: dict, path: tuple[str, ...], value: Any) -> dict:
+    """A copy of the nested dict with tree[path] = value."""
+    if not path:
+        return value
+    return {**tree, path[0]: _replace(tree[path[0]], path[1:], value)}

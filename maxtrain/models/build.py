@@ -7,7 +7,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from maxtrain.config import ModelConfig
-from maxtrain.models.decoder import Decoder
+from maxtrain.models.decoder import Decoder, PipelinedDecoder
+from maxtrain.models.pipeline import StageLayout
 from maxtrain.models.stacks import is_moe_per_layer
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
@@ -20,19 +21,21 @@ def compute_dtype(cfg: ModelConfig) -> jnp.dtype:
     return _DTYPES[cfg.compute_dtype]
 
 
-def build(cfg: ModelConfig, seed: int = 0) -> Decoder:
-    """A freshly initialised model (call under jit to get sharded parameters, see state.py)."""
-    return Decoder(
-        cfg,
+def build(cfg: ModelConfig, seed: int = 0, layout: StageLayout | None = None) -> Decoder:
+    """A freshly initialised model (call under jit to get sharded parameters, see state.py);
+    with a layout, the pipelined model (whose parameters come from the plain one's, never from
+    its own initialisation: models/pipeline.py to_stages)."""
+    kwargs = dict(
         param_dtype=_DTYPES[cfg.param_dtype],
         compute_dtype=compute_dtype(cfg),
         rngs=nnx.Rngs(params=seed),
     )
+    return Decoder(cfg, **kwargs) if layout is None else PipelinedDecoder(cfg, layout, **kwargs)
 
 
-def abstract(cfg: ModelConfig) -> Decoder:
+def abstract(cfg: ModelConfig, layout: StageLayout | None = None) -> Decoder:
     """The model with ShapeDtypeStruct leaves: shapes and metadata, no memory."""
-    return nnx.eval_shape(lambda: build(cfg))
+    return nnx.eval_shape(lambda: build(cfg, layout=layout))
 
 
 def param_count(cfg: ModelConfig) -> int:

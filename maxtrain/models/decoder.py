@@ -22,7 +22,15 @@ from maxtrain.layers.mlp import MLP
 from maxtrain.layers.moe import MoE
 from maxtrain.layers.norms import RMSNorm
 from maxtrain.mesh import constrain
-from maxtrain.models.stacks import DENSE_STACK, MOE_STACK, is_moe_per_layer, layer_runs
+from maxtrain.models import pipeline
+from maxtrain.models.pipeline import StageLayout
+from maxtrain.models.stacks import (
+    DENSE_STACK,
+    MOE_STACK,
+    STAGES,
+    is_moe_per_layer,
+    layer_runs,
+)
 
 # Primitives of the fused attention kernels. Their outputs (attention output plus the small
 # softmax statistics the kernel's backward needs) are cheap to keep and costly to recompute.
@@ -79,6 +87,63 @@ class DecoderBlock(nnx.Module):
         return constrain(x, ("batch", "length", "act_embed")), stats
 
 
+def stacked_blocks(
+    cfg: ModelConfig, kind: BlockKind, counts: tuple[tuple[str, int], ...], *, dtypes, rngs
+) -> DecoderBlock | None:
+    """`kind` blocks stacked on leading axes: counts [(logical axis name, size), ...], outermost
+    first; None when any size is 0. Each axis prepends its name to the parameters' logical
+    axes (e.g. ("layers", "embed", "heads", ...))."""
+    if any(size == 0 for _, size in counts):
+        return None
+    (name, size), inner = counts[0], counts[1:]
+
+    @nnx.split_rngs(splits=size)
+    @nnx.vmap(in_axes=0, out_axes=0, transform_metadata={nnx.PARTITION_NAME: name})
+    def stack(rngs: nnx.Rngs) -> DecoderBlock:
+        if inner:
+            return stacked_blocks(cfg, kind, inner, dtypes=dtypes, rngs=rngs)
+        return DecoderBlock(cfg, kind, **dtypes, rngs=rngs)
+
+    return stack(rngs)
+
+
+def run_stack(
+    graphdef: nnx.GraphDef,
+    stacked: nnx.State,
+    start: int,
+    length: int,
+    x: jax.Array,
+    positions: jax.Array,
+    segment_ids: jax.Array,
+    *,
+    remat: str,
+    scan: bool,
+) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """Runs layers [start, start + length) of a stack (its graphdef and state, leading layer
+    axis); per-layer statistics come back stacked along a leading layer axis."""
+    if start != 0 or length != jax.tree.leaves(stacked)[0].shape[0]:
+        stacked = jax.tree.map(lambda a: a[start : start + length], stacked)
+
+    def apply_one(x, layer_state):
+        return nnx.merge(graphdef, layer_state)(x, positions, segment_ids)
+
+    if remat != "none":
+        apply_one = jax.checkpoint(apply_one, policy=REMAT_POLICIES[remat], prevent_cse=not scan)
+    if scan:
+        return jax.lax.scan(apply_one, x, stacked)
+    per_layer = []
+    for i in range(length):
+        x, stats = apply_one(x, jax.tree.map(lambda a, i=i: a[i], stacked))
+        per_layer.append(stats)
+    return x, jax.tree.map(lambda *layers: jnp.stack(layers), *per_layer)
+
+
+def concatenate_runs(per_run: list[dict[str, jax.Array]]) -> dict[str, jax.Array]:
+    """Statistics of consecutive runs of layers, joined along the layer axis ({} if none)."""
+    per_run = [stats for stats in per_run if stats]
+    return jax.tree.map(lambda *runs: jnp.concatenate(runs), *per_run) if per_run else {}
+
+
 class Decoder(nnx.Module):
     def __init__(
         self, cfg: ModelConfig, *, param_dtype: jnp.dtype, compute_dtype: jnp.dtype, rngs: nnx.Rngs
@@ -90,28 +155,8 @@ class Decoder(nnx.Module):
         self.embedding = make_param(
             rngs, (V, D), ("vocab", "embed"), std=cfg.init_std, dtype=param_dtype
         )
-
-        kinds = is_moe_per_layer(cfg)
-        self.runs = tuple(
-            (BLOCK_KINDS[is_moe].stack, start, n) for is_moe, start, n in layer_runs(kinds)
-        )
-
-        def stack(count: int, kind: BlockKind) -> DecoderBlock | None:
-            if count == 0:
-                return None
-
-            @nnx.split_rngs(splits=count)
-            @nnx.vmap(in_axes=0, out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
-            def stacked_blocks(rngs: nnx.Rngs) -> DecoderBlock:
-                return DecoderBlock(
-                    cfg, kind, param_dtype=param_dtype, compute_dtype=compute_dtype, rngs=rngs
-                )
-
-            return stacked_blocks(rngs)
-
-        # Created in this order (dense stack first) so the random initialisation stays the same.
-        for is_moe, kind in BLOCK_KINDS.items():
-            setattr(self, kind.stack, stack(kinds.count(is_moe), kind))
+        dtypes = dict(param_dtype=param_dtype, compute_dtype=compute_dtype)
+        self._build_layers(cfg, dtypes, rngs)
         self.final_norm = RMSNorm(D, eps=cfg.norm_eps, param_dtype=param_dtype, rngs=rngs)
         self.lm_head = (
             None
@@ -127,6 +172,17 @@ class Decoder(nnx.Module):
             )
         )
 
+    def _build_layers(self, cfg: ModelConfig, dtypes: dict, rngs: nnx.Rngs) -> None:
+        """One stack per kind of layer (models/stacks.py), run as consecutive runs."""
+        kinds = is_moe_per_layer(cfg)
+        self.runs = tuple(
+            (BLOCK_KINDS[is_moe].stack, start, n) for is_moe, start, n in layer_runs(kinds)
+        )
+        # Created in this order (dense stack first) so the random initialisation stays the same.
+        for is_moe, kind in BLOCK_KINDS.items():
+            counts = (("layers", kinds.count(is_moe)),)
+            setattr(self, kind.stack, stacked_blocks(cfg, kind, counts, dtypes=dtypes, rngs=rngs))
+
     def __call__(
         self, tokens: jax.Array, positions: jax.Array, segment_ids: jax.Array
     ) -> tuple[jax.Array, dict[str, jax.Array]]:
@@ -138,40 +194,88 @@ class Decoder(nnx.Module):
         # the batch is split over several mesh axes). The tied head keeps the sharded table.
         whole = constrain(table, (None, None))
         x = constrain(jnp.take(whole, tokens, axis=0), ("batch", "length", "act_embed"))
-        per_run = []
-        for stack, start, length in self.runs:
-            x, stats = self._run_layers(
-                getattr(self, stack), start, length, x, positions, segment_ids
-            )
-            if stats:
-                per_run.append(stats)
-        x = self.final_norm(x)
+        x, stats = self._layers(x, positions, segment_ids)
+        x = constrain(self.final_norm(x), (self.head_batch, "length", "act_embed"))
         if self.lm_head is None:
             logits = jnp.einsum("btd,vd->btv", x, table)
         else:
             logits = self.lm_head(x)
-        stats = jax.tree.map(lambda *runs: jnp.concatenate(runs), *per_run) if per_run else {}
-        return constrain(logits, ("batch", "length", "vocab")), stats
+        return constrain(logits, (self.head_batch, "length", "vocab")), stats
 
-    def _run_layers(
-        self, blocks: DecoderBlock, start: int, length: int, x, positions, segment_ids
-    ) -> tuple[jax.Array, dict[str, jax.Array]]:
-        """Runs layers [start, start + length) of a stack; per-layer statistics come back
-        stacked along a leading layer axis."""
-        graphdef, stacked = nnx.split(blocks)
-        if start != 0 or length != jax.tree.leaves(stacked)[0].shape[0]:
-            stacked = jax.tree.map(lambda a: a[start : start + length], stacked)
+    head_batch = "batch"  # the logical axis the head's batch dim is split over
 
-        def apply_one(x, layer_state):
-            return nnx.merge(graphdef, layer_state)(x, positions, segment_ids)
+    def _layers(self, x, positions, segment_ids) -> tuple[jax.Array, dict[str, jax.Array]]:
+        per_run = []
+        for stack, start, length in self.runs:
+            graphdef, stacked = nnx.split(getattr(self, stack))
+            x, stats = run_stack(
+                graphdef, stacked, start, length, x, positions, segment_ids, **self._run_options
+            )
+            per_run.append(stats)
+        return x, concatenate_runs(per_run)
 
-        policy = REMAT_POLICIES[self.remat]
-        if self.remat != "none":
-            apply_one = jax.checkpoint(apply_one, policy=policy, prevent_cse=not self.scan_layers)
-        if self.scan_layers:
-            return jax.lax.scan(apply_one, x, stacked)
-        per_layer = []
-        for i in range(length):
-            x, stats = apply_one(x, jax.tree.map(lambda a, i=i: a[i], stacked))
-            per_layer.append(stats)
-        return x, jax.tree.map(lambda *layers: jnp.stack(layers), *per_layer)
+    @property
+    def _run_options(self) -> dict:
+        return {"remat": self.remat, "scan": self.scan_layers}
+
+
+class Stages(nnx.Module):
+    """The pipelined stacks (models/pipeline.py): per kind of layer, [R, S, per group] blocks."""
+
+    def __init__(self, cfg: ModelConfig, layout: StageLayout, dtypes: dict, rngs: nnx.Rngs):
+        for is_moe, kind in BLOCK_KINDS.items():
+            counts = (
+                ("repeats", layout.repeats),
+                (STAGES, layout.stages),
+                ("layers", layout.per_group(is_moe)),
+            )
+            setattr(self, kind.stack, stacked_blocks(cfg, kind, counts, dtypes=dtypes, rngs=rngs))
+
+
+class PipelinedDecoder(Decoder):
+    """The decoder with its layers in pipeline stages: the leading dense layers (prologue) as a
+    stack run on every stage, the rest in `stages` (models/pipeline.py). Its parameters are
+    models/pipeline.py to_stages of the Decoder's; it is never initialised itself."""
+
+    # After the pipeline the batch is split over the stages too: each computes the logits of
+    # its share instead of all of them.
+    head_batch = "stage_batch"
+
+    def __init__(self, cfg: ModelConfig, layout: StageLayout, **kwargs):
+        self.layout = layout
+        super().__init__(cfg, **kwargs)
+
+    def _build_layers(self, cfg: ModelConfig, dtypes: dict, rngs: nnx.Rngs) -> None:
+        prologue = (("layers", self.layout.prologue),)
+        setattr(self, DENSE_STACK, stacked_blocks(cfg, DENSE, prologue, dtypes=dtypes, rngs=rngs))
+        self.stages = Stages(cfg, self.layout, dtypes, rngs)
+        self.group_runs = tuple(
+            (BLOCK_KINDS[is_moe].stack, start, n)
+            for is_moe, start, n in layer_runs(self.layout.group)
+        )
+
+    def _layers(self, x, positions, segment_ids) -> tuple[jax.Array, dict[str, jax.Array]]:
+        prologue = getattr(self, DENSE_STACK)
+        if prologue is not None:  # dense layers: no statistics
+            graphdef, stacked = nnx.split(prologue)
+            x, _ = run_stack(
+                graphdef, stacked, 0, self.layout.prologue, x, positions, segment_ids,
+                **self._run_options,
+            )  # fmt: skip
+        stacks = {
+            kind.stack: getattr(self.stages, kind.stack)
+            for kind in BLOCK_KINDS.values()
+            if getattr(self.stages, kind.stack) is not None
+        }
+        return pipeline.run(stacks, self.layout, x, positions, segment_ids, self._run_group)
+
+    def _run_group(self, graphdefs, group, x, positions, segment_ids):
+        """One group's layers (per stack [per group, ...]) in model order."""
+        per_run = []
+        for stack, start, length in self.group_runs:
+            x, stats = run_stack(
+                graphdefs[stack], group[stack], start, length, x, positions, segment_ids,
+                **self._run_options,
+            )  # fmt: skip
+            per_run.append(stats)
+        return x, concatenate_runs(per_run)

@@ -14,12 +14,14 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 
 from maxtrain import quantization
 from maxtrain.config import Config
 from maxtrain.models.auxiliary import AuxiliaryTraining, NoAuxiliary, RouterTraining, Stats
 from maxtrain.models.build import abstract
+from maxtrain.models.pipeline import StageLayout, stage_layout
 
 
 class ModelOutput(NamedTuple):
@@ -35,6 +37,7 @@ class ModelDef:
     graphdef: nnx.GraphDef
     abstract_state: nnx.State  # nnx.Param tree with shapes and logical-axis metadata
     auxiliary: AuxiliaryTraining
+    layout: StageLayout | None = None  # pipeline stages (models/pipeline.py), or none
 
     def apply(self, params: Any, tokens, positions, segment_ids) -> ModelOutput:
         """tokens/positions/segment_ids [B, T] int32 -> logits, auxiliary loss, statistics."""
@@ -49,14 +52,20 @@ class ModelDef:
 
     def metrics(self, stats: Stats, aux_loss: jax.Array) -> Stats:
         """The model's own step metrics, from the step's summed statistics."""
-        return self.auxiliary.metrics(stats, aux_loss)
+        metrics = self.auxiliary.metrics(stats, aux_loss)
+        if self.layout is not None:  # the schedule's idle share (models/pipeline.py)
+            metrics["pipeline/bubble"] = jnp.asarray(self.layout.bubble, jnp.float32)
+        return metrics
 
 
-def model_def(cfg: Config) -> ModelDef:
-    """The model to run; with `quantization:` set, its matmuls quantized (quantization/).
-    Quantization changes only the graph definition: the params are the float model's."""
-    model = quantization.quantize(abstract(cfg.model), cfg.quantization)
+def model_def(cfg: Config, pipelined: bool = True) -> ModelDef:
+    """The model to run: pipelined if the mesh has stages (unless pipelined=False: the model
+    in layer order, as checkpoints hold it); with `quantization:` set, its matmuls quantized
+    (quantization/). Quantization changes only the graph definition: the params are the float
+    model's."""
+    layout = stage_layout(cfg) if pipelined else None
+    model = quantization.quantize(abstract(cfg.model, layout), cfg.quantization)
     graphdef, abstract_state = nnx.split(model)
     moe = cfg.model.moe
     auxiliary = RouterTraining(moe) if moe is not None else NoAuxiliary()
-    return ModelDef(graphdef, abstract_state, auxiliary)
+    return ModelDef(graphdef, abstract_state, auxiliary, layout)

@@ -26,6 +26,15 @@ from maxtrain.config import ModelConfig
 DENSE_STACK = "layers"
 MOE_STACK = "moe_layers"
 STACKS = {False: DENSE_STACK, True: MOE_STACK}  # is_moe -> the params key of that stack
+# A pipelined run keeps each stack's layers after the leading dense ones in params[STAGES][stack],
+# [R, S, per group, ...]: a reshape of the layers in model order (models/pipeline.py).
+STAGES = "stages"
+
+
+def stack_path(params: dict[str, Any], stack: str) -> tuple[str, ...]:
+    """Where a stack's (pipelined) layers are in a params dict: (stack,) or (STAGES, stack).
+    Either way, flattening the leading axes gives the layers in model order."""
+    return (STAGES, stack) if STAGES in params else (stack,)
 
 
 def is_moe_per_layer(cfg: ModelConfig) -> tuple[bool, ...]:
