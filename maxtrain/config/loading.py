@@ -22,6 +22,20 @@ class ConfigError(UserError):
     """A user mistake in the config: the CLI prints it as one line and exits with status 2."""
 
 
+# libyaml's safe loader where PyYAML has it: the same documents, ~10x faster than the pure-Python
+# one (base.yml is loaded for every config; the tests load thousands).
+_YAML_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+
+
+def _yaml_problem(error: yaml.YAMLError) -> str:
+    """'found unexpected end of stream at line 3, column 1' (the first line of PyYAML's own
+    message is the context, e.g. 'while parsing a flow sequence', which says neither)."""
+    problem, mark = getattr(error, "problem", None), getattr(error, "problem_mark", None)
+    if not problem:
+        return first_line(error)
+    return f"{problem}" + (f" at line {mark.line + 1}, column {mark.column + 1}" if mark else "")
+
+
 def _read_yaml(path: Path) -> dict[str, Any]:
     if not path.is_file():
         raise ConfigError(f"config file not found: {path}")
@@ -35,9 +49,9 @@ def _read_yaml(path: Path) -> dict[str, Any]:
     except OSError as e:
         raise ConfigError(f"config file {path} cannot be read ({e.strerror or e})") from None
     try:
-        data = yaml.safe_load(text) or {}
+        data = yaml.load(text, Loader=_YAML_LOADER) or {}
     except yaml.YAMLError as e:
-        raise ConfigError(f"config file {path} is not valid YAML: {first_line(e)}") from e
+        raise ConfigError(f"config file {path} is not valid YAML: {_yaml_problem(e)}") from None
     if not isinstance(data, dict):
         raise ConfigError(f"config file {path} must hold a mapping at top level")
     return data
