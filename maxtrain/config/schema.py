@@ -2,10 +2,10 @@
 values derived from others (head_dim, global batch in tokens, parallel degrees), computed once,
 here, and nowhere else. How a config is assembled from files and overrides is loading.py.
 
-Every key declares its domain where it is declared: its type, its bounds (`Field(gt=...)`,
-the named types below), its choices (`Literal`), and finiteness: every float is finite (the
-`Finite*` types, or `allow_inf_nan=False`). A value outside it is refused by pydantic, and
-loading.py turns that into one line naming the key, the value and the domain;
+Every key declares its domain where it is declared: its type, its bounds (`Field(gt=...)` or
+the named types below), its choices (`Literal`), and finiteness: every float is finite
+(`allow_inf_nan=False`, in each named float type). A value outside it is refused by pydantic,
+and loading.py turns that into one line naming the key, the value and the domain;
 tests/test_config_domains.py walks the schema and tries a value outside every declared domain.
 Checks that involve several keys are the validators.
 """
