@@ -1,12 +1,32 @@
-"""The text of one-line error messages.
+"""One-line errors: the text of a message, the user's mistakes, and how a command reports them.
 
 A user mistake or a failed operation is reported as one line that names what failed and why
 (DESIGN.md). Errors from libraries (Orbax, tensorstore, YAML, sentencepiece, jax.distributed)
 often carry pages of context after their first line; the first line is the one that says what
 went wrong, so that is the part a message quotes.
+
+Every refused input (a config value, an override, a file, a data shard, a tokenizer, a
+checkpoint, a Hugging Face directory, a tool argument) raises a `UserError`. Every command line
+catches it and calls `refuse`: `PROG: error: <one line>` on stderr, exit status 2, no traceback.
+`--debug` (or MAXTRAIN_DEBUG=1) re-raises it instead, for whoever debugs maxtrain itself.
 """
 
 from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import NoReturn
+
+DEBUG_ENV = "MAXTRAIN_DEBUG"
+
+
+class UserError(Exception):
+    """A mistake in what the user gave: printed as one line, exit status 2.
+
+    The message names the offending key, path or value and what is expected. Subclasses say
+    where it was found: ConfigError, DataError, CheckpointError, ConversionError.
+    """
 
 
 def first_line(error: BaseException | str, limit: int | None = None, *, typed: bool = False) -> str:
@@ -21,3 +41,73 @@ def first_line(error: BaseException | str, limit: int | None = None, *, typed: b
     else:
         text = line or type(error).__name__
     return text[:limit]
+
+
+def one_line(error: BaseException | str) -> str:
+    """An error's whole message on one line (its lines joined), or its type name if empty."""
+    text = " ".join(part.strip() for part in str(error).splitlines() if part.strip())
+    return text or type(error).__name__
+
+
+def debugging() -> bool:
+    """Whether refused inputs should raise with their traceback (--debug, MAXTRAIN_DEBUG=1)."""
+    return os.environ.get(DEBUG_ENV, "") not in ("", "0")
+
+
+def refuse(prog: str, error: UserError) -> int:
+    """Reports a refused input as `PROG: error: <one line>` on stderr and returns exit status 2;
+    under --debug / MAXTRAIN_DEBUG=1 re-raises it, traceback and all."""
+    if debugging():
+        raise error
+    print(f"{prog}: error: {one_line(error)}", file=sys.stderr, flush=True)
+    return 2
+
+
+class _Debug(argparse.Action):
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        os.environ[DEBUG_ENV] = "1"  # seen by `refuse`, and by the tools a tool runs
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """Every tool's parser: a usage mistake is one line `PROG: error: ...` and exit 2 too, and
+    --debug turns on tracebacks (the same as MAXTRAIN_DEBUG=1)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.add_argument(
+            "--debug", nargs=0, action=_Debug, help=f"show tracebacks (or {DEBUG_ENV}=1)"
+        )
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {one_line(message)}\n")
+
+
+def positive_int(text: str) -> int:
+    """An argparse type: an integer of at least 1 (a bad one is a usage error, exit 2)."""
+    return _int_at_least(text, 1)
+
+
+def non_negative_int(text: str) -> int:
+    """An argparse type: an integer of at least 0."""
+    return _int_at_least(text, 0)
+
+
+def _int_at_least(text: str, least: int) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer, not {text!r}") from None
+    if value < least:
+        raise argparse.ArgumentTypeError(f"must be at least {least}, not {value}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    """An argparse type: a finite number above 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number, not {text!r}") from None
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number above 0, not {text}")
+    return value

@@ -33,9 +33,8 @@ from maxtrain.checkpointing import (
 )
 from maxtrain.config import Config, ConfigError
 from maxtrain.data import batch_sharding, to_global
-from maxtrain.data.errors import DataError
 from maxtrain.data.pipeline import STREAMS, EvalStream
-from maxtrain.errors import first_line
+from maxtrain.errors import DEBUG_ENV, UserError, first_line, refuse
 from maxtrain.layers.expert_parallel import exchange_implementation
 from maxtrain.mesh import batch_degree, build_mesh, sharding_rules
 from maxtrain.models import ModelDef
@@ -277,9 +276,10 @@ def run(cfg: Config) -> dict[str, Any]:
     """Trains per the config; returns the final metrics summary (also written to the run dir)."""
     distributed.initialize(cfg.distributed)  # before anything touches devices
     cache.enable_compilation_cache(cfg.run.compilation_cache_dir)
-    # Config and data mistakes surface in these two calls, before anything is written.
-    trainer = build_trainer(cfg)
+    # Config and data mistakes surface in these two calls, before anything is written; the
+    # data's first, as it needs no compilation (the state's initialisation does).
     train_batches, eval_streams = data_streams(cfg)
+    trainer = build_trainer(cfg)
     ckpt = None
     if cfg.checkpoint.enabled:
         ckpt = open_checkpointer(
@@ -404,17 +404,24 @@ def _print(is_writer: bool, line: str) -> None:
         print(line, flush=True)
 
 
+USAGE = "python -m maxtrain.train [--debug] CONFIG.yml [key=value ...]"
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if not argv or argv[0] in ("-h", "--help"):
-        print("usage: python -m maxtrain.train CONFIG.yml [key=value ...]", file=sys.stderr)
-        return 2
+    if argv[:1] == ["--debug"]:  # tracebacks for refused inputs, as MAXTRAIN_DEBUG=1
+        os.environ[DEBUG_ENV] = "1"
+        argv = argv[1:]
+    if argv[:1] in (["-h"], ["--help"]):
+        print(f"usage: {USAGE}")
+        return 0
     try:
+        if not argv:
+            raise UserError(f"no config file given; usage: {USAGE}")
         cfg = config_lib.load(argv[0], argv[1:])
         run(cfg)
-    except (ConfigError, DataError, CheckpointError) as e:
-        print(f"maxtrain: error: {e}", file=sys.stderr)
-        return 2
+    except UserError as e:  # config, data, checkpoint: the user's to fix
+        return refuse("maxtrain", e)
     except NonFiniteLoss as e:
         print(f"maxtrain: error: {e}", file=sys.stderr)
         return 1

@@ -56,7 +56,7 @@ def test_derived_values_are_computed_from_their_sources():
         ("train.steps=0", "config key 'train.steps'"),
         ("model.remat=some", "config key 'model.remat'"),
         ("model_name=llama-8b", "model_name 'llama-8b' has no file"),
-        ("mesh.rules.embed=[gpu]", "mesh.rules.embed names mesh axis 'gpu'"),
+        ("mesh.rules.embed=[gpu]", "config key 'mesh.rules.embed[0]' must be one of 'data'"),
         ("model.num_kv_heads=3", "must be a multiple of model.num_kv_heads"),
         ("train.grad_accum_steps=5", "must be divisible by train.grad_accum_steps"),
         ("optim", "is not of the form key=value"),

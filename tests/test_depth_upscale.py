@@ -98,7 +98,7 @@ def test_kanana_9_1b_config_upscales_kanana_8b(make_cfg):
     ("overrides", "message"),
     [
         (("init.layer_map=[0..1, 3..2]",), r"'3..2' is not a range a..b"),
-        (("init.layer_map=[0, -1, 1]",), r"negative layer \(-1\)"),
+        (("init.layer_map=[0, -1, 1]",), r"'init\.layer_map\[1\]' must be >= 0 \(got -1\)"),
         (("init.layer_map=[0..1]",), "lists 2 layers, but model.num_layers is 3"),
         (("init.layer_map=null",), "needs init.layer_map"),
         (("init.source_model=null",), "needs init.source_model"),

@@ -324,7 +324,7 @@ def test_data_streams_start_step_continues_the_same_stream(make_cfg, mixture):
 @pytest.mark.parametrize(
     ("weights", "message"),
     [
-        ((0.5, -0.1), r"data\.sources\[b\]\.weight is negative"),
+        ((0.5, -0.1), r"'data\.sources\[1\]\.weight' must be >= 0 \(got -0\.1\)"),
         ((0.0, 0.0), r"data\.sources: the weights sum to 0"),
     ],
 )

@@ -13,7 +13,6 @@ recomputation remat adds.
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import sys
@@ -31,6 +30,13 @@ from maxtrain.analysis import memory  # noqa: E402
 from maxtrain.analysis.program import collective_bytes  # noqa: E402
 from maxtrain.analysis.program import matmul_dtypes as traced_matmul_dtypes  # noqa: E402
 from maxtrain.data import to_global  # noqa: E402
+from maxtrain.errors import (  # noqa: E402
+    ArgumentParser,
+    UserError,
+    non_negative_int,
+    positive_int,
+    refuse,
+)
 from maxtrain.kernels.grouped_matmul import grouped_matmul_implementation  # noqa: E402
 from maxtrain.layers.expert_parallel import exchange_implementation  # noqa: E402
 from maxtrain.mesh import axis_sizes, batch_degree  # noqa: E402
@@ -78,8 +84,9 @@ def matmul_dtypes(trainer, batch) -> dict[str, int]:
 
 
 def benchmark(cfg: config_lib.Config, steps: int, warmup: int, profile_dir: str | None) -> dict:
+    host_batch = next(data_streams(cfg)[0])  # data mistakes first: they need no compiling
     trainer = build_trainer(cfg)
-    batch = to_global(next(data_streams(cfg)[0]), trainer.batch_sharding)
+    batch = to_global(host_batch, trainer.batch_sharding)
     dtypes = matmul_dtypes(trainer, batch)  # traced before the steps donate the state
     t0 = time.perf_counter()
     step = trainer.step_fn.lower(trainer.state, batch).compile()
@@ -147,12 +154,12 @@ def dry_run(cfg: config_lib.Config, num_devices: int) -> dict:
     }
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv: list[str] | None = None) -> int:
+    parser = ArgumentParser(prog="benchmark", description=__doc__.splitlines()[0])
     parser.add_argument("config")
     parser.add_argument("overrides", nargs="*", help="key=value config overrides")
-    parser.add_argument("--steps", type=int, default=10, help="timed steps")
-    parser.add_argument("--warmup", type=int, default=3, help="untimed steps first")
+    parser.add_argument("--steps", type=positive_int, default=10, help="timed steps")
+    parser.add_argument("--warmup", type=non_negative_int, default=3, help="untimed steps first")
     parser.add_argument("--profile-dir", help="also capture a jax.profiler trace of 2 steps here")
     parser.add_argument(
         "--dry-run",
@@ -160,18 +167,17 @@ def main() -> int:
         help="run nothing: print the estimated memory per device (maxtrain/analysis/memory.py)",
     )
     parser.add_argument(
-        "--devices", type=int, help="--dry-run: devices in the run (default: this host's)"
+        "--devices", type=positive_int, help="--dry-run: devices in the run (default: this host's)"
     )
-    args = parser.parse_intermixed_args()
+    args = parser.parse_intermixed_args(argv)
     try:
         cfg = config_lib.load(args.config, args.overrides)
         if args.dry_run:
             result = dry_run(cfg, args.devices or jax.device_count())
         else:
             result = benchmark(cfg, args.steps, args.warmup, args.profile_dir)
-    except config_lib.ConfigError as e:
-        print(f"benchmark: error: {e}", file=sys.stderr)
-        return 2
+    except UserError as e:
+        return refuse("benchmark", e)
     print(json.dumps(result))
     return 0
 

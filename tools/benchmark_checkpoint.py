@@ -44,20 +44,31 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from maxtrain.checkpointing import Checkpointer, abstract_like  # noqa: E402
 from maxtrain.config import CheckpointConfig, CheckpointTier  # noqa: E402
+from maxtrain.errors import (  # noqa: E402
+    ArgumentParser,
+    UserError,
+    non_negative_int,
+    positive_float,
+    positive_int,
+    refuse,
+)
 from maxtrain.state import TrainState  # noqa: E402
 
 COLS = 8192
+PROG = "benchmark_checkpoint"
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--params", type=float, default=1e9, help="float32 parameters (default 1e9)")
-    p.add_argument("--saves", type=int, default=3)
+    p = ArgumentParser(prog=PROG, description=__doc__.splitlines()[0])
+    p.add_argument("--params", type=positive_float, default=1e9, help="float32 parameters")
+    p.add_argument("--saves", type=positive_int, default=3)
     p.add_argument(
         "--dir", default=None, help="checkpoint directory (default: a temp dir, removed)"
     )
     p.add_argument("--no-prewarm", dest="prewarm", action="store_false")
-    p.add_argument("--persistent-every", type=int, default=0, help="also save the persistent tier")
+    p.add_argument(
+        "--persistent-every", type=non_negative_int, default=0, help="also save the persistent tier"
+    )
     p.add_argument(
         "--trim-after-step",
         action="store_true",
@@ -135,6 +146,8 @@ def main(argv: list[str] | None = None) -> int:
     root = Path(args.dir or tempfile.mkdtemp(prefix="maxtrain-ckpt-bench-"))
     try:
         return run(args, root)
+    except UserError as e:  # e.g. an unwritable --dir
+        return refuse(PROG, e)
     finally:
         if args.dir is None:  # a temp dir: the checkpoints (2 x the state) go with it
             shutil.rmtree(root, ignore_errors=True)

@@ -14,7 +14,6 @@ data.kind megatron on them with the same batch shape: a second JSON line, same t
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
@@ -26,10 +25,16 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from maxtrain import config as config_lib  # noqa: E402
-from maxtrain.data.errors import DataError  # noqa: E402
 from maxtrain.data.megatron.indexed import IndexedWriter, token_dtype  # noqa: E402
 from maxtrain.data.pipeline import resolve_sources  # noqa: E402
 from maxtrain.data.shards import read_shard, validate_source  # noqa: E402
+from maxtrain.errors import (  # noqa: E402
+    ArgumentParser,
+    UserError,
+    non_negative_int,
+    positive_int,
+    refuse,
+)
 from maxtrain.train import data_streams  # noqa: E402
 
 
@@ -81,14 +86,14 @@ def megatron_overrides(cfg: config_lib.Config, out_dir: Path) -> list[str]:
     ]
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv: list[str] | None = None) -> int:
+    parser = ArgumentParser(prog="benchmark_data", description=__doc__.splitlines()[0])
     parser.add_argument("config")
     parser.add_argument("overrides", nargs="*", help="key=value config overrides")
-    parser.add_argument("--batches", type=int, default=200)
-    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--batches", type=positive_int, default=200)
+    parser.add_argument("--warmup", type=non_negative_int, default=5)
     parser.add_argument("--compare-megatron", action="store_true", help="see the docstring")
-    args = parser.parse_intermixed_args()
+    args = parser.parse_intermixed_args(argv)
     try:
         cfg = config_lib.load(args.config, args.overrides)
         print(json.dumps(benchmark(cfg, args.batches, args.warmup)), flush=True)
@@ -97,9 +102,8 @@ def main() -> int:
                 extra = megatron_overrides(cfg, Path(tmp))
                 megatron = config_lib.load(args.config, [*args.overrides, *extra])
                 print(json.dumps(benchmark(megatron, args.batches, args.warmup)))
-    except (config_lib.ConfigError, DataError) as e:
-        print(f"benchmark_data: error: {e}", file=sys.stderr)
-        return 2
+    except UserError as e:
+        return refuse("benchmark_data", e)
     return 0
 
 

@@ -12,7 +12,6 @@ afterwards. Mistakes print one line and exit 2.
 
 from __future__ import annotations
 
-import argparse
 import json
 import shutil
 import subprocess
@@ -28,7 +27,7 @@ from flax import nnx  # noqa: E402
 from maxtrain import config as config_lib  # noqa: E402
 from maxtrain import models  # noqa: E402
 from maxtrain.checkpointing.export import save_parameters  # noqa: E402
-from maxtrain.config import ConfigError  # noqa: E402
+from maxtrain.errors import ArgumentParser, UserError, refuse  # noqa: E402
 
 
 def disk_bytes(directory: Path) -> int:
@@ -36,7 +35,7 @@ def disk_bytes(directory: Path) -> int:
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = ArgumentParser(prog="benchmark_ptq", description=__doc__.split("\n")[0])
     parser.add_argument("--model", default="qwen3-0.6b", help="a preset in configs/models")
     parser.add_argument("--qtypes", nargs="+", choices=("int8", "int4"), default=["int8", "int4"])
     parser.add_argument("--dir", help="a new directory to write in (default: a temporary one)")
@@ -45,15 +44,10 @@ def main(argv: list[str]) -> int:
     overrides = [f"model_name={args.model}", "data.kind=synthetic"]
     try:
         cfg = config_lib.load(config_lib.CONFIGS_DIR / "base.yml", overrides)
-    except ConfigError as e:
-        print(f"benchmark_ptq: error: {e}", file=sys.stderr)
-        return 2
-    if args.dir and Path(args.dir).exists():  # it is removed afterwards: never someone's files
-        print(
-            f"benchmark_ptq: error: {args.dir} already exists; name a new directory",
-            file=sys.stderr,
-        )
-        return 2
+        if args.dir and Path(args.dir).exists():  # it is removed afterwards: never someone's
+            raise UserError(f"{args.dir} already exists; name a new directory")
+    except UserError as e:
+        return refuse("benchmark_ptq", e)
     params = nnx.to_pure_dict(nnx.state(models.build(cfg.model), nnx.Param))
     root = Path(args.dir or tempfile.mkdtemp(prefix="benchmark_ptq-"))
     try:

@@ -27,10 +27,10 @@ from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from maxtrain.data.errors import ArgumentParser, DataError, positive_int  # noqa: E402
 from maxtrain.data.megatron.prepare import write_corpus  # noqa: E402
 from maxtrain.data.readers import FORMATS, DocumentReader  # noqa: E402
 from maxtrain.data.shards import load_tokenizer, write_shards  # noqa: E402
+from maxtrain.errors import ArgumentParser, UserError, positive_int, refuse  # noqa: E402
 
 PROG = "prepare_data"
 
@@ -108,9 +108,8 @@ def main(argv: list[str] | None = None) -> int:
     start = time.perf_counter()
     try:
         metadata = prepare(args)
-    except DataError as e:
-        print(f"{PROG}: error: {e}", file=sys.stderr)
-        return 2
+    except UserError as e:
+        return refuse(PROG, e)
     except KeyboardInterrupt:
         print(f"{PROG}: interrupted; the shards written so far were removed", file=sys.stderr)
         return 130

@@ -15,7 +15,6 @@ exit 2.
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
@@ -27,10 +26,9 @@ import numpy as np  # noqa: E402
 
 from maxtrain import config as config_lib  # noqa: E402
 from maxtrain import quantization  # noqa: E402
-from maxtrain.checkpointing import CheckpointError, abstract_like, load_parameters  # noqa: E402
+from maxtrain.checkpointing import abstract_like, load_parameters  # noqa: E402
 from maxtrain.checkpointing.export import save_parameters  # noqa: E402
-from maxtrain.config import ConfigError  # noqa: E402
-from maxtrain.data.errors import DataError  # noqa: E402
+from maxtrain.errors import ArgumentParser, UserError, positive_int, refuse  # noqa: E402
 from maxtrain.train import build_trainer, data_streams, evaluate  # noqa: E402
 
 
@@ -45,13 +43,15 @@ def _nbytes(tree) -> int:
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="tools/quantize.py", description=__doc__.split("\n")[0])
+    parser = ArgumentParser(prog="quantize", description=__doc__.split("\n")[0])
     parser.add_argument("config", help="config of the checkpoint's model and the eval data")
     parser.add_argument("overrides", nargs="*", help="key=value config overrides")
     parser.add_argument("--source", required=True, help="checkpoint: a step, tier or run dir")
     parser.add_argument("--output", required=True, help="directory to create for the result")
     parser.add_argument("--qtype", choices=("int8", "int4"), default="int8")
-    parser.add_argument("--eval-batches", type=int, default=4, help="held-out batches per source")
+    parser.add_argument(
+        "--eval-batches", type=positive_int, default=4, help="held-out batches per source"
+    )
     args = parser.parse_intermixed_args(argv)
     try:
         # Scored on the float model: a quantized-training run's config would otherwise
@@ -60,11 +60,11 @@ def main(argv: list[str]) -> int:
         cfg = config_lib.load(
             args.config, [*args.overrides, *fixed, f"train.eval_steps={args.eval_batches}"]
         )
+        _, eval_streams = data_streams(cfg)  # data mistakes first: they need no compiling
         trainer = build_trainer(cfg)
         params = load_parameters(args.source, abstract_like(trainer.state.params))
         kernels = quantization.quantizable_kernels(trainer.mdef.abstract_state)
         qparams, errors = quantization.quantize_params(params, kernels, args.qtype)
-        _, eval_streams = data_streams(cfg)
         trainer.state = trainer.state.replace(params=params)
         before = evaluate(trainer, eval_streams)
         dequantized = quantization.dequantize_params(qparams)
@@ -86,9 +86,8 @@ def main(argv: list[str]) -> int:
             config_yaml=config_lib.to_yaml(cfg),
             meta={"quantization": {"qtype": args.qtype, "source": args.source}},
         )
-    except (ConfigError, CheckpointError, DataError) as e:
-        print(f"quantize: error: {e}", file=sys.stderr)
-        return 2
+    except UserError as e:
+        return refuse("quantize", e)
     report["disk_bytes"] = sum(f.stat().st_size for f in Path(step_dir).rglob("*") if f.is_file())
     (Path(args.output) / "report.json").write_text(json.dumps(report, indent=2))
     for path, per_layer in errors.items():

@@ -21,7 +21,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from maxtrain import config as config_lib  # noqa: E402
 from maxtrain.data import BATCH_KEYS  # noqa: E402
-from maxtrain.data.errors import ArgumentParser, DataError, positive_int  # noqa: E402
+from maxtrain.data.errors import DataError  # noqa: E402
+from maxtrain.errors import ArgumentParser, UserError, positive_int, refuse  # noqa: E402
 from maxtrain.train import data_streams  # noqa: E402
 
 PROG = "show_data"
@@ -53,9 +54,8 @@ def main(argv: list[str] | None = None) -> int:
         # No eval streams: only the train batches are shown (and a missing split is no error).
         cfg = config_lib.load(args.config, [*args.overrides, "train.eval_every=0"])
         arrays = collect(cfg, args.steps)
-    except (config_lib.ConfigError, DataError) as e:
-        print(f"{PROG}: error: {e}", file=sys.stderr)
-        return 2
+    except UserError as e:
+        return refuse(PROG, e)
     np.savez_compressed(args.out, **arrays)
     shape = "x".join(map(str, arrays["inputs"].shape))
     print(f"{PROG}: wrote {args.out}: {', '.join(BATCH_KEYS)} [{shape}] (steps x rows x tokens)")

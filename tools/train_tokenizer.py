@@ -31,9 +31,9 @@ import sentencepiece as spm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from maxtrain.data.errors import ArgumentParser, DataError  # noqa: E402
+from maxtrain.data.errors import DataError  # noqa: E402
 from maxtrain.data.readers import FORMATS, DocumentReader  # noqa: E402
-from maxtrain.errors import first_line  # noqa: E402
+from maxtrain.errors import ArgumentParser, UserError, first_line, refuse  # noqa: E402
 from maxtrain.files import write_atomic  # noqa: E402
 
 PROG = "train_tokenizer"
@@ -117,9 +117,8 @@ def main(argv: list[str] | None = None) -> int:
         reader = DocumentReader(args.input, args.format, args.field, args.txt_split)
         docs = read_documents(reader, args.max_docs)
         model = train(docs, args.vocab_size, args.model_type, args.character_coverage)
-    except DataError as e:
-        print(f"{PROG}: error: {e}", file=sys.stderr)
-        return 2
+    except UserError as e:
+        return refuse(PROG, e)
     model_path = output.with_name(output.name + ".model")
     write_atomic(model_path, model)
     write_atomic(output.with_name(output.name + ".vocab"), vocab_text(model).encode())

@@ -25,7 +25,7 @@ from typing import Any
 import jax
 from etils import epath
 
-from maxtrain.errors import first_line
+from maxtrain.errors import UserError, first_line
 from maxtrain.files import write_atomic
 
 MANIFEST = "maxtrain_manifest.json"
@@ -39,7 +39,7 @@ CONFIG_ITEM = "config"  # {"yaml": the resolved config}
 EMERGENCY_STATE_ITEM = "default"
 
 
-class CheckpointError(Exception):
+class CheckpointError(UserError):
     """A checkpoint problem the user must act on (wrong model, unwritable or full storage).
 
     The CLI prints it as one line and exits with status 2; the message names the path.

@@ -1,17 +1,45 @@
 """The config schema: every key a run config may hold, its type, default and checks, and the
 values derived from others (head_dim, global batch in tokens, parallel degrees), computed once,
 here, and nowhere else. How a config is assembled from files and overrides is loading.py.
+
+Every key declares its domain where it is declared: its type, its bounds (`Field(gt=...)` or
+the named types below), its choices (`Literal`), and finiteness: every float is finite
+(`allow_inf_nan=False`, in each named float type). A value outside it is refused by pydantic,
+and loading.py turns that into one line naming the key, the value and the domain;
+tests/test_config_domains.py walks the schema and tries a value outside every declared domain.
+Checks that involve several keys are the validators.
 """
 
 from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
 MESH_AXES = ("data", "stage", "fsdp", "context", "tensor", "expert")
+MeshAxis = Literal[MESH_AXES]
+# Mesh axes not implemented yet: a degree other than 1 (within or across slices) is refused
+# rather than silently running every stage/shard on the same work. Drop an axis once it works.
+UNIMPLEMENTED_AXES = ("context",)
+
+# Named domains. Every float is finite: inf/nan in a config is always a mistake.
+PositiveFloat = Annotated[float, Field(gt=0, allow_inf_nan=False)]
+NonNegativeFloat = Annotated[float, Field(ge=0, allow_inf_nan=False)]
+Fraction = Annotated[float, Field(ge=0, le=1, allow_inf_nan=False)]  # a share in [0, 1]
+PositiveInt = Annotated[int, Field(gt=0)]
+NonNegativeInt = Annotated[int, Field(ge=0)]
+
+
+def _not_zero(value: int) -> int:
+    if value == 0:
+        raise ValueError("must be positive or -1")
+    return value
+
+
+# A count that may also be -1, meaning "all that remain" (mesh degrees) or "off" (profile).
+PositiveOrMinusOne = Annotated[int, Field(ge=-1), AfterValidator(_not_zero)]
 
 
 class _Section(BaseModel):
@@ -21,10 +49,19 @@ class _Section(BaseModel):
 class RopeScaling(_Section):
     """Llama-3 style RoPE frequency scaling (absent = no scaling)."""
 
-    factor: float = 8.0
-    low_freq_factor: float = 1.0
-    high_freq_factor: float = 4.0
-    original_max_position: int = 8192
+    factor: PositiveFloat = 8.0
+    low_freq_factor: PositiveFloat = 1.0
+    high_freq_factor: PositiveFloat = 4.0
+    original_max_position: PositiveInt = 8192
+
+    @model_validator(mode="after")
+    def _check_band(self) -> RopeScaling:
+        if self.high_freq_factor <= self.low_freq_factor:
+            raise ValueError(
+                f"model.rope_scaling.high_freq_factor ({self.high_freq_factor}) must exceed "
+                f"model.rope_scaling.low_freq_factor ({self.low_freq_factor})"
+            )
+        return self
 
 
 class MoeConfig(_Section):
@@ -36,26 +73,26 @@ class MoeConfig(_Section):
     shared_experts: int = Field(default=0, ge=0)  # always-on experts, fused into one SwiGLU
     score: Literal["softmax", "sigmoid"] = "softmax"  # router score function
     renormalize: bool = True  # rescale the top-k weights to sum to 1
-    routed_scale: float = Field(default=1.0, gt=0)  # multiplies the routed experts' output
+    routed_scale: PositiveFloat = 1.0  # multiplies the routed experts' output
     # Which layers are MoE: layer i (0-based) is MoE iff i >= first_dense_layers and
     # (i + 1) % interval == 0. interval 1 = every layer; 2 = every second layer (1, 3, ...).
     first_dense_layers: int = Field(default=0, ge=0)
     interval: int = Field(default=1, gt=0)
-    aux_loss_weight: float = Field(default=0.0, ge=0)  # Switch-style load-balancing loss
-    router_z_loss_weight: float = Field(default=0.0, ge=0)  # ST-MoE router logit z-loss
+    aux_loss_weight: NonNegativeFloat = 0.0  # Switch-style load-balancing loss
+    router_z_loss_weight: NonNegativeFloat = 0.0  # ST-MoE router logit z-loss
     # Aux-loss-free balancing (DeepSeek-V3): a per-expert bias added to the scores for top-k
     # selection only, moved by `bias_update_rate` toward equal load after every step.
-    bias_update_rate: float = Field(default=0.0, ge=0)  # 0 disables
+    bias_update_rate: NonNegativeFloat = 0.0  # 0 disables
     # null: dropless (tokens sorted by expert, grouped matmul). A number: each expert takes at
     # most capacity_factor * tokens * top_k / num_experts tokens per device; the rest drop.
-    capacity_factor: float | None = Field(default=None, gt=0)
+    capacity_factor: PositiveFloat | None = None
     grouped_matmul: Literal["auto", "xla", "tokamax"] = "auto"  # auto: tokamax on GPU/TPU
     # Dropless with experts split over devices (mesh.expert > 1): how rows reach their experts
     # (layers/expert_parallel.py). auto: ragged on GPU/TPU, all_to_all elsewhere.
     ep_dispatch: Literal["auto", "all_to_all", "ragged", "all_gather"] = "auto"
     # Its buffers hold this many times the routed rows; rows beyond are dropped (moe/dropped).
     # >= mesh.expert never drops (worst-case buffers, P times the traffic).
-    ep_capacity_factor: float = Field(default=1.25, gt=0)
+    ep_capacity_factor: PositiveFloat = 1.25
 
     def is_moe_layer(self, layer: int) -> bool:
         """Whether model layer `layer` (0-based) is a mixture of experts."""
@@ -79,14 +116,14 @@ class ModelArchitecture(_Section):
     num_layers: int = Field(gt=0)
     num_heads: int = Field(gt=0)
     num_kv_heads: int = Field(gt=0)
-    head_dim: int | None = None  # None: emb_dim // num_heads
+    head_dim: PositiveInt | None = None  # None: emb_dim // num_heads
     mlp_dim: int = Field(gt=0)
-    rope_theta: float = 10000.0
+    rope_theta: PositiveFloat = 10000.0
     rope_scaling: RopeScaling | None = None
     qk_norm: bool = False
     tie_embeddings: bool = False
-    norm_eps: float = 1e-5
-    max_seq_len: int = 8192
+    norm_eps: PositiveFloat = 1e-5
+    max_seq_len: PositiveInt = 8192
     moe: MoeConfig | None = None
 
     @model_validator(mode="after")
@@ -118,7 +155,7 @@ class ModelConfig(ModelArchitecture):
     """The `model:` section of a run: the architecture, and how this run initialises, stores
     and computes it (configs/base.yml sets these run-time keys)."""
 
-    init_std: float = 0.02
+    init_std: NonNegativeFloat = 0.02
     param_dtype: Literal["float32", "bfloat16"] = "float32"
     compute_dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     scan_layers: bool = True
@@ -131,59 +168,57 @@ class ModelConfig(ModelArchitecture):
 class MeshAxes(_Section):
     """Degree of each mesh axis; -1 means 'the devices that remain' (at most one -1)."""
 
-    data: int = 1
-    stage: int = 1
-    fsdp: int = -1
-    context: int = 1
-    tensor: int = 1
-    expert: int = 1
+    data: PositiveOrMinusOne = 1
+    stage: PositiveInt = 1  # given, never -1: the stages split the model's layers
+    fsdp: PositiveOrMinusOne = -1
+    context: PositiveOrMinusOne = 1
+    tensor: PositiveOrMinusOne = 1
+    expert: PositiveOrMinusOne = 1
 
 
 class DcnAxes(_Section):
     """Degree of each mesh axis across slices (data-center network); the product = num_slices."""
 
-    data: int = 1
-    stage: int = 1
-    fsdp: int = 1
-    context: int = 1
-    tensor: int = 1
-    expert: int = 1
+    data: PositiveInt = 1
+    stage: PositiveInt = 1
+    fsdp: PositiveInt = 1
+    context: PositiveInt = 1
+    tensor: PositiveInt = 1
+    expert: PositiveInt = 1
 
 
 class MeshConfig(MeshAxes):
     num_slices: int = Field(default=1, gt=0)
     dcn: DcnAxes = DcnAxes()
     # Logical axis name -> mesh axes it is sharded over. Layer code names only logical axes.
-    rules: dict[str, list[str]] = Field(default_factory=dict)
+    rules: dict[str, list[MeshAxis]] = Field(default_factory=dict)
 
     @model_validator(mode="after")
-    def _check_rules(self) -> MeshConfig:
-        if self.stage == -1:
-            raise ValueError(
-                "mesh.stage must be given (it splits the model's layers), not -1; use 1 for no "
-                "pipeline"
-            )
-        for logical, axes in self.rules.items():
-            for axis in axes:
-                if axis not in MESH_AXES:
+    def _check_implemented(self) -> MeshConfig:
+        for axis in UNIMPLEMENTED_AXES:
+            for key, degree in (
+                (axis, getattr(self, axis)),
+                (f"dcn.{axis}", getattr(self.dcn, axis)),
+            ):
+                if degree != 1:
                     raise ValueError(
-                        f"mesh.rules.{logical} names mesh axis {axis!r}; expected one of "
-                        f"{', '.join(MESH_AXES)}"
+                        f"mesh.{key}={degree}: {axis} parallelism is not implemented yet; "
+                        "set it to 1"
                     )
         return self
 
 
 class OptimConfig(_Section):
-    lr: float = Field(default=3e-4, ge=0)
+    lr: NonNegativeFloat = 3e-4
     schedule: Literal["cosine", "wsd", "constant"] = "cosine"
     warmup_steps: int = Field(default=100, ge=0)
-    min_lr_ratio: float = Field(default=0.1, ge=0, le=1)
-    wsd_decay_fraction: float = Field(default=0.2, gt=0, le=1)
-    b1: float = 0.9
-    b2: float = 0.95
-    eps: float = 1e-8
-    weight_decay: float = Field(default=0.1, ge=0)
-    clip_norm: float = Field(default=1.0, ge=0)  # 0 disables clipping
+    min_lr_ratio: Fraction = 0.1
+    wsd_decay_fraction: float = Field(default=0.2, gt=0, le=1, allow_inf_nan=False)
+    b1: float = Field(default=0.9, ge=0, lt=1, allow_inf_nan=False)  # Adam's decay rates
+    b2: float = Field(default=0.95, ge=0, lt=1, allow_inf_nan=False)
+    eps: PositiveFloat = 1e-8
+    weight_decay: NonNegativeFloat = 0.1
+    clip_norm: NonNegativeFloat = 1.0  # 0 disables clipping
 
 
 class PipelineConfig(_Section):
@@ -213,7 +248,7 @@ class DataSource(_Section):
     name: str = Field(min_length=1)
     path: str = Field(min_length=1)  # shard directory, glob, embedded:<prose|code|math>, prefix
     # grain: share of TOKENS, 0 = eval only; megatron: Megatron's blend weight (share of SAMPLES)
-    weight: float = Field(default=1.0, allow_inf_nan=False)
+    weight: NonNegativeFloat = 1.0
 
 
 # `sources: embedded` expands to this: the corpus built offline on first use (corpora/embedded.py).
@@ -269,7 +304,9 @@ class DataConfig(_Section):
     cache_dir: str | None = None
     packing: Literal["concat_then_split", "first_fit"] = "concat_then_split"
     first_fit_bins: int = Field(default=8, gt=0)  # first_fit: open rows per stream (less padding)
-    eval_fraction: float = Field(default=0.05, ge=0, lt=1)  # held-out documents per source
+    eval_fraction: float = Field(
+        default=0.05, ge=0, lt=1, allow_inf_nan=False
+    )  # held-out documents per source
     shuffle_seed: int | None = Field(default=None, ge=0)  # None: run.seed
     num_workers: int = Field(default=0, ge=0)  # 0: read in-process; >0: grain worker processes
     worker_buffer_size: int = Field(default=2, ge=0)  # batches buffered per worker (or thread)
@@ -298,8 +335,6 @@ class DataConfig(_Section):
             if names.count(name) > 1:
                 raise ValueError(f"data.sources: duplicate source name {name!r}")
         for s in self.sources:
-            if s.weight < 0:
-                raise ValueError(f"data.sources[{s.name}].weight is negative ({s.weight})")
             if s.weight == 0 and self.kind == "megatron":
                 raise ValueError(
                     f"data.sources[{s.name}].weight is 0; Megatron's blend takes positive "
@@ -317,7 +352,7 @@ class TrainConfig(_Section):
     global_batch_size: int = Field(default=16, gt=0)  # sequences per optimizer step
     seq_len: int = Field(default=128, gt=0)
     grad_accum_steps: int = Field(default=1, gt=0)
-    z_loss: float = Field(default=0.0, ge=0)
+    z_loss: NonNegativeFloat = 0.0
     eval_every: int = Field(default=100, ge=0)  # 0 disables eval
     eval_steps: int = Field(default=4, gt=0)
     log_every: int = Field(default=10, gt=0)
@@ -346,10 +381,10 @@ class InitConfig(_Section):
     # model; depth_upscale: this model's layers are copies of the checkpoint's layers
     mode: Literal["none", "upcycle", "depth_upscale"] = "none"
     source_model: str | None = None  # the checkpoint's model: a file in configs/models/
-    noise_std: float = Field(default=0.0, ge=0)  # upcycle: noise on expert weights, x their RMS
-    router_init_std: float = Field(default=0.0, ge=0)  # upcycle: router kernel std; 0 = zeros
+    noise_std: NonNegativeFloat = 0.0  # upcycle: noise on expert weights, x their RMS
+    router_init_std: NonNegativeFloat = 0.0  # upcycle: router kernel std; 0 = zeros
     # depth_upscale: per layer of this model, the source layer it copies; "a..b" = a to b
-    layer_map: list[int] | None = None
+    layer_map: list[NonNegativeInt] | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -366,8 +401,6 @@ class InitConfig(_Section):
             )
         if self.mode == "depth_upscale" and not self.layer_map:
             raise ValueError("init.mode=depth_upscale needs init.layer_map")
-        if self.layer_map and min(self.layer_map) < 0:
-            raise ValueError(f"init.layer_map holds a negative layer ({min(self.layer_map)})")
         return self
 
 
@@ -436,14 +469,14 @@ class QuantizationConfig(_Section):
 
 
 class ProfileConfig(_Section):
-    start_step: int = Field(default=-1)  # -1: no profile
+    start_step: PositiveOrMinusOne = -1  # -1: no profile
     num_steps: int = Field(default=3, gt=0)
 
 
 class RunConfig(_Section):
-    name: str = "default"
+    name: str = Field(default="default", min_length=1)
     output_dir: str = "runs"
-    seed: int = 0
+    seed: NonNegativeInt = 0
     # JAX's persistent compilation cache (maxtrain/cache.py): None = $MAXTRAIN_CACHE or
     # ~/.cache/maxtrain, under compilation/; "" = off.
     compilation_cache_dir: str | None = None

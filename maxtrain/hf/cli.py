@@ -11,14 +11,9 @@ leaving no output directory behind.
 
 from __future__ import annotations
 
-import argparse
-import sys
-
 from maxtrain import models
-from maxtrain.checkpointing import CheckpointError
-from maxtrain.config import ConfigError
+from maxtrain.errors import ArgumentParser, UserError, positive_float, refuse
 from maxtrain.hf.convert import DTYPES, MODEL_YAML, export_checkpoint, import_checkpoint
-from maxtrain.hf.errors import ConversionError
 
 PROG = "convert_hf"
 
@@ -42,15 +37,14 @@ def main(argv: list[str]) -> int:
                 f"{PROG}: wrote {args.output}: {family.architecture}, "
                 f"{models.param_count(cfg):,} parameters, {args.dtype or cfg.param_dtype}"
             )
-    except (ConversionError, CheckpointError, ConfigError) as e:
-        print(f"{PROG}: error: {e}", file=sys.stderr)
-        return 2
+    except UserError as e:
+        return refuse(PROG, e)
     return 0
 
 
-def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog=f"tools/{PROG}.py", description="Hugging Face checkpoints in and out of maxtrain."
+def _parser() -> ArgumentParser:
+    parser = ArgumentParser(
+        prog=PROG, description="Hugging Face checkpoints in and out of maxtrain."
     )
     sub = parser.add_subparsers(dest="command", required=True)
     imp = sub.add_parser("import", help="Hugging Face model directory -> maxtrain checkpoint")
@@ -69,6 +63,6 @@ def _parser() -> argparse.ArgumentParser:
         "--dtype", choices=DTYPES, default=None, help="weight dtype (default: the checkpoint's)"
     )
     exp.add_argument(
-        "--max-shard-gb", type=float, default=5.0, help="largest safetensors file (GiB)"
+        "--max-shard-gb", type=positive_float, default=5.0, help="largest safetensors file (GiB)"
     )
     return parser

@@ -12,20 +12,16 @@ nothing written.
 
 from __future__ import annotations
 
-import argparse
-import sys
-
 from maxtrain import config as config_lib
 from maxtrain import models
-from maxtrain.checkpointing import CheckpointError
 from maxtrain.checkpointing.export import save_parameters
-from maxtrain.config import ConfigError
+from maxtrain.errors import ArgumentParser, UserError, refuse
 from maxtrain.mesh import build_mesh
 from maxtrain.transforms.initialize import abstract_params, initial_params
 
 
 def main(mode: str, argv: list[str], description: str) -> int:
-    parser = argparse.ArgumentParser(prog=f"tools/{mode}.py", description=description)
+    parser = ArgumentParser(prog=mode, description=description)
     parser.add_argument("config", help="config of the new model, with its init: section")
     parser.add_argument("overrides", nargs="*", help="key=value config overrides")
     parser.add_argument(
@@ -44,9 +40,8 @@ def main(mode: str, argv: list[str], description: str) -> int:
             config_yaml=config_lib.to_yaml(cfg),
             meta={"init": {**cfg.init.model_dump(), "source": args.source}},
         )
-    except (ConfigError, CheckpointError) as e:
-        print(f"{mode}: error: {e}", file=sys.stderr)
-        return 2
+    except UserError as e:
+        return refuse(mode, e)
     print(
         f"{mode}: wrote {step_dir}: model {cfg.model_name} "
         f"({models.param_count(cfg.model):,} parameters) from {cfg.init.source_model} "
