@@ -302,15 +302,23 @@ def test_a_truncated_local_step_is_set_aside_and_the_previous_one_resumes_bit_ex
     assert_same_params(final_params(run_dir), final_params(straight))
 
 
-@pytest.mark.parametrize("dcn", [False, True], ids=["one-slice", "two-slices-over-dcn"])
+ACROSS_SLICES = {
+    "one-slice": (),
+    "two-slices-over-dcn": ("mesh.num_slices=2", "mesh.dcn.data=2", "mesh.data=1"),
+    # pipeline stages across slices: each process holds one stage and needs the whole batch
+    "pipeline-stages-over-dcn": ("mesh.num_slices=2", "mesh.dcn.stage=2", "mesh.data=1"),
+}
+
+
+@pytest.mark.parametrize("layout", ACROSS_SLICES)
 def test_two_processes_train_exactly_like_one_process_on_the_same_mesh(
-    tmp_path, straight, jax_cache, dcn
+    tmp_path, straight, jax_cache, layout
 ):
     """The global batch, the mesh and so the losses do not depend on how many processes hold
-    the 8 devices. With dcn, each process is one simulated slice and data parallelism runs
-    across slices (mesh.dcn.data=2)."""
-    slices = ("mesh.num_slices=2", "mesh.dcn.data=2", "mesh.data=1") if dcn else ()
-    if dcn:
+    the 8 devices. Across slices, each process is one simulated slice, and data parallelism
+    (mesh.dcn.data=2) or the pipeline's stages (mesh.dcn.stage=2) run across them."""
+    slices = ACROSS_SLICES[layout]
+    if slices:
         two_processes = tmp_path / "run"
         assert_ok(launch(two_processes, jax_cache, *slices, "checkpoint.enabled=false"))
     else:

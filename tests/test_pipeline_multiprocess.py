@@ -39,7 +39,7 @@ jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=nproc, process_id=
 cfg = config_lib.load(config_lib.CONFIGS_DIR / "base.yml", json.loads(overrides))
 train, _ = data_streams(cfg)
 local = [next(train) for _ in range(steps)]
-rows = host_rows(cfg.train.global_batch_size)
+rows = host_rows(cfg)
 np.savez(out, rows=np.array([rows.start, rows.stop]),
          **{f"{k}_{s}": b[k] for s, b in enumerate(local) for k in BATCH_KEYS})
 

@@ -10,7 +10,8 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
-from maxtrain.mesh import logical_to_spec
+from maxtrain.config import Config, ConfigError
+from maxtrain.mesh import build_mesh, logical_to_spec
 
 BATCH_KEYS = ("inputs", "targets", "loss_mask", "segment_ids", "positions")
 
@@ -19,11 +20,20 @@ def batch_sharding(mesh: Mesh, rules: dict[str, list[str]]) -> NamedSharding:
     return NamedSharding(mesh, logical_to_spec(("batch", "length"), rules, mesh))
 
 
-def host_rows(global_batch: int) -> range:
-    """The rows of the global batch this process loads."""
-    per_host = global_batch // jax.process_count()
-    start = jax.process_index() * per_host
-    return range(start, start + per_host)
+def host_rows(cfg: Config) -> range:
+    """The rows of the global batch this process loads: those its devices hold under the run's
+    batch sharding. Usually an equal share per process; every row when the batch is replicated
+    across processes (pipeline stages on different hosts each need the whole batch)."""
+    global_batch = cfg.train.global_batch_size
+    sharding = batch_sharding(build_mesh(cfg.mesh), cfg.mesh.rules)
+    held = sharding.addressable_devices_indices_map((global_batch, cfg.train.seq_len))
+    rows = sorted({r for index in held.values() for r in range(global_batch)[index[0]]})
+    if rows != list(range(rows[0], rows[-1] + 1)):
+        raise ConfigError(
+            f"process {jax.process_index()}'s devices hold rows {rows} of the batch, not one "
+            "contiguous range; put the process-spanning mesh axes first in mesh.rules.batch"
+        )
+    return range(rows[0], rows[-1] + 1)
 
 
 def to_global(local: dict[str, np.ndarray], sharding: NamedSharding) -> dict[str, jax.Array]:

@@ -186,7 +186,7 @@ class Pipeline:
         self.data = cfg.data
         self.row_len = cfg.train.seq_len + 1  # targets are inputs shifted by one
         self.num_streams = cfg.train.global_batch_size
-        self.rows = host_rows(self.num_streams) if rows is None else rows
+        self.rows = host_rows(cfg) if rows is None else rows
         if not self.rows or self.rows.start < 0 or self.rows.stop > self.num_streams:
             raise ValueError(f"rows {self.rows} are not rows of a {self.num_streams}-row batch")
         self.seed = cfg.run.seed if self.data.shuffle_seed is None else self.data.shuffle_seed
@@ -292,7 +292,7 @@ def grain_streams(cfg: Config, start_step: int = 0) -> tuple[Iterator[Batch], li
 
 def synthetic_streams(cfg: Config, start_step: int = 0) -> tuple[Iterator[Batch], list[EvalStream]]:
     """Learnable generated text (no corpus): every row is a pure function of (seed, step, row)."""
-    rows = host_rows(cfg.train.global_batch_size)
+    rows = host_rows(cfg)
     common: dict[str, Any] = dict(
         vocab_size=cfg.model.vocab_size,
         seq_len=cfg.train.seq_len,

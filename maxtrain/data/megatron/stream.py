@@ -215,7 +215,7 @@ def _eval_batches(batches: GlobalBatches) -> Iterator[Batch]:
 def megatron_streams(cfg: Config, start_step: int = 0) -> tuple[Iterator[Batch], list[EvalStream]]:
     """(train iterator from step start_step, one valid-split stream per source)."""
     data = MegatronData(cfg)
-    rows, batch = host_rows(cfg.train.global_batch_size), cfg.train.global_batch_size
+    rows, batch = host_rows(cfg), cfg.train.global_batch_size
     evals = []
     if cfg.train.eval_every:  # built first: a source whose valid split is empty fails early
         for name, samples in data.samples("valid").items():
