@@ -15,6 +15,7 @@ nothing already logged and any tool can read it) and to TensorBoard; only the wr
 from __future__ import annotations
 
 import json
+import logging
 import numbers
 from pathlib import Path
 from typing import IO, Any
@@ -200,6 +201,9 @@ class MetricsWriter:
         if enable_tensorboard:
             from tensorboardX import SummaryWriter
 
+            # A skipped non-finite step logs its NaN loss on purpose, and the train loop warns
+            # about it once; tensorboardX would add a warning per NaN scalar.
+            logging.getLogger("tensorboardX.x2num").setLevel(logging.ERROR)
             purge = start_step + 1 if start_step else None
             self._tb = SummaryWriter(str(self.run_dir / "tensorboard"), purge_step=purge)
 

@@ -69,7 +69,7 @@ def train_step(
     A step whose loss or gradient is NaN/inf (metrics["finite"] false) leaves the parameters and
     optimizer state as they were (only the step count moves on): the state is never poisoned,
     whatever train.on_nonfinite then decides (skip: go on; stop: end the run), and a save can
-    only ever hold finite values. The select fuses into the update: no extra pass over memory.
+    only ever hold finite values. The cost is an elementwise select beside the update.
     """
 
     def split(x: jax.Array) -> jax.Array:

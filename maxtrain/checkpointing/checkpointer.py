@@ -272,8 +272,8 @@ def _one_transaction_registry() -> ocp.handlers.DefaultCheckpointHandlerRegistry
     Each version writes a new root B-tree node holding every key so far, with the small values
     (array metadata, scales, norms under 1 KiB) inlined, and old versions are never compacted
     away. So the bytes on disk depend on how the writes happened to be batched, which depends
-    on timing and cores: 7 to 15 versions and 237 to 346 KB for the tiny MoE's 221 KB of int8
-    parameters. Without a limit Orbax writes all arrays in one atomic transaction: one version,
+    on timing and cores: 7 to 15 versions and 296 to 346 KB for the tiny MoE's 221 KB of int8
+    parameters (tests/test_quantization.py). Without a limit Orbax writes all arrays in one atomic transaction: one version,
     the same bytes every time. Peak memory was the same either way (a 400 MB state on CPU).
     """
     handler = ocp.PyTreeCheckpointHandler(

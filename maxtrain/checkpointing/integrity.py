@@ -138,6 +138,9 @@ def quarantine(step_dir: epath.Path, suffix: str, kind: str = "corrupt") -> epat
     """Moves a corrupt (or otherwise unusable: kind) step aside, never deleting it, so the step
     number can be saved again and resume skips it."""
     target = step_dir.parent / f"{step_dir.name}.{kind}-{suffix}"
+    n = 1
+    while target.exists():  # the same step set aside twice within a second
+        target, n = step_dir.parent / f"{step_dir.name}.{kind}-{suffix}-{n}", n + 1
     step_dir.rename(target)
     return target
 
