@@ -56,6 +56,9 @@ class StopSignals:
         if self.signal_name == "SIGINT":  # the second Ctrl-C
             abort("interrupted again (SIGINT): exiting now, without saving")
         self.signal_name = "SIGINT"
+        # os.write, not print: a handler may run in the middle of another print to stderr.
+        line = "maxtrain: interrupted (SIGINT): saving after this step; Ctrl-C again exits at once"
+        os.write(sys.stderr.fileno(), f"{line}\n".encode())
         if self._synced:  # jax's preemption service stops every process at one step
             os.kill(os.getpid(), signal.SIGTERM)
 

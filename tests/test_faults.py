@@ -5,7 +5,6 @@ parameters. Every one ends in a clear line, nothing lost."""
 import hashlib
 import json
 import os
-import resource
 import subprocess
 import sys
 from pathlib import Path
@@ -30,24 +29,28 @@ TINY = [
 ]
 
 
+# Sets RLIMIT_FSIZE, then becomes the trainer: a write past the limit fails with EFBIG ("File
+# too large"; Python ignores SIGXFSZ). Not a preexec_fn: forking this multithreaded process
+# (jax) to run Python in the child can deadlock.
+LIMITED = (
+    "import os, resource, sys; n = int(sys.argv[1]); "
+    "resource.setrlimit(resource.RLIMIT_FSIZE, (n, n)); "
+    "os.execv(sys.executable, [sys.executable, *sys.argv[2:]])"
+)
+
+
 def cli(
     run_dir: Path, *args: str, max_file_bytes: int | None = None
 ) -> subprocess.CompletedProcess:
     """Runs the trainer on the tiny model; max_file_bytes: no file it writes may grow past
-    this (RLIMIT_FSIZE: a write beyond it fails with EFBIG, "File too large")."""
+    this."""
     base = str(config_lib.CONFIGS_DIR / "base.yml")
     cmd = [sys.executable, "-m", "maxtrain.train", base, *TINY,
            f"run.output_dir={run_dir.parent}", f"run.name={run_dir.name}", *args]  # fmt: skip
+    if max_file_bytes is not None:
+        cmd = [sys.executable, "-c", LIMITED, str(max_file_bytes), *cmd[1:]]
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}
-    limit = None
-    if max_file_bytes is not None:  # Python ignores SIGXFSZ, so the write fails instead
-
-        def limit() -> None:
-            resource.setrlimit(resource.RLIMIT_FSIZE, (max_file_bytes, max_file_bytes))
-
-    return subprocess.run(
-        cmd, capture_output=True, text=True, env=env, timeout=300, preexec_fn=limit
-    )
+    return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
 
 
 def logged_steps(run_dir: Path) -> list[int]:

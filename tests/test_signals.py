@@ -19,6 +19,8 @@ def descendants(pid: int) -> set[int]:
     """Every live process below pid, from /proc."""
     parent = {}
     for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
         try:
             stat = (entry / "stat").read_text()
         except OSError:  # not a process, or gone meanwhile
@@ -42,18 +44,22 @@ def _state(pid: int) -> str:
         return "Z"
 
 
-def start_with_workers(run_dir: Path) -> tuple[subprocess.Popen, set[int]]:
-    """The trainer with 2 grain workers, once it has logged a step; and what it started."""
-    proc = subprocess.Popen(command(run_dir, WORKERS), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=env())  # fmt: skip
+def start_with_workers(run_dir: Path) -> tuple[subprocess.Popen, set[int], Path]:
+    """The trainer with 2 grain workers, once it has logged a step; what it started; the file
+    its stderr goes to (read while it runs)."""
+    run_dir.parent.mkdir(parents=True, exist_ok=True)
+    stderr = run_dir.parent / "stderr.txt"
+    with stderr.open("w") as err:
+        proc = subprocess.Popen(command(run_dir, WORKERS), stdout=subprocess.PIPE,
+                                stderr=err, text=True, env=env())  # fmt: skip
     deadline = time.monotonic() + 240
     while not logged_step_at_least(2)(run_dir):
-        assert proc.poll() is None, f"run ended early: {proc.stderr.read()}"
+        assert proc.poll() is None, f"run ended early: {stderr.read_text()}"
         assert time.monotonic() < deadline, "no step logged"
         time.sleep(0.05)
     children = descendants(proc.pid)
     assert len(children) >= 3, children  # two workers and the resource tracker
-    return proc, children
+    return proc, children, stderr
 
 
 def assert_gone_within(pids: set[int], seconds: float) -> None:
@@ -67,20 +73,28 @@ def assert_gone_within(pids: set[int], seconds: float) -> None:
 
 
 def test_sigkill_leaves_no_process_behind(tmp_path):
-    proc, children = start_with_workers(tmp_path / "run")
+    proc, children, _ = start_with_workers(tmp_path / "run")
     proc.kill()
     proc.communicate(timeout=60)
     assert_gone_within(children, 5.0)
 
 
 def test_a_second_sigint_aborts_at_once_with_one_line(tmp_path):
-    proc, children = start_with_workers(tmp_path / "run")
+    """The first Ctrl-C is acknowledged at once; the second, sent as soon as that line shows
+    (the step and its save still ahead), exits without saving. (Two signals sent back to back
+    would merge into one: the kernel keeps one pending SIGINT.)"""
+    proc, children, stderr = start_with_workers(tmp_path / "run")
     proc.send_signal(signal.SIGINT)
+    deadline = time.monotonic() + 60
+    while "Ctrl-C again exits at once" not in stderr.read_text():
+        assert proc.poll() is None and time.monotonic() < deadline, stderr.read_text()
+        time.sleep(0.005)
     proc.send_signal(signal.SIGINT)
-    out, err = proc.communicate(timeout=60)
+    out, _ = proc.communicate(timeout=60)
     assert proc.returncode == 130
-    assert err.strip().splitlines()[-1] == (
-        "maxtrain: interrupted again (SIGINT): exiting now, without saving"
-    )
-    assert "Traceback" not in err and "saved step" not in out
+    assert stderr.read_text().splitlines() == [
+        "maxtrain: interrupted (SIGINT): saving after this step; Ctrl-C again exits at once",
+        "maxtrain: interrupted again (SIGINT): exiting now, without saving",
+    ]
+    assert "saved step" not in out
     assert_gone_within(children, 5.0)

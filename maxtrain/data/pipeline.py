@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import functools
 import os
+import sys
 import threading
 import time
 import zlib
@@ -265,10 +266,19 @@ def prefetch(ds: grain.IterDataset, num_workers: int, buffer_size: int) -> grain
             num_workers=num_workers, per_worker_buffer_size=max(buffer_size, 1)
         )
         watch = functools.partial(exit_with_parent, os.getpid())
+        if _QUIET_TRACKER not in sys.warnoptions:
+            # After a kill or an abort, multiprocessing's resource tracker frees the shared
+            # memory and semaphores the workers held, and warns about each kind: four lines
+            # after maxtrain's one. The freeing is wanted, the warning not. The tracker starts
+            # with the first worker and takes this interpreter's -W options.
+            sys.warnoptions.append(_QUIET_TRACKER)
         return ds.mp_prefetch(options, worker_init_fn=watch)
     if buffer_size > 0:
         return grain.experimental.ThreadPrefetchIterDataset(ds, prefetch_buffer_size=buffer_size)
     return ds
+
+
+_QUIET_TRACKER = "ignore::UserWarning:multiprocessing.resource_tracker"
 
 
 def exit_with_parent(parent: int, worker_index: int = 0, worker_count: int = 0) -> None:
