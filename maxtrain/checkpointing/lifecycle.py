@@ -37,6 +37,7 @@ from maxtrain.checkpointing.common import (
 )
 from maxtrain.checkpointing.integrity import CheckpointError
 from maxtrain.config import CheckpointConfig
+from maxtrain.errors import first_line
 
 
 @dataclass(frozen=True)
@@ -198,8 +199,12 @@ class TieredCheckpointer(abc.ABC):
         suffix, moved = time.strftime("%Y%m%d-%H%M%S"), []
         for directory in self._step_directories():
             for s, path in listed_steps(directory):
-                if s >= step:
+                if s < step:
+                    continue
+                try:  # processes sharing a tier directory race for it: one of them moves it
                     moved.append(integrity.quarantine(path, suffix, label))
+                except OSError as e:
+                    self.log(f"could not move {path} aside ({first_line(e, 300, typed=True)})")
         left = [s for d in self._step_directories() for s, _ in listed_steps(d)]
         return moved, max(left, default=None)
 
