@@ -15,6 +15,7 @@ nothing already logged and any tool can read it) and to TensorBoard; only the wr
 from __future__ import annotations
 
 import json
+import logging
 import numbers
 from pathlib import Path
 from typing import IO, Any
@@ -22,6 +23,7 @@ from typing import IO, Any
 import numpy as np
 
 from maxtrain.config import ModelConfig
+from maxtrain.files import write_atomic
 from maxtrain.models.stacks import is_moe_per_layer
 
 # ---- FLOP counting ------------------------------------------------------------------------
@@ -168,10 +170,22 @@ class MetricsWriter:
 
     ``is_writer`` is required (pass ``jax.process_index() == 0``) so that multi-host runs never
     have every process appending to the same file by accident.
+
+    ``start_step``: the step the run starts from (the restored checkpoint's, 0 for a fresh run).
+    A run that was stopped after its last checkpoint logged steps it will now train again;
+    their records are dropped first (``drop_records_after``), so the file keeps one record per
+    step, the newest run's. TensorBoard's own event files are append-only: the new ones start
+    with a purge marker at ``start_step + 1``, which makes TensorBoard hide the older events
+    from that step on (they stay on disk).
     """
 
     def __init__(
-        self, run_dir: str | Path, enable_tensorboard: bool = True, *, is_writer: bool
+        self,
+        run_dir: str | Path,
+        enable_tensorboard: bool = True,
+        *,
+        is_writer: bool,
+        start_step: int | None = None,
     ) -> None:
         self.run_dir = Path(run_dir)
         self.is_writer = is_writer
@@ -180,11 +194,18 @@ class MetricsWriter:
         if not is_writer:
             return
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        self._jsonl = (self.run_dir / "metrics.jsonl").open("a", encoding="utf-8")
+        path = self.run_dir / "metrics.jsonl"
+        if start_step is not None:
+            drop_records_after(path, start_step)
+        self._jsonl = path.open("a", encoding="utf-8")
         if enable_tensorboard:
             from tensorboardX import SummaryWriter
 
-            self._tb = SummaryWriter(str(self.run_dir / "tensorboard"))
+            # A skipped non-finite step logs its NaN loss on purpose, and the train loop warns
+            # about it once; tensorboardX would add a warning per NaN scalar.
+            logging.getLogger("tensorboardX.x2num").setLevel(logging.ERROR)
+            purge = start_step + 1 if start_step else None
+            self._tb = SummaryWriter(str(self.run_dir / "tensorboard"), purge_step=purge)
 
     def write(self, step: int, scalars: dict[str, float | int | None], prefix: str) -> None:
         """One JSON line {"step": step, "<prefix>/<key>": value, ...}; None values are skipped."""
@@ -232,6 +253,33 @@ class MetricsWriter:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _record_step(line: bytes) -> int | None:
+    try:
+        return int(json.loads(line)["step"])
+    except (ValueError, KeyError, TypeError):
+        return None  # a line torn by a kill mid-write
+
+
+def drop_records_after(path: Path, step: int) -> int:
+    """Removes the records of steps after `step` from a metrics.jsonl (and any torn line);
+    returns how many. The kept records are written to a temporary file renamed over the old
+    one, so a crash here leaves the old file or the new one, never a mix."""
+    if not path.exists():
+        return 0
+    with path.open("rb") as f:
+        dropped = sum(1 for line in f if (s := _record_step(line)) is None or s > step)
+    if dropped:
+
+        def kept(out: IO[bytes]) -> None:
+            with path.open("rb") as f:
+                for line in f:
+                    if (s := _record_step(line)) is not None and s <= step:
+                        out.write(line if line.endswith(b"\n") else line + b"\n")
+
+        write_atomic(path, kept)
+    return dropped
 
 
 # ---- console ----------------------------------------------------------------------------------

@@ -11,19 +11,16 @@ import functools
 import json
 import math
 import os
-import signal
 import sys
-import threading
 import time
 from dataclasses import dataclass
 from typing import Any
 
 import jax
 import numpy as np
-from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding
 
-from maxtrain import cache, distributed, optim
+from maxtrain import cache, distributed, optim, run_lock
 from maxtrain import config as config_lib
 from maxtrain import metrics as metrics_lib
 from maxtrain.checkpointing import (
@@ -31,13 +28,17 @@ from maxtrain.checkpointing import (
     TieredCheckpointer,
     open_checkpointer,
 )
+from maxtrain.checkpointing.common import tier_dirs
+from maxtrain.checkpointing.integrity import newest_complete
 from maxtrain.config import Config, ConfigError
 from maxtrain.data import batch_sharding, to_global
 from maxtrain.data.pipeline import STREAMS, EvalStream
 from maxtrain.errors import DEBUG_ENV, UserError, first_line, refuse
+from maxtrain.interrupts import EXIT_STATUS, StopSignals
 from maxtrain.layers.expert_parallel import exchange_implementation
 from maxtrain.mesh import batch_degree, build_mesh, sharding_rules
 from maxtrain.models import ModelDef
+from maxtrain.nonfinite import NonFiniteLoss, NonFiniteWatch
 from maxtrain.state import SavedLayout, TrainState, init_state, saved_layout
 from maxtrain.train_step import eval_step, train_step
 from maxtrain.transforms.initialize import initial_params
@@ -131,7 +132,6 @@ def build_trainer(cfg: Config, devices: list[jax.Device] | None = None) -> Train
         lr_schedule=lr_schedule,
         grad_accum_steps=cfg.train.grad_accum_steps,
         z_loss=cfg.train.z_loss,
-        skip_nonfinite=cfg.train.on_nonfinite == "skip",
     )
     step_fn = jax.jit(
         _with_rules(step, mesh, cfg),
@@ -192,50 +192,6 @@ def evaluate(trainer: Trainer, eval_streams: list[EvalStream]) -> dict[str, floa
     return {"loss": loss, "perplexity": float(np.exp(min(loss, 50.0))), **per_stream}
 
 
-class NonFiniteLoss(Exception):
-    """The loss became NaN/inf under train.on_nonfinite=stop."""
-
-
-class _Preemption:
-    """Turns SIGTERM (a preemption notice) into "stop after this step", the same step on every
-    process.
-
-    One process: a Python signal handler sets a flag the loop checks after each step. Several
-    processes: a notice may reach one host only, or hosts at different steps, and a process
-    that stops alone leaves the others waiting in a collective. jax.distributed's preemption
-    service (on by default) catches SIGTERM on any host and makes
-    `reached_preemption_sync_point` true on every process at the same step, so all of them
-    save that step and exit together. Its C++ handler must keep SIGTERM, so no Python handler
-    is installed then.
-    """
-
-    def __init__(self):
-        self.stopped = False
-        self._requested = False
-        self._previous = None
-        self._synced = jax.process_count() > 1
-
-    def __enter__(self) -> _Preemption:
-        if not self._synced and threading.current_thread() is threading.main_thread():
-            self._previous = signal.signal(signal.SIGTERM, self._handle)
-        return self
-
-    def _handle(self, signum, frame) -> None:
-        self._requested = True
-
-    def stop_after(self, step: int) -> bool:
-        """Called after every step, on every process."""
-        if self._synced:
-            self.stopped = multihost_utils.reached_preemption_sync_point(step)
-        else:
-            self.stopped = self._requested
-        return self.stopped
-
-    def __exit__(self, *exc) -> None:
-        if self._previous is not None:
-            signal.signal(signal.SIGTERM, self._previous)
-
-
 def _resume_or_load(trainer: Trainer, ckpt: TieredCheckpointer | None, train_batches) -> int:
     """Restores the newest checkpoint (state and data position) and returns its step; else
     loads checkpoint.load_parameters_path into the fresh state, if set (transformed per
@@ -256,58 +212,99 @@ def _resume_or_load(trainer: Trainer, ckpt: TieredCheckpointer | None, train_bat
     return 0
 
 
-def _check_finite(
-    cfg: Config, step_metrics: dict[str, jax.Array], step: int, ckpt: TieredCheckpointer | None
-) -> None:
-    """Under on_nonfinite=stop, raises once the loss is NaN/inf (NaN parameters stay NaN, so
-    checking the newest step covers the ones before it). Under skip, bad updates were dropped
-    in the step itself and the state is always good."""
-    if cfg.train.on_nonfinite == "skip" or bool(step_metrics["finite"]):
-        return
-    kept = ckpt.last_saved_step if ckpt is not None else None
-    raise NonFiniteLoss(
-        f"the loss is not finite at step {step} (train.on_nonfinite=stop); "
-        + (f"the newest checkpoint, step {kept}, is kept" if kept else "no checkpoint was saved")
-        + "; lower optim.lr, or set train.on_nonfinite=skip to drop such updates"
+def _finished(cfg: Config) -> dict[str, Any] | None:
+    """A run whose persistent tier holds a complete step at or past train.steps is done: says so
+    and returns its step, before anything is compiled, read or written (re-running it used to
+    overwrite summary.json with the bare step). None: there is training to do. The final step is
+    always saved to the persistent tier, and every process reads the same one."""
+    if not cfg.checkpoint.enabled:
+        return None
+    found = newest_complete(tier_dirs(cfg.checkpoint, cfg.run_dir)["persistent"])
+    if found is None or found[0] < cfg.train.steps:
+        return None
+    return _complete(cfg, *found)
+
+
+def _complete(cfg: Config, step: int, where: Any) -> dict[str, Any]:
+    _print(
+        jax.process_index() == 0,
+        f"maxtrain: run {cfg.run_dir} is complete: step {step} (train.steps={cfg.train.steps}) "
+        f"is saved in {where}; nothing to do (raise train.steps to train further)",
     )
+    return {"step": step}
+
+
+def _keep_finite_checkpoints(ckpt: TieredCheckpointer | None, first_bad: int) -> str:
+    """Moves aside the checkpoints a run stopped by non-finite losses must not resume from (the
+    state saved just before the first bad step and any saved after it: maxtrain/nonfinite.py)
+    and says which checkpoint a restart resumes from."""
+    if ckpt is None:
+        return "checkpointing is off"
+    with contextlib.suppress(CheckpointError):  # the non-finite loss is the error to report
+        ckpt.close()
+    moved, left = ckpt.set_aside_from(first_bad - 1, "nonfinite")
+    kept = (
+        f"the newest finite checkpoint, step {left}, is kept and a restart resumes from it"
+        if left is not None
+        else "no finite checkpoint was saved"
+    )
+    if moved:
+        steps = sorted({int(p.name.split(".")[0]) for p in moved})
+        kept += (
+            f" (step {', '.join(map(str, steps))}, saved from the state that gave a non-finite "
+            f"loss, moved aside as {moved[0].name})"
+        )
+    return kept
 
 
 def run(cfg: Config) -> dict[str, Any]:
-    """Trains per the config; returns the final metrics summary (also written to the run dir)."""
+    """Trains per the config; returns the final metrics summary (also written to the run dir).
+
+    Holds the run directory's lock (run_lock.py) while it trains: a second trainer on the same
+    run directory refuses to start.
+    """
     distributed.initialize(cfg.distributed)  # before anything touches devices
     cache.enable_compilation_cache(cfg.run.compilation_cache_dir)
+    if (done := _finished(cfg)) is not None:
+        return done
     # Config and data mistakes surface in these two calls, before anything is written; the
     # data's first, as it needs no compilation (the state's initialisation does).
     train_batches, eval_streams = data_streams(cfg)
     trainer = build_trainer(cfg)
-    ckpt = None
-    if cfg.checkpoint.enabled:
-        ckpt = open_checkpointer(
-            cfg.checkpoint,
-            cfg.run_dir,
-            config_lib.to_yaml(cfg),
-            trainer.saved.abstract(trainer.state),
-        )
-    try:
-        return _train(trainer, ckpt, train_batches, eval_streams)
-    except BaseException:
-        if ckpt is not None:  # let saves in flight commit; the first error is the one to report
-            with contextlib.suppress(CheckpointError):
-                ckpt.close()
-        raise
+    with run_lock.held(cfg.run_dir, take=jax.process_index() == 0):
+        ckpt = None
+        if cfg.checkpoint.enabled:
+            ckpt = open_checkpointer(
+                cfg.checkpoint,
+                cfg.run_dir,
+                config_lib.to_yaml(cfg),
+                trainer.saved.abstract(trainer.state),
+            )
+        try:
+            return _train(trainer, ckpt, train_batches, eval_streams)
+        except NonFiniteLoss as e:
+            e.kept = _keep_finite_checkpoints(ckpt, e.first)
+            raise
+        except BaseException:
+            if ckpt is not None:  # let saves in flight commit; the first error is the one to report
+                with contextlib.suppress(CheckpointError):
+                    ckpt.close()
+            raise
 
 
 def _train(trainer: Trainer, ckpt: TieredCheckpointer | None, train_batches, eval_streams) -> dict:
     cfg, run_dir, is_writer = trainer.cfg, trainer.cfg.run_dir, jax.process_index() == 0
     start_step = _resume_or_load(trainer, ckpt, train_batches)
-    if ckpt is not None and start_step < cfg.train.steps:
-        ckpt.prewarm(trainer.saved_state())  # the first save's one-time costs, before the loop
+    if start_step >= cfg.train.steps:  # resumed from a local step at or past the end
+        info = ckpt.restore_info or {}
+        return _complete(cfg, start_step, info.get("dir") or f"the {info.get('tier')} tier")
+    if ckpt is not None:
+        ckpt.prewarm(trainer.saved_state())  # the first save's one-time costs, paid before the loop
     if is_writer:
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.yml").write_text(config_lib.to_yaml(cfg))
     num_devices = trainer.mesh.size
     peak = metrics_lib.peak_tflops(jax.devices()[0].device_kind)
-    writer = metrics_lib.MetricsWriter(run_dir, is_writer=is_writer)
     resumed = f", resumed at step {start_step}" if start_step else ""
     _print(
         is_writer,
@@ -316,22 +313,25 @@ def _train(trainer: Trainer, ckpt: TieredCheckpointer | None, train_batches, eva
     )
 
     profile = cfg.profile
+    nonfinite = NonFiniteWatch(cfg.train, warn=functools.partial(_warn, is_writer))
     last: dict[str, Any] = {}
-    step = start_step
-    with _Preemption() as preemption:
-        if start_step < cfg.train.steps:
-            next_batch = to_global(next(train_batches), trainer.batch_sharding)
+    with (
+        metrics_lib.MetricsWriter(run_dir, is_writer=is_writer, start_step=start_step) as writer,
+        StopSignals(jax.process_count()) as signals,
+    ):
+        next_batch = to_global(next(train_batches), trainer.batch_sharding)
         window_start, window_steps, data_wait = time.perf_counter(), 0, 0.0
         for step in range(start_step + 1, cfg.train.steps + 1):
             if step == profile.start_step:
                 jax.profiler.start_trace(str(run_dir / "profile"))
             trainer.state, step_metrics = trainer.step_fn(trainer.state, next_batch)
+            nonfinite.after_step(step, step_metrics["finite"])  # reads the steps before it
             window_steps += 1
             # Save before fetching the next batch: the saved data position must be step + 1.
             if ckpt is not None and ckpt.due(step):
-                _check_finite(cfg, step_metrics, step, ckpt)  # never save (over) a bad state
+                nonfinite.settle(step)  # never save a non-finite step
                 ckpt.maybe_save(step, trainer.saved_state(), train_batches)
-            stopping = preemption.stop_after(step)  # no further batch: the position is saved
+            stopping = signals.stop_after(step)  # no further batch: the position is saved
             # The step runs asynchronously: the host builds the next batch meanwhile.
             t0 = time.perf_counter()
             if step < cfg.train.steps and not stopping:
@@ -360,7 +360,6 @@ def _train(trainer: Trainer, ckpt: TieredCheckpointer | None, train_batches, eva
                 }
                 writer.write(step, scalars, prefix="train")
                 _print(is_writer, metrics_lib.format_console_line(step, cfg.train.steps, scalars))
-                _check_finite(cfg, step_metrics, step, ckpt)
                 last = scalars
                 window_start, window_steps, data_wait = time.perf_counter(), 0, 0.0
 
@@ -374,21 +373,38 @@ def _train(trainer: Trainer, ckpt: TieredCheckpointer | None, train_batches, eva
                 window_start = time.perf_counter()  # keep eval time out of step time
             if stopping:
                 break
+        nonfinite.settle(step)  # the last step's flag, before its state is saved
+        _final_save(ckpt, trainer, train_batches, step, signals.signal_name, is_writer)
 
-    if ckpt is not None:
-        if preemption.stopped:  # durable on the fast tier before exiting 0
-            _check_finite(cfg, step_metrics, step, ckpt)
-            ckpt.save_now(step, trainer.saved_state(), train_batches, tier="local", wait=True)
-            _print(is_writer, f"maxtrain: SIGTERM: saved step {step} to the local tier; exiting")
-        elif step > start_step:  # the final state, so a restart finds the run complete
-            _check_finite(cfg, step_metrics, step, ckpt)
-            ckpt.save_now(step, trainer.saved_state(), train_batches, tier="persistent", wait=True)
-        ckpt.close()
-    writer.close()
     summary = {"step": step, **{k: v for k, v in last.items() if v is not None}}
+    if signals.signal_name:
+        summary["stopped_by"] = signals.signal_name  # main's exit status
     if is_writer:
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     return summary
+
+
+def _final_save(
+    ckpt: TieredCheckpointer | None,
+    trainer: Trainer,
+    train_batches,
+    step: int,
+    signal_name: str | None,
+    is_writer: bool,
+) -> None:
+    """Stopped by a signal: the step goes to the fast tier, durable before the exit. Else the
+    final state goes to the persistent tier, so a restart finds the run complete."""
+    stopped_by = {"SIGTERM": "SIGTERM", "SIGINT": "interrupted (SIGINT)"}.get(signal_name)
+    if ckpt is None:
+        if stopped_by:
+            _print(is_writer, f"maxtrain: {stopped_by}: checkpointing is off; nothing saved")
+        return
+    if stopped_by:
+        ckpt.save_now(step, trainer.saved_state(), train_batches, tier="local", wait=True)
+        _print(is_writer, f"maxtrain: {stopped_by}: saved step {step} to the local tier; exiting")
+    else:
+        ckpt.save_now(step, trainer.saved_state(), train_batches, tier="persistent", wait=True)
+    ckpt.close()
 
 
 def _format_eval(step: int, ev: dict[str, float]) -> str:
@@ -407,6 +423,11 @@ def _print(is_writer: bool, line: str) -> None:
 USAGE = "python -m maxtrain.train [--debug] CONFIG.yml [key=value ...]"
 
 
+def _warn(is_writer: bool, line: str) -> None:
+    if is_writer:
+        print(f"maxtrain: warning: {line}", file=sys.stderr, flush=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["--debug"]:  # tracebacks for refused inputs, as MAXTRAIN_DEBUG=1
@@ -419,17 +440,23 @@ def main(argv: list[str] | None = None) -> int:
         if not argv:
             raise UserError(f"no config file given; usage: {USAGE}")
         cfg = config_lib.load(argv[0], argv[1:])
-        run(cfg)
-    except UserError as e:  # config, data, checkpoint: the user's to fix
+        summary = run(cfg)
+    except UserError as e:  # config, data, checkpoint, a busy run dir: the user's to fix
         return refuse("maxtrain", e)
     except NonFiniteLoss as e:
         print(f"maxtrain: error: {e}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:  # outside the train loop, which turns SIGINT into a saved stop
+        print(
+            "maxtrain: interrupted (SIGINT) outside the train loop; nothing more was saved",
+            file=sys.stderr,
+        )
+        return EXIT_STATUS["SIGINT"]
     except jax.errors.JaxRuntimeError as e:
         if jax.process_count() == 1:
             raise
         _lost_peer(e)
-    return 0
+    return EXIT_STATUS.get(summary.get("stopped_by"), 0)
 
 
 def _lost_peer(error: Exception) -> None:

@@ -59,13 +59,17 @@ def train_step(
     lr_schedule: optax.Schedule,
     grad_accum_steps: int,
     z_loss: float,
-    skip_nonfinite: bool = False,
 ) -> tuple[TrainState, dict[str, jax.Array]]:
     """One optimizer step over the global batch, split into `grad_accum_steps` micro-batches.
 
     Gradients are sums over tokens divided by the token count of the whole batch, so any number
     of micro-batches gives the update one big batch would (up to float rounding). The model's
     statistics are summed over the micro-batches.
+
+    A step whose loss or gradient is NaN/inf (metrics["finite"] false) leaves the parameters and
+    optimizer state as they were (only the step count moves on): the state is never poisoned,
+    whatever train.on_nonfinite then decides (skip: go on; stop: end the run), and a save can
+    only ever hold finite values. The cost is an elementwise select beside the update.
     """
 
     def split(x: jax.Array) -> jax.Array:
@@ -95,10 +99,9 @@ def train_step(
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
     params = mdef.after_update(optax.apply_updates(state.params, updates), state.params, stats)
     finite = jnp.isfinite(nll) & jnp.isfinite(grad_norm)
-    if skip_nonfinite:  # a NaN/inf step leaves parameters and optimizer state untouched
-        keep_old = lambda new, old: jnp.where(finite, new, old)  # noqa: E731
-        params = jax.tree.map(keep_old, params, state.params)
-        opt_state = jax.tree.map(keep_old, opt_state, state.opt_state)
+    keep_old = lambda new, old: jnp.where(finite, new, old)  # noqa: E731
+    params = jax.tree.map(keep_old, params, state.params)
+    opt_state = jax.tree.map(keep_old, opt_state, state.opt_state)
     metrics = {
         "loss": nll / denom,
         "z_loss": z / denom,

@@ -1,7 +1,9 @@
-"""Faults at the command line: bad numbers, a different model, damaged checkpoints, and
-starting from another run's parameters. Every one ends in a clear line, nothing lost."""
+"""Faults at the command line: bad numbers, a different model, damaged checkpoints, a full
+disk, two trainers on one run, a finished run started again, and starting from another run's
+parameters. Every one ends in a clear line, nothing lost."""
 
 import hashlib
+import json
 import os
 import subprocess
 import sys
@@ -12,8 +14,10 @@ import numpy as np
 from flax import nnx
 
 from maxtrain import config as config_lib
+from maxtrain import run_lock
 from maxtrain.checkpointing import load_parameters
 from maxtrain.models import model_def
+from maxtrain.train import main
 
 TINY = [
     "model_name=tiny",
@@ -25,12 +29,34 @@ TINY = [
 ]
 
 
-def cli(run_dir: Path, *args: str) -> subprocess.CompletedProcess:
+# Sets RLIMIT_FSIZE, then becomes the trainer: a write past the limit fails with EFBIG ("File
+# too large"; Python ignores SIGXFSZ). Not a preexec_fn: forking this multithreaded process
+# (jax) to run Python in the child can deadlock.
+LIMITED = (
+    "import os, resource, sys; n = int(sys.argv[1]); "
+    "resource.setrlimit(resource.RLIMIT_FSIZE, (n, n)); "
+    "os.execv(sys.executable, [sys.executable, *sys.argv[2:]])"
+)
+
+
+def cli(
+    run_dir: Path, *args: str, max_file_bytes: int | None = None
+) -> subprocess.CompletedProcess:
+    """Runs the trainer on the tiny model; max_file_bytes: no file it writes may grow past
+    this."""
     base = str(config_lib.CONFIGS_DIR / "base.yml")
     cmd = [sys.executable, "-m", "maxtrain.train", base, *TINY,
            f"run.output_dir={run_dir.parent}", f"run.name={run_dir.name}", *args]  # fmt: skip
+    if max_file_bytes is not None:
+        cmd = [sys.executable, "-c", LIMITED, str(max_file_bytes), *cmd[1:]]
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}
     return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+
+
+def logged_steps(run_dir: Path) -> list[int]:
+    """The step of every train record in metrics.jsonl, in file order."""
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return [r["step"] for r in map(json.loads, lines) if "train/loss" in r]
 
 
 def tree_digest(root: Path) -> str:
@@ -53,25 +79,90 @@ def params_at(step_dir: Path, *overrides: str):
 
 
 BLOW_UP = ["optim.lr=1e12", "optim.warmup_steps=0", "optim.clip_norm=0"]
+# lr warms up from 0: step 1 leaves the parameters as they were, step 2 (lr 2.5e11) makes them
+# huge but finite, and the loss of step 3, computed on them, is NaN.
+BLOW_UP_AT_3 = ["optim.lr=1e12", "optim.warmup_steps=4", "optim.clip_norm=0"]
+EVERY_STEP = ["checkpoint.local.every_steps=1", "checkpoint.local.keep=10"]
 
 
-def test_nonfinite_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path):
+def test_nonfinite_loss_stops_and_the_run_resumes_from_the_last_finite_checkpoint(tmp_path):
+    """The state saved at step 2 gave step 3's NaN loss: a run resumed from it failed again at
+    once, whatever the lr. It is moved aside and the line names step 1, from which the run
+    resumes with a lower lr."""
     run_dir = tmp_path / "run"
-    result = cli(run_dir, "train.steps=12", "checkpoint.local.every_steps=1", *BLOW_UP)
+    result = cli(run_dir, "train.steps=6", *EVERY_STEP, *BLOW_UP_AT_3)
     assert result.returncode == 1
-    assert "the loss is not finite at step 2" in result.stderr
-    assert "the newest checkpoint, step 1, is kept" in result.stderr
-    assert "Traceback" not in result.stderr
-    local = run_dir / "checkpoints" / "local"
-    assert sorted(p.name for p in local.iterdir()) == ["1"]  # complete, nothing after it
+    [line] = result.stderr.strip().splitlines()
+    assert "the loss is not finite at step 3" in line
+    assert "the newest finite checkpoint, step 1, is kept" in line
+    local = sorted(p.name for p in (run_dir / "checkpoints" / "local").iterdir())
+    assert local[0] == "1" and local[1].startswith("2.nonfinite-") and len(local) == 2
+
+    sane = [*BLOW_UP_AT_3[1:], "optim.lr=1e-3"]
+    resumed = cli(run_dir, "train.steps=6", *EVERY_STEP, *sane)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert "resumed at step 1" in resumed.stdout
+    assert logged_steps(run_dir) == [1, 2, 3, 4, 5, 6]  # step 2's old record replaced
 
 
 def test_nonfinite_loss_skip_policy_drops_the_bad_updates(tmp_path):
     run_dir = tmp_path / "run"
     result = cli(run_dir, "train.steps=6", "train.on_nonfinite=skip", *BLOW_UP)
     assert result.returncode == 0, result.stderr[-2000:]
+    warnings = result.stderr.strip().splitlines()
+    assert [w.split("skipped (")[1].split(" in a row")[0] for w in warnings] == list("12345")
+    assert all("maxtrain: warning: the loss is not finite at step" in w for w in warnings)
     params = params_at(run_dir / "checkpoints" / "persistent" / "6")
     assert all(np.isfinite(x).all() for x in jax.tree.leaves(params))
+
+
+def test_too_many_skips_in_a_row_stop_like_stop(tmp_path):
+    """train.max_consecutive_skips=3: steps 3, 4, 5 are skipped with a warning each, the fourth
+    non-finite step in a row ends the run; steps 2-5 were saved from states that gave a NaN
+    loss, so step 1 is the one to resume from."""
+    run_dir = tmp_path / "run"
+    skip = ["train.on_nonfinite=skip", "train.max_consecutive_skips=3"]
+    result = cli(run_dir, "train.steps=10", *skip, *EVERY_STEP, *BLOW_UP_AT_3)
+    assert result.returncode == 1
+    *warnings, line = result.stderr.strip().splitlines()
+    assert [w.split(";")[0][-9:] for w in warnings] == ["at step 3", "at step 4", "at step 5"]
+    assert "4 steps in a row (3-6), more than train.max_consecutive_skips=3" in line
+    assert "the newest finite checkpoint, step 1, is kept" in line
+    local = [p.name for p in (run_dir / "checkpoints" / "local").iterdir()]
+    assert [n for n in local if n.isdigit()] == ["1"]
+
+
+def test_full_disk_is_one_line_and_the_next_run_resumes_then_a_finished_run_is_left_alone(
+    tmp_path,
+):
+    """A save that cannot be written ends the run with one line naming the tier directory and
+    the cause, and removes the partial step. The disk fills through RLIMIT_FSIZE: a write past
+    1 MiB fails with EFBIG ("File too large") as a full disk fails with ENOSPC, and it needs no
+    privileges (a small tmpfs would need mount rights CI may lack); the same path was checked
+    by hand on a 2 MB tmpfs ("No space left on device"). The next run resumes from the last
+    complete step and replaces the records the failed run logged after it. Started once more,
+    the finished run says so and changes nothing."""
+    run_dir = tmp_path / "run"
+    big = ["model.vocab_size=8192", "checkpoint.local.every_steps=4"]  # a 2 MiB embedding
+    assert cli(run_dir, "train.steps=4", *big).returncode == 0
+    full = cli(run_dir, "train.steps=8", *big, max_file_bytes=2**20)
+    assert full.returncode == 2
+    [line] = full.stderr.strip().splitlines()
+    assert line.startswith(f"maxtrain: error: saving step 8 to {run_dir / 'checkpoints'}")
+    assert "failed: File too large" in line and "a restart resumes from step 4" in line
+    assert not [p for p in run_dir.rglob("*") if "orbax-checkpoint-tmp" in p.name]
+
+    resumed = cli(run_dir, "train.steps=8", *big)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert "resumed at step 4" in resumed.stdout
+    assert logged_steps(run_dir) == list(range(1, 9))
+
+    before = tree_digest(run_dir)
+    again = cli(run_dir, "train.steps=8", *big)
+    assert again.returncode == 0, again.stderr[-2000:]
+    [line] = again.stdout.strip().splitlines()
+    assert f"run {run_dir} is complete: step 8" in line
+    assert tree_digest(run_dir) == before
 
 
 def test_checkpoint_of_another_model_exits_2_naming_the_parameter_and_touches_nothing(tmp_path):
@@ -110,3 +201,26 @@ def test_load_parameters_path_starts_a_new_run_from_those_parameters(tmp_path):
     original = params_at(source / "checkpoints" / "persistent" / "3")
     for a, b in zip(jax.tree.leaves(loaded), jax.tree.leaves(original), strict=True):
         np.testing.assert_array_equal(a, b)
+
+
+def test_a_second_trainer_on_the_same_run_dir_refuses_with_one_line(tmp_path, capsys):
+    """The lock is an flock: held here through another open file, as another process would."""
+    argv = [str(config_lib.CONFIGS_DIR / "base.yml"), *TINY, f"run.output_dir={tmp_path}"]
+    with run_lock.held(tmp_path / "run"):
+        assert main([*argv, "run.name=run", "train.steps=2"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "is in use by another trainer" in err
+    assert f"pid {os.getpid()} on " in err
+    assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+def test_a_lock_left_by_a_killed_trainer_is_taken_over_with_a_note(tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    left = {"pid": 99999999, "host": "gone", "started": "2025-01-01T00:00:00"}
+    (run_dir / run_lock.LOCK).write_text(json.dumps(left))  # kill -9 leaves it filled in
+    with run_lock.held(run_dir):
+        assert json.loads((run_dir / run_lock.LOCK).read_text())["pid"] == os.getpid()
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "taking over" in err and "pid 99999999 on gone" in err
+    assert (run_dir / run_lock.LOCK).read_text() == ""  # a clean end empties it

@@ -221,6 +221,19 @@ def test_metrics_writer_accepts_numpy_and_jax_scalars(tmp_path: Path) -> None:
     assert isinstance(record["train/tokens"], int)
 
 
+def test_a_resumed_writer_drops_the_records_of_steps_it_trains_again(tmp_path: Path) -> None:
+    """Killed at step 7 after a checkpoint at step 4 (its last line torn mid-write): the run
+    resumed at step 4 logs 5, 6, ... again, so the file keeps 1-4 and then the new records."""
+    path = tmp_path / "metrics.jsonl"
+    old = [json.dumps({"step": s, "train/loss": float(s)}) for s in range(1, 8)]
+    path.write_text("\n".join(old) + '\n{"step": 8, "train/lo')
+    with MetricsWriter(tmp_path, enable_tensorboard=False, is_writer=True, start_step=4) as w:
+        w.write(5, {"loss": 50.0}, prefix="train")
+    records = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2, 3, 4, 5]
+    assert records[-1]["train/loss"] == 50.0
+
+
 def test_metrics_writer_non_writer_writes_nothing(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     writer = MetricsWriter(run_dir, is_writer=False)

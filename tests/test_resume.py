@@ -1,8 +1,9 @@
 """Stopping a run anywhere and starting it again changes nothing, bit for bit.
 
 Each test runs the real CLI in subprocesses on one CPU device, with the grain pipeline
-(a three-source mixture, packed), kills or preempts it mid-run, starts it again with the same
-command, and compares the per-step losses and the final parameters with an uninterrupted run.
+(a three-source mixture, packed), kills, preempts or interrupts it mid-run, starts it again
+with the same command, and compares the per-step losses (one record per step in
+metrics.jsonl) and the final parameters with an uninterrupted run.
 """
 
 import json
@@ -58,13 +59,12 @@ def run_to_end(run_dir: Path, args: list[str] = ARGS) -> subprocess.CompletedPro
 
 
 def losses(run_dir: Path) -> dict[int, float]:
-    """Loss per step; a resumed run re-logs steps after its checkpoint, the later line wins."""
-    out = {}
-    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
-        record = json.loads(line)
-        if "train/loss" in record:
-            out[record["step"]] = record["train/loss"]
-    return out
+    """Loss per step, one record per step (a resumed run drops the records of the steps it
+    trains again)."""
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    steps = [r["step"] for r in records if "train/loss" in r]
+    assert steps == sorted(set(steps)), f"duplicate or unordered steps in metrics.jsonl: {steps}"
+    return {r["step"]: r["train/loss"] for r in records if "train/loss" in r}
 
 
 def final_params(run_dir: Path):
@@ -152,6 +152,19 @@ def test_sigterm_saves_to_the_local_tier_and_exits_0(tmp_path, straight):
     assert stopped.returncode == 0, stopped.stderr[-2000:]
     assert "SIGTERM: saved step" in stopped.stdout
     saved_step = int(stopped.stdout.split("SIGTERM: saved step ")[1].split()[0])
+    assert (run_dir / "checkpoints" / "local" / str(saved_step)).is_dir()
+    resumed = run_to_end(run_dir)
+    assert f"resumed at step {saved_step}" in resumed.stdout
+    assert_identical_to_straight(run_dir, straight)
+
+
+def test_sigint_saves_to_the_local_tier_exits_130_and_resumes_bit_exact(tmp_path, straight):
+    """Ctrl-C is SIGTERM's stop (the step finishes and is saved), exit status 130."""
+    run_dir = tmp_path / "run"
+    stopped = interrupt(run_dir, logged_step_at_least(13), signal.SIGINT)
+    assert stopped.returncode == 130, stopped.stderr[-2000:]
+    assert "Traceback" not in stopped.stderr
+    saved_step = int(stopped.stdout.split("interrupted (SIGINT): saved step ")[1].split()[0])
     assert (run_dir / "checkpoints" / "local" / str(saved_step)).is_dir()
     resumed = run_to_end(run_dir)
     assert f"resumed at step {saved_step}" in resumed.stdout

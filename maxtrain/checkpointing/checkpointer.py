@@ -33,6 +33,7 @@ from maxtrain.checkpointing.common import (
     listed_steps,
     meta_record,
     probe_writable,
+    remove_partial_save,
     stderr_log,
 )
 from maxtrain.checkpointing.data_state import adapter_for
@@ -40,7 +41,7 @@ from maxtrain.checkpointing.integrity import CONFIG_ITEM, STATE_ITEM, Checkpoint
 from maxtrain.checkpointing.lifecycle import Restored, TieredCheckpointer
 from maxtrain.checkpointing.restore import read_step
 from maxtrain.config import CheckpointConfig, CheckpointTier
-from maxtrain.errors import first_line
+from maxtrain.errors import cause, first_line
 
 
 @dataclass
@@ -58,6 +59,8 @@ class Checkpointer(TieredCheckpointer):
     persistent_busy_wait_s: how long a due persistent save may wait for the previous one still
     in flight before it is skipped with a warning (0: skip at once). The local tier always waits
     for its previous save (Orbax does), since its saves are the resume point.
+    one_transaction: write the state in one OCDBT transaction, so its bytes on disk depend on
+    its values alone (see _one_transaction_registry); for parameters-only outputs (export.py).
     """
 
     def __init__(
@@ -69,15 +72,20 @@ class Checkpointer(TieredCheckpointer):
         persistent_busy_wait_s: float = 0.0,
         prewarm: bool = True,
         log: Callable[[str], None] = stderr_log,
+        one_transaction: bool = False,
     ):
         super().__init__(cfg, run_dir, config_yaml, prewarm=prewarm, log=log)
         self.persistent_busy_wait_s = persistent_busy_wait_s
+        self.one_transaction = one_transaction
         self.tiers = {
             name: _Tier(name, directory, getattr(cfg, name))
             for name, directory in self.dirs.items()
         }
 
     # ---- restore ------------------------------------------------------------------------------
+
+    def _step_directories(self) -> list[epath.Path]:
+        return [tier.directory for tier in self.tiers.values()]
 
     def _restore_newest(self, abstract_state: Any, data_iterator: Any) -> Restored | None:
         """The newest step of either tier that reads back completely; on a tie the local tier
@@ -93,7 +101,9 @@ class Checkpointer(TieredCheckpointer):
         bad: list[tuple[int, epath.Path, str]] = []
         for step, _, tier, path in candidates:
             try:
-                state, info = read_step(path, step, abstract_state, data_iterator, self.log)
+                state, info = read_step(
+                    path, step, abstract_state, data_iterator, self.log, self.config_yaml
+                )
             except Corrupt as e:
                 bad.append((step, path, str(e)))
                 continue
@@ -147,8 +157,9 @@ class Checkpointer(TieredCheckpointer):
 
     def _save_to(self, tier: _Tier, step: int, state: Any, data_iterator: Any, meta) -> None:
         manager = self._open(tier)
+        save = ocp.args.PyTreeSave if self.one_transaction else ocp.args.StandardSave
         items: dict[str, ocp.args.CheckpointArgs] = {
-            STATE_ITEM: ocp.args.StandardSave(state),
+            STATE_ITEM: save(state),
             CONFIG_ITEM: ocp.args.JsonSave({"yaml": self.config_yaml}),
             "meta": ocp.args.JsonSave(meta_record(step, state, tier.name, self._seed, meta)),
         }
@@ -160,9 +171,7 @@ class Checkpointer(TieredCheckpointer):
         try:
             manager.save(step, args=ocp.args.Composite(**items), force=True)
         except Exception as e:
-            raise CheckpointError(
-                f"saving step {step} to {tier.directory} failed: {first_line(e, 300, typed=True)}"
-            ) from e
+            raise self._save_failed(tier, e) from e
 
     def _open(self, tier: _Tier) -> ocp.CheckpointManager:
         """The tier's manager, created on first use after a write probe of its directory."""
@@ -177,8 +186,11 @@ class Checkpointer(TieredCheckpointer):
                     post_finalization_callback=lambda: self._write_manifest(tier)
                 ),
             )
+            registry = _one_transaction_registry() if self.one_transaction else None
             try:
-                tier.manager = ocp.CheckpointManager(tier.directory, options=options)
+                tier.manager = ocp.CheckpointManager(
+                    tier.directory, options=options, handler_registry=registry
+                )
             except Exception as e:
                 raise CheckpointError(
                     f"cannot open checkpoint directory {tier.directory}: "
@@ -200,10 +212,19 @@ class Checkpointer(TieredCheckpointer):
         try:
             tier.manager.wait_until_finished()
         except Exception as e:
-            raise CheckpointError(
-                f"saving step {tier.pending_step} to {tier.directory} failed: "
-                f"{first_line(e, 300, typed=True)}"
-            ) from e
+            raise self._save_failed(tier, e) from e
+
+    def _save_failed(self, tier: _Tier, error: Exception) -> CheckpointError:
+        """One line for a failed save: the step, the tier directory and the cause (a full disk
+        says "No space left on device", not Orbax's first line), with what it left removed."""
+        step = tier.pending_step
+        removed = remove_partial_save(tier.directory, step) if step is not None else None
+        committed = [s for t in self.tiers.values() for s, _ in integrity.step_dirs(t.directory)]
+        return CheckpointError(
+            f"saving step {step} to {tier.directory} failed: {cause(error)}"
+            + (f"; removed the partial {removed.name}" if removed else "")
+            + (f"; a restart resumes from step {max(committed)}" if committed else "")
+        )
 
     def _wait_for(self, tier: str) -> None:
         self._wait(self.tiers[tier])
@@ -241,6 +262,26 @@ class Checkpointer(TieredCheckpointer):
         """Two copies at once: a slow persistent save and the next local one can both be in
         flight, so the pinned pool must hold two."""
         host_copy(state, copies=len(self.tiers))
+
+
+def _one_transaction_registry() -> ocp.handlers.DefaultCheckpointHandlerRegistry:
+    """Orbax's state handler without a limit on the bytes a save writes at once.
+
+    With a limit (StandardCheckpointHandler's default: 96 GB) Orbax commits every array to the
+    OCDBT database on its own, and OCDBT batches whatever is pending into one version at a time.
+    Each version writes a new root B-tree node holding every key so far, with the small values
+    (array metadata, scales, norms under 1 KiB) inlined, and old versions are never compacted
+    away. So the bytes on disk depend on how the writes happened to be batched, which depends
+    on timing and cores: 7 to 15 versions and 296 to 346 KB for the tiny MoE's 221 KB of int8
+    parameters (tests/test_quantization.py). Without a limit Orbax writes all arrays in one
+    atomic transaction: one version, the same bytes every time. Peak memory was the same
+    either way (a 400 MB state on CPU)."""
+    handler = ocp.PyTreeCheckpointHandler(
+        handler_impl=ocp.BasePyTreeCheckpointHandler(save_concurrent_bytes=None)
+    )
+    registry = ocp.handlers.DefaultCheckpointHandlerRegistry()
+    registry.add(STATE_ITEM, ocp.args.PyTreeSave, handler)
+    return registry
 
 
 # ---- parameters only --------------------------------------------------------------------------

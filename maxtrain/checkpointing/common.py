@@ -4,6 +4,7 @@ every checkpoint. (The lifecycle they share is lifecycle.py.)"""
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 import time
@@ -24,6 +25,41 @@ TIERS = ("local", "persistent")
 def stderr_log(line: str) -> None:
     if jax.process_index() == 0:
         print(f"maxtrain: checkpoint: {line}", file=sys.stderr, flush=True)
+
+
+class _OrbaxTracebacks(logging.Filter):
+    """Drops the tracebacks Orbax logs for a failed background save.
+
+    Orbax logs a failed save with its traceback (logging.exception) from every thread that
+    sees it, about 340 lines for one full disk, and then raises the same error to whoever waits
+    for the save; maxtrain reports that one in a line naming the directory and the cause. Its
+    other records (warnings, errors without a traceback) pass.
+    """
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        from_orbax = f"{os.sep}orbax{os.sep}" in record.pathname
+        return not (from_orbax and record.exc_info and record.levelno >= logging.ERROR)
+
+
+def quiet_orbax_tracebacks() -> None:
+    """Installs _OrbaxTracebacks on absl's logger (Orbax logs through it), once."""
+    logger = logging.getLogger("absl")
+    if not any(isinstance(f, _OrbaxTracebacks) for f in logger.filters):
+        logger.addFilter(_OrbaxTracebacks())
+
+
+def remove_partial_save(tier_dir: epath.Path, step: int) -> epath.Path | None:
+    """Removes what a failed save of `step` left in tier_dir (Orbax's temporary directory, never
+    a committed step) and returns its path; None if there was none. Orbax would remove it only
+    when the tier is next opened, and a full disk is better off without it now."""
+    try:
+        partial = integrity.in_flight_dir(tier_dir, step)
+        if integrity.TMP_SUFFIX not in partial.name or not partial.exists():
+            return None
+        partial.rmtree()
+    except OSError:  # the save's own error is the one to report
+        return None
+    return partial
 
 
 def absolute(path: str | epath.PathLike) -> epath.Path:

@@ -78,9 +78,9 @@ from maxtrain.checkpointing.data_state import adapter_for
 from maxtrain.checkpointing.integrity import EMERGENCY_STATE_ITEM as EMERGENCY_ITEM
 from maxtrain.checkpointing.integrity import CheckpointError, Corrupt
 from maxtrain.checkpointing.lifecycle import Restored, TieredCheckpointer
-from maxtrain.checkpointing.restore import read_step
+from maxtrain.checkpointing.restore import check_state, read_step
 from maxtrain.config import CheckpointConfig
-from maxtrain.errors import first_line
+from maxtrain.errors import cause, first_line
 
 REPLICA_AXIS = 0  # mesh axis `data`; see the module docstring
 PRIMARY_REPLICA = 0  # Orbax: replica 0 writes the persistent tier, the others the local one
@@ -145,6 +145,10 @@ class EmergencyCheckpointer(TieredCheckpointer):
 
     # ---- restore ------------------------------------------------------------------------------
 
+    def _step_directories(self) -> list[epath.Path]:
+        """Its local directory; process 0 also the shared persistent one."""
+        return [self.local_dir] + ([self.persistent_dir] if self.process == 0 else [])
+
     def _restore_newest(self, abstract_state: Any, data_iterator: Any) -> Restored | None:
         """The newest step complete across the tiers and processes (every process returns the
         same): each process vets what it holds, the reports are exchanged, and all choose
@@ -167,7 +171,9 @@ class EmergencyCheckpointer(TieredCheckpointer):
         path = self.persistent_dir / str(step)
         if tier == "persistent" and step in reports[0]["plain"]:  # every process reads
             try:
-                state, info = read_step(path, step, abstract_state, data_iterator, self.log)
+                state, info = read_step(
+                    path, step, abstract_state, data_iterator, self.log, self.config_yaml
+                )
             except Corrupt as e:
                 raise CheckpointError(f"cannot read checkpoint {path}: {e}") from None
         else:
@@ -188,7 +194,6 @@ class EmergencyCheckpointer(TieredCheckpointer):
         "steps" lists every step directory it found as [tier, step, dir, why-unusable], the
         reason filled in for corrupt ones; "error" is a shape mismatch (a user mistake).
         """
-        expected = integrity.flat_shapes(abstract_state)
         data = sidecar.data_file(self.process, self.processes)
         report = {
             "process": self.process,
@@ -210,7 +215,7 @@ class EmergencyCheckpointer(TieredCheckpointer):
                     integrity.verify(path, require_manifest=tier == "persistent")
                     if not shapes_checked:  # the newest complete step: same model?
                         saved = integrity.read_state_shapes(path)
-                        integrity.check_shapes(saved, expected, str(path))
+                        check_state(path, saved, abstract_state, self.config_yaml)
                         shapes_checked = True
                     report[tier].append(step)
                     if tier == "persistent" and integrity.state_dir(path).name != EMERGENCY_ITEM:
@@ -289,8 +294,7 @@ class EmergencyCheckpointer(TieredCheckpointer):
             manager.save(step, args=ocp.args.Composite(state=ocp.args.PyTreeSave(state)))
         except Exception as e:
             raise CheckpointError(
-                f"saving step {step} to the {' and '.join(tiers)} tier failed: "
-                f"{first_line(e, 300, typed=True)}"
+                f"saving step {step} to the {' and '.join(tiers)} tier failed: {cause(e)}"
             ) from e
         finally:
             self._want = set()
@@ -367,9 +371,7 @@ class EmergencyCheckpointer(TieredCheckpointer):
             try:
                 self._manager.check_for_errors()
             except Exception as e:
-                raise CheckpointError(
-                    f"a checkpoint save failed: {first_line(e, 300, typed=True)}"
-                ) from e
+                raise CheckpointError(f"a checkpoint save failed: {cause(e)}") from e
 
     def wait_until_finished(self) -> None:
         """Blocks until this process's saves in flight are committed."""
@@ -378,7 +380,8 @@ class EmergencyCheckpointer(TieredCheckpointer):
                 self._manager.wait_until_finished()
             except Exception as e:
                 raise CheckpointError(
-                    f"saving step {self.last_saved_step} failed: {first_line(e, 300, typed=True)}"
+                    f"saving step {self.last_saved_step} to {self.local_dir} or "
+                    f"{self.persistent_dir} failed: {cause(e)}"
                 ) from e
             self._manifest_local()
 

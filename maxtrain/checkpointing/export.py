@@ -4,7 +4,9 @@ read.
 
 The Checkpointer itself writes them, as step 0 of a one-tier checkpoint directory, so the format
 is the train loop's (Orbax state item, config, meta, integrity manifest, Orbax's commit
-markers); the state item holds {"params": ...} alone. One process.
+markers); the state item holds {"params": ...} alone, written in one OCDBT transaction, so
+its bytes on disk are a function of the parameters (checkpointer.py _one_transaction_registry;
+PTQ exists to shrink them, and tools/quantize.py reports them). One process.
 """
 
 from __future__ import annotations
@@ -42,7 +44,10 @@ def save_parameters(
     with atomic_directory(output) as partial:
         tier = CheckpointTier(dir=os.fspath(partial), every_steps=1, keep=1)
         with Checkpointer(
-            CheckpointConfig(persistent=tier), run_dir=partial, config_yaml=config_yaml
+            CheckpointConfig(persistent=tier),
+            run_dir=partial,
+            config_yaml=config_yaml,
+            one_transaction=True,
         ) as ckpt:
             ckpt.save_now(0, {"params": params}, tier="persistent", wait=True, meta=meta)
     return output / "0"

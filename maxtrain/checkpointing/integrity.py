@@ -62,6 +62,17 @@ def step_dirs(tier_dir: epath.Path) -> list[tuple[int, epath.Path]]:
     return sorted(found, key=lambda sp: -sp[0])
 
 
+def newest_complete(tier_dir: epath.Path) -> tuple[int, epath.Path] | None:
+    """(step, path) of the newest complete step directory in tier_dir (verify), or None."""
+    for step, path in step_dirs(tier_dir):
+        try:
+            verify(path)
+        except Corrupt:
+            continue
+        return step, path
+    return None
+
+
 def in_flight_dir(tier_dir: epath.Path, step: int) -> epath.Path:
     """Where Orbax is writing `step` before its commit: the tmp dir, or in place (object stores)."""
     prefix = f"{step}{TMP_SUFFIX}"  # 0.12.4 names it exactly this; later versions may add a suffix
@@ -123,9 +134,13 @@ def verify(step_dir: epath.Path, require_manifest: bool = True) -> None:
             raise Corrupt(f"{rel} is {actual} bytes, expected {size}")
 
 
-def quarantine(step_dir: epath.Path, suffix: str) -> epath.Path:
-    """Moves a corrupt step aside (never deletes it) so the step number can be saved again."""
-    target = step_dir.parent / f"{step_dir.name}.corrupt-{suffix}"
+def quarantine(step_dir: epath.Path, suffix: str, kind: str = "corrupt") -> epath.Path:
+    """Moves a corrupt (or otherwise unusable: kind) step aside, never deleting it, so the step
+    number can be saved again and resume skips it."""
+    target = step_dir.parent / f"{step_dir.name}.{kind}-{suffix}"
+    n = 1
+    while target.exists():  # the same step set aside twice within a second
+        target, n = step_dir.parent / f"{step_dir.name}.{kind}-{suffix}-{n}", n + 1
     step_dir.rename(target)
     return target
 

@@ -27,9 +27,17 @@ import yaml
 from etils import epath
 
 from maxtrain import absl_flags
-from maxtrain.checkpointing.common import TIERS, stderr_log, tier_dirs
+from maxtrain.checkpointing import integrity
+from maxtrain.checkpointing.common import (
+    TIERS,
+    listed_steps,
+    quiet_orbax_tracebacks,
+    stderr_log,
+    tier_dirs,
+)
 from maxtrain.checkpointing.integrity import CheckpointError
 from maxtrain.config import CheckpointConfig
+from maxtrain.errors import first_line
 
 
 @dataclass(frozen=True)
@@ -62,6 +70,7 @@ class TieredCheckpointer(abc.ABC):
         log: Callable[[str], None] = stderr_log,
     ):
         absl_flags.mark_parsed()  # Orbax reads them
+        quiet_orbax_tracebacks()  # a failed save is reported once, in one line
         self.cfg, self.config_yaml, self.log = cfg, config_yaml, log
         self.dirs = tier_dirs(cfg, run_dir)  # {tier: checkpoint.<tier>.dir or the run's}
         self.last_saved_step: int | None = None  # newest step saved or restored, any tier
@@ -177,6 +186,28 @@ class TieredCheckpointer(abc.ABC):
         finally:
             self._release()
 
+    def set_aside_from(self, step: int, label: str) -> tuple[list[epath.Path], int | None]:
+        """Closes (saves in flight commit first), then moves every checkpoint of step >= `step`
+        in this process's tier directories aside as `<step>.<label>-<time>`; returns their new
+        paths and the newest step left (None: none).
+
+        For checkpoints a restart must not resume from, although they are complete: the state
+        saved just before a non-finite loss gave that loss (train.py), and resume takes the
+        newest step. Moved, never deleted.
+        """
+        self.close()
+        suffix, moved = time.strftime("%Y%m%d-%H%M%S"), []
+        for directory in self._step_directories():
+            for s, path in listed_steps(directory):
+                if s < step:
+                    continue
+                try:  # processes sharing a tier directory race for it: one of them moves it
+                    moved.append(integrity.quarantine(path, suffix, label))
+                except OSError as e:
+                    self.log(f"could not move {path} aside ({first_line(e, 300, typed=True)})")
+        left = [s for d in self._step_directories() for s, _ in listed_steps(d)]
+        return moved, max(left, default=None)
+
     def __enter__(self) -> Self:
         return self
 
@@ -205,6 +236,10 @@ class TieredCheckpointer(abc.ABC):
         return time.perf_counter() - t0
 
     # ---- what the strategies differ in --------------------------------------------------------
+
+    @abc.abstractmethod
+    def _step_directories(self) -> list[epath.Path]:
+        """The directories of step directories this process writes (set_aside_from)."""
 
     @abc.abstractmethod
     def _restore_newest(self, abstract_state: Any, data_iterator: Any) -> Restored | None:

@@ -19,6 +19,7 @@ from typing import Any
 
 import jax
 import orbax.checkpoint as ocp
+import yaml
 from etils import epath
 
 from maxtrain.checkpointing import integrity, sidecar
@@ -39,12 +40,13 @@ def read_step(
     abstract_state: Any,
     data_iterator: Any,
     log: Callable[[str], None],
+    config_yaml: str = "",
 ) -> tuple[Any, dict[str, Any]]:
     """(state, info) of a complete step; Corrupt if it is not one, CheckpointError if it holds
-    another model (a user mistake, not a reason to fall back)."""
+    another model or optimizer (a user mistake, not a reason to fall back). config_yaml: this
+    run's config, to name the optimizer settings that differ."""
     integrity.verify(path)
-    saved = integrity.read_state_shapes(path)
-    integrity.check_shapes(saved, integrity.flat_shapes(abstract_state), str(path))
+    check_state(path, integrity.read_state_shapes(path), abstract_state, config_yaml)
     emergency = integrity.state_dir(path).name == EMERGENCY_STATE_ITEM
     item = EMERGENCY_STATE_ITEM if emergency else STATE_ITEM
     try:
@@ -65,6 +67,53 @@ def read_step(
     except Exception as e:  # tensorstore/JSON read failures: unreadable bytes on disk
         raise Corrupt(f"restore failed: {first_line(e, 300, typed=True)}") from None
     return restored[item], {"step": step, "data_restored": data_restored, "meta": meta}
+
+
+def check_state(
+    path: epath.Path, saved: dict[str, tuple[int, ...]], abstract_state: Any, config_yaml: str
+) -> None:
+    """CheckpointError unless the saved leaves (integrity.read_state_shapes) are the run's:
+    first the parameters (another model: the leaf and both shapes), then the optimizer state.
+
+    The optimizer state's structure follows the optimizer config: optim.clip_norm 0 drops the
+    clipping stage from optax's chain, so every opt_state path changes while the parameters
+    still match. That is said as such, with the optim keys that differ between the config saved
+    with the checkpoint and this run's, and how to keep the parameters with a fresh optimizer.
+    """
+    (saved_rest, saved_opt), (expected_rest, expected_opt) = map(
+        _split_optimizer, (saved, integrity.flat_shapes(abstract_state))
+    )
+    integrity.check_shapes(saved_rest, expected_rest, str(path))
+    if saved_opt == expected_opt:
+        return
+    changed = _changed_optim_keys(path, config_yaml)
+    if not changed:  # the same settings: say which leaf differs
+        missing = [p for p in expected_opt if saved_opt.get(p) != expected_opt[p]]
+        first = missing[0] if missing else next(iter(saved_opt.keys() - expected_opt.keys()))
+        changed = f"first difference: {first!r}"
+    raise CheckpointError(
+        f"checkpoint {path} holds the state of another optimizer ({changed}); its parameters "
+        f"match this model. Set those keys back to resume, or keep only its parameters with a "
+        f"fresh optimizer: a new run.name with checkpoint.load_parameters_path={path}"
+    )
+
+
+def _split_optimizer(shapes: dict[str, tuple[int, ...]]) -> tuple[dict, dict]:
+    """(every leaf but the optimizer state's, the optimizer state's leaves)."""
+    opt = {p: s for p, s in shapes.items() if p.startswith("opt_state/")}
+    return {p: s for p, s in shapes.items() if p not in opt}, opt
+
+
+def _changed_optim_keys(step_dir: epath.Path, config_yaml: str) -> str:
+    """'optim.clip_norm 1.0 there, 0.0 here, ...' from the saved config and this run's; '' if
+    either is missing or they agree."""
+    try:
+        saved = (yaml.safe_load(read_saved_config(step_dir)) or {}).get("optim", {})
+    except CheckpointError:
+        return ""
+    mine = (yaml.safe_load(config_yaml) or {}).get("optim", {})
+    keys = sorted(k for k in saved.keys() | mine.keys() if saved.get(k) != mine.get(k))
+    return ", ".join(f"optim.{k} {saved.get(k)} there, {mine.get(k)} here" for k in keys)
 
 
 def _item_data(ckptr, path: epath.Path, data_iterator: Any, log) -> bool:

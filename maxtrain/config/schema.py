@@ -357,6 +357,9 @@ class TrainConfig(_Section):
     eval_steps: int = Field(default=4, gt=0)
     log_every: int = Field(default=10, gt=0)
     on_nonfinite: Literal["stop", "skip"] = "stop"  # a NaN/inf loss stops, or skips the update
+    # skip: more non-finite steps in a row than this stop the run as `stop` does (a run that
+    # skips every step would otherwise go on in silence)
+    max_consecutive_skips: int = Field(default=10, gt=0)
 
 
 class CheckpointTier(_Section):

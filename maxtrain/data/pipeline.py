@@ -35,6 +35,11 @@ give different, equally valid data). worker_buffer_size may change.
 
 from __future__ import annotations
 
+import functools
+import os
+import sys
+import threading
+import time
 import zlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -253,16 +258,47 @@ class Pipeline:
 
 def prefetch(ds: grain.IterDataset, num_workers: int, buffer_size: int) -> grain.IterDataset:
     """Worker processes (num_workers > 0) or one background thread, so batches are ready when
-    the train step asks; both keep the iterator's state exact."""
+    the train step asks; both keep the iterator's state exact. Workers end with the process
+    that started them (exit_with_parent)."""
     if num_workers > 0:
         absl_flags.mark_parsed()  # grain's workers read them
         options = grain.MultiprocessingOptions(
             num_workers=num_workers, per_worker_buffer_size=max(buffer_size, 1)
         )
-        return ds.mp_prefetch(options)
+        watch = functools.partial(exit_with_parent, os.getpid())
+        if _QUIET_TRACKER not in sys.warnoptions:
+            # After a kill or an abort, multiprocessing's resource tracker frees the shared
+            # memory and semaphores the workers held, and warns about each kind: four lines
+            # after maxtrain's one. The freeing is wanted, the warning not. The tracker starts
+            # with the first worker and takes this interpreter's -W options.
+            sys.warnoptions.append(_QUIET_TRACKER)
+        return ds.mp_prefetch(options, worker_init_fn=watch)
     if buffer_size > 0:
         return grain.experimental.ThreadPrefetchIterDataset(ds, prefetch_buffer_size=buffer_size)
     return ds
+
+
+_QUIET_TRACKER = "ignore::UserWarning:multiprocessing.resource_tracker"
+
+
+def exit_with_parent(parent: int, worker_index: int = 0, worker_count: int = 0) -> None:
+    """Runs in each grain worker: ends it within a second of the trainer's death, however the
+    trainer died.
+
+    A SIGKILLed trainer runs no cleanup, and its workers used to live on, holding memory, and
+    with them multiprocessing's resource tracker (it exits once every process holding its pipe
+    has). A thread here polls the worker's parent process id, which changes when the parent
+    dies (the worker is re-parented). prctl(PR_SET_PDEATHSIG) would be the Linux way, but it
+    fires when the parent THREAD that started the worker ends, and grain starts workers from
+    threads of its own.
+    """
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(0.25)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="exit-with-parent", daemon=True).start()
 
 
 # ---- the train loop's entry points (by data.kind) ---------------------------------------------
