@@ -220,7 +220,7 @@ def test_quantized_run_starts_from_a_float_checkpoint_and_resumes_exactly(make_c
         ),
         (
             "quantization.rules=[{module_path: '.*', weight_qtype: int3}]",
-            "config key 'quantization.rules.weight_qtype': input should be 'int8', 'int4'",
+            "config key 'quantization.rules[0].weight_qtype' must be one of 'int8', 'int4'",
         ),
         (
             "quantization.rules=[{module_path: '.*', weight_calibration: maxabs}]",
