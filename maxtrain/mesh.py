@@ -82,6 +82,14 @@ def _slices(devices: Sequence[jax.Device], num_slices: int) -> list[list[jax.Dev
     return [list(devices[i * per : (i + 1) * per]) for i in range(num_slices)]
 
 
+def device_slices(mesh: Mesh, num_slices: int) -> list[int]:
+    """The slice of each of the mesh's devices, in its flat order: the device order of a program
+    compiled over the mesh, which its collectives' replica groups index."""
+    devices = sorted(mesh.devices.flat, key=lambda d: d.id)
+    slice_of = {d.id: i for i, group in enumerate(_slices(devices, num_slices)) for d in group}
+    return [slice_of[d.id] for d in mesh.devices.flat]
+
+
 def axis_sizes(cfg: MeshConfig, num_devices: int) -> dict[str, int]:
     """Size of every mesh axis (ICI x DCN) for a device count, without needing the devices."""
     if num_devices % cfg.num_slices:

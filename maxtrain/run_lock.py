@@ -40,6 +40,7 @@ def held(run_dir: Path, take: bool = True) -> Iterator[None]:
     if not take:
         yield
         return
+    created = not run_dir.exists()
     run_dir.mkdir(parents=True, exist_ok=True)
     path = run_dir / LOCK
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
@@ -51,6 +52,8 @@ def held(run_dir: Path, take: bool = True) -> Iterator[None]:
                 f"{run_dir} is in use by another trainer ({_describe(_read(fd))}); wait for it "
                 "to end, or pick another run.name"
             ) from None
+        if not _same_file(fd, path):  # its holder removed it (below) as we opened it
+            raise RunDirBusy(f"{run_dir} was being released by another trainer; start again")
         if previous := _read(fd):
             print(
                 f"maxtrain: note: taking over {path}, left by {_describe(previous)}, which "
@@ -63,8 +66,18 @@ def held(run_dir: Path, take: bool = True) -> Iterator[None]:
             yield
         finally:
             os.ftruncate(fd, 0)  # an empty file: the last holder ended cleanly
+            if created and os.listdir(run_dir) == [LOCK]:  # a refused start leaves nothing
+                path.unlink()
+                run_dir.rmdir()
     finally:
         os.close(fd)  # releases the lock
+
+
+def _same_file(fd: int, path: Path) -> bool:
+    try:
+        return os.stat(path).st_ino == os.fstat(fd).st_ino
+    except FileNotFoundError:
+        return False
 
 
 def _read(fd: int) -> dict | None:

@@ -65,12 +65,14 @@ def state_shardings(
 
 
 def init_state(
-    cfg: Config, mesh: Mesh, tx: optax.GradientTransformation
+    cfg: Config, mesh: Mesh, tx: optax.GradientTransformation, abstract: bool = False
 ) -> tuple[TrainState, ModelDef, TrainState]:
     """Returns (state, model definition, shardings of the state), parameters born sharded.
 
     A pipelined model starts from the parameters the plain one is initialised with, moved into
-    its stages: the same run with or without stages starts from the same model.
+    its stages: the same run with or without stages starts from the same model. abstract=True:
+    the state's shapes and shardings only, nothing allocated (to compile a step for a model
+    bigger than this host: tools/benchmark.py --dry-run --compile).
     """
     mdef = model_def(cfg)
     shardings = state_shardings(mdef, cfg, mesh, tx)
@@ -82,8 +84,17 @@ def init_state(
             params = pipeline.to_stages(params, mdef.layout)
         return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params))
 
-    state = jax.jit(create, out_shardings=shardings)()
+    if abstract:
+        state = _with_shardings(jax.eval_shape(create), shardings)
+    else:
+        state = jax.jit(create, out_shardings=shardings)()
     return state, mdef, shardings
+
+
+def _with_shardings(shapes: Any, shardings: Any) -> Any:
+    return jax.tree.map(
+        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), shapes, shardings
+    )
 
 
 @dataclass(frozen=True)
@@ -107,10 +118,7 @@ class SavedLayout:
 
     def abstract(self, state: TrainState) -> Any:
         """The saved state's shapes and shardings: the target a restore reads into."""
-        shapes = jax.eval_shape(self.saved, state)
-        return jax.tree.map(
-            lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), shapes, self.shardings
-        )
+        return _with_shardings(jax.eval_shape(self.saved, state), self.shardings)
 
     def restored(self, state: Any, run_shardings: Any) -> Any:
         """A state (or params) read from a checkpoint, laid out as the run's."""

@@ -116,13 +116,17 @@ def check_experts(cfg: Config, mesh: Mesh) -> None:
         )
 
 
-def build_trainer(cfg: Config, devices: list[jax.Device] | None = None) -> Trainer:
+def build_trainer(
+    cfg: Config, devices: list[jax.Device] | None = None, abstract: bool = False
+) -> Trainer:
+    """The run's mesh, state and compiled functions. abstract=True: the state as shapes and
+    shardings only (state.init_state), for compiling the step without memory for it."""
     mesh = build_mesh(cfg.mesh, devices)
     check_batch(cfg, mesh)
     check_experts(cfg, mesh)
     tx, lr_schedule = optim.build(cfg.optim, cfg.train.steps)
     with sharding_rules(mesh, cfg.mesh.rules):
-        state, mdef, shardings = init_state(cfg, mesh, tx)
+        state, mdef, shardings = init_state(cfg, mesh, tx, abstract)
         saved = saved_layout(cfg, mesh, tx, mdef)
     data_sharding = batch_sharding(mesh, cfg.mesh.rules)
     step = functools.partial(

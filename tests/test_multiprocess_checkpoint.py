@@ -352,7 +352,10 @@ def test_joining_without_a_coordinator_or_cluster_is_one_line_and_exit_2(tmp_pat
     [
         ("distributed.process_id=2", "distributed.process_id (2) must be below distributed.num"),
         ("distributed.coordinator_address=localhost", "coordinator_address must be host:port"),
-        ("distributed.num_processes=0", "config key 'distributed.num_processes' must be > 0 (got 0)"),
+        (
+            "distributed.num_processes=0",
+            "config key 'distributed.num_processes' must be > 0 (got 0)",
+        ),
     ],
 )
 def test_distributed_settings_are_checked(setting, message):

@@ -32,6 +32,8 @@ PUBLISHED = [
     # keras-hub preset llama3_8b_en metadata "params" (keras_hub/src/models/llama3/
     # llama3_presets.py); HF safetensors metadata of meta-llama/Meta-Llama-3-8B: 8.03B.
     ("llama3-8b", 8_030_261_248, 0.0),
+    # HF safetensors metadata parameter count of meta-llama/Meta-Llama-3-70B: 70.6B.
+    ("llama3-70b", 70_553_706_496, 0.0),
     # HF safetensors metadata parameter count of meta-llama/Llama-3.2-1B (1.24B on the hub
     # page; also the constant in GPTQModel's tests/test_parameter_count.py). Meta card: 1.23B.
     ("llama3.2-1b", 1_235_814_400, 0.0),

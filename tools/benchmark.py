@@ -1,14 +1,22 @@
 """Times the train step of a config and prints one JSON line.
 
     python tools/benchmark.py CONFIG.yml [key=value ...] [--steps N] [--warmup W]
-    python tools/benchmark.py CONFIG.yml [key=value ...] --dry-run [--devices N]
+    python tools/benchmark.py CONFIG.yml [key=value ...] --dry-run [--devices N] [--compile]
 
 Compiles the step (compile_s), runs W warm-up steps, then N timed steps, each synchronised so
 the median is a true per-step time. It also prints the bytes each kind of collective moves per
 device and step, read from the compiled program, and for an MoE the routed rows' bytes beside
-them. One synthetic batch is reused, so the figure is the model
+them (with several slices, those whose groups cross slices again as "dcn <kind>": the
+traffic on the data-center network). One synthetic batch is reused, so the figure is the model
 step alone, not the input pipeline. FLOPs are model FLOPs (train.py's count), never the
-recomputation remat adds.
+recomputation remat adds. With pipeline stages, the schedule's idle share (bubble) too.
+
+--dry-run runs nothing: the memory estimate per device (maxtrain/analysis/memory.py). With
+--compile it also compiles the step for a state of shapes only (nothing allocated), so a model
+far bigger than this host compiles on simulated CPU devices, and prints what the compiled
+program says: XLA's memory per device and the collective bytes, DCN apart. For 512 devices:
+XLA_FLAGS=--xla_force_host_platform_device_count=512 python tools/benchmark.py ... --dry-run
+--compile.
 """
 
 from __future__ import annotations
@@ -39,7 +47,8 @@ from maxtrain.errors import (  # noqa: E402
 )
 from maxtrain.kernels.grouped_matmul import grouped_matmul_implementation  # noqa: E402
 from maxtrain.layers.expert_parallel import exchange_implementation  # noqa: E402
-from maxtrain.mesh import axis_sizes, batch_degree  # noqa: E402
+from maxtrain.mesh import axis_sizes, batch_degree, device_slices  # noqa: E402
+from maxtrain.models.pipeline import stage_layout  # noqa: E402
 from maxtrain.models.stacks import is_moe_per_layer  # noqa: E402
 from maxtrain.train import build_trainer, data_streams  # noqa: E402
 
@@ -60,6 +69,28 @@ def moe_settings(model: config_lib.ModelConfig) -> dict:
         "moe_mode": "dropless" if model.moe.capacity_factor is None else "capacity",
         "ep_dispatch": exchange_implementation(model.moe.ep_dispatch),
     }
+
+
+def pipeline_settings(cfg: config_lib.Config) -> dict:
+    """The pipeline schedule and its idle share per step (none without stages)."""
+    layout = stage_layout(cfg)
+    if layout is None:
+        return {}
+    return {
+        "pipeline": {
+            "schedule": cfg.pipeline.schedule,
+            "stages": layout.stages,
+            "repeats": layout.repeats,
+            "microbatches": layout.microbatches,
+            "bubble": round(layout.bubble, 4),
+        }
+    }
+
+
+def program_collectives(cfg: config_lib.Config, trainer, compiled) -> dict[str, int]:
+    """Bytes per collective kind per device and step, those crossing slices under "dcn ..."."""
+    slices = device_slices(trainer.mesh, cfg.mesh.num_slices) if cfg.mesh.num_slices > 1 else None
+    return collective_bytes(compiled.as_text(), slices)
 
 
 def routed_bytes(cfg: config_lib.Config, trainer) -> dict:
@@ -123,10 +154,11 @@ def benchmark(cfg: config_lib.Config, steps: int, warmup: int, profile_dir: str 
         "attention": cfg.model.attention,
         "remat": cfg.model.remat,
         **moe_settings(cfg.model),
+        **pipeline_settings(cfg),
         "quantization": cfg.quantization.preset,
         "matmul_dtypes": dtypes,
         # Per device and step, from the compiled program (maxtrain/analysis/program.py).
-        "collective_bytes": collective_bytes(step.as_text()),
+        "collective_bytes": program_collectives(cfg, trainer, step),
         **routed_bytes(cfg, trainer),
         "compile_s": round(compile_s, 2),
         "first_step_s": round(first_step, 2),
@@ -140,9 +172,10 @@ def benchmark(cfg: config_lib.Config, steps: int, warmup: int, profile_dir: str 
     }
 
 
-def dry_run(cfg: config_lib.Config, num_devices: int) -> dict:
-    """The memory estimate for `num_devices` devices, in GiB per device."""
-    return {
+def dry_run(cfg: config_lib.Config, num_devices: int, compile_step: bool) -> dict:
+    """The memory estimate for `num_devices` devices, in GiB per device; with compile_step,
+    what the step compiled for this host's devices says (see the module docstring)."""
+    result = {
         "model": cfg.model_name,
         "devices": num_devices,
         "mesh": {k: v for k, v in axis_sizes(cfg.mesh, num_devices).items() if v > 1},
@@ -150,7 +183,32 @@ def dry_run(cfg: config_lib.Config, num_devices: int) -> dict:
         "active_params": models.active_param_count(cfg.model),
         "compute_dtype": str(jnp.dtype(models.compute_dtype(cfg.model))),
         "remat": cfg.model.remat,
+        **pipeline_settings(cfg),
         "estimated_gib_per_device": memory.estimate(cfg, num_devices).as_gib(),
+    }
+    if compile_step:
+        result["compiled"] = compiled_program(cfg)
+    return result
+
+
+def compiled_program(cfg: config_lib.Config) -> dict:
+    host_batch = next(data_streams(cfg)[0])
+    trainer = build_trainer(cfg, abstract=True)
+    batch = jax.tree.map(
+        lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=trainer.batch_sharding),
+        host_batch,
+    )
+    t0 = time.perf_counter()
+    compiled = trainer.step_fn.lower(trainer.state, batch).compile()
+    compile_s = time.perf_counter() - t0
+    analysis = compiled.memory_analysis()
+    return {
+        "compile_s": round(compile_s, 1),
+        "xla_gib_per_device": {
+            "arguments": round(analysis.argument_size_in_bytes / 2**30, 3),
+            "temporaries": round(analysis.temp_size_in_bytes / 2**30, 3),
+        },
+        "collective_bytes": program_collectives(cfg, trainer, compiled),
     }
 
 
@@ -169,11 +227,25 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--devices", type=positive_int, help="--dry-run: devices in the run (default: this host's)"
     )
+    parser.add_argument(
+        "--compile",
+        action="store_true",
+        help="--dry-run: also compile the step on this host's devices (nothing allocated) and "
+        "print its memory and collective bytes",
+    )
     args = parser.parse_intermixed_args(argv)
     try:
         cfg = config_lib.load(args.config, args.overrides)
+        if args.compile and not args.dry_run:
+            raise UserError("--compile goes with --dry-run")
+        if args.compile and args.devices not in (None, jax.device_count()):
+            raise UserError(
+                f"--dry-run --compile compiles for this host's {jax.device_count()} devices, "
+                f"not --devices {args.devices} (simulate them: XLA_FLAGS="
+                f"--xla_force_host_platform_device_count={args.devices})"
+            )
         if args.dry_run:
-            result = dry_run(cfg, args.devices or jax.device_count())
+            result = dry_run(cfg, args.devices or jax.device_count(), args.compile)
         else:
             result = benchmark(cfg, args.steps, args.warmup, args.profile_dir)
     except UserError as e:

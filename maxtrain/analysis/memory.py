@@ -13,6 +13,13 @@ for a slice. The parts:
   logits              the [tokens, vocab] logits and their gradient (the loss never makes a
                       float32 copy)
 
+With pipeline stages (models/pipeline.py) a device holds its stage's layers only, and the
+backward pass keeps every iteration's activations: R x M + S - 1 iterations of one group of
+layers on one micro-batch (1/M of the tokens), about 1/S of the layers' activations plus the
+bubble's share. The buffer of micro-batches waiting for their next repeat holds the whole
+batch's layer input, the leading dense layers run on every stage with the whole batch, and the
+head splits the batch over the stages (the `stage_batch` rule), so the logits are 1/S.
+
 The activation model is deliberately simple (per-token byte counts per layer; see
 `_saved_per_token`). tests/test_memory.py checks the whole estimate against XLA's own buffer
 assignment for compiled CPU steps (within 30%); on the H100 it gives 44.2 GiB for
@@ -35,6 +42,7 @@ from maxtrain.kernels.grouped_matmul import grouped_matmul_implementation
 from maxtrain.layers.expert_parallel import exchange_implementation, routed_capacity
 from maxtrain.mesh import axis_sizes, logical_to_spec, spec_axes
 from maxtrain.models import compute_dtype, model_def
+from maxtrain.models.pipeline import StageLayout, stage_layout
 from maxtrain.models.stacks import is_moe_per_layer
 
 _BYTES = {"float32": 4, "bfloat16": 2}
@@ -69,8 +77,10 @@ def estimate(cfg: Config, num_devices: int) -> MemoryEstimate:
     length = math.ceil(cfg.train.seq_len / length_ways)
     tokens = batch * length
     c = jnp.dtype(compute_dtype(cfg.model)).itemsize
-    activations = _activation_bytes(cfg, sizes, batch, length, c)
-    logits = 2 * tokens * cfg.model.vocab_size * c  # no float32 copy: kernels/cross_entropy.py
+    layout = stage_layout(cfg)
+    activations = _activation_bytes(cfg, sizes, batch, length, c, layout)
+    head_tokens = tokens // (layout.stages if layout else 1)
+    logits = 2 * head_tokens * cfg.model.vocab_size * c  # no float32 copy: kernels/cross_entropy.py
     return MemoryEstimate(
         params=params,
         optimizer=2 * params,
@@ -96,19 +106,35 @@ def _sharded_param_elements(cfg: Config, mesh: AbstractMesh) -> int:
     return total
 
 
-def _activation_bytes(cfg: Config, sizes: dict[str, int], batch: int, length: int, c: int) -> int:
+def _activation_bytes(
+    cfg: Config, sizes: dict[str, int], batch: int, length: int, c: int, layout: StageLayout | None
+) -> int:
     model = cfg.model
-    tokens = batch * length
     kinds = is_moe_per_layer(model)
-    per_layer = [_saved_per_token(cfg, is_moe, c) for is_moe in kinds]
-    working = max(_saved_per_token(cfg, is_moe, c, policy="none") for is_moe in set(kinds))
-    scores = 0
-    if attention_implementation(model.attention) == "xla":
-        # The reference attention materialises float32 scores and probabilities: one layer's
-        # while recomputing under remat, every layer's without it.
-        layers = model.num_layers if model.remat == "none" else 1
-        scores = layers * 2 * 4 * batch * model.num_heads * length * cfg.train.seq_len
-    return tokens * (sum(per_layer) + working) + scores + _moe_dispatch_bytes(cfg, sizes, tokens, c)
+    # (layers, sequences per pass, passes whose activations the backward keeps)
+    if layout is None:
+        runs = [(kinds, batch, 1)]
+    else:
+        micro = batch // layout.microbatches
+        runs = [(kinds[: layout.prologue], batch, 1), (layout.group, micro, layout.iterations)]
+    kept = working = scores = dispatch = 0
+    for layers, rows, passes in runs:
+        if not layers:
+            continue
+        tokens = rows * length
+        kept += passes * tokens * sum(_saved_per_token(cfg, is_moe, c) for is_moe in layers)
+        per_token = max(_saved_per_token(cfg, is_moe, c, policy="none") for is_moe in layers)
+        working = max(working, tokens * per_token)
+        if attention_implementation(model.attention) == "xla":
+            # The reference attention materialises float32 scores and probabilities: one
+            # layer's while recomputing under remat, every layer's without it.
+            count = passes * len(layers) if model.remat == "none" else 1
+            scores += count * 2 * 4 * rows * model.num_heads * length * cfg.train.seq_len
+        if any(layers):
+            dispatch = max(dispatch, _moe_dispatch_bytes(cfg, sizes, tokens, c))
+    if layout is not None:  # the micro-batches between repeats, and their gradient
+        kept += 2 * batch * length * model.emb_dim * c
+    return kept + working + scores + dispatch
 
 
 def _moe_dispatch_bytes(cfg: Config, sizes: dict[str, int], tokens: int, c: int) -> int:

@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import collections
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
+import numpy as np
 
 # Primitives that do a matmul's work (ragged_dot lowers to ragged_dot_general).
 _MATMULS = frozenset({"dot_general", "ragged_dot_general", "ragged_dot"})
@@ -86,7 +87,7 @@ def _shape_bytes(text: str) -> list[int]:
     return sizes
 
 
-def collective_bytes(hlo_text: str) -> dict[str, int]:
+def collective_bytes(hlo_text: str, device_slices: Sequence[int] | None = None) -> dict[str, int]:
     """Bytes per collective kind that one execution of a compiled program moves, per device.
 
     Each collective counts its whole buffer as the program declares it (the larger of its
@@ -94,6 +95,11 @@ def collective_bytes(hlo_text: str) -> dict[str, int]:
     it runs: a collective inside a loop (a scan over layers) counts once per iteration, by the
     trip count XLA records. Read from `jax.jit(f).lower(...).compile().as_text()`, so it sees
     the collectives the SPMD partitioner inserted as well as those written by hand.
+
+    device_slices: the slice of each device of the program, in its device order (the mesh's
+    devices, flattened). Then a collective whose groups (or, for a collective-permute, whose
+    source-target pairs) join devices of different slices also counts under "dcn <kind>": the
+    traffic that crosses the data-center network.
     """
     computations: dict[str, list[str]] = {}
     entry, current = None, None
@@ -128,6 +134,8 @@ def collective_bytes(hlo_text: str) -> dict[str, int]:
                 else:
                     moved = max(sum(shapes[result]), sum(operand_bytes))
                 totals[kind] += times * moved
+                if device_slices is not None and _crosses_slices(rest, device_slices):
+                    totals[f"dcn {kind}"] += times * moved
             trips = _TRIP_COUNT.search(rest) if opcode == "while" else None
             repeat = int(trips.group(1)) if trips else 1
             callees = _CALLEE.findall(rest)
@@ -138,3 +146,43 @@ def collective_bytes(hlo_text: str) -> dict[str, int]:
 
     visit(entry, 1)
     return dict(totals)
+
+
+_GROUPS = re.compile(r"\b(?:replica_groups|source_target_pairs)=(\{\{[\d,{}\s]*\}\}|\{\})")
+_IOTA_GROUPS = re.compile(r"\breplica_groups=\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?")
+_MESH_GROUPS = re.compile(r"\breplica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}")
+
+
+def device_groups(attributes: str) -> list[list[int]] | None:
+    """The device groups of a collective's HLO attributes, in the forms XLA writes: listed
+    (`{{0,1},{2,3}}`), iota (`[groups,size]<=[dims]T(perm)`), over named mesh axes
+    (`mesh['a'=2,'b'=4] {'b'}`: the devices that differ only along b), or a collective-permute's
+    source-target pairs. None when the instruction names none (all devices are one group)."""
+    if match := _IOTA_GROUPS.search(attributes):
+        shape, dims, perm = (
+            [int(x) for x in group.split(",")] if group else None for group in match.groups()
+        )
+        ids = np.arange(int(np.prod(dims))).reshape(dims)
+        return ids.transpose(perm).reshape(shape).tolist() if perm else ids.reshape(shape).tolist()
+    if match := _MESH_GROUPS.search(attributes):
+        axes = re.findall(r"'([^']+)'=(\d+)", match[1])
+        names, sizes = [name for name, _ in axes], [int(size) for _, size in axes]
+        over = [names.index(name) for name in re.findall(r"'([^']+)'", match[2])]
+        ids = np.arange(int(np.prod(sizes))).reshape(sizes)
+        kept = [i for i in range(len(sizes)) if i not in over]
+        width = int(np.prod([sizes[i] for i in over]))
+        return ids.transpose(kept + over).reshape(-1, width).tolist()
+    if match := _GROUPS.search(attributes):
+        groups = re.findall(r"\{([\d,\s]*)\}", match[1])
+        listed = [[int(x) for x in group.split(",") if x.strip()] for group in groups]
+        return listed if any(listed) else None  # `{}`: all devices, one group
+    if "replica_groups=" in attributes or "source_target_pairs=" in attributes:
+        raise ValueError(f"unrecognised device groups in: {attributes[:200]}")
+    return None
+
+
+def _crosses_slices(attributes: str, device_slices: Sequence[int]) -> bool:
+    groups = device_groups(attributes)
+    if groups is None:
+        return len(set(device_slices)) > 1
+    return any(len({device_slices[d] for d in group}) > 1 for group in groups)

@@ -24,9 +24,15 @@ def host_rows(cfg: Config) -> range:
     """The rows of the global batch this process loads: those its devices hold under the run's
     batch sharding. Usually an equal share per process; every row when the batch is replicated
     across processes (pipeline stages on different hosts each need the whole batch)."""
-    global_batch = cfg.train.global_batch_size
-    sharding = batch_sharding(build_mesh(cfg.mesh), cfg.mesh.rules)
-    held = sharding.addressable_devices_indices_map((global_batch, cfg.train.seq_len))
+    shape = (cfg.train.global_batch_size, cfg.train.seq_len)
+    mesh = build_mesh(cfg.mesh)
+    # With the shape, a batch the mesh does not divide is replicated rather than refused: the
+    # data tools read batches too small for the devices (training checks the batch itself).
+    sharding = NamedSharding(
+        mesh, logical_to_spec(("batch", "length"), cfg.mesh.rules, mesh, shape)
+    )
+    held = sharding.addressable_devices_indices_map(shape)
+    global_batch = shape[0]
     rows = sorted({r for index in held.values() for r in range(global_batch)[index[0]]})
     if rows != list(range(rows[0], rows[-1] + 1)):
         raise ConfigError(

@@ -40,7 +40,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from maxtrain.config import Config, ConfigError
-from maxtrain.mesh import constrain
+from maxtrain.mesh import active_rules, constrain, logical_to_spec
 from maxtrain.models.stacks import DENSE_STACK, STACKS, STAGES, is_moe_per_layer
 
 
@@ -182,16 +182,27 @@ def run(
         return a.reshape(mb, M, *a.shape[1:]).swapaxes(0, 1)
 
     xs, pos, seg = micro(x), micro(positions), micro(segment_ids)
+    # Every stage holds a buffer of M slots (only stage 0's is used: the micro-batches before
+    # their first repeat, then each one back from stage S-1 until its next), so that all the
+    # bookkeeping below is local to a stage and the one exchange per iteration is the shift.
     slots = constrain(jnp.broadcast_to(xs, (S, *xs.shape)), (STAGES, None, *_TOKENS))
     out = constrain(jnp.zeros((S, *xs.shape[1:]), x.dtype), (STAGES, *_TOKENS))
 
-    def one_stage(state, x, positions, segment_ids, repeat, valid, totals):
+    def one_stage(state, slots, arriving, stage, t, totals):
+        first = stage == 0
+        back = t - S  # the unit stage S-1 finished last iteration, arriving at stage 0 now
+        returned = first & (back >= 0) & (back < R * M)
+        slots = slots.at[back % M].set(jnp.where(returned, arriving, slots[back % M]))
+        x = jnp.where(first, slots[t % M], arriving)
+        unit = t - stage  # micro-batch unit % M of repeat unit // M, if 0 <= unit < R * M
+        valid = (unit >= 0) & (unit < R * M)
+        m, repeat = unit % M, jnp.clip(unit // M, 0, R - 1)
         group = jax.tree.map(lambda a: a[repeat], state)  # this stage's group of the repeat
-        y, stats = run_group(graphdefs, group, x, positions, segment_ids)
+        y, stats = run_group(graphdefs, group, x, pos[m], seg[m])
         totals = jax.tree.map(lambda t, s: t.at[repeat].add(jnp.where(valid, s, 0)), totals, stats)
-        return y, totals
+        return y, slots, totals
 
-    per_stage = jax.vmap(one_stage, in_axes=(1, 0, 0, 0, 0, 0, 0), spmd_axis_name="stage")
+    per_stage = jax.vmap(one_stage, in_axes=(1, 0, 0, 0, None, 0), spmd_axis_name="stage")
     shapes = jax.eval_shape(
         lambda: run_group(graphdefs, _group_state(states), xs[0], pos[0], seg[0])[1]
     )
@@ -200,19 +211,9 @@ def run(
 
     def iteration(carry, t):
         out, slots, totals = carry
-        arriving = jnp.roll(out, 1, axis=0)  # stage s gets stage s-1's output, 0 gets S-1's
-        # Stage S-1 finished unit t - S last iteration: it comes back for its next repeat.
-        back = t - S
-        keep = slots[0, back % M]
-        slot = jnp.where((back >= 0) & (back < R * M), arriving[0], keep)
-        slots = slots.at[0, back % M].set(slot)
-        inputs = arriving.at[0].set(slots[0, t % M])
-        unit = t - stage_ids  # [S]
-        valid = (unit >= 0) & (unit < R * M)
-        m, repeat = unit % M, jnp.clip(unit // M, 0, R - 1)
-        positions_s = constrain(pos[m], (STAGES, "batch", "length"))
-        segments_s = constrain(seg[m], (STAGES, "batch", "length"))
-        out, totals = per_stage(states, inputs, positions_s, segments_s, repeat, valid, totals)
+        arriving = _shift(out)  # stage s gets stage s-1's output, 0 gets S-1's
+        out, slots, totals = per_stage(states, slots, arriving, stage_ids, t, totals)
+        slots = constrain(slots, (STAGES, None, *_TOKENS))
         return (constrain(out, (STAGES, *_TOKENS)), slots, totals), None
 
     (out, slots, totals), _ = jax.lax.scan(
@@ -227,6 +228,25 @@ def run(
 
 
 _TOKENS = ("batch", "length", "act_embed")
+
+
+def _shift(out: jax.Array) -> jax.Array:
+    """[S, ...] stage outputs moved one stage on around the ring: one collective-permute in
+    which every device sends its block once (jnp.roll over the sharded stage axis compiles to
+    two permutes, each declaring the whole block)."""
+    active = active_rules()
+    if active is None:  # no mesh: nothing to exchange
+        return jnp.roll(out, 1, axis=0)
+    mesh, rules = active
+    spec = logical_to_spec((STAGES, *_TOKENS), rules, mesh, out.shape)
+    stages = mesh.shape["stage"]
+    ring = [(i, (i + 1) % stages) for i in range(stages)]
+    return jax.shard_map(
+        lambda block: jax.lax.ppermute(block, "stage", ring),
+        mesh=mesh,
+        in_specs=spec,
+        out_specs=spec,
+    )(out)
 
 
 def _group_state(states: dict[str, Any]) -> dict[str, Any]:

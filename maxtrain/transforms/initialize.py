@@ -85,9 +85,10 @@ def transform(params: Any, source: ModelConfig, cfg: Config) -> Any:
 
 
 def abstract_params(cfg: Config, mesh: Mesh, rules: Config | None = None) -> Any:
-    """cfg's model parameters as ShapeDtypeStructs, sharded over mesh per the mesh.rules of
-    `rules` (default: cfg's own)."""
-    mdef = model_def(cfg)
+    """cfg's model parameters as checkpoints hold them (layers in model order, whatever the
+    pipeline) as ShapeDtypeStructs, sharded over mesh per the mesh.rules of `rules` (default:
+    cfg's own)."""
+    mdef = model_def(cfg, pipelined=False)
     shardings = param_shardings(mdef, rules or cfg, mesh)
     return jax.tree.map(
         lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
