@@ -31,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
+from jax.sharding import AbstractMesh  # noqa: E402
 
 from maxtrain import config as config_lib  # noqa: E402
 from maxtrain import metrics, models  # noqa: E402
@@ -50,7 +51,7 @@ from maxtrain.layers.expert_parallel import exchange_implementation  # noqa: E40
 from maxtrain.mesh import axis_sizes, batch_degree, device_slices  # noqa: E402
 from maxtrain.models.pipeline import stage_layout  # noqa: E402
 from maxtrain.models.stacks import is_moe_per_layer  # noqa: E402
-from maxtrain.train import build_trainer, data_streams  # noqa: E402
+from maxtrain.train import build_trainer, check_batch, data_streams  # noqa: E402
 
 
 def peak_memory_gib() -> float | None:
@@ -175,10 +176,12 @@ def benchmark(cfg: config_lib.Config, steps: int, warmup: int, profile_dir: str 
 def dry_run(cfg: config_lib.Config, num_devices: int, compile_step: bool) -> dict:
     """The memory estimate for `num_devices` devices, in GiB per device; with compile_step,
     what the step compiled for this host's devices says (see the module docstring)."""
+    sizes = axis_sizes(cfg.mesh, num_devices)
+    check_batch(cfg, AbstractMesh(tuple(sizes.values()), tuple(sizes)))  # as the run would
     result = {
         "model": cfg.model_name,
         "devices": num_devices,
-        "mesh": {k: v for k, v in axis_sizes(cfg.mesh, num_devices).items() if v > 1},
+        "mesh": {k: v for k, v in sizes.items() if v > 1},
         "total_params": models.param_count(cfg.model),
         "active_params": models.active_param_count(cfg.model),
         "compute_dtype": str(jnp.dtype(models.compute_dtype(cfg.model))),

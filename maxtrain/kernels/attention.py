@@ -12,17 +12,17 @@ lets the flash kernels skip whole key blocks instead of reading a [T, T] mask fr
 it at construction and keeps the function, so nothing is looked up by name while tracing.
 """
 
+from __future__ import annotations
+
 import math
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
 
-# tokamax's public `dot_product_attention` only exposes a dense mask or sequence lengths, not
-# `k_start`, so we build the Mask and call the kernel objects through the private modules (the
-# same objects and call the public API makes, see tokamax/_src/ops/attention/api.py).
-from tokamax._src.ops.attention import api as tokamax_api
-from tokamax._src.ops.attention import base as tokamax_base
+if TYPE_CHECKING:
+    from tokamax._src.ops.attention import base as tokamax_base
 
 type AttentionFn = Callable[[jax.Array, jax.Array, jax.Array, jax.Array], jax.Array]
 
@@ -60,6 +60,8 @@ def segment_starts(segment_ids: jax.Array) -> jax.Array:
 
 
 def _k_start_mask(segment_ids: jax.Array) -> tokamax_base.Mask:
+    from tokamax._src.ops.attention import base as tokamax_base
+
     # k_start is typed "*#B #h #T" (h = K/V heads, T = query positions); broadcast over heads.
     return tokamax_base.Mask(k_start=segment_starts(segment_ids)[:, None, :], is_causal=True)
 
@@ -67,14 +69,25 @@ def _k_start_mask(segment_ids: jax.Array) -> tokamax_base.Mask:
 def _dense_mask(segment_ids: jax.Array) -> tokamax_base.Mask:
     # Mosaic TPU (splash) raises NotImplementedError on k_start; it does take a [B, 1, T, S] bool
     # mask (as a dynamic splash mask), at the cost of materialising it.
+    from tokamax._src.ops.attention import base as tokamax_base
+
     same_doc = segment_ids[:, None, :, None] == segment_ids[:, None, None, :]  # [B, 1, T, S]
     return tokamax_base.Mask(same_doc, is_causal=True)
 
 
 def _tokamax(kernel: str, make_mask: Callable[[jax.Array], tokamax_base.Mask]) -> AttentionFn:
-    """Wraps tokamax kernel `kernel` (a key of tokamax's IMPLEMENTATIONS) with a segment mask."""
+    """Wraps tokamax kernel `kernel` (a key of tokamax's IMPLEMENTATIONS) with a segment mask.
+
+    tokamax's public `dot_product_attention` only exposes a dense mask or sequence lengths, not
+    `k_start`, so this builds the Mask and calls the kernel objects through the private modules
+    (the same objects and call the public API makes: tokamax/_src/ops/attention/api.py). tokamax
+    is imported when a kernel is first traced: its import takes seconds, and CPU runs never
+    need it.
+    """
 
     def fn(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array) -> jax.Array:
+        from tokamax._src.ops.attention import api as tokamax_api
+
         impl = tokamax_api.IMPLEMENTATIONS[kernel]  # looked up at call time: not all exist on CPU
         return impl(
             q,

@@ -22,7 +22,6 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
-import tokamax
 
 # (x [M, K] rows sorted by group, w [G, K, N], group_sizes [G] int32) -> [M, N] in x.dtype,
 # accumulated in float32 whatever the input dtype.
@@ -37,6 +36,8 @@ def xla_grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array) -> ja
 
 
 def tokamax_grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array) -> jax.Array:
+    import tokamax  # when first traced: its import takes seconds, and CPU runs never need it
+
     out = tokamax.ragged_dot(
         x, w, group_sizes.astype(jnp.int32), preferred_element_type=jnp.float32
     )

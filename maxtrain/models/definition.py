@@ -17,7 +17,6 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from maxtrain import quantization
 from maxtrain.config import Config
 from maxtrain.models.auxiliary import AuxiliaryTraining, NoAuxiliary, RouterTraining, Stats
 from maxtrain.models.build import abstract
@@ -64,7 +63,12 @@ def model_def(cfg: Config, pipelined: bool = True) -> ModelDef:
     (quantization/). Quantization changes only the graph definition: the params are the float
     model's."""
     layout = stage_layout(cfg) if pipelined else None
-    model = quantization.quantize(abstract(cfg.model, layout), cfg.quantization)
+    model = abstract(cfg.model, layout)
+    if cfg.quantization.preset != "none" or cfg.quantization.rules:
+        # Imported only when asked for: Qwix and tokamax take seconds to import.
+        from maxtrain.quantization import training as quantized_training
+
+        model = quantized_training.quantize(model, cfg.quantization)
     graphdef, abstract_state = nnx.split(model)
     moe = cfg.model.moe
     auxiliary = RouterTraining(moe) if moe is not None else NoAuxiliary()
