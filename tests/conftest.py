@@ -1,4 +1,7 @@
-"""CPU with 8 simulated devices for every test, set before jax is imported anywhere."""
+"""CPU with 8 simulated devices for every test, set before jax is imported anywhere; and the
+compilation cache the runs use (maxtrain/cache.py) for the tests' own compilations too, so a
+program one test compiled loads in the next (tests build the same tiny models again and again).
+"""
 
 import os
 
@@ -11,7 +14,10 @@ from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
 
+from maxtrain import cache  # noqa: E402
 from maxtrain import config as config_lib  # noqa: E402
+
+cache.enable_compilation_cache(None)
 
 BASE = config_lib.CONFIGS_DIR / "base.yml"
 

@@ -79,8 +79,8 @@ def assert_same_training(got: dict, want: dict) -> None:
 
 # (model, overrides, stages S, repeats R, micro-batches M)
 CASES = {
-    "gpipe-S2-fsdp-tensor": (
-        "dense", ["mesh.stage=2", "mesh.fsdp=2", "mesh.tensor=2"], 2, 1, 2,
+    "gpipe-S2-fsdp-tensor-remat-none": (
+        "dense", ["mesh.stage=2", "mesh.fsdp=2", "mesh.tensor=2", "model.remat=none"], 2, 1, 2,
     ),
     "circular-S2-R2-M4-unrolled-remat-minimal-accumulated": (
         "dense",
@@ -88,10 +88,6 @@ CASES = {
          "pipeline.repeats=2", "pipeline.microbatches=4", "model.scan_layers=false",
          "model.remat=minimal", "train.grad_accum_steps=2"],
         2, 2, 4,
-    ),
-    "gpipe-S4-M8-fsdp-remat-none": (
-        "dense", ["mesh.stage=4", "mesh.fsdp=2", "pipeline.microbatches=8", "model.remat=none"],
-        4, 1, 8,
     ),
     "circular-S4-R2-tensor": (
         "dense",
