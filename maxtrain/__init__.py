@@ -11,4 +11,8 @@ Shape letters, one meaning each across the package (shape comments, einsum strin
     P  expert-parallel degree         C  rows per expert per device (capacity mode)
     n  tokens on one device           k  experts per token (top-k)
     R  routed assignments, n * k      Q  rows sent to one peer (expert-parallel dispatch)
+
+The pipeline schedule (models/pipeline.py, its docs and the bubble formula) counts in the
+letters its literature uses, which name nothing else there: S stages, R repeats (blocks of
+layers per stage), M micro-batches through the stages.
 """

@@ -1,14 +1,15 @@
-"""CPU with 8 simulated devices for every test, set before jax is imported anywhere; and the
-compilation cache the runs use (maxtrain/cache.py) for the tests' own compilations too, so a
-program one test compiled loads in the next (tests build the same tiny models again and again).
+"""CPU with 8 simulated devices for every test, compiling fast (xla_env.py), set before jax is
+imported anywhere; and the compilation cache the runs use (maxtrain/cache.py) for the tests' own
+compilations too, so a program one test compiled loads in the next (tests build the same tiny
+models again and again).
 """
 
 import os
 
+from xla_env import xla_flags
+
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-os.environ["XLA_FLAGS"] = (
-    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
-).strip()
+os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {xla_flags(8)}".strip()
 
 from pathlib import Path  # noqa: E402
 

@@ -18,6 +18,7 @@ import pytest
 from flax import nnx
 from test_data_prep import load_tool, prepared
 from test_faults import tree_digest
+from xla_env import xla_flags
 
 from maxtrain import config as config_lib
 from maxtrain import train as train_lib
@@ -273,7 +274,7 @@ def test_at_the_process_boundary_exit_2_one_line_no_traceback(tmp_path):
     """Two real interpreters at once, the train command and a tool's script: the real exit
     status, and no traceback from anywhere in the interpreter."""
     (tmp_path / "latin1.yml").write_bytes(b"model_name: tiny\n# caf\xe9\n")
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": xla_flags()}
     env.pop(DEBUG_ENV, None)
     tool = str(config_lib.REPO_ROOT / "tools" / "benchmark.py")
     commands = {

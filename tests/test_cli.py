@@ -5,11 +5,13 @@ import os
 import subprocess
 import sys
 
+from xla_env import xla_flags
+
 from maxtrain.config import CONFIGS_DIR, REPO_ROOT
 
 
 def run_cli(*args: str, tmp_path) -> subprocess.CompletedProcess:
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": xla_flags()}
     return subprocess.run(
         [
             sys.executable,

@@ -12,6 +12,7 @@ from pathlib import Path
 import jax
 import numpy as np
 from flax import nnx
+from xla_env import xla_flags
 
 from maxtrain import config as config_lib
 from maxtrain import run_lock
@@ -49,7 +50,7 @@ def cli(
            f"run.output_dir={run_dir.parent}", f"run.name={run_dir.name}", *args]  # fmt: skip
     if max_file_bytes is not None:
         cmd = [sys.executable, "-c", LIMITED, str(max_file_bytes), *cmd[1:]]
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": xla_flags()}
     return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
 
 

@@ -26,6 +26,7 @@ import numpy as np
 import pytest
 from flax import nnx
 from test_pipeline_multiprocess import free_port
+from xla_env import xla_flags
 
 from maxtrain import config as config_lib
 from maxtrain import optim
@@ -72,7 +73,7 @@ def launch(
     env = {
         **os.environ,
         "JAX_PLATFORMS": "cpu",
-        "XLA_FLAGS": f"--xla_force_host_platform_device_count={8 // NUM_PROCESSES}",
+        "XLA_FLAGS": xla_flags(8 // NUM_PROCESSES),
         "JAX_COMPILATION_CACHE_DIR": str(jax_cache),
         "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
     }
@@ -320,7 +321,7 @@ def test_joining_without_a_coordinator_or_cluster_is_one_line_and_exit_2(tmp_pat
     cmd = [sys.executable, "-m", "maxtrain.train", str(config_lib.CONFIGS_DIR / "base.yml"),
            *ARGS, f"run.output_dir={tmp_path}",
            "distributed.num_processes=2", "distributed.process_id=0"]  # fmt: skip
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": xla_flags()}
     result = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=120)
     assert result.returncode == 2, result.stderr[-2000:]
     assert result.stderr == (

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import numpy as np
 from test_pipeline import BIG_VOCAB, random_docs, sources_override, write_source
+from xla_env import xla_flags
 
 from maxtrain import config as config_lib
 from maxtrain.data import BATCH_KEYS
@@ -70,7 +71,7 @@ def run_processes(overrides: list[str], tmp_path: Path) -> list[Path]:
     env = {
         **os.environ,
         "JAX_PLATFORMS": "cpu",
-        "XLA_FLAGS": "--xla_force_host_platform_device_count=4",
+        "XLA_FLAGS": xla_flags(4),
     }
     port, outs = free_port(), [tmp_path / f"host{i}.npz" for i in range(NUM_PROCESSES)]
     logs = [tmp_path / f"host{i}.log" for i in range(NUM_PROCESSES)]

@@ -18,6 +18,7 @@ import jax
 import numpy as np
 import pytest
 from flax import nnx
+from xla_env import xla_flags
 
 from maxtrain import config as config_lib
 from maxtrain.checkpointing import load_parameters
@@ -47,7 +48,7 @@ def command(run_dir: Path, args: list[str] = ARGS) -> list[str]:
 
 
 def env() -> dict[str, str]:
-    return {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}
+    return {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": xla_flags()}
 
 
 def run_to_end(run_dir: Path, args: list[str] = ARGS) -> subprocess.CompletedProcess:
