@@ -1,4 +1,5 @@
-"""The one run config: its schema (schema.py) and how it is loaded (loading.py).
+"""The one run config: its schema (schema.py, one module per section) and how it is loaded
+(loading.py).
 
 A run's config is assembled in a fixed order, later layers winning key by key:
 
@@ -9,6 +10,8 @@ file). Every key is declared in the pydantic schema; an unknown key is an error 
 the closest valid one.
 """
 
+from maxtrain.config.checkpoint import CheckpointConfig, CheckpointTier, InitConfig
+from maxtrain.config.data import EMBEDDED_SOURCES, DataConfig, DataSource
 from maxtrain.config.loading import (
     CONFIGS_DIR,
     REPO_ROOT,
@@ -19,32 +22,12 @@ from maxtrain.config.loading import (
     to_yaml,
     validate,
 )
-from maxtrain.config.schema import (
-    EMBEDDED_SOURCES,
-    MESH_AXES,
-    CheckpointConfig,
-    CheckpointTier,
-    Config,
-    DataConfig,
-    DataSource,
-    DcnAxes,
-    DistributedConfig,
-    InitConfig,
-    MeshAxes,
-    MeshConfig,
-    ModelArchitecture,
-    ModelConfig,
-    MoeConfig,
-    OptimConfig,
-    PipelineConfig,
-    ProfileConfig,
-    QType,
-    QuantizationConfig,
-    QuantRule,
-    RopeScaling,
-    RunConfig,
-    TrainConfig,
-)
+from maxtrain.config.model import ModelArchitecture, ModelConfig, MoeConfig, RopeScaling
+from maxtrain.config.optim import OptimConfig
+from maxtrain.config.parallel import MESH_AXES, DcnAxes, MeshAxes, MeshConfig, PipelineConfig
+from maxtrain.config.quantization import QType, QuantizationConfig, QuantRule
+from maxtrain.config.run import DistributedConfig, ProfileConfig, RunConfig, TrainConfig
+from maxtrain.config.schema import Config
 
 __all__ = [
     "CONFIGS_DIR",

@@ -1,0 +1,77 @@
+"""The `mesh:` and `pipeline:` sections: how the devices are arranged and the layers staged."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from maxtrain.config.domains import PositiveInt, PositiveOrMinusOne, Section
+
+MESH_AXES = ("data", "stage", "fsdp", "context", "tensor", "expert")
+MeshAxis = Literal[MESH_AXES]
+# Mesh axes not implemented yet: a degree other than 1 (within or across slices) is refused
+# rather than silently running every stage/shard on the same work. Drop an axis once it works.
+UNIMPLEMENTED_AXES = ("context",)
+
+
+class MeshAxes(Section):
+    """Degree of each mesh axis; -1 means 'the devices that remain' (at most one -1)."""
+
+    data: PositiveOrMinusOne = 1
+    stage: PositiveInt = 1  # given, never -1: the stages split the model's layers
+    fsdp: PositiveOrMinusOne = -1
+    context: PositiveOrMinusOne = 1
+    tensor: PositiveOrMinusOne = 1
+    expert: PositiveOrMinusOne = 1
+
+
+class DcnAxes(Section):
+    """Degree of each mesh axis across slices (data-center network); the product = num_slices."""
+
+    data: PositiveInt = 1
+    stage: PositiveInt = 1
+    fsdp: PositiveInt = 1
+    context: PositiveInt = 1
+    tensor: PositiveInt = 1
+    expert: PositiveInt = 1
+
+
+class MeshConfig(MeshAxes):
+    num_slices: int = Field(default=1, gt=0)
+    dcn: DcnAxes = DcnAxes()
+    # Logical axis name -> mesh axes it is sharded over. Layer code names only logical axes.
+    rules: dict[str, list[MeshAxis]] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _check_implemented(self) -> MeshConfig:
+        for axis in UNIMPLEMENTED_AXES:
+            for key, degree in (
+                (axis, getattr(self, axis)),
+                (f"dcn.{axis}", getattr(self.dcn, axis)),
+            ):
+                if degree != 1:
+                    raise ValueError(
+                        f"mesh.{key}={degree}: {axis} parallelism is not implemented yet; "
+                        "set it to 1"
+                    )
+        return self
+
+
+class PipelineConfig(Section):
+    """Pipeline parallelism over mesh.stage x mesh.dcn.stage stages (models/pipeline.py)."""
+
+    # gpipe: each stage holds one block of consecutive layers; circular: `repeats` blocks
+    # spread over the depth, so the idle bubble (S - 1) / (R * M + S - 1) shrinks with R.
+    schedule: Literal["gpipe", "circular"] = "gpipe"
+    microbatches: int | None = Field(default=None, gt=0)  # M per step; null: the stage count
+    repeats: int = Field(default=1, gt=0)  # circular: layer blocks per stage
+
+    @model_validator(mode="after")
+    def _check_schedule(self) -> PipelineConfig:
+        if self.schedule == "gpipe" and self.repeats != 1:
+            raise ValueError(
+                f"pipeline.repeats={self.repeats} needs pipeline.schedule=circular (gpipe "
+                "holds one block of layers per stage)"
+            )
+        return self

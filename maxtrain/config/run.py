@@ -1,0 +1,72 @@
+"""The sections of how a run proceeds: `train:` (steps, batch, eval, faults), `profile:`, `run:`
+(name, output, seed, cache) and `distributed:` (how a process joins a multi-process run).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from maxtrain.config.domains import NonNegativeFloat, NonNegativeInt, PositiveOrMinusOne, Section
+
+
+class TrainConfig(Section):
+    steps: int = Field(default=300, gt=0)
+    global_batch_size: int = Field(default=16, gt=0)  # sequences per optimizer step
+    seq_len: int = Field(default=128, gt=0)
+    grad_accum_steps: int = Field(default=1, gt=0)
+    z_loss: NonNegativeFloat = 0.0
+    eval_every: int = Field(default=100, ge=0)  # 0 disables eval
+    eval_steps: int = Field(default=4, gt=0)
+    log_every: int = Field(default=10, gt=0)
+    on_nonfinite: Literal["stop", "skip"] = "stop"  # a NaN/inf loss stops, or skips the update
+    # skip: more non-finite steps in a row than this stop the run as `stop` does (a run that
+    # skips every step would otherwise go on in silence)
+    max_consecutive_skips: int = Field(default=10, gt=0)
+
+
+class ProfileConfig(Section):
+    start_step: PositiveOrMinusOne = -1  # -1: no profile
+    num_steps: int = Field(default=3, gt=0)
+
+
+class RunConfig(Section):
+    name: str = Field(default="default", min_length=1)
+    output_dir: str = "runs"
+    seed: NonNegativeInt = 0
+    # JAX's persistent compilation cache (maxtrain/cache.py): None = $MAXTRAIN_CACHE or
+    # ~/.cache/maxtrain, under compilation/; "" = off.
+    compilation_cache_dir: str | None = None
+
+
+class DistributedConfig(Section):
+    """How this process joins a multi-process run (maxtrain/distributed.py).
+
+    All null: jax detects the cluster (Cloud TPU, SLURM, Open MPI, Kubernetes) when it runs in
+    one, else the run is a single process. Any key set is passed on; jax fills in the rest.
+    """
+
+    coordinator_address: str | None = None  # "host:port" of process 0's coordinator service
+    num_processes: int | None = Field(default=None, gt=0)
+    process_id: int | None = Field(default=None, ge=0)
+    initialization_timeout_s: int = Field(default=300, gt=0)
+    # A process that stops answering for this long is declared dead, and every other process
+    # then exits with an error instead of waiting forever in a collective.
+    heartbeat_timeout_s: int = Field(default=100, gt=0)
+
+    @model_validator(mode="after")
+    def _check(self) -> DistributedConfig:
+        if self.coordinator_address is not None:
+            host, _, port = self.coordinator_address.rpartition(":")
+            if not host or not port.isdigit() or not 0 < int(port) < 65536:
+                raise ValueError(
+                    f"distributed.coordinator_address must be host:port, e.g. 10.0.0.1:1234 "
+                    f"(got {self.coordinator_address!r})"
+                )
+        n, i = self.num_processes, self.process_id
+        if n is not None and i is not None and i >= n:
+            raise ValueError(
+                f"distributed.process_id ({i}) must be below distributed.num_processes ({n})"
+            )
+        return self
