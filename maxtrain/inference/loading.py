@@ -30,7 +30,7 @@ from maxtrain.corpora.embedded import DEFAULT_TOKENIZER
 from maxtrain.data.pipeline import EMBEDDED_PREFIX
 from maxtrain.data.shards import read_metadata
 from maxtrain.mesh import build_mesh, sharding_rules
-from maxtrain.models import ModelDef, model_def
+from maxtrain.models import ModelDef, build, model_def
 from maxtrain.state import param_shardings
 from maxtrain.tokenizers import TOKENIZER_MODELS, Tokenizer, load_tokenizer
 
@@ -48,10 +48,15 @@ class LoadedModel:
 
 
 def load_model(
-    path: str | Path, overrides: Sequence[str] = (), devices: list[jax.Device] | None = None
+    path: str | Path,
+    overrides: Sequence[str] = (),
+    devices: list[jax.Device] | None = None,
+    initial: bool = False,
 ) -> LoadedModel:
     """The parameters of the newest complete step under `path`, on a mesh of `devices`
-    (default all); CheckpointError/ConfigError (one line) for a bad path or override."""
+    (default all); CheckpointError/ConfigError (one line) for a bad path or override.
+    initial: the parameters the run started from instead (its model initialised with
+    run.seed, as the train state is at step 0): the baseline an evaluation compares with."""
     step_dir = Path(resolve_step_dir(absolute(path)))
     cfg = saved_config(step_dir, overrides)
     mesh = build_mesh(cfg.mesh, devices)
@@ -63,6 +68,9 @@ def load_model(
         _abstract_params(mdef),
         shardings,
     )
+    if initial:
+        init = lambda: nnx.to_pure_dict(nnx.state(build(cfg.model, seed=cfg.run.seed), nnx.Param))
+        return LoadedModel(cfg, mdef, jax.jit(init, out_shardings=shardings)(), mesh, step_dir, 0)
     params = load_parameters(step_dir, abstract)
     step = int(step_dir.name) if step_dir.name.isdigit() else 0
     return LoadedModel(cfg, mdef, params, mesh, step_dir, step)
