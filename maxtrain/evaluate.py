@@ -69,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
                 special_tokens=special_tokens,
             )
             print(f"{PROG}: step {model.step}, scoring {', '.join(specs)} ({args.shots}-shot)")
-            results.update(evaluator(model.params))
+            results.update(evaluator(model.params, progress=True))
             for prepared in evaluator.prepared:
                 results[f"{prepared.task.name}/chance"] = chance(prepared.task)
                 results[f"{prepared.task.name}/examples"] = len(prepared.task.test)

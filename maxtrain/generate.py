@@ -44,6 +44,7 @@ def main(argv: list[str] | None = None) -> int:
         sampling = Sampling(args.temperature, args.top_k, args.top_p)
         requests = _read_prompts(args)
         model = load_model(args.checkpoint, args.overrides, _devices(args.devices))
+        print(f"{PROG}: step {model.step} of {model.step_dir}; compiling prefill and decode")
         tokenizer, special_tokens = find_tokenizer(model, args.tokenizer)
         texts = [r["prompt"] for r in requests if "prompt" in r]
         if texts and tokenizer is None:
@@ -67,6 +68,7 @@ def main(argv: list[str] | None = None) -> int:
             seed=args.seed,
             stop_ids=stop_ids + args.stop_id,
             stop_check=stopped if args.stop and tokenizer is not None else None,
+            progress=True,
         )
     except UserError as e:
         return refuse(PROG, e)

@@ -54,11 +54,12 @@ class TaskEvaluator:
         self.scorer = scorer
         self.prepared = [_prepare(task, tokenizer, shots, seed, special_tokens) for task in tasks]
 
-    def __call__(self, params: Any) -> dict[str, float]:
-        """{"<task>/acc": ..., "<task>/acc_norm" | "<task>/loglik": ...} for every task."""
+    def __call__(self, params: Any, progress: bool = False) -> dict[str, float]:
+        """{"<task>/acc": ..., "<task>/acc_norm" | "<task>/loglik": ...} for every task.
+        progress: a progress bar per task on a terminal (the command-line tool's)."""
         metrics = {}
         for p in self.prepared:
-            logprob, greedy = self.scorer(params, p.requests)
+            logprob, greedy = self.scorer(params, p.requests, p.task.name if progress else None)
             name = p.task.name
             if p.task.kind == "completion":
                 metrics[f"{name}/acc"] = float(greedy.mean())

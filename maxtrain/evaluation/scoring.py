@@ -11,6 +11,7 @@ have produced it).
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Sequence
 from typing import Any
 
@@ -18,6 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
+from tqdm import tqdm
 
 from maxtrain.data import batch_sharding
 from maxtrain.errors import UserError
@@ -50,10 +52,15 @@ class Scorer:
 
         self.fn = jax.jit(traced)
 
-    def __call__(self, params: Any, requests: Sequence[Request]) -> tuple[np.ndarray, np.ndarray]:
-        """(log probabilities [n] float64, greedy [n] bool) of the requests, in order."""
+    def __call__(
+        self, params: Any, requests: Sequence[Request], progress: str | None = None
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """(log probabilities [n] float64, greedy [n] bool) of the requests, in order.
+        progress: a label for a progress bar on stderr (shown on a terminal only)."""
         logprob, greedy = [], []
-        for start in range(0, len(requests), self.rows):
+        starts = range(0, len(requests), self.rows)
+        off = True if progress is None else None  # None: tqdm shows it on a terminal only
+        for start in tqdm(starts, desc=progress, unit=" batch", file=sys.stderr, disable=off):
             chunk = requests[start : start + self.rows]
             batch = self._batch(chunk)
             out = jax.device_get(self.fn(params, jax.device_put(batch, self.sharding)))

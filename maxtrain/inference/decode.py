@@ -14,6 +14,7 @@ not of compiling.
 from __future__ import annotations
 
 import functools
+import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -22,6 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding
+from tqdm import tqdm
 
 from maxtrain.errors import UserError
 from maxtrain.inference.kv_cache import cache_shardings, init_cache
@@ -70,10 +72,11 @@ def generate(
     seed: int = 0,
     stop_ids: Sequence[int] = (),
     stop_check: StopCheck | None = None,
+    progress: bool = False,
 ) -> Generation:
     """Up to max_new_tokens new tokens per prompt (token ids). A row stops at a token in
     stop_ids (kept in its output) or when stop_check says so; the batch stops when every row
-    has."""
+    has. progress: a progress bar of the decode steps on a terminal (the command line's)."""
     if not prompts or any(len(p) == 0 for p in prompts):
         raise UserError("every prompt needs at least one token")
     if max_new_tokens < 1:
@@ -157,6 +160,10 @@ def generate(
     finish = ["length"] * rows
     stop_ids = set(stop_ids)
     steps = 0
+    bar = tqdm(
+        total=max_new_tokens - 1, desc="decode", unit=" step", file=sys.stderr,
+        disable=None if progress else True, leave=False,
+    )  # fmt: skip
     start = time.perf_counter()
     while True:
         for row in range(rows):
@@ -181,7 +188,9 @@ def generate(
         )
         token = np.asarray(token)
         steps += 1
+        bar.update()
     decode_seconds = time.perf_counter() - start
+    bar.close()
     return Generation(
         new_tokens,
         finish,
