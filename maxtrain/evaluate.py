@@ -33,7 +33,7 @@ def main(argv: list[str] | None = None) -> int:
     from maxtrain.data import batch_sharding
     from maxtrain.evaluation.harness import chance, task_evaluator
     from maxtrain.evaluation.loss import held_out_loss
-    from maxtrain.evaluation.tasks import committed_tasks
+    from maxtrain.evaluation.tasks import committed_tasks, load_task
     from maxtrain.inference.loading import find_tokenizer, load_model
     from maxtrain.mesh import sharding_rules
     from maxtrain.train import data_streams
@@ -41,7 +41,9 @@ def main(argv: list[str] | None = None) -> int:
 
     results: dict[str, float] = {}
     try:
-        specs = args.tasks.split(",") if args.tasks else committed_tasks()
+        specs = [] if args.no_tasks else args.tasks.split(",") if args.tasks else committed_tasks()
+        for spec in specs:
+            load_task(spec)  # a bad task file is refused before the checkpoint is read
         devices = jax.devices()[: args.devices] if args.devices else None
         model = load_model(args.checkpoint, args.overrides, devices, initial=args.init)
         cfg = model.cfg
@@ -57,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
                 jax.jit(traced), model.params, sharding, streams, cfg.train.eval_steps
             )
             results.update({f"loss/{k}" if "/" in k else k: v for k, v in loss.items()})
-        if specs and not args.no_tasks:
+        if specs:
             tokenizer, special_tokens = find_tokenizer(model, args.tokenizer)
             evaluator = task_evaluator(
                 cfg,

@@ -83,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             print(f"{list(prompt)} -> {new}")
         lines.append(line)
-    print(f"{PROG}: step {model.step}, {len(prompts)} prompts: {result.throughput_line()}")
+    print(f"{PROG}: step {model.step}, prompts {len(prompts)}: {result.throughput_line()}")
     if args.output is not None:
         write_atomic(args.output, "".join(json.dumps(line) + "\n" for line in lines))
         print(f"{PROG}: wrote {args.output}")

@@ -73,3 +73,9 @@ def test_shots_are_seeded_and_never_the_example_itself():
     with pytest.raises(UserError, match="unknown task 'nope'; committed tasks: arithmetic"):
         load_task("nope")
     assert Path(COMMITTED / "prose_continuation" / "train.jsonl").is_file()
+
+
+def test_a_bad_task_is_refused_before_the_checkpoint_is_read(tmp_path, capsys):
+    assert evaluate_cli.main([str(tmp_path / "no-run"), "--tasks", "nope"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "unknown task 'nope'" in err

@@ -95,3 +95,26 @@ def test_greedy_generation_from_an_import_equals_transformers(case, mesh, tmp_pa
     assert [line["prompt_ids"] for line in lines] == [c["prompt_ids"] for c in oracle["cases"]]
     assert [line["new_ids"] for line in lines] == [c["new_ids"] for c in oracle["cases"]]
     assert "tokens/s" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--prompt-ids", "1,x"], "--prompt-ids '1,x' is not comma-separated integers"),
+        (["--prompt", "a", "--temperature", "-1"], "temperature must be a finite number >= 0"),
+        (["--prompt", "a", "--top-p", "1.5"], "top_p must be in (0, 1]"),
+        ([], "no prompt given"),
+        (["--prompt", "a"], "no complete checkpoint found at"),
+    ],
+)
+def test_bad_generate_input_is_one_line(tmp_path, capsys, args, message):
+    (tmp_path / "prompts.jsonl").write_text('{"prompt": 3}\n')
+    assert generate_cli.main([str(tmp_path), *args]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and message in err, err
+
+
+def test_bad_prompts_file_line_is_named(tmp_path, capsys):
+    (tmp_path / "prompts.jsonl").write_text('{"prompt": "ok"}\n{"prompt": 3}\n')
+    assert generate_cli.main([str(tmp_path), "--prompts", str(tmp_path / "prompts.jsonl")]) == 2
+    assert 'prompts.jsonl:2: expected an object with "prompt"' in capsys.readouterr().err
