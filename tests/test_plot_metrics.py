@@ -43,7 +43,10 @@ def test_two_runs_make_one_png_with_a_panel_each(tmp_path, capsys):
     args = [str(tmp_path / "a"), str(tmp_path / "b"), "--output", str(out), "--x", "tokens"]
     assert tool.main(args) == 0
     height, width, _ = matplotlib.image.imread(out).shape
-    assert (width, height) == (8 * 80, round(2.4 * 5 * 80))  # loss, lr, tokens/s, TFLOP/s, tasks
+    assert (width, height) == (
+        8 * tool.DPI,
+        round(2.4 * 5 * tool.DPI),
+    )  # loss, lr, tokens/s, TFLOP/s, tasks
 
     assert tool.main([str(tmp_path / "nope"), "--output", str(tmp_path / "x.png")]) == 2
     err = capsys.readouterr().err

@@ -5,7 +5,8 @@
 Each argument is a run directory (its metrics.jsonl and config.yml, as maxtrain.train writes
 them). The panels share the x axis, steps or tokens seen (steps x train.global_batch_size x
 train.seq_len, so runs of different batch shapes line up by data); eval loss is drawn dashed
-over the training loss, task accuracies (train.eval_tasks) get a panel when a run has them,
+over the training loss (each quantity of a panel has its own line style, each run its own
+colour), task accuracies (train.eval_tasks) get a panel when a run has them,
 and MFU one when the device's peak is known (else TFLOP/s per device). Needs matplotlib
 (`pip install -e '.[plot]'`). A missing or unreadable run is one line and exit status 2.
 """
@@ -23,6 +24,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from maxtrain.errors import ArgumentParser, UserError, refuse  # noqa: E402
 
 PROG = "plot_metrics"
+DPI = 64  # small files: a README image
+STYLES = ["-", "--", ":", "-."]  # a panel's quantities; a run keeps its colour throughout
 
 
 def read_run(run_dir: Path) -> tuple[list[dict], int]:
@@ -71,18 +74,12 @@ def plot(run_dirs: list[Path], output: Path, x_axis: str) -> None:
     for (label, (records, tokens_per_step)), color in zip(runs.items(), colors * 10, strict=False):
         scale = tokens_per_step if x_axis == "tokens" else 1
         for ax, (title, panel_keys) in zip(axes, panels, strict=True):
-            for key in panel_keys:
+            for key, style in zip(panel_keys, STYLES * len(panel_keys), strict=False):
                 xs, ys = series(records, key, scale)
                 if xs:
-                    style = "--" if key.startswith("eval/") and title == "loss" else "-"
                     name = label if len(panel_keys) == 1 else f"{label} {key}"
                     ax.plot(
-                        xs,
-                        ys,
-                        style,
-                        color=color,
-                        label=name,
-                        marker="." if style == "--" else None,
+                        xs, ys, style, color=color, label=name, marker="." if len(xs) < 10 else None
                     )
             ax.set_ylabel(title)
             ax.grid(alpha=0.3)
@@ -92,7 +89,7 @@ def plot(run_dirs: list[Path], output: Path, x_axis: str) -> None:
     axes[-1].set_xlabel("tokens" if x_axis == "tokens" else "step")
     fig.tight_layout()
     output.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(output, dpi=80)
+    fig.savefig(output, dpi=DPI)
     plt.close(fig)
 
 
