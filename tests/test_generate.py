@@ -20,8 +20,8 @@ from flax import nnx
 from maxtrain import generate as generate_cli
 from maxtrain import models
 from maxtrain.hf.convert import import_checkpoint
+from maxtrain.inference.decode import cache_stacks
 from maxtrain.inference.kv_cache import init_cache
-from maxtrain.models.stacks import DENSE_STACK, MOE_STACK, is_moe_per_layer
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "hf"
 TOLERANCE = 2e-5  # float32 rounding: the cache path sums attention over more (masked) keys
@@ -48,10 +48,8 @@ def test_cached_decode_equals_the_full_forward(make_cfg, overrides):
     forward = jax.jit(lambda p, t: mdef.apply(p, t, positions, jnp.ones_like(t)).logits)
     full = np.asarray(forward(params, tokens))
 
-    kinds = is_moe_per_layer(cfg.model)
-    stacks = {DENSE_STACK: kinds.count(False), MOE_STACK: kinds.count(True)}
     cache = init_cache(
-        {k: n for k, n in stacks.items() if n},
+        cache_stacks(cfg.model),
         2,
         T,
         cfg.model.num_kv_heads,

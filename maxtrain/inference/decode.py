@@ -25,6 +25,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 from tqdm import tqdm
 
+from maxtrain.config import ModelConfig
 from maxtrain.errors import UserError
 from maxtrain.inference.kv_cache import cache_shardings, init_cache
 from maxtrain.inference.loading import LoadedModel
@@ -63,6 +64,24 @@ class Generation:
         )
 
 
+def cache_stacks(model_cfg: ModelConfig) -> dict[str, int]:
+    """{params key of a layer stack: its layers} for the stacks the model has."""
+    kinds = is_moe_per_layer(model_cfg)
+    stacks = {DENSE_STACK: kinds.count(False), MOE_STACK: kinds.count(True)}
+    return {stack: layers for stack, layers in stacks.items() if layers}
+
+
+def _padded_batch(prompts: Sequence[Sequence[int]], degree: int) -> tuple[np.ndarray, np.ndarray]:
+    """(tokens [B, W] right-padded with 0, lengths [B]): B a multiple of the data-parallel
+    degree, the padding rows repeating the first prompt; W the longest prompt."""
+    rows = [*prompts, *[prompts[0]] * (-len(prompts) % degree)]
+    lengths = np.array([len(p) for p in rows], np.int32)
+    tokens = np.zeros((len(rows), int(lengths.max())), np.int32)
+    for row, prompt in enumerate(rows):
+        tokens[row, : len(prompt)] = prompt
+    return tokens, lengths
+
+
 def generate(
     model: LoadedModel,
     prompts: Sequence[Sequence[int]],
@@ -81,36 +100,23 @@ def generate(
         raise UserError("every prompt needs at least one token")
     if max_new_tokens < 1:
         raise UserError(f"max_new_tokens must be at least 1 (got {max_new_tokens})")
-    cfg, mesh = model.cfg, model.mesh
+    cfg, mesh, rules = model.cfg, model.mesh, model.cfg.mesh.rules
     rows = len(prompts)
-    degree = batch_degree(cfg.mesh.rules, mesh)
-    batch = -(-rows // degree) * degree  # padding rows repeat the first prompt
-    lengths = np.array([len(p) for p in prompts] + [len(prompts[0])] * (batch - rows), np.int32)
-    width = int(lengths.max())
-    positions_needed = width + max_new_tokens
-    if positions_needed > cfg.model.max_seq_len:
+    tokens, lengths = _padded_batch(prompts, batch_degree(rules, mesh))
+    cache_length = tokens.shape[1] + max_new_tokens
+    if cache_length > cfg.model.max_seq_len:
         raise UserError(
-            f"the longest prompt ({width} tokens) plus max_new_tokens ({max_new_tokens}) needs "
-            f"{positions_needed} positions; the model's max_seq_len is {cfg.model.max_seq_len}"
+            f"the longest prompt ({tokens.shape[1]} tokens) plus max_new_tokens "
+            f"({max_new_tokens}) needs {cache_length} positions; the model's max_seq_len is "
+            f"{cfg.model.max_seq_len}"
         )
-    tokens = np.zeros((batch, width), np.int32)
-    for row, prompt in enumerate([*prompts, *[prompts[0]] * (batch - rows)]):
-        tokens[row, : len(prompt)] = prompt
-
-    rules = cfg.mesh.rules
-    rows_sharding = NamedSharding(mesh, logical_to_spec(("batch",), rules, mesh, (batch,)))
+    rows_sharding = NamedSharding(mesh, logical_to_spec(("batch",), rules, mesh, lengths.shape))
     tokens_sharding = NamedSharding(mesh, logical_to_spec(("batch", None), rules, mesh))
-    kinds = is_moe_per_layer(cfg.model)
-    stacks = {
-        stack: kinds.count(is_moe)
-        for is_moe, stack in ((False, DENSE_STACK), (True, MOE_STACK))
-        if kinds.count(is_moe)
-    }
     make_cache = functools.partial(
         init_cache,
-        stacks,
-        batch,
-        positions_needed,
+        cache_stacks(cfg.model),
+        len(lengths),
+        cache_length,
         cfg.model.num_kv_heads,
         cfg.model.resolved_head_dim,
         compute_dtype(cfg.model),
@@ -134,21 +140,18 @@ def generate(
         logits, cache = model.mdef.decode(params, tokens[:, None], positions[:, None], cache)
         return next_tokens(logits[:, 0], rng, sampling), cache
 
+    def compiled(fn, *example_args):
+        out_shardings = (rows_sharding, cache_sharding)
+        jitted = jax.jit(traced(fn), out_shardings=out_shardings, donate_argnums=3)
+        return jitted.lower(*example_args).compile()
+
     start = time.perf_counter()
     cache = jax.jit(make_cache, out_shardings=cache_sharding)()
     rng, prefill_rng = jax.random.split(jax.random.key(seed))
     tokens = jax.device_put(tokens, tokens_sharding)
     lengths_on_mesh = jax.device_put(lengths, rows_sharding)
-    prefill_fn = (
-        jax.jit(traced(prefill), out_shardings=(rows_sharding, cache_sharding), donate_argnums=3)
-        .lower(model.params, tokens, lengths_on_mesh, cache, rng)
-        .compile()
-    )
-    step_fn = (
-        jax.jit(traced(step), out_shardings=(rows_sharding, cache_sharding), donate_argnums=3)
-        .lower(model.params, lengths_on_mesh, lengths_on_mesh, cache, rng)
-        .compile()
-    )
+    prefill_fn = compiled(prefill, model.params, tokens, lengths_on_mesh, cache, rng)
+    step_fn = compiled(step, model.params, lengths_on_mesh, lengths_on_mesh, cache, rng)
     compile_seconds = time.perf_counter() - start
 
     start = time.perf_counter()
