@@ -206,7 +206,7 @@ def test_quantized_run_starts_from_a_float_checkpoint_and_resumes_exactly(make_c
     run(make_cfg("run.name=resumed", "train.steps=2", *quantized))
     resumed = run(make_cfg("run.name=resumed", "train.steps=4", *quantized))
     assert resumed["step"] == straight["step"] == 4
-    assert resumed["loss"] == straight["loss"]
+    assert resumed["train/loss"] == straight["train/loss"]
     lines = (tmp_path / "resumed" / "metrics.jsonl").read_text().splitlines()
     assert [json.loads(x)["step"] for x in lines if "train/loss" in x][-1] == 4
 
