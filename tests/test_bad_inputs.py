@@ -137,6 +137,24 @@ ROWS = [
      [*TINY, "checkpoint.load_parameters_path={in}/ckpt", "model.mlp_dim=96"],
      "checkpoint {in}/ckpt/0 does not match the model: 'params/layers/mlp/down/kernel' has "
      "shape (2, 128, 64) in the checkpoint, the model expects (2, 96, 64)"),
+    # A refused start removes the run.output_dir it created ({out}/new/runs: two levels).
+    ("another model, new output dir", "maxtrain",
+     [*TINY, "run.output_dir={out}/new/runs", "checkpoint.load_parameters_path={in}/ckpt",
+      "model.mlp_dim=96"], "does not match the model"),
+    ("load_parameters_path missing", "maxtrain",
+     [*TINY, "run.output_dir={out}/new/runs", "checkpoint.load_parameters_path={in}/nowhere"],
+     "no complete checkpoint found at {in}/nowhere"),
+    ("checkpoint dir under a file", "maxtrain",
+     [*TINY, "run.output_dir={out}/new/runs", "checkpoint.local.dir={in}/corpus.jsonl/local"],
+     "{in}/corpus.jsonl/local"),
+    ("output dir under a file", "maxtrain", [*TINY, "run.output_dir={in}/corpus.jsonl/runs"],
+     "cannot create the run directory {in}/corpus.jsonl/runs/default (run.output_dir/run.name): "
+     "Not a directory"),
+    ("unknown embedded source", "maxtrain",
+     [*TINY, "data.kind=grain", "data.cache_dir={out}/cache",
+      "data.sources=[{name: poems, path: 'embedded:poetry'}]"],
+     "unknown embedded source 'embedded:poetry'; the embedded corpus has embedded:code, "
+     "embedded:math, embedded:prose"),
     ("upcycle source missing", "upcycle",
      [BASE, "model_name=tiny-moe", "model.moe.expert_mlp_dim=64", "init.source_model=tiny",
       "--source", "{in}/nowhere",
