@@ -93,6 +93,8 @@ ROWS = [
      "override 'optim..lr=3' has an empty key"),
     ("unknown model", "maxtrain", [*TINY, "model_name=llama-8b"],
      "model_name 'llama-8b' has no file"),
+    ("model file missing", "maxtrain", [*TINY, "model_name={in}/imported/model.yml"],
+     "model_name '{in}/imported/model.yml': no such model file"),
     ("stage -1", "maxtrain", [*TINY, "mesh.stage=-1"],
      "config key 'mesh.stage' must be > 0 (got -1)"),
     ("pipeline schedule", "maxtrain", [*TINY, "pipeline.schedule=1f1b"],

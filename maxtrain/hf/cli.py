@@ -26,7 +26,7 @@ def main(argv: list[str]) -> int:
             print(
                 f"{PROG}: wrote {args.output} ({models.param_count(cfg):,} parameters, "
                 f"{args.param_dtype}) and its model file {args.output}/{MODEL_YAML}. To train "
-                f"from it, copy that file to configs/models/NAME.yml and run with model_name=NAME "
+                f"from it: model_name={args.output}/{MODEL_YAML} "
                 f"checkpoint.load_parameters_path={args.output}"
             )
         else:
