@@ -182,6 +182,7 @@ def run(args: argparse.Namespace, root: Path) -> int:
     )
     update = jax.jit(lambda s: jax.tree.map(lambda x: x + 1, s), donate_argnums=0)
     checksum_s = time_checksums(state)
+    emit({"checksum_s": checksum_s})
 
     ckpt = Checkpointer(cfg, run_dir=root, prewarm=args.prewarm)
     prewarm_s = ckpt.prewarm(state) if args.prewarm else 0.0
