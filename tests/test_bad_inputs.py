@@ -21,6 +21,7 @@ from test_faults import tree_digest
 from xla_env import xla_flags
 
 from maxtrain import config as config_lib
+from maxtrain import quantization
 from maxtrain import train as train_lib
 from maxtrain.checkpointing.export import save_parameters
 from maxtrain.config import ConfigError
@@ -178,6 +179,10 @@ ROWS = [
     ("export --max-shard-gb 0", "convert_hf",
      ["export", "--checkpoint", "{in}/ckpt", "--output", "{out}/hf", "--max-shard-gb", "0"],
      "argument --max-shard-gb: must be a finite number above 0, not 0"),
+    ("export of a quantized checkpoint", "convert_hf",
+     ["export", "--checkpoint", "{in}/ptq", "--output", "{out}/hf"],
+     "checkpoint {in}/ptq/0 holds int8 post-training-quantized weights (tools/quantize.py), "
+     "which export does not write"),
     ("upcycle without --source", "upcycle", [BASE, "--output", "{out}/moe"],
      "the following arguments are required: --source"),
     ("quantize config", "quantize",
@@ -209,6 +214,10 @@ def inputs(tmp_path_factory) -> Path:
     abstract = nnx.to_pure_dict(model_def(cfg).abstract_state)  # the shapes are what count
     params = jax.tree.map(lambda x: np.zeros(x.shape, x.dtype), abstract)
     save_parameters(root / "ckpt", params, config_yaml=config_lib.to_yaml(cfg))
+    kernels = quantization.quantizable_kernels(model_def(cfg).abstract_state)
+    qparams, _ = quantization.quantize_params(params, kernels, "int8")
+    meta = {"quantization": {"qtype": "int8", "source": "ckpt"}}
+    save_parameters(root / "ptq", qparams, config_yaml=config_lib.to_yaml(cfg), meta=meta)
     return root
 
 

@@ -150,6 +150,14 @@ def export_checkpoint(
     is the config saved with it) as a Hugging Face model directory `output`."""
     _refuse_existing(Path(output))  # before reading gigabytes
     step_dir = resolve_step_dir(absolute(checkpoint))
+    from maxtrain.quantization.ptq import quantized_kind  # qwix: only when exporting
+
+    if qtype := quantized_kind(step_dir):
+        raise ConversionError(
+            f"checkpoint {step_dir} holds {qtype} post-training-quantized weights "
+            "(tools/quantize.py), which export does not write; export the float checkpoint it "
+            "was quantized from"
+        )
     cfg = checkpoint_model_config(step_dir)
     hf_config(cfg, family_for(cfg), dtype or cfg.param_dtype)  # unsupported: fail before reading
     device = SingleDeviceSharding(jax.devices("cpu")[0])
