@@ -321,6 +321,9 @@ def test_checksum_catches_every_single_bit_flip_and_ignores_the_layout():
                 flipped.flat[i] ^= 1 << b
                 after = checksums.of({"x": jnp.asarray(flipped.view(x.dtype))})["x"]
                 assert after != base, (dtype, i, b)
+    int4 = jnp.arange(-8, 8, dtype=jnp.int4)  # PTQ's weights: a changed value changes the sum
+    base = checksums.of([int4])
+    assert all(checksums.of([int4.at[i].set(int4[i] ^ 1)]) != base for i in range(16))
     x = jnp.asarray(rng.standard_normal((8, 16)).astype(np.float32))
     mesh = jax.make_mesh((4, 2), ("a", "b"))
     sharded = jax.device_put(x, jax.NamedSharding(mesh, jax.P("a", "b")))

@@ -34,9 +34,12 @@ def _bits_as_uint32(x: jax.Array) -> jax.Array:
     """The array's raw bits as uint32 elements (narrower types widened, wider ones split)."""
     if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
         x = jax.random.key_data(x)
-    itemsize = np.dtype(x.dtype).itemsize
     if x.dtype == jnp.bool_:
         return x.astype(jnp.uint32)
+    if jax.dtypes.itemsize_bits(x.dtype) < 8:  # int4 and the like: widened, value for value
+        wide = jnp.int8 if jnp.issubdtype(x.dtype, jnp.integer) else jnp.float32
+        x = x.astype(wide)
+    itemsize = np.dtype(x.dtype).itemsize
     if itemsize >= 4:
         return lax.bitcast_convert_type(x, jnp.uint32)  # 8 bytes: a trailing axis of 2
     return lax.bitcast_convert_type(x, jnp.dtype(f"uint{8 * itemsize}")).astype(jnp.uint32)
