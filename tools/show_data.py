@@ -51,8 +51,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, required=True, metavar="F.npz")
     args = parser.parse_intermixed_args(argv)
     try:
-        # No eval streams: only the train batches are shown (and a missing split is no error).
-        cfg = config_lib.load(args.config, [*args.overrides, "train.eval_every=0"])
+        # The config is checked as the train loop checks it (eval streams included): what one
+        # refuses, so does the other; only the train batches are written.
+        cfg = config_lib.load(args.config, args.overrides)
         arrays = collect(cfg, args.steps)
     except UserError as e:
         return refuse(PROG, e)
