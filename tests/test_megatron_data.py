@@ -15,11 +15,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import sentencepiece as spm
 from test_resume import env, interrupt, logged_step_at_least, losses, run_to_end
 
 from maxtrain import config as config_lib
 from maxtrain.checkpointing.data_state import JsonIteratorState, adapter_for
 from maxtrain.config import ConfigError
+from maxtrain.corpora.embedded import DEFAULT_TOKENIZER
 from maxtrain.data import BATCH_KEYS
 from maxtrain.data.errors import DataError
 from maxtrain.data.megatron import gpt_indices
@@ -304,7 +306,7 @@ def load_tool(name: str):
 
 def test_prepare_data_writes_what_megatron_read_back(tmp_path):
     prepared = FIXTURES / "prepared"
-    prefix = tmp_path / "corpus"
+    prefix = tmp_path / "new" / "corpus"  # its directory is created, as for ArrayRecord output
     argv = ["--input", str(prepared / "input.jsonl"), "--output", str(prefix),
             "--tokenizer", str(config_lib.REPO_ROOT / "maxtrain/data/assets/default.model"),
             "--output-format", "megatron"]  # fmt: skip
@@ -367,6 +369,13 @@ def test_show_data_writes_the_global_batches_for_megatron_and_grain_configs(tmp_
     shown = np.load(grain_out)
     assert sorted(shown.files) == sorted(BATCH_KEYS) and shown["inputs"].shape == (2, 4, 128)
     assert (shown["segment_ids"] > 1).any()  # packed documents, as the train loop gets them
+    # And as text: the embedded corpus's tokenizer decodes each document of each row.
+    text = grain_out.with_suffix(".txt").read_text()
+    sp = spm.SentencePieceProcessor(model_file=str(DEFAULT_TOKENIZER))
+    ids, segments = shown["inputs"][0, 0], shown["segment_ids"][0, 0]
+    first = sp.decode(ids[segments == segments[0]].tolist())
+    assert text.startswith(f"=== step 1 row 0\n[{segments[0]}] {first}\n")
+    assert not out.with_suffix(".txt").exists()  # a Megatron corpus names no tokenizer
 
 
 # ---- a real run ---------------------------------------------------------------------------------

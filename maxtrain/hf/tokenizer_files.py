@@ -16,30 +16,21 @@ from typing import Any
 
 import yaml
 
-from maxtrain.data.shards import load_tokenizer, read_metadata
-from maxtrain.errors import UserError
-
-EMBEDDED_PREFIX = "embedded:"
+from maxtrain.config import DataConfig
+from maxtrain.data.shards import data_tokenizer, load_tokenizer
 
 
 def run_tokenizer(config_yaml: str) -> Path | None:
     """The sentencepiece model of the run whose resolved config this is; None when it is not
-    known (synthetic or Megatron data, shards whose metadata is gone)."""
-    data = (yaml.safe_load(config_yaml) or {}).get("data") or {}
-    sources = data.get("sources") if data.get("kind") == "grain" else None
-    if not sources or not isinstance(sources, list):
+    known (a config without a data section, as an imported checkpoint's; synthetic or
+    Megatron data; shards whose metadata is gone)."""
+    data = (yaml.safe_load(config_yaml) or {}).get("data")
+    if not isinstance(data, dict):
         return None
-    path = str(sources[0].get("path", ""))
-    if path.startswith(EMBEDDED_PREFIX):
-        from maxtrain.corpora.embedded import DEFAULT_TOKENIZER
-
-        return DEFAULT_TOKENIZER
-    directory = Path(path) if Path(path).is_dir() else Path(path).parent
     try:
-        recorded = read_metadata(directory).get("tokenizer")
-    except (UserError, OSError):
+        return data_tokenizer(DataConfig.model_validate(data))
+    except ValueError:  # pydantic's ValidationError: a config of another version
         return None
-    return Path(recorded) if recorded and Path(recorded).is_file() else None
 
 
 def special_ids(tokenizer_path: Path) -> dict[str, int]:
