@@ -1,16 +1,18 @@
 """What a user sees between the documented workflows: the start-up, checkpoint and end lines,
 summary.json, extending a finished run (its schedule), and a run killed before its summary.
 
-One tiny run in this process, extended twice: each start reuses the previous one's compiled
-step (the compilation cache)."""
+One tiny run in this process, extended once with its schedule pinned (the same program: the
+compilation cache serves it), then started again once complete."""
 
 from __future__ import annotations
 
 import json
+import types
 
 import pytest
 
 from maxtrain import models, optim, run_lock
+from maxtrain import train as train_lib
 from maxtrain.train import run
 
 RUN = ("train.log_every=1", "checkpoint.local.every_steps=2", "optim.lr=1e-2")
@@ -50,37 +52,41 @@ def test_a_run_says_what_it_trains_saves_and_did_and_an_extension_keeps_or_names
     assert out.rstrip().endswith(f"summary in {cfg.run_dir / 'summary.json'}")
     assert "maxtrain: done at step 4 in " in out
 
-    # Extended by raising train.steps alone: the cosine re-stretches over 6 steps, and the
-    # resume says so in one line naming the way to keep the old schedule.
-    run(make_cfg(*RUN, "train.steps=6"))
+    # Extended with the schedule's length pinned to the old one: no note, and past its end
+    # the lr stays at its floor (a cosine over 4 steps, then lr * min_lr_ratio).
+    run(make_cfg(*RUN, "train.steps=6", "optim.schedule_steps=4"))
     out = capsys.readouterr().out
-    notes = [line for line in out.splitlines() if "lr schedule now spans" in line]
-    assert notes == [
-        "maxtrain: note: the lr schedule now spans 6 steps; step 4 was trained on one of 4, so "
+    assert "lr schedule now spans" not in out and "resumed at step 4" in out
+    lr = lrs(cfg.run_dir)
+    assert lr[5] == lr[6] == pytest.approx(1e-2 * cfg.optim.min_lr_ratio)
+    assert lr[2] > lr[3] > lr[4] > lr[5]
+    # Extended by raising train.steps alone, the decay would re-stretch over 8 steps: the
+    # resume says so in one line naming how to keep the old schedule (read from the config
+    # saved with the step it resumes from).
+    longer = make_cfg(*RUN, "train.steps=8")
+    step_6 = cfg.run_dir / "checkpoints" / "persistent" / "6"
+    restored = types.SimpleNamespace(restore_info={"dir": str(step_6), "step": 6})
+    assert train_lib._schedule_change(longer, restored) == (
+        "maxtrain: note: the lr schedule now spans 8 steps; step 6 was trained on one of 4, so "
         "the learning rate changes from here on (set optim.schedule_steps=4 to keep that "
         "schedule)"
-    ]
-    # Extended with the schedule's length pinned: the lr stays at its floor past the end.
-    run(make_cfg(*RUN, "train.steps=8", "optim.schedule_steps=6"))
-    out, err = capsys.readouterr()
-    assert "lr schedule now spans" not in out
-    lr = lrs(cfg.run_dir)
-    assert lr[7] == lr[8] == pytest.approx(1e-2 * cfg.optim.min_lr_ratio)
-    assert lr[5] > lr[6] > lr[7]  # the 6-step decay, then the floor
+    )
+    pinned = make_cfg(*RUN, "train.steps=8", "optim.schedule_steps=4")
+    assert train_lib._schedule_change(pinned, restored) is None
 
     # Killed after its final save, before summary.json, with its lock left filled in: the
     # next start finds it complete, writes the summary from metrics.jsonl and frees the lock.
     (cfg.run_dir / "summary.json").unlink()
     left = {"pid": 99999999, "host": "gone", "started": "2025-01-01T00:00:00"}
     (cfg.run_dir / run_lock.LOCK).write_text(json.dumps(left))
-    assert run(make_cfg(*RUN, "train.steps=8", "optim.schedule_steps=6"))["step"] == 8
+    assert run(make_cfg(*RUN, "train.steps=6", "optim.schedule_steps=4"))["step"] == 6
     out, err = capsys.readouterr()
-    assert "is complete: step 8" in out and "wrote the missing" in out
+    assert "is complete: step 6" in out and "wrote the missing" in out
     assert "taking over" in err and "pid 99999999 on gone" in err
     assert (cfg.run_dir / run_lock.LOCK).read_text() == ""
     written = json.loads((cfg.run_dir / "summary.json").read_text())
-    assert written["step"] == 8 and written["train/lr"] == lr[8]
-    assert written["tokens_seen"] == 8 * 8 * 32 and "wall_time_s" not in written
+    assert written["step"] == 6 and written["train/lr"] == lr[6]
+    assert written["tokens_seen"] == 6 * 8 * 32 and "wall_time_s" not in written
 
 
 def test_warmup_as_long_as_the_schedule_is_warned(make_cfg):
