@@ -326,9 +326,10 @@ def _train(
         f"maxtrain: {cfg.model_name}, {num_devices} devices ({jax.devices()[0].device_kind}), "
         f"mesh {dict(trainer.mesh.shape)}, run dir {run_dir}{resumed}",
     )
-    _print(is_writer, run_summary.describe_start(cfg))
-    if warning := optim.warmup_warning(cfg.optim, cfg.schedule_steps):
-        _warn(is_writer, warning)
+    # A warmup the schedule never ends is said in the start-up line (stdout), not as an error.
+    warning = optim.warmup_warning(cfg.optim, cfg.schedule_steps)
+    start_line = run_summary.describe_start(cfg) + (f"; warning: {warning}" if warning else "")
+    _print(is_writer, start_line)
     if start_step and (note := _schedule_change(cfg, ckpt)):
         _print(is_writer, note)
 
