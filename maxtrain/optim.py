@@ -32,6 +32,18 @@ def schedule(cfg: OptimConfig, total_steps: int) -> optax.Schedule:
     return optax.join_schedules([ramp, after], [warmup])
 
 
+def warmup_warning(cfg: OptimConfig, schedule_steps: int) -> str | None:
+    """What is wrong with a warmup that does not end before the schedule does (the run would
+    end mid-warmup, never decaying: train.steps=20 with the default 30 warmup steps); None if
+    nothing is."""
+    if cfg.schedule == "constant" or cfg.warmup_steps < schedule_steps:
+        return None
+    return (
+        f"optim.warmup_steps={cfg.warmup_steps} is not shorter than the schedule "
+        f"({schedule_steps} steps): the learning rate never decays; lower optim.warmup_steps"
+    )
+
+
 def decay_mask(params: Any) -> Any:
     """True for matmul kernels and embeddings; norm scales (and any bias) get no weight decay."""
 

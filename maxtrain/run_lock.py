@@ -33,6 +33,10 @@ class RunDirBusy(UserError):
     """Another trainer holds the run directory; the CLI exits 2."""
 
 
+class RunDirError(UserError):
+    """The run directory cannot be created (under a file, no permission); the CLI exits 2."""
+
+
 @contextlib.contextmanager
 def held(run_dir: Path, take: bool = True) -> Iterator[None]:
     """Holds `<run_dir>/.lock` for the block (creating run_dir); RunDirBusy if another process
@@ -40,8 +44,7 @@ def held(run_dir: Path, take: bool = True) -> Iterator[None]:
     if not take:
         yield
         return
-    created = not run_dir.exists()
-    run_dir.mkdir(parents=True, exist_ok=True)
+    created = _create(run_dir)
     path = run_dir / LOCK
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
     try:
@@ -66,11 +69,38 @@ def held(run_dir: Path, take: bool = True) -> Iterator[None]:
             yield
         finally:
             os.ftruncate(fd, 0)  # an empty file: the last holder ended cleanly
-            if created and os.listdir(run_dir) == [LOCK]:  # a refused start leaves nothing
-                path.unlink()
-                run_dir.rmdir()
+            if created is not None and os.listdir(run_dir) == [LOCK]:
+                path.unlink()  # a refused start leaves nothing, run.output_dir included
+                _remove_empty(run_dir, up_to=created)
     finally:
         os.close(fd)  # releases the lock
+
+
+def _create(run_dir: Path) -> Path | None:
+    """Creates run_dir and its missing parents; returns the topmost one it created (None: it
+    existed). RunDirError, one line, where it cannot: a parent is a file, no permission."""
+    created = None
+    for directory in (run_dir, *run_dir.parents):
+        if directory.exists():
+            break
+        created = directory
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise RunDirError(
+            f"cannot create the run directory {run_dir} (run.output_dir/run.name): "
+            f"{e.strerror or e}" + (f" ({e.filename})" if e.filename else "")
+        ) from None
+    return created
+
+
+def _remove_empty(run_dir: Path, up_to: Path) -> None:
+    """Removes run_dir and its parents up to `up_to`, each only if empty."""
+    for directory in (run_dir, *run_dir.parents):
+        with contextlib.suppress(OSError):  # not empty: something else lives there
+            directory.rmdir()
+        if directory == up_to:
+            return
 
 
 def _same_file(fd: int, path: Path) -> bool:

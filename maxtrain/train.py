@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import json
 import math
 import os
 import sys
@@ -18,15 +17,17 @@ from typing import Any
 
 import jax
 import numpy as np
+import yaml
 from jax.sharding import Mesh, NamedSharding
 
-from maxtrain import cache, distributed, optim, run_lock
+from maxtrain import cache, distributed, optim, run_lock, run_summary
 from maxtrain import config as config_lib
 from maxtrain import metrics as metrics_lib
 from maxtrain.checkpointing import (
     CheckpointError,
     TieredCheckpointer,
     open_checkpointer,
+    read_saved_config,
 )
 from maxtrain.checkpointing.common import tier_dirs
 from maxtrain.checkpointing.integrity import newest_complete
@@ -126,7 +127,7 @@ def build_trainer(
     mesh = build_mesh(cfg.mesh, devices)
     check_batch(cfg, mesh)
     check_experts(cfg, mesh)
-    tx, lr_schedule = optim.build(cfg.optim, cfg.train.steps)
+    tx, lr_schedule = optim.build(cfg.optim, cfg.schedule_steps)
     with sharding_rules(mesh, cfg.mesh.rules):
         state, mdef, shardings = init_state(cfg, mesh, tx, abstract)
         saved = saved_layout(cfg, mesh, tx, mdef)
@@ -213,7 +214,14 @@ def _finished(cfg: Config) -> dict[str, Any] | None:
     found = newest_complete(tier_dirs(cfg.checkpoint, cfg.run_dir)["persistent"])
     if found is None or found[0] < cfg.train.steps:
         return None
-    return _complete(cfg, *found)
+    done = _complete(cfg, *found)
+    if not (cfg.run_dir / run_summary.FILE).exists() and jax.process_index() == 0:
+        # Killed after its final save, before the summary: write it now, under the lock (which
+        # also clears one the killed trainer left filled in).
+        with run_lock.held(cfg.run_dir):
+            path = run_summary.write(cfg.run_dir, run_summary.from_metrics(cfg, found[0]))
+        _print(True, f"maxtrain: wrote the missing {path} from metrics.jsonl")
+    return done
 
 
 def _complete(cfg: Config, step: int, where: Any) -> dict[str, Any]:
@@ -254,6 +262,7 @@ def run(cfg: Config) -> dict[str, Any]:
     Holds the run directory's lock (run_lock.py) while it trains: a second trainer on the same
     run directory refuses to start.
     """
+    started = time.perf_counter()
     distributed.initialize(cfg.distributed)  # before anything touches devices
     cache.enable_compilation_cache(cfg.run.compilation_cache_dir)
     if (done := _finished(cfg)) is not None:
@@ -273,7 +282,7 @@ def run(cfg: Config) -> dict[str, Any]:
                 trainer.saved.abstract(trainer.state),
             )
         try:
-            return _train(trainer, ckpt, train_batches, eval_streams, tasks)
+            return _train(trainer, ckpt, train_batches, eval_streams, started, tasks)
         except NonFiniteLoss as e:
             e.kept = _keep_finite_checkpoints(ckpt, e.first)
             raise
@@ -299,6 +308,7 @@ def _train(
     ckpt: TieredCheckpointer | None,
     train_batches,
     eval_streams,
+    started: float,
     tasks: TaskEvaluator | None = None,
 ) -> dict:
     cfg, run_dir, is_writer = trainer.cfg, trainer.cfg.run_dir, jax.process_index() == 0
@@ -319,6 +329,12 @@ def _train(
         f"maxtrain: {cfg.model_name}, {num_devices} devices ({jax.devices()[0].device_kind}), "
         f"mesh {dict(trainer.mesh.shape)}, run dir {run_dir}{resumed}",
     )
+    # A warmup the schedule never ends is said in the start-up line (stdout), not as an error.
+    warning = optim.warmup_warning(cfg.optim, cfg.schedule_steps)
+    start_line = run_summary.describe_start(cfg) + (f"; warning: {warning}" if warning else "")
+    _print(is_writer, start_line)
+    if start_step and (note := _schedule_change(cfg, ckpt)):
+        _print(is_writer, note)
 
     profile = cfg.profile
     nonfinite = NonFiniteWatch(cfg.train, warn=functools.partial(_warn, is_writer))
@@ -338,7 +354,9 @@ def _train(
             # Save before fetching the next batch: the saved data position must be step + 1.
             if ckpt is not None and ckpt.due(step):
                 nonfinite.settle(step)  # never save a non-finite step
-                ckpt.maybe_save(step, trainer.saved_state(), train_batches)
+                tiers = ckpt.maybe_save(step, trainer.saved_state(), train_batches)
+                for tier in tiers:
+                    _print(is_writer, f"checkpoint step {step}: {ckpt.dirs[tier] / str(step)}")
             stopping = signals.stop_after(step)  # no further batch: the position is saved
             # The step runs asynchronously: the host builds the next batch meanwhile.
             t0 = time.perf_counter()
@@ -368,7 +386,7 @@ def _train(
                 }
                 writer.write(step, scalars, prefix="train")
                 _print(is_writer, metrics_lib.format_console_line(step, cfg.train.steps, scalars))
-                last = scalars
+                last.update({f"train/{k}": v for k, v in scalars.items()})
                 window_start, window_steps, data_wait = time.perf_counter(), 0, 0.0
 
             if cfg.train.eval_every and (
@@ -379,19 +397,44 @@ def _train(
                     ev.update(tasks(trainer.state.params))
                 writer.write(step, ev, prefix="eval")
                 _print(is_writer, _format_eval(step, ev))
-                last.update({f"eval_{k}": v for k, v in ev.items()})
+                last.update({f"eval/{k}": v for k, v in ev.items()})
                 window_start = time.perf_counter()  # keep eval time out of step time
             if stopping:
                 break
         nonfinite.settle(step)  # the last step's flag, before its state is saved
         _final_save(ckpt, trainer, train_batches, step, signals.signal_name, is_writer)
 
-    summary = {"step": step, **{k: v for k, v in last.items() if v is not None}}
+    summary = {
+        **run_summary.basics(cfg, step),
+        **{k: v for k, v in last.items() if v is not None},
+        "wall_time_s": time.perf_counter() - started,
+    }
     if signals.signal_name:
         summary["stopped_by"] = signals.signal_name  # main's exit status
     if is_writer:
-        (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+        path = run_summary.write(run_dir, summary)
+        _print(is_writer, run_summary.describe_end(summary, path))
     return summary
+
+
+def _schedule_change(cfg: Config, ckpt: TieredCheckpointer | None) -> str | None:
+    """One line if the restored step was trained on a schedule of another length (train.steps
+    raised with optim.schedule_steps unset re-stretches the decay), else None."""
+    where = (ckpt.restore_info or {}).get("dir") if ckpt is not None else None
+    if not where:
+        return None
+    try:
+        saved = config_lib.validate(yaml.safe_load(read_saved_config(where)))
+    except UserError:  # an older or unreadable saved config: nothing to compare
+        return None
+    if saved.schedule_steps == cfg.schedule_steps:
+        return None
+    return (
+        f"maxtrain: note: the lr schedule now spans {cfg.schedule_steps} steps; step "
+        f"{ckpt.restore_info['step']} was trained on one of "
+        f"{saved.schedule_steps}, so the learning rate changes from here on (set "
+        f"optim.schedule_steps={saved.schedule_steps} to keep that schedule)"
+    )
 
 
 def _final_save(
@@ -414,6 +457,7 @@ def _final_save(
         _print(is_writer, f"maxtrain: {stopped_by}: saved step {step} to the local tier; exiting")
     else:
         ckpt.save_now(step, trainer.saved_state(), train_batches, tier="persistent", wait=True)
+        _print(is_writer, f"checkpoint step {step}: {ckpt.dirs['persistent'] / str(step)} (final)")
     ckpt.close()
 
 

@@ -21,6 +21,7 @@ from test_faults import tree_digest
 from xla_env import xla_flags
 
 from maxtrain import config as config_lib
+from maxtrain import quantization
 from maxtrain import train as train_lib
 from maxtrain.checkpointing.export import save_parameters
 from maxtrain.config import ConfigError
@@ -93,6 +94,8 @@ ROWS = [
      "override 'optim..lr=3' has an empty key"),
     ("unknown model", "maxtrain", [*TINY, "model_name=llama-8b"],
      "model_name 'llama-8b' has no file"),
+    ("model file missing", "maxtrain", [*TINY, "model_name={in}/imported/model.yml"],
+     "model_name '{in}/imported/model.yml': no such model file"),
     ("stage -1", "maxtrain", [*TINY, "mesh.stage=-1"],
      "config key 'mesh.stage' must be > 0 (got -1)"),
     ("pipeline schedule", "maxtrain", [*TINY, "pipeline.schedule=1f1b"],
@@ -137,6 +140,24 @@ ROWS = [
      [*TINY, "checkpoint.load_parameters_path={in}/ckpt", "model.mlp_dim=96"],
      "checkpoint {in}/ckpt/0 does not match the model: 'params/layers/mlp/down/kernel' has "
      "shape (2, 128, 64) in the checkpoint, the model expects (2, 96, 64)"),
+    # A refused start removes the run.output_dir it created ({out}/new/runs: two levels).
+    ("another model, new output dir", "maxtrain",
+     [*TINY, "run.output_dir={out}/new/runs", "checkpoint.load_parameters_path={in}/ckpt",
+      "model.mlp_dim=96"], "does not match the model"),
+    ("load_parameters_path missing", "maxtrain",
+     [*TINY, "run.output_dir={out}/new/runs", "checkpoint.load_parameters_path={in}/nowhere"],
+     "no complete checkpoint found at {in}/nowhere"),
+    ("checkpoint dir under a file", "maxtrain",
+     [*TINY, "run.output_dir={out}/new/runs", "checkpoint.local.dir={in}/corpus.jsonl/local"],
+     "{in}/corpus.jsonl/local"),
+    ("output dir under a file", "maxtrain", [*TINY, "run.output_dir={in}/corpus.jsonl/runs"],
+     "cannot create the run directory {in}/corpus.jsonl/runs/default (run.output_dir/run.name): "
+     "Not a directory"),
+    ("unknown embedded source", "maxtrain",
+     [*TINY, "data.kind=grain", "data.cache_dir={out}/cache",
+      "data.sources=[{name: poems, path: 'embedded:poetry'}]"],
+     "unknown embedded source 'embedded:poetry'; the embedded corpus has embedded:code, "
+     "embedded:math, embedded:prose"),
     ("upcycle source missing", "upcycle",
      [BASE, "model_name=tiny-moe", "model.moe.expert_mlp_dim=64", "init.source_model=tiny",
       "--source", "{in}/nowhere",
@@ -151,6 +172,8 @@ ROWS = [
      "argument --steps: must be at least 1, not 0"),
     ("benchmark config", "benchmark", [BASE, "optim.b1=1", "--dry-run"],
      "config key 'optim.b1' must be < 1 (got 1)"),
+    ("benchmark --device unknown", "benchmark", [BASE, "--dry-run", "--device", "abacus"],
+     "--device 'abacus': memory not known; known: tpu v6 lite"),
     ("benchmark_data --batches x", "benchmark_data", [BASE, "--batches", "x"],
      "argument --batches: must be an integer, not 'x'"),
     ("show_data --steps 0", "show_data", [BASE, "--steps", "0", "--out", "{out}/b.npz"],
@@ -158,6 +181,10 @@ ROWS = [
     ("export --max-shard-gb 0", "convert_hf",
      ["export", "--checkpoint", "{in}/ckpt", "--output", "{out}/hf", "--max-shard-gb", "0"],
      "argument --max-shard-gb: must be a finite number above 0, not 0"),
+    ("export of a quantized checkpoint", "convert_hf",
+     ["export", "--checkpoint", "{in}/ptq", "--output", "{out}/hf"],
+     "checkpoint {in}/ptq/0 holds int8 post-training-quantized weights (tools/quantize.py), "
+     "which export does not write"),
     ("upcycle without --source", "upcycle", [BASE, "--output", "{out}/moe"],
      "the following arguments are required: --source"),
     ("quantize config", "quantize",
@@ -189,6 +216,10 @@ def inputs(tmp_path_factory) -> Path:
     abstract = nnx.to_pure_dict(model_def(cfg).abstract_state)  # the shapes are what count
     params = jax.tree.map(lambda x: np.zeros(x.shape, x.dtype), abstract)
     save_parameters(root / "ckpt", params, config_yaml=config_lib.to_yaml(cfg))
+    kernels = quantization.quantizable_kernels(model_def(cfg).abstract_state)
+    qparams, _ = quantization.quantize_params(params, kernels, "int8")
+    meta = {"quantization": {"qtype": "int8", "source": "ckpt"}}
+    save_parameters(root / "ptq", qparams, config_yaml=config_lib.to_yaml(cfg), meta=meta)
     return root
 
 

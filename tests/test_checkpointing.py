@@ -4,6 +4,7 @@ mistakes, resharding, failures that must not hang, retention, parameter import."
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import shutil
 import threading
@@ -23,6 +24,7 @@ from maxtrain.checkpointing import (
     Checkpointer,
     CheckpointError,
     EmergencyCheckpointer,
+    checksums,
     integrity,
     load_parameters,
     read_saved_config,
@@ -252,6 +254,82 @@ def test_corrupt_newest_falls_back_and_says_so(setup, corruption):
     assert (local / "20" / integrity.COMMIT_FILE).exists()
 
 
+def test_flipped_bit_restores_as_corrupt_naming_the_leaf_and_falls_back(setup, tmp_path):
+    """A bit flipped in one optimizer moment, with every file still its listed size (what a bad
+    disk does), is caught by the content checksums written at save time: the step is set
+    aside and the run resumes from the one before, with one line naming the leaf."""
+    cfg, state, logs, checkpointer = setup("checkpoint.persistent.every_steps=1000")
+    with checkpointer() as ckpt:
+        ckpt.maybe_save(10, with_step(state, 10))
+        ckpt.maybe_save(20, with_step(state, 20))
+    leaf = "opt_state/1/0/nu/layers/mlp/up/kernel"
+    paths = checksums.paths(state)
+    leaves, treedef = jax.tree.flatten(with_step(state, 20))
+    i = paths.index(leaf)
+    bits = np.asarray(leaves[i]).view(np.uint32).copy()
+    bits.flat[537] ^= 1 << 3  # one low mantissa bit: the value stays finite and plausible
+    leaves[i] = jax.device_put(bits.view(np.float32), leaves[i].sharding)
+    flipped = jax.tree.unflatten(treedef, leaves)
+    # The same step with the flipped bit, written elsewhere; its state replaces step 20's, and
+    # step 20's manifest is made to list the new sizes, so only the checksums can tell.
+    other = Checkpointer(cfg.checkpoint, tmp_path / "other", config_lib.to_yaml(cfg), log=print)
+    with other:
+        other.maybe_save(20, flipped)
+    local = cfg.run_dir / "checkpoints" / "local"
+    shutil.rmtree(local / "20" / "state")
+    shutil.copytree(
+        tmp_path / "other" / "checkpoints" / "local" / "20" / "state", local / "20" / "state"
+    )
+    manifest_path = local / "20" / integrity.MANIFEST
+    manifest = json.loads(manifest_path.read_text())
+    theirs = json.loads((tmp_path / "other/checkpoints/local/20" / integrity.MANIFEST).read_text())
+    assert manifest["checksums"][leaf] != theirs["checksums"][leaf]  # the bit changed the sum
+    assert {k: v for k, v in manifest["checksums"].items() if k != leaf} == {
+        k: v for k, v in theirs["checksums"].items() if k != leaf
+    }
+    manifest["files"] = {
+        k: v
+        for k, v in (manifest["files"] | theirs["files"]).items()
+        if (k in theirs["files"]) == k.startswith("state/")
+    }
+    manifest_path.write_text(json.dumps(manifest))
+
+    with checkpointer() as ckpt:
+        restored, step = ckpt.restore_latest(abstract(state))
+    assert (step, int(restored.step)) == (10, 10)
+    assert any(
+        line.startswith(f"checkpoint step 20 in {local} is incomplete or corrupt (")
+        and repr(leaf) in line
+        and line.endswith("); falling back to step 10")
+        for line in logs
+    ), logs
+    assert list(local.glob("20.corrupt-*"))
+
+
+def test_checksum_catches_every_single_bit_flip_and_ignores_the_layout():
+    """Every single-bit change of an array changes its checksum, for each width the state
+    holds; the checksum of a global array is the same on any sharding (a step saved on one
+    mesh is checked on another)."""
+    rng = np.random.default_rng(0)
+    for dtype in (np.float32, jnp.bfloat16, np.int8, np.int32):
+        x = rng.integers(0, 100, (2, 4)).astype(dtype)
+        base = checksums.of({"x": jnp.asarray(x)})["x"]
+        raw = x.view(f"uint{8 * x.dtype.itemsize}")
+        for i in range(raw.size):
+            for b in range(8 * x.dtype.itemsize):
+                flipped = raw.copy()
+                flipped.flat[i] ^= 1 << b
+                after = checksums.of({"x": jnp.asarray(flipped.view(x.dtype))})["x"]
+                assert after != base, (dtype, i, b)
+    int4 = jnp.arange(-8, 8, dtype=jnp.int4)  # PTQ's weights: a changed value changes the sum
+    base = checksums.of([int4])
+    assert all(checksums.of([int4.at[i].set(int4[i] ^ 1)]) != base for i in range(16))
+    x = jnp.asarray(rng.standard_normal((8, 16)).astype(np.float32))
+    mesh = jax.make_mesh((4, 2), ("a", "b"))
+    sharded = jax.device_put(x, jax.NamedSharding(mesh, jax.P("a", "b")))
+    assert checksums.of([sharded]) == checksums.of([x])
+
+
 def test_interrupted_save_is_ignored_then_cleaned_up(setup):
     cfg, state, logs, checkpointer = setup()
     with checkpointer() as ckpt:
@@ -372,10 +450,10 @@ def test_slow_persistent_tier_is_skipped_not_waited_for(setup, monkeypatch):
     release = threading.Event()
     real_write = integrity.write_manifest
 
-    def slow_write(step_dir, step):
+    def slow_write(step_dir, step, *rest):
         if step_dir.parent.name == "persistent":
             release.wait(30)  # a bucket that takes its time
-        real_write(step_dir, step)
+        real_write(step_dir, step, *rest)
 
     monkeypatch.setattr(integrity, "write_manifest", slow_write)
     ckpt = checkpointer()

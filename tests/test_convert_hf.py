@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import sentencepiece as spm
 import yaml
 from flax import nnx
 from safetensors import safe_open
@@ -30,11 +31,13 @@ from maxtrain import config as config_lib
 from maxtrain import models
 from maxtrain.checkpointing import load_parameters
 from maxtrain.config import ModelConfig, MoeConfig
+from maxtrain.corpora.embedded import DEFAULT_TOKENIZER
 from maxtrain.hf import ConversionError, cli, read_hf_model, write_hf_model
 from maxtrain.hf import convert as convert_lib
 from maxtrain.hf.config_map import hf_config, model_config
 from maxtrain.hf.families import FAMILIES, family_for
 from maxtrain.hf.layout import slots
+from maxtrain.hf.tokenizer_files import run_tokenizer
 from maxtrain.transforms import upcycle
 
 REPO = Path(__file__).resolve().parent.parent
@@ -198,6 +201,40 @@ def test_import_and_export_do_not_depend_on_training_settings(tmp_path):
     assert yaml.safe_load((ckpt / convert_lib.MODEL_YAML).read_text())["max_seq_len"] == 64
     assert cli.main(["export", "--checkpoint", str(ckpt), "--output", str(out)]) == 0
     assert json.loads((out / "config.json").read_text())["max_position_embeddings"] == 64
+
+
+def test_export_writes_the_tokenizer_its_ids_and_the_step(tmp_path, capsys):
+    """What a Hugging Face user needs next: the run's sentencepiece model (found from the
+    config saved with the checkpoint, or given), its bos/eos ids in config.json and
+    generation_config.json; the message names the step exported."""
+    case = FIXTURES / "llama_gqa_untied_sharded"
+    ckpt = tmp_path / "ckpt"
+    assert cli.main(["import", "--hf-dir", str(case), "--output", str(ckpt)]) == 0
+    capsys.readouterr()
+    # An imported checkpoint's saved config has no data section: its tokenizer is not known.
+    assert cli.main(["export", "--checkpoint", str(ckpt), "--output", str(tmp_path / "a")]) == 0
+    assert "from step 0" in (printed := capsys.readouterr().out) and "--tokenizer" in printed
+    assert not (tmp_path / "a" / "tokenizer.model").exists()
+
+    args = ["export", "--checkpoint", str(ckpt), "--output", str(tmp_path / "b")]
+    assert cli.main([*args, "--tokenizer", str(DEFAULT_TOKENIZER)]) == 0
+    assert f"tokenizer {DEFAULT_TOKENIZER}" in capsys.readouterr().out
+    out = tmp_path / "b"
+    assert (out / "tokenizer.model").read_bytes() == DEFAULT_TOKENIZER.read_bytes()
+    sp = spm.SentencePieceProcessor(model_file=str(DEFAULT_TOKENIZER))
+    config = json.loads((out / "config.json").read_text())
+    generation = json.loads((out / "generation_config.json").read_text())
+    assert config["eos_token_id"] == generation["eos_token_id"] == sp.eos_id()
+    tokenizer_config = json.loads((out / "tokenizer_config.json").read_text())
+    assert tokenizer_config["eos_token"] == sp.id_to_piece(sp.eos_id())
+
+    # A run on the embedded corpus: its saved config says which tokenizer it used.
+    run_cfg = config_lib.load(config_lib.CONFIGS_DIR / "base.yml", ["model_name=tiny"])
+    assert run_tokenizer(config_lib.to_yaml(run_cfg)) == DEFAULT_TOKENIZER
+    synthetic = config_lib.load(
+        config_lib.CONFIGS_DIR / "base.yml", ["model_name=tiny", "data.kind=synthetic"]
+    )
+    assert run_tokenizer(config_lib.to_yaml(synthetic)) is None
 
 
 def test_tool_script_runs(tmp_path):

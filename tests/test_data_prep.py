@@ -90,6 +90,15 @@ def test_jsonl_reader_counts_every_skip_by_reason(tmp_path):
         "blank-line": 1,
         "empty-text": 1,
     }
+    at = lambda *lines: [f"{tmp_path / 'a.jsonl'}:{n}" for n in lines]  # mixed_jsonl's order
+    assert reader.skipped.where == {
+        "invalid-json": at(2),
+        "missing-field": at(3),
+        "non-string-field": at(4),
+        "non-utf8": at(5, 10),
+        "blank-line": at(6),
+        "empty-text": at(7),
+    }
 
 
 def test_jsonl_reader_field_is_configurable(tmp_path):
@@ -155,7 +164,8 @@ def test_prepare_data_cli_end_to_end(tmp_path):
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
     assert "5 documents" in result.stdout and "3 shards" in result.stdout
-    assert "invalid-json 1" in result.stdout and "non-utf8 2" in result.stdout
+    assert f"invalid-json 1 ({tmp_path / 'a.jsonl'}:2)" in result.stdout
+    assert f"non-utf8 2 ({tmp_path / 'a.jsonl'}:5, {tmp_path / 'a.jsonl'}:10)" in result.stdout
 
     info = validate_source(out / "*.arrayrecord")
     metadata = read_metadata(out)

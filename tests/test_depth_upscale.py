@@ -158,7 +158,10 @@ def test_tool_writes_exact_copies_atomically_or_nothing(make_cfg, tmp_path, caps
     expected = depth_upscale(params, source_cfg.model, [0, 1, 1])
     for a, b in zip(jax.tree.leaves(written), jax.tree.leaves(expected), strict=True):
         np.testing.assert_array_equal(a, b)
-    capsys.readouterr()
+    by_path = config_lib.load(config_lib.CONFIGS_DIR / "base.yml", [f"model_name={out}/model.yml"])
+    assert by_path.model.num_layers == 3
+    assert models.param_count(by_path.model) == models.param_count(target.model)
+    assert f"model_name={out}/model.yml" in capsys.readouterr().out
 
     assert cli.main("depth_upscale", args, "") == 2  # the output exists: refused, untouched
     assert "already exists" in capsys.readouterr().err

@@ -15,17 +15,20 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import sentencepiece as spm
 from test_resume import env, interrupt, logged_step_at_least, losses, run_to_end
 
 from maxtrain import config as config_lib
 from maxtrain.checkpointing.data_state import JsonIteratorState, adapter_for
 from maxtrain.config import ConfigError
+from maxtrain.corpora.embedded import DEFAULT_TOKENIZER
 from maxtrain.data import BATCH_KEYS
 from maxtrain.data.errors import DataError
 from maxtrain.data.megatron import gpt_indices
 from maxtrain.data.megatron.indexed import DTYPES, IndexedWriter, open_corpus
 from maxtrain.data.megatron.stream import GlobalBatches, MegatronData, StepIterator
 from maxtrain.train import data_streams
+from maxtrain.train import main as train_main
 
 FIXTURES = Path(__file__).parent / "fixtures" / "megatron"
 META = json.loads((FIXTURES / "configs.json").read_text())
@@ -303,7 +306,7 @@ def load_tool(name: str):
 
 def test_prepare_data_writes_what_megatron_read_back(tmp_path):
     prepared = FIXTURES / "prepared"
-    prefix = tmp_path / "corpus"
+    prefix = tmp_path / "new" / "corpus"  # its directory is created, as for ArrayRecord output
     argv = ["--input", str(prepared / "input.jsonl"), "--output", str(prefix),
             "--tokenizer", str(config_lib.REPO_ROOT / "maxtrain/data/assets/default.model"),
             "--output-format", "megatron"]  # fmt: skip
@@ -318,6 +321,36 @@ def test_prepare_data_writes_what_megatron_read_back(tmp_path):
     np.testing.assert_array_equal(corpus.sequence_lengths, megatron["lengths"])
     np.testing.assert_array_equal(corpus.tokens, megatron["tokens"])
     assert load_tool("prepare_data").main(argv) == 2  # an existing pair is never overwritten
+
+
+def test_a_split_too_small_for_evaluation_is_refused_alike_by_training_and_show_data(
+    tmp_path, capsys
+):
+    """9 documents under Megatron's default split 969,30,1: no valid sequences. The trainer
+    and show_data check the same config the same way, in one line saying what to change."""
+    base = str(config_lib.CONFIGS_DIR / "base.yml")
+    args = [base, "model_name=tiny", "model.vocab_size=1024", "data.kind=megatron",
+            f"data.sources=[{{name: small, path: {FIXTURES / 'prepared' / 'corpus'}}}]",
+            f"data.cache_dir={tmp_path / 'cache'}", f"run.output_dir={tmp_path}",
+            "train.eval_every=2"]  # fmt: skip
+    said = []
+    for program, argv in (
+        (train_main, args),
+        (load_tool("show_data").main, [*args, "--steps", "1", "--out", str(tmp_path / "b.npz")]),
+    ):
+        assert program(argv) == 2
+        said.append(capsys.readouterr().err.split(": error: ", 1)[1])
+    assert (
+        said[0]
+        == said[1]
+        == (
+            "data.sources[small]: data.megatron.split '969,30,1' leaves the valid split of its 9 "
+            "sequences no tokens; give that split a larger share or set train.eval_every=0 (no "
+            "evaluation)\n"
+        )
+    )
+    assert load_tool("show_data").main([*args, "train.eval_every=0", "--steps", "1", "--out",
+                                        str(tmp_path / "b.npz")]) == 0  # fmt: skip
 
 
 def test_show_data_writes_the_global_batches_for_megatron_and_grain_configs(tmp_path):
@@ -336,6 +369,13 @@ def test_show_data_writes_the_global_batches_for_megatron_and_grain_configs(tmp_
     shown = np.load(grain_out)
     assert sorted(shown.files) == sorted(BATCH_KEYS) and shown["inputs"].shape == (2, 4, 128)
     assert (shown["segment_ids"] > 1).any()  # packed documents, as the train loop gets them
+    # And as text: the embedded corpus's tokenizer decodes each document of each row.
+    text = grain_out.with_suffix(".txt").read_text()
+    sp = spm.SentencePieceProcessor(model_file=str(DEFAULT_TOKENIZER))
+    ids, segments = shown["inputs"][0, 0], shown["segment_ids"][0, 0]
+    first = sp.decode(ids[segments == segments[0]].tolist())
+    assert text.startswith(f"=== step 1 row 0\n[{segments[0]}] {first}\n")
+    assert not out.with_suffix(".txt").exists()  # a Megatron corpus names no tokenizer
 
 
 # ---- a real run ---------------------------------------------------------------------------------

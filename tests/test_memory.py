@@ -1,8 +1,12 @@
 """The dry-run memory estimate against XLA's buffer assignment for the same compiled step."""
 
+import json
+
 import pytest
+from test_data_prep import load_tool
 
 from maxtrain.analysis import memory
+from maxtrain.config import CONFIGS_DIR
 from maxtrain.data import to_global
 from maxtrain.train import build_trainer, data_streams
 
@@ -41,3 +45,30 @@ def test_parameter_shards_follow_the_mesh(make_cfg):
     norms = (2 * 2 + 1) * 64 * 4
     assert sharded.params == (replicated.params - norms) // 8 + norms
     assert replicated.optimizer == 2 * replicated.params
+
+
+@pytest.mark.parametrize(
+    "device, devices, memory_gib",
+    [("TPU v5e", 8, 16.0), ("TPU v5e", 4, 16.0), ("NVIDIA H100 80GB HBM3", 4, 80.0)],
+)
+def test_dry_run_says_whether_it_fits_the_named_device_and_by_how_much(
+    device, devices, memory_gib, capsys
+):
+    """llama3-8b over 8 v5e chips fits their 16 GiB (vendor spec) with ~0.6 GiB to spare; over 4
+    it does not, and the JSON says by how much; on 4 H100s (80 GiB) it fits."""
+    argv = [
+        str(CONFIGS_DIR / "base.yml"),
+        "model_name=llama3-8b",
+        "--dry-run",
+        f"--devices={devices}",
+    ]
+    assert load_tool("benchmark").main([*argv, f"--device={device}"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    total = result["estimated_gib_per_device"]["total"]
+    assert result["fit"] == {
+        "device": device,
+        "device_memory_gib": memory_gib,
+        "fits": total <= memory_gib,
+        "headroom_gib": pytest.approx(memory_gib - total, abs=1e-3),
+    }
+    assert result["fit"]["fits"] == (device != "TPU v5e" or devices == 8)

@@ -303,7 +303,7 @@ def test_train_loop_evaluates_each_source_and_their_weighted_mean(make_cfg, tmp_
     summary = run(cfg)
     lines = [json.loads(x) for x in (cfg.run_dir / "metrics.jsonl").read_text().splitlines()]
     ev = next(x for x in lines if "eval/loss" in x)
-    assert ev["step"] == 4 and summary["eval_loss"] == ev["eval/loss"]
+    assert ev["step"] == 4 and summary["eval/loss"] == ev["eval/loss"]
     mean = 0.75 * ev["eval/web/loss"] + 0.25 * ev["eval/code/loss"]
     assert ev["eval/loss"] == pytest.approx(mean)
     assert 4.0 < ev["eval/loss"] < 7.0  # ~log(256) for a barely trained model

@@ -15,7 +15,7 @@ import tensorstore as ts
 from flax import nnx
 from jax.experimental import pallas as pl
 
-from maxtrain import models
+from maxtrain import models, quantization
 from maxtrain.analysis.program import matmul_dtypes
 from maxtrain.checkpointing import integrity
 from maxtrain.checkpointing.export import save_parameters
@@ -206,7 +206,7 @@ def test_quantized_run_starts_from_a_float_checkpoint_and_resumes_exactly(make_c
     run(make_cfg("run.name=resumed", "train.steps=2", *quantized))
     resumed = run(make_cfg("run.name=resumed", "train.steps=4", *quantized))
     assert resumed["step"] == straight["step"] == 4
-    assert resumed["loss"] == straight["loss"]
+    assert resumed["train/loss"] == straight["train/loss"]
     lines = (tmp_path / "resumed" / "metrics.jsonl").read_text().splitlines()
     assert [json.loads(x)["step"] for x in lines if "train/loss" in x][-1] == 4
 
@@ -262,7 +262,25 @@ def test_ptq_stores_quantized_kernels_and_scales_experts_included(make_cfg, tmp_
             runpy.run_path(str(CONFIGS_DIR.parent / "tools" / "quantize.py"), run_name="__main__")
         assert exit_status.value.code == 0
         disk_bytes[qtype] = _check_ptq_output(out, qtype)
+        _check_ptq_loads_dequantized(out, make_cfg("model_name=tiny-moe"))
     assert disk_bytes["int4"] < disk_bytes["int8"]  # int4 is stored packed
+
+
+def _check_ptq_loads_dequantized(out, cfg) -> None:
+    """Evaluation's loader reads it back as the model's float parameters: each kernel its
+    stored integers times their scales (numpy here), every other leaf as stored."""
+    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    abstract = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device),
+        nnx.to_pure_dict(model_def(cfg).abstract_state),
+    )
+    loaded = quantization.load_parameters_dequantized(out, abstract)
+    stored = ocp.PyTreeCheckpointer().restore(integrity.state_dir(out / "0"))["params"]
+    up = stored["moe_layers"]["moe"]["up"]["kernel"]
+    expected = np.asarray(up["qvalue"]).astype(np.float32) * np.asarray(up["scale"])
+    np.testing.assert_array_equal(np.asarray(loaded["moe_layers"]["moe"]["up"]["kernel"]), expected)
+    np.testing.assert_array_equal(np.asarray(loaded["embedding"]), np.asarray(stored["embedding"]))
+    assert jax.tree.structure(loaded) == jax.tree.structure(abstract)
 
 
 def _ocdbt_versions(state_dir) -> int:

@@ -20,4 +20,4 @@ def test_loss_falls_on_a_tiny_run(make_cfg):
     losses = [x["train/loss"] for x in lines if "train/loss" in x]
     assert losses[0] > 5.0  # ~log(256) at the start
     assert losses[-1] < 0.6 * losses[0]
-    assert summary["eval_loss"] < 0.6 * losses[0]
+    assert summary["eval/loss"] < 0.6 * losses[0]

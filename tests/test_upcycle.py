@@ -180,6 +180,10 @@ def test_tool_and_train_loop_start_the_moe_from_a_dense_checkpoint(make_cfg, tmp
     expected = upcycled(params, dense, moe)
     for a, b in zip(jax.tree.leaves(read_params(moe, out)), jax.tree.leaves(expected), strict=True):
         np.testing.assert_array_equal(a, b)
+    # Its model file names the MoE by path: no copy into configs/models/, no long overrides.
+    by_path = config_lib.load(config_lib.CONFIGS_DIR / "base.yml", [f"model_name={out}/model.yml"])
+    assert by_path.model.moe == moe.model.moe and by_path.model.emb_dim == moe.model.emb_dim
+    assert models.param_count(by_path.model) == models.param_count(moe.model)
 
     # The train loop, from the dense checkpoint: step 1's loss (before its update) is the
     # dense model's on the same first batch, and training goes on from there.

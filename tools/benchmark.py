@@ -11,7 +11,9 @@ traffic on the data-center network). One synthetic batch is reused, so the figur
 step alone, not the input pipeline. FLOPs are model FLOPs (train.py's count), never the
 recomputation remat adds. With pipeline stages, the schedule's idle share (bubble) too.
 
---dry-run runs nothing: the memory estimate per device (maxtrain/analysis/memory.py). With
+--dry-run runs nothing: the memory estimate per device (maxtrain/analysis/memory.py), and
+whether it fits the memory of the device named by --device (default: this host's; HBM per
+TPU/GPU generation in memory.py) and by how much (`fit`). With
 --compile it also compiles the step for a state of shapes only (nothing allocated), so a model
 far bigger than this host compiles on simulated CPU devices, and prints what the compiled
 program says: XLA's memory per device and the collective bytes, DCN apart. For 512 devices:
@@ -179,8 +181,9 @@ def benchmark(cfg: config_lib.Config, steps: int, warmup: int, profile_dir: str 
     }
 
 
-def dry_run(cfg: config_lib.Config, num_devices: int, compile_step: bool) -> dict:
-    """The memory estimate for `num_devices` devices, in GiB per device; with compile_step,
+def dry_run(cfg: config_lib.Config, num_devices: int, compile_step: bool, device_kind: str) -> dict:
+    """The memory estimate for `num_devices` devices, in GiB per device, and whether it fits a
+    device of `device_kind` (its memory, and the headroom or shortfall); with compile_step,
     what the step compiled for this host's devices says (see the module docstring)."""
     sizes = axis_sizes(cfg.mesh, num_devices)
     check_batch(cfg, AbstractMesh(tuple(sizes.values()), tuple(sizes)))  # as the run would
@@ -193,7 +196,8 @@ def dry_run(cfg: config_lib.Config, num_devices: int, compile_step: bool) -> dic
         "compute_dtype": str(jnp.dtype(models.compute_dtype(cfg.model))),
         "remat": cfg.model.remat,
         **pipeline_settings(cfg),
-        "estimated_gib_per_device": memory.estimate(cfg, num_devices).as_gib(),
+        "estimated_gib_per_device": (estimated := memory.estimate(cfg, num_devices).as_gib()),
+        "fit": memory.fit(estimated["total"], device_kind),
     }
     if compile_step:
         result["compiled"] = compiled_program(cfg)
@@ -237,6 +241,10 @@ def main(argv: list[str] | None = None) -> int:
         "--devices", type=positive_int, help="--dry-run: devices in the run (default: this host's)"
     )
     parser.add_argument(
+        "--device",
+        help="--dry-run: the device kind to fit, e.g. 'TPU v5e', 'H100' (default: this host's)",
+    )
+    parser.add_argument(
         "--compile",
         action="store_true",
         help="--dry-run: also compile the step on this host's devices (nothing allocated) and "
@@ -254,7 +262,11 @@ def main(argv: list[str] | None = None) -> int:
                 f"--xla_force_host_platform_device_count={args.devices})"
             )
         if args.dry_run:
-            result = dry_run(cfg, args.devices or jax.device_count(), args.compile)
+            device = args.device or jax.devices()[0].device_kind
+            if memory.device_memory_gib(device) is None and args.device:
+                known = ", ".join(needle for needle, _ in memory.DEVICE_MEMORY_GIB)
+                raise UserError(f"--device {args.device!r}: memory not known; known: {known}")
+            result = dry_run(cfg, args.devices or jax.device_count(), args.compile, device)
         else:
             result = benchmark(cfg, args.steps, args.warmup, args.profile_dir)
     except UserError as e:

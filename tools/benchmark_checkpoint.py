@@ -5,7 +5,8 @@
 
 For each save it reports the tier it went to, how long `maybe_save` blocked the caller (the
 train loop's cost: the device-to-host copy plus Orbax's bookkeeping) and how long until the
-checkpoint was durable (committed); then the time to restore the newest one. One JSON line per
+checkpoint was durable (committed); then the time to restore the newest one (which checks the
+content checksums each save records; `checksum_s` is their cost alone). One JSON line per
 save, one for the restore, one summary line. Every save goes to the local tier; with
 --persistent-every N, every Nth is due in both tiers and goes to the persistent tier alone (one
 host copy; `both_due` in its line, `max_blocked_both_due_s` in the summary).
@@ -42,7 +43,7 @@ from jax.sharding import PartitionSpec as P
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from maxtrain.checkpointing import Checkpointer, abstract_like  # noqa: E402
+from maxtrain.checkpointing import Checkpointer, abstract_like, checksums  # noqa: E402
 from maxtrain.config import CheckpointConfig, CheckpointTier  # noqa: E402
 from maxtrain.errors import (  # noqa: E402
     ArgumentParser,
@@ -109,10 +110,13 @@ def build_state(num_params: int) -> TrainState:
     return jax.block_until_ready(TrainState(step=step, params=tree(0), opt_state=(adam,)))
 
 
-@jax.jit
-def checksums(state: TrainState) -> list[jax.Array]:
-    """A bit-sensitive sum per leaf (uint32 view, wrapping), to check the restore cheaply."""
-    return [jnp.sum(jax.lax.bitcast_convert_type(x, jnp.uint32)) for x in jax.tree.leaves(state)]
+def time_checksums(state: TrainState) -> float:
+    """Seconds the content checksums every save computes (checksums.py) take for this state,
+    compiled: the device time a save adds, off the loop's critical path on an accelerator."""
+    checksums.of(state)  # compiles
+    t0 = time.perf_counter()
+    checksums.of(state)
+    return time.perf_counter() - t0
 
 
 def release_host_memory() -> None:
@@ -177,6 +181,8 @@ def run(args: argparse.Namespace, root: Path) -> int:
         }
     )
     update = jax.jit(lambda s: jax.tree.map(lambda x: x + 1, s), donate_argnums=0)
+    checksum_s = time_checksums(state)
+    emit({"checksum_s": checksum_s})
 
     ckpt = Checkpointer(cfg, run_dir=root, prewarm=args.prewarm)
     prewarm_s = ckpt.prewarm(state) if args.prewarm else 0.0
@@ -206,7 +212,7 @@ def run(args: argparse.Namespace, root: Path) -> int:
                 release_host_memory()
     ckpt.close()
 
-    expected = jax.device_get(checksums(state))
+    expected = checksums.of(state)
     abstract = abstract_like(state)
     del state, ckpt  # room for the restored copy
     release_host_memory()
@@ -215,7 +221,7 @@ def run(args: argparse.Namespace, root: Path) -> int:
         restored, step = fresh.restore_latest(abstract)
         jax.block_until_ready(restored)
     restore_s = time.perf_counter() - t0
-    exact = [int(a) for a in expected] == [int(a) for a in jax.device_get(checksums(restored))]
+    exact = expected == checksums.of(restored)
     emit({"restore_step": step, "restore_s": restore_s, "bit_exact": exact, "rss_gib": rss_gib()})
 
     blocked = [s["blocked_s"] for s in saves]
@@ -231,6 +237,7 @@ def run(args: argparse.Namespace, root: Path) -> int:
             "update_between_saves": args.update,
             "prewarm_s": prewarm_s,
             **prewarm_parts,
+            "checksum_s": checksum_s,
             "first_save_blocked_s": blocked[0],
             "max_blocked_s": max(blocked),
             "max_blocked_both_due_s": max(blocked_both_due, default=None),

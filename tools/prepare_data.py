@@ -11,9 +11,10 @@ PREFIX.idx pair Megatron's preprocess_data.py writes (maxtrain/data/megatron/pre
 Each document becomes one record of int32 token ids ending in EOS (the format is described in
 maxtrain/data/shards.py); a config then names the shards, e.g. `path: data/web/*.arrayrecord`.
 Records that cannot be documents (not UTF-8, not JSON, no text field, empty) are skipped and
-counted, and the summary lists the counts by reason. Mistakes (a glob that matches nothing, a
-missing tokenizer, an output that already holds a prepared source) are one line on stderr and
-exit status 2; a failed run leaves no shards behind, and no output directory it created.
+counted, and the summary lists the counts by reason, with where the first few were
+(file:line). Mistakes (a glob that matches nothing, a missing tokenizer, an output that already
+holds a prepared source) are one line on stderr and exit status 2; a failed run leaves no
+shards behind, and no output directory it created.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from tqdm import tqdm
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from maxtrain.data.megatron.prepare import write_corpus  # noqa: E402
-from maxtrain.data.readers import FORMATS, DocumentReader  # noqa: E402
+from maxtrain.data.readers import FORMATS, DocumentReader, Skipped  # noqa: E402
 from maxtrain.data.shards import write_shards  # noqa: E402
 from maxtrain.errors import ArgumentParser, UserError, positive_int, refuse  # noqa: E402
 from maxtrain.tokenizers import load_tokenizer  # noqa: E402
@@ -60,9 +61,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def prepare(args: argparse.Namespace) -> dict:
+def prepare(args: argparse.Namespace, reader: DocumentReader) -> dict:
     tokenizer = load_tokenizer(args.tokenizer)
-    reader = DocumentReader(args.input, args.format, args.field, args.txt_split)
     with tqdm(unit=" doc", file=sys.stderr, disable=None, desc=PROG) as bar:
         tokens = 0
 
@@ -94,8 +94,7 @@ def prepare(args: argparse.Namespace) -> dict:
         )
 
 
-def summary(metadata: dict, output: Path, seconds: float) -> str:
-    skipped = ", ".join(f"{k} {v:,}" for k, v in metadata["skipped"].items()) or "none"
+def summary(metadata: dict, output: Path, seconds: float, skipped: Skipped) -> str:
     if "files" in metadata:  # a Megatron pair
         written = f"{' and '.join(metadata['files'])} (end-of-document id {metadata['eod_id']})"
     else:
@@ -104,7 +103,7 @@ def summary(metadata: dict, output: Path, seconds: float) -> str:
         f"{PROG}: wrote {written}: {metadata['documents']:,} documents, "
         f"{metadata['tokens']:,} tokens in {seconds:.1f} s "
         f"({metadata['tokens'] / max(seconds, 1e-9):,.0f} tokens/s)\n"
-        f"{PROG}: skipped records: {skipped}"
+        f"{PROG}: skipped records: {skipped.describe()}"
     )
 
 
@@ -112,13 +111,14 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     start = time.perf_counter()
     try:
-        metadata = prepare(args)
+        reader = DocumentReader(args.input, args.format, args.field, args.txt_split)
+        metadata = prepare(args, reader)
     except UserError as e:
         return refuse(PROG, e)
     except KeyboardInterrupt:
         print(f"{PROG}: interrupted; the shards written so far were removed", file=sys.stderr)
         return 130
-    print(summary(metadata, args.output, time.perf_counter() - start))
+    print(summary(metadata, args.output, time.perf_counter() - start, reader.skipped))
     return 0
 
 

@@ -8,7 +8,8 @@ on. Every matmul kernel (attention, MLP, experts, lm_head; not the router, embed
 is stored as {qvalue: int8/int4, scale: float32}, one scale per output channel, layer and
 expert (maxtrain/quantization/ptq.py quantize_params). DIR is a parameters-only checkpoint
 (`save_parameters`), plus DIR/report.json: the relative L2 error of every kernel per layer, the
-held-out loss before and after (the float model run on the dequantized weights), the bytes of
+held-out loss before and after (the float model run on the weights read back from DIR and
+dequantized: quantization.load_parameters_dequantized, as evaluation loads them), the bytes of
 the parameters before and after, and the bytes DIR takes on disk. Mistakes print one line and
 exit 2.
 """
@@ -67,9 +68,17 @@ def main(argv: list[str]) -> int:
         qparams, errors = quantization.quantize_params(params, kernels, args.qtype)
         trainer.state = trainer.state.replace(params=params)
         before = evaluate(trainer, eval_streams)
-        dequantized = quantization.dequantize_params(qparams)
-        shardings = jax.tree.map(lambda x: x.sharding, params)
-        trainer.state = trainer.state.replace(params=jax.device_put(dequantized, shardings))
+        step_dir = save_parameters(
+            args.output,
+            qparams,
+            config_yaml=config_lib.to_yaml(cfg),
+            meta={"quantization": {"qtype": args.qtype, "source": args.source}},
+        )
+        # Scored as evaluation will load it: read back from disk and dequantized on the fly.
+        reloaded = quantization.load_parameters_dequantized(
+            step_dir, abstract_like(trainer.state.params)
+        )
+        trainer.state = trainer.state.replace(params=reloaded)
         after = evaluate(trainer, eval_streams)
         report = {
             "qtype": args.qtype,
@@ -80,12 +89,6 @@ def main(argv: list[str]) -> int:
             "bytes_after": _nbytes(qparams),
             "relative_error": errors,
         }
-        step_dir = save_parameters(
-            args.output,
-            qparams,
-            config_yaml=config_lib.to_yaml(cfg),
-            meta={"quantization": {"qtype": args.qtype, "source": args.source}},
-        )
     except UserError as e:
         return refuse("quantize", e)
     report["disk_bytes"] = sum(f.stat().st_size for f in Path(step_dir).rglob("*") if f.is_file())

@@ -8,6 +8,8 @@ key of the train step's batch, each [N, global_batch_size, seq_len] int32: `inpu
 `loss_mask`, `segment_ids`, `positions`. Diff it against another stack's token ids (for a
 Megatron config, sample s of Megatron's train dataset is `inputs[s // B, s % B]` plus the last
 `targets` token), or against an older run's file, to see whether two runs train on the same data.
+Beside it, F.txt holds each row decoded to text, document by document, with the sources'
+tokenizer (or --tokenizer); Megatron corpora do not record theirs.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from maxtrain import config as config_lib  # noqa: E402
 from maxtrain.data import BATCH_KEYS  # noqa: E402
 from maxtrain.data.errors import DataError  # noqa: E402
+from maxtrain.data.shards import data_tokenizer, load_tokenizer  # noqa: E402
 from maxtrain.errors import ArgumentParser, UserError, positive_int, refuse  # noqa: E402
 from maxtrain.train import data_streams  # noqa: E402
 
@@ -49,17 +52,44 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("overrides", nargs="*", help="key=value config overrides")
     parser.add_argument("--steps", type=positive_int, required=True)
     parser.add_argument("--out", type=Path, required=True, metavar="F.npz")
+    parser.add_argument(
+        "--tokenizer",
+        default=None,
+        help="sentencepiece model to decode with (default: the sources', where known)",
+    )
     args = parser.parse_intermixed_args(argv)
     try:
-        # No eval streams: only the train batches are shown (and a missing split is no error).
-        cfg = config_lib.load(args.config, [*args.overrides, "train.eval_every=0"])
+        # The config is checked as the train loop checks it (eval streams included): what one
+        # refuses, so does the other; only the train batches are written.
+        cfg = config_lib.load(args.config, args.overrides)
+        tokenizer_path = args.tokenizer or data_tokenizer(cfg.data)
+        tokenizer = load_tokenizer(tokenizer_path) if tokenizer_path else None
         arrays = collect(cfg, args.steps)
     except UserError as e:
         return refuse(PROG, e)
     np.savez_compressed(args.out, **arrays)
     shape = "x".join(map(str, arrays["inputs"].shape))
     print(f"{PROG}: wrote {args.out}: {', '.join(BATCH_KEYS)} [{shape}] (steps x rows x tokens)")
+    if tokenizer is None:
+        print(f"{PROG}: no text: the sources' tokenizer is not known (pass --tokenizer)")
+        return 0
+    text = args.out.with_suffix(".txt")
+    text.write_text(decoded(arrays, tokenizer), encoding="utf-8")
+    print(f"{PROG}: wrote {text}: each row decoded with {tokenizer_path}")
     return 0
+
+
+def decoded(arrays: dict[str, np.ndarray], tokenizer) -> str:
+    """Every row as text, document by document (a new segment id starts a new line)."""
+    out = []
+    for step, rows in enumerate(arrays["inputs"]):
+        for row, ids in enumerate(rows):
+            segments = arrays["segment_ids"][step, row]
+            out.append(f"=== step {step + 1} row {row}")
+            for segment in dict.fromkeys(segments.tolist()):  # in order of appearance
+                if segment:  # 0: padding
+                    out.append(f"[{segment}] {tokenizer.decode(ids[segments == segment])}")
+    return "\n".join(out) + "\n"
 
 
 if __name__ == "__main__":

@@ -122,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
     model_path = output.with_name(output.name + ".model")
     write_atomic(model_path, model)
     write_atomic(output.with_name(output.name + ".vocab"), vocab_text(model).encode())
-    skipped = ", ".join(f"{k} {v}" for k, v in sorted(reader.skipped.items())) or "none"
+    skipped = reader.skipped.describe()
     print(
         f"{PROG}: wrote {model_path} ({args.model_type}, vocab {args.vocab_size}) from "
         f"{len(docs):,} documents in {time.perf_counter() - start:.1f} s; skipped: {skipped}"

@@ -66,6 +66,44 @@ class MemoryEstimate:
         return {k: round(v / 2**30, 3) for k, v in {**asdict(self), "total": self.total}.items()}
 
 
+# Memory per device (GiB) by device kind as jax names it (first match wins), from the vendors'
+# published capacities. What a run can allocate is somewhat less: the runtime keeps some, and
+# JAX on GPU preallocates 75% of it unless XLA_PYTHON_CLIENT_MEM_FRACTION says otherwise.
+DEVICE_MEMORY_GIB: tuple[tuple[str, float], ...] = (
+    ("tpu v6 lite", 32.0),  # v6e / Trillium
+    ("tpu v6e", 32.0),
+    ("tpu v5 lite", 16.0),  # v5e
+    ("tpu v5e", 16.0),
+    ("tpu v5p", 95.0),
+    ("tpu v5", 95.0),  # v5p reports device_kind "TPU v5"
+    ("tpu v4", 32.0),
+    ("b200", 180.0),
+    ("h200", 141.0),
+    ("h100", 80.0),
+    ("a100-sxm4-40gb", 40.0),
+    ("a100-pcie-40gb", 40.0),
+    ("a100", 80.0),
+)
+
+
+def device_memory_gib(device_kind: str) -> float | None:
+    """The memory of one device of this kind, or None when it is not known (CPU)."""
+    kind = device_kind.lower()
+    return next((gib for needle, gib in DEVICE_MEMORY_GIB if needle in kind), None)
+
+
+def fit(estimate_gib: float, device_kind: str) -> dict[str, object]:
+    """Whether an estimated per-device total fits a device kind, and by how much:
+    {device, device_memory_gib, fits, headroom_gib (negative: short by that much)}."""
+    capacity = device_memory_gib(device_kind)
+    return {
+        "device": device_kind,
+        "device_memory_gib": capacity,
+        "fits": None if capacity is None else estimate_gib <= capacity,
+        "headroom_gib": None if capacity is None else round(capacity - estimate_gib, 3),
+    }
+
+
 def estimate(cfg: Config, num_devices: int) -> MemoryEstimate:
     sizes = axis_sizes(cfg.mesh, num_devices)
     mesh = AbstractMesh(tuple(sizes[a] for a in MESH_AXES), MESH_AXES)

@@ -26,7 +26,7 @@ import orbax.checkpoint as ocp
 from etils import epath
 
 from maxtrain import absl_flags
-from maxtrain.checkpointing import integrity
+from maxtrain.checkpointing import checksums, integrity
 from maxtrain.checkpointing.common import (
     absolute,
     host_copy,
@@ -51,6 +51,7 @@ class _Tier:
     cfg: CheckpointTier
     manager: ocp.CheckpointManager | None = None
     pending_step: int | None = None  # the step whose save is (or was last) in flight
+    pending_checksums: Any = None  # checksums.start of that step's state, for its manifest
 
 
 class Checkpointer(TieredCheckpointer):
@@ -168,6 +169,7 @@ class Checkpointer(TieredCheckpointer):
             items["data"] = adapter.save_args(data_iterator)
         self._wait(tier)  # surface the previous save's error, naming its step
         tier.pending_step = step
+        tier.pending_checksums = checksums.start(state)  # fetched by _write_manifest
         try:
             manager.save(step, args=ocp.args.Composite(**items), force=True)
         except Exception as e:
@@ -201,8 +203,8 @@ class Checkpointer(TieredCheckpointer):
     def _write_manifest(self, tier: _Tier) -> None:
         """Runs in Orbax's background thread after the items are written, before the commit."""
         if jax.process_index() == 0:
-            step = tier.pending_step
-            integrity.write_manifest(integrity.in_flight_dir(tier.directory, step), step)
+            step, sums = tier.pending_step, checksums.finish(tier.pending_checksums)
+            integrity.write_manifest(integrity.in_flight_dir(tier.directory, step), step, sums)
 
     # ---- waiting and errors -------------------------------------------------------------------
 

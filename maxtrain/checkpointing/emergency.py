@@ -65,7 +65,7 @@ from orbax.checkpoint._src.multihost import multislice
 from orbax.checkpoint.experimental.emergency import checkpoint_manager as ecm
 from orbax.checkpoint.experimental.emergency.path import sync_global_data
 
-from maxtrain.checkpointing import integrity, sidecar
+from maxtrain.checkpointing import checksums, integrity, sidecar
 from maxtrain.checkpointing.common import (
     abstract_like,
     host_copy,
@@ -140,6 +140,7 @@ class EmergencyCheckpointer(TieredCheckpointer):
         self._manager: ecm.CheckpointManager | None = None
         self._want: set[str] = set()  # the tiers the save in progress writes (should_save_fn)
         self._persistent_pending: int | None = None  # persistent primary: step being written
+        self._persistent_checksums: Any = None  # checksums.start of that step's state
         self._local_unlisted: int | None = None  # newest local step saved here, no manifest yet
         self._recent: list[int] = []  # newest steps saved or restored (their sidecars stay)
 
@@ -178,6 +179,14 @@ class EmergencyCheckpointer(TieredCheckpointer):
                 raise CheckpointError(f"cannot read checkpoint {path}: {e}") from None
         else:
             state = self._open(abstract_state).restore(step).state
+            if tier == "persistent":  # a local step's manifest lists no checksums
+                sums = integrity.listed_checksums(path)
+                if (bad := checksums.first_mismatch(state, sums)) is not None:
+                    raise CheckpointError(
+                        f"cannot read checkpoint {path}: {bad!r} reads back with another "
+                        "content checksum than it was saved with; move it aside to resume from "
+                        "the step before"
+                    )
             data_restored = adapter is not None and sidecar.restore_data(
                 self.persistent_dir, step, adapter, data_iterator, self.process, self.processes
             )
@@ -287,8 +296,10 @@ class EmergencyCheckpointer(TieredCheckpointer):
                 f"cannot write the sidecar of step {step} to {self.persistent_dir}: "
                 f"{first_line(e, 300, typed=True)}"
             ) from e
-        if "persistent" in tiers and self.persistent_primary:
-            self._persistent_pending = step
+        if "persistent" in tiers:  # every process runs the checksum program (a collective)
+            self._persistent_checksums = checksums.start(state)
+            if self.persistent_primary:
+                self._persistent_pending = step
         self._want = set(tiers)
         try:
             manager.save(step, args=ocp.args.Composite(state=ocp.args.PyTreeSave(state)))
@@ -361,7 +372,8 @@ class EmergencyCheckpointer(TieredCheckpointer):
         """Runs in Orbax's thread on the persistent primary, after the writes, before commit."""
         step = self._persistent_pending
         if step is not None:  # None: a save Orbax chose itself (its preemption policy)
-            integrity.write_manifest(integrity.in_flight_dir(self.persistent_dir, step), step)
+            sums = checksums.finish(self._persistent_checksums)
+            integrity.write_manifest(integrity.in_flight_dir(self.persistent_dir, step), step, sums)
         self._persistent_pending = None
 
     # ---- waiting and errors -------------------------------------------------------------------

@@ -28,12 +28,14 @@ def save_parameters(
     *,
     config_yaml: str = "",
     meta: dict[str, Any] | None = None,
+    files: dict[str, str] | None = None,
 ) -> epath.Path:
     """Writes params as a complete checkpoint in the new directory `output`; returns its step
     directory (<output>/0: a new run starts from it at step 0).
 
     config_yaml: the resolved config of the model the params belong to. meta: extra entries of
-    the meta item (e.g. where the params came from). Refuses an existing `output`. Atomic on
+    the meta item (e.g. where the params came from). files: {name: text} written beside the
+    step directory (the model file, model.yml). Refuses an existing `output`. Atomic on
     local disks: it is written as the sibling `<output>.partial-<pid>` and renamed once
     committed; on a failure the partial directory is removed, so `output` is either complete or
     absent.
@@ -50,4 +52,6 @@ def save_parameters(
             one_transaction=True,
         ) as ckpt:
             ckpt.save_now(0, {"params": params}, tier="persistent", wait=True, meta=meta)
+        for name, text in (files or {}).items():
+            (partial / name).write_text(text)
     return output / "0"

@@ -11,9 +11,12 @@ A step directory `<tier_dir>/<step>/` is COMPLETE when all of these hold:
    commits (an Orbax post-finalization callback, see checkpointer.py), so a committed maxtrain
    checkpoint always has one. It catches what Orbax cannot: files truncated or deleted after the
    commit (a crash half-way through copying a bucket, a bad disk).
+4. after the restore, every array's content checksum equals the one the manifest lists for it
+   (checksums.py; restore.py checks it): a flipped bit, which no file size shows.
 
 A check here costs one stat per file (tens of files whatever the model size); the restore that
-follows reads every byte and is the second line of defence (tensorstore fails on short reads).
+follows reads every byte and is the second line of defence (tensorstore fails on short reads),
+and the checksums the third.
 """
 
 from __future__ import annotations
@@ -88,8 +91,11 @@ def _files(root: epath.Path) -> list[epath.Path]:
     return out
 
 
-def write_manifest(step_dir: epath.Path, step: int) -> None:
-    """Records the size of every file under the item directories (format: {path: bytes}).
+def write_manifest(
+    step_dir: epath.Path, step: int, checksums: dict[str, int] | None = None
+) -> None:
+    """Records the size of every file under the item directories (format: {path: bytes}) and
+    the state's content checksums ({leaf path: checksum}, checksums.py) where given.
 
     Top-level files are left out: Orbax rewrites them at commit, after this runs. Written
     atomically: the local tier of emergency.py adds it to committed steps, where a torn manifest
@@ -102,8 +108,20 @@ def write_manifest(step_dir: epath.Path, step: int) -> None:
         if item.is_dir()
         for p in _files(item)
     }
-    text = json.dumps({"format": 1, "step": step, "files": dict(sorted(files.items()))}, indent=1)
-    write_atomic(step_dir / MANIFEST, text)
+    record = {"format": 1, "step": step, "files": dict(sorted(files.items()))}
+    if checksums:
+        record["checksums"] = checksums
+    write_atomic(step_dir / MANIFEST, json.dumps(record, indent=1))
+
+
+def listed_checksums(step_dir: epath.Path) -> dict[str, int]:
+    """The state's content checksums the manifest lists ({}: none, as in older checkpoints).
+    Call after verify, which has read the manifest once already."""
+    path = epath.Path(step_dir) / MANIFEST
+    try:
+        return json.loads(path.read_text()).get("checksums", {})
+    except (OSError, ValueError) as e:
+        raise Corrupt(f"{MANIFEST} unreadable ({first_line(e, 300, typed=True)})") from None
 
 
 def verify(step_dir: epath.Path, require_manifest: bool = True) -> None:
@@ -155,20 +173,25 @@ def _key_name(k: Any) -> str:
     return str(k)
 
 
-def flat_shapes(tree: Any) -> dict[str, tuple[int, ...]]:
-    """{'params/layers/attn/q/kernel': shape, ...} in tree order.
+def leaf_path(path: Any) -> str:
+    """A leaf's key path as 'params/layers/attn/q/kernel'.
 
-    Paths are normalised ('a/0/b') so a namedtuple in the model and the dict Orbax reads back
-    for it name a leaf the same way.
+    Normalised ('a/0/b') so a namedtuple in the model and the dict Orbax reads back for it name
+    a leaf the same way.
     """
+    return "/".join(_key_name(k) for k in path)
+
+
+def flat_shapes(tree: Any) -> dict[str, tuple[int, ...]]:
+    """{'params/layers/attn/q/kernel': shape, ...} in tree order."""
     leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
-    return {"/".join(_key_name(k) for k in path): tuple(leaf.shape) for path, leaf in leaves}
+    return {leaf_path(path): tuple(leaf.shape) for path, leaf in leaves}
 
 
 def fingerprint(tree: Any) -> str:
     """A short hash of every leaf's path, shape and dtype: equal trees, equal fingerprints."""
     leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
-    desc = [("/".join(_key_name(k) for k in p), tuple(x.shape), str(x.dtype)) for p, x in leaves]
+    desc = [(leaf_path(p), tuple(x.shape), str(x.dtype)) for p, x in leaves]
     return hashlib.sha256(json.dumps(desc).encode()).hexdigest()[:16]
 
 

@@ -22,7 +22,7 @@ import orbax.checkpoint as ocp
 import yaml
 from etils import epath
 
-from maxtrain.checkpointing import integrity, sidecar
+from maxtrain.checkpointing import checksums, integrity, sidecar
 from maxtrain.checkpointing.data_state import adapter_for
 from maxtrain.checkpointing.integrity import (
     CONFIG_ITEM,
@@ -66,6 +66,9 @@ def read_step(
         raise
     except Exception as e:  # tensorstore/JSON read failures: unreadable bytes on disk
         raise Corrupt(f"restore failed: {first_line(e, 300, typed=True)}") from None
+    bad = checksums.first_mismatch(restored[item], integrity.listed_checksums(path))
+    if bad is not None:
+        raise Corrupt(f"{bad!r} reads back with another content checksum than it was saved with")
     return restored[item], {"step": step, "data_restored": data_restored, "meta": meta}
 
 

@@ -106,6 +106,14 @@ def _set_dotted(tree: dict[str, Any], keys: list[str], value: Any) -> None:
 
 
 def _model_file(name: str) -> Path:
+    """configs/models/<name>.yml, or the model file `name` is a path to (it ends in .yml or
+    .yaml, or has a /): the model.yml that convert_hf import, upcycle and depth_upscale write
+    beside their checkpoint, used where it lies."""
+    if name.endswith((".yml", ".yaml")) or "/" in name:
+        path = Path(name).expanduser()
+        if not path.is_file():
+            raise ConfigError(f"model_name {name!r}: no such model file")
+        return path
     path = CONFIGS_DIR / "models" / f"{name}.yml"
     if not path.is_file():
         known = sorted(p.stem for p in (CONFIGS_DIR / "models").glob("*.yml"))
@@ -128,7 +136,9 @@ def load(config_path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -
     merged = _read_yaml(CONFIGS_DIR / "base.yml")
     model_name = user.get("model_name", merged.get("model_name"))
     if not isinstance(model_name, str):
-        raise ConfigError("model_name must be set to the name of a file in configs/models/")
+        raise ConfigError(
+            "model_name must be set to the name of a file in configs/models/ or a model file's path"
+        )
     merged = deep_merge(merged, {"model": _read_yaml(_model_file(model_name))})
     merged = deep_merge(merged, user)
     return validate(merged)

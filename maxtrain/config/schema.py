@@ -79,6 +79,11 @@ class Config(Section):
         return Path(self.run.output_dir) / self.run.name
 
     @property
+    def schedule_steps(self) -> int:
+        """Steps the learning-rate schedule spans: optim.schedule_steps, else train.steps."""
+        return self.optim.schedule_steps or self.train.steps
+
+    @property
     def tokens_per_step(self) -> int:
         return self.train.global_batch_size * self.train.seq_len
 

@@ -111,18 +111,18 @@ def _embedded_dirs(data: DataConfig) -> dict[str, str]:
     if not wanted:
         return {}
     try:
-        from maxtrain.corpora.embedded import ensure_embedded_corpus
+        from maxtrain.corpora.embedded import SOURCES, ensure_embedded_corpus
     except ImportError as e:
         raise DataError(f"the embedded corpus is not available in this checkout ({e})") from None
-    built = ensure_embedded_corpus(data.cache_dir)
-    dirs = {f"{EMBEDDED_PREFIX}{name}": str(path) for name, path in built.items()}
-    unknown = sorted(wanted - dirs.keys())
-    if unknown:
+    known = sorted(f"{EMBEDDED_PREFIX}{name}" for name in SOURCES)
+    unknown = sorted(wanted - set(known))
+    if unknown:  # before building the corpus (a minute on first use) for nothing
         raise DataError(
             f"data.sources: unknown embedded source {unknown[0]!r}; the embedded corpus has "
-            f"{', '.join(sorted(dirs))}"
+            f"{', '.join(known)}"
         )
-    return dirs
+    built = ensure_embedded_corpus(data.cache_dir)
+    return {f"{EMBEDDED_PREFIX}{name}": str(path) for name, path in built.items()}
 
 
 def held_out(name: str, documents: int, fraction: float) -> np.ndarray:

@@ -280,3 +280,23 @@ def check_vocab(metadata: Mapping[str, Any], model_vocab_size: int) -> None:
             f"tokenizer {metadata['tokenizer']} has a vocab of {metadata['vocab_size']}, larger "
             f"than the model's vocab_size {model_vocab_size}"
         )
+
+
+def data_tokenizer(data: Any) -> Path | None:
+    """The sentencepiece model the data config's sources were tokenized with: the default one
+    for the embedded corpus, else the `tokenizer` in the first source's metadata.json. None
+    when it is not known (synthetic or Megatron data, a source whose metadata or tokenizer file
+    is gone). data: a DataConfig."""
+    if data.kind != "grain" or not data.sources:
+        return None
+    path = data.sources[0].path
+    if path.startswith("embedded:"):
+        from maxtrain.corpora.embedded import DEFAULT_TOKENIZER
+
+        return DEFAULT_TOKENIZER
+    directory = Path(path) if Path(path).is_dir() else Path(path).parent
+    try:
+        recorded = read_metadata(directory).get("tokenizer")
+    except (DataError, OSError):
+        return None
+    return Path(recorded) if recorded and Path(recorded).is_file() else None

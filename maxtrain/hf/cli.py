@@ -26,16 +26,26 @@ def main(argv: list[str]) -> int:
             print(
                 f"{PROG}: wrote {args.output} ({models.param_count(cfg):,} parameters, "
                 f"{args.param_dtype}) and its model file {args.output}/{MODEL_YAML}. To train "
-                f"from it, copy that file to configs/models/NAME.yml and run with model_name=NAME "
+                f"from it: model_name={args.output}/{MODEL_YAML} "
                 f"checkpoint.load_parameters_path={args.output}"
             )
         else:
-            cfg, family = export_checkpoint(
-                args.checkpoint, args.output, args.dtype, int(args.max_shard_gb * 2**30)
+            cfg, family, step_dir, tokenizer = export_checkpoint(
+                args.checkpoint,
+                args.output,
+                args.dtype,
+                int(args.max_shard_gb * 2**30),
+                args.tokenizer,
             )
             print(
-                f"{PROG}: wrote {args.output}: {family.architecture}, "
-                f"{models.param_count(cfg):,} parameters, {args.dtype or cfg.param_dtype}"
+                f"{PROG}: wrote {args.output} from step {step_dir.name} ({step_dir}): "
+                f"{family.architecture}, {models.param_count(cfg):,} parameters, "
+                f"{args.dtype or cfg.param_dtype}, "
+                + (
+                    f"tokenizer {tokenizer} with generation_config.json"
+                    if tokenizer
+                    else "no tokenizer (the run's is not known: pass --tokenizer)"
+                )
             )
     except UserError as e:
         return refuse(PROG, e)
@@ -59,6 +69,11 @@ def _parser() -> ArgumentParser:
     exp = sub.add_parser("export", help="maxtrain checkpoint -> Hugging Face model directory")
     exp.add_argument("--checkpoint", required=True, help="a step, tier or run directory")
     exp.add_argument("--output", required=True, help="model directory to create")
+    exp.add_argument(
+        "--tokenizer",
+        default=None,
+        help="sentencepiece model to include (default: the run's, from its saved config)",
+    )
     exp.add_argument(
         "--dtype", choices=DTYPES, default=None, help="weight dtype (default: the checkpoint's)"
     )

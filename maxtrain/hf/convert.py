@@ -47,6 +47,7 @@ from maxtrain.hf.errors import ConversionError
 from maxtrain.hf.families import Family, family_for
 from maxtrain.hf.layout import Slot, slots
 from maxtrain.hf.safetensors_io import OutputTensor, TensorReader, write_safetensors
+from maxtrain.hf.tokenizer_files import run_tokenizer, special_ids, tokenizer_files
 from maxtrain.tokenizers import TOKENIZER_MODELS, copy_tokenizer_files, load_tokenizer
 
 MODEL_YAML = "model.yml"  # written beside the imported checkpoint's step directory
@@ -115,15 +116,18 @@ def write_hf_model(
     output: str | os.PathLike,
     dtype: str | None = None,
     max_shard_bytes: int = 5 * 2**30,
+    extra_config: dict[str, Any] | None = None,
+    files: dict[str, str | bytes] | None = None,
 ) -> Family:
     """Writes params (numpy or CPU jax arrays, our layout) as a Hugging Face model directory
     `output` (config.json + safetensors) with weights in dtype (default: cfg.param_dtype).
-    Returns the family it was written as."""
+    extra_config: more config.json keys (the special token ids); files: {name: content} written
+    beside (the tokenizer's). Returns the family it was written as."""
     output = Path(output)
     _refuse_existing(output)
     family = family_for(cfg)
     dtype = dtype or cfg.param_dtype
-    config_json = hf_config(cfg, family, dtype)
+    config_json = {**hf_config(cfg, family, dtype), **(extra_config or {})}
     arrays = jax.tree.map(np.asarray, params)  # no copy for arrays already on the host
 
     def produce(slot: Slot) -> np.ndarray:
@@ -142,6 +146,9 @@ def write_hf_model(
         staging.mkdir(parents=True)
         (staging / CONFIG_JSON).write_text(json.dumps(config_json, indent=2) + "\n")
         write_safetensors(staging, tensors, max_shard_bytes)
+        for name, content in (files or {}).items():
+            path = staging / name
+            path.write_bytes(content) if isinstance(content, bytes) else path.write_text(content)
     return family
 
 
@@ -150,19 +157,38 @@ def export_checkpoint(
     output: str | os.PathLike,
     dtype: str | None = None,
     max_shard_bytes: int = 5 * 2**30,
-) -> tuple[ModelConfig, Family]:
+    tokenizer: str | os.PathLike | None = None,
+) -> tuple[ModelConfig, Family, Path, Path | None]:
     """Writes the parameters of a maxtrain checkpoint (a step, tier or run directory; the model
-    is the config saved with it) as a Hugging Face model directory `output`."""
+    is the config saved with it) as a Hugging Face model directory `output`, with the run's
+    tokenizer files, special ids and generation_config.json (tokenizer_files.py) where the
+    tokenizer is known or given. Returns (model, family, the step directory read, the
+    tokenizer written or None)."""
     _refuse_existing(Path(output))  # before reading gigabytes
     step_dir = resolve_step_dir(absolute(checkpoint))
+    from maxtrain.quantization.ptq import quantized_kind  # qwix: only when exporting
+
+    if qtype := quantized_kind(step_dir):
+        raise ConversionError(
+            f"checkpoint {step_dir} holds {qtype} post-training-quantized weights "
+            "(tools/quantize.py), which export does not write; export the float checkpoint it "
+            "was quantized from"
+        )
     cfg = checkpoint_model_config(step_dir)
     hf_config(cfg, family_for(cfg), dtype or cfg.param_dtype)  # unsupported: fail before reading
     device = SingleDeviceSharding(jax.devices("cpu")[0])
     abstract = jax.tree.map(
         lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=device), _abstract_params(cfg)
     )
+    if tokenizer is None:
+        tokenizer = run_tokenizer(read_saved_config(step_dir))
+    extra, files = {}, {}
+    if tokenizer is not None:
+        tokenizer = Path(tokenizer)
+        extra, files = special_ids(tokenizer), tokenizer_files(tokenizer, cfg.max_seq_len)
     params = load_parameters(step_dir, abstract)
-    return cfg, write_hf_model(cfg, params, output, dtype, max_shard_bytes)
+    family = write_hf_model(cfg, params, output, dtype, max_shard_bytes, extra, files)
+    return cfg, family, step_dir, tokenizer
 
 
 def checkpoint_model_config(step_dir: Path) -> ModelConfig:

@@ -1,5 +1,9 @@
 """Post-training quantization of a parameter tree (tools/quantize.py): int8/int4 values plus scales.
 
+A quantized checkpoint (tools/quantize.py's output) holds {qvalue, scale} where the model has a
+kernel, so load_parameters cannot read it into the model; load_parameters_dequantized can, for
+evaluation and generation: it reads the stored values and multiplies them out on the fly.
+
 Weights are quantized directly, array by array, rather than through Qwix's PtqProvider: the
 provider quantizes only what its interception sees, and it does not intercept ragged_dot, so
 the experts' stacked kernels (most of an MoE model's weights) would stay float.
@@ -7,11 +11,21 @@ the experts' stacked kernels (most of an MoE model's weights) would stay float.
 
 from __future__ import annotations
 
+import json
+from typing import Any
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 import qwix
+from etils import epath
 from flax import nnx
 
+from maxtrain.checkpointing import integrity
+from maxtrain.checkpointing.checkpointer import load_parameters, resolve_step_dir
+from maxtrain.checkpointing.common import absolute
+from maxtrain.checkpointing.integrity import CheckpointError
+from maxtrain.errors import first_line
 from maxtrain.models.stacks import is_stacked
 
 # Logical axes that index whole matmuls (stacked layers, experts), never contracted.
@@ -79,4 +93,46 @@ def dequantize_params(qparams: dict) -> dict:
         lambda n: n["qvalue"].astype(n["scale"].dtype) * n["scale"] if is_quantized(n) else n,
         qparams,
         is_leaf=is_quantized,
+    )
+
+
+def quantized_kind(step_dir: epath.Path) -> str | None:
+    """The qtype ('int8', 'int4') of a tools/quantize.py checkpoint step, or None for a float
+    one. Read from the meta the tool saves, else from the stored leaves' names (qvalue)."""
+    meta = epath.Path(step_dir) / "meta" / "metadata"  # what Orbax's JsonSave wrote
+    try:
+        quantization = json.loads(meta.read_text()).get("quantization")
+    except (OSError, ValueError):
+        quantization = None
+    if quantization:
+        return str(quantization.get("qtype", "quantized"))
+    try:
+        saved = integrity.read_state_shapes(step_dir)
+    except integrity.Corrupt:
+        return None
+    return "quantized" if any(p.endswith("/qvalue") for p in saved) else None
+
+
+def load_parameters_dequantized(path: str | epath.PathLike, abstract_params: Any) -> Any:
+    """The model's float parameters from a checkpoint, quantized (tools/quantize.py: each kernel
+    becomes qvalue x scale, in the model's dtype and sharding) or not (load_parameters).
+
+    path: a step, tier or run directory, as load_parameters takes. CheckpointError, one line,
+    if the checkpoint is incomplete or holds another model (the first leaf that differs)."""
+    step_dir = resolve_step_dir(absolute(path))
+    if quantized_kind(step_dir) is None:
+        return load_parameters(step_dir, abstract_params)
+    try:
+        import orbax.checkpoint as ocp
+
+        stored = ocp.PyTreeCheckpointer().restore(integrity.state_dir(step_dir))["params"]
+    except Exception as e:
+        raise CheckpointError(
+            f"cannot read parameters from {step_dir}: {first_line(e, 300, typed=True)}"
+        ) from e
+    params = dequantize_params(jax.tree.map(np.asarray, stored))
+    expected = integrity.flat_shapes({"params": abstract_params})
+    integrity.check_shapes(integrity.flat_shapes({"params": params}), expected, str(step_dir))
+    return jax.tree.map(
+        lambda x, a: jax.device_put(np.asarray(x, a.dtype), a.sharding), params, abstract_params
     )

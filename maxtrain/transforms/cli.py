@@ -5,7 +5,8 @@
 CONFIG (plus overrides) describes the new model and its `init:` section, exactly as a train run
 starting from CKPT would (`init.mode` is set by the tool, `checkpoint.load_parameters_path` by
 --source). The result is written to DIR as a parameters-only checkpoint that
-`checkpoint.load_parameters_path=DIR` starts a run from. User mistakes (config, layer map,
+`checkpoint.load_parameters_path=DIR` starts a run from, with the new model's file
+DIR/model.yml (`model_name=DIR/model.yml` names it). User mistakes (config, layer map,
 shapes, a missing or mismatching checkpoint, an existing DIR) print one line and exit 2, with
 nothing written.
 """
@@ -16,6 +17,7 @@ from maxtrain import config as config_lib
 from maxtrain import models
 from maxtrain.checkpointing.export import save_parameters
 from maxtrain.errors import ArgumentParser, UserError, refuse
+from maxtrain.hf.convert import MODEL_YAML, model_yaml
 from maxtrain.mesh import build_mesh
 from maxtrain.transforms.initialize import abstract_params, initial_params
 
@@ -34,17 +36,23 @@ def main(mode: str, argv: list[str], description: str) -> int:
         cfg = config_lib.load(args.config, [*args.overrides, f"init.mode={mode}", source])
         mesh = build_mesh(cfg.mesh)
         params = initial_params(cfg, abstract_params(cfg, mesh))
+        comment = f"Made by tools/{mode}.py from {cfg.init.source_model} at {args.source}."
         step_dir = save_parameters(
             args.output,
             params,
             config_yaml=config_lib.to_yaml(cfg),
             meta={"init": {**cfg.init.model_dump(), "source": args.source}},
+            files={MODEL_YAML: model_yaml(cfg.model, comment)},
         )
     except UserError as e:
         return refuse(mode, e)
+    moe = cfg.model.moe
+    kind = f"MoE, {moe.num_experts} experts, top-{moe.top_k}" if moe else "dense"
     print(
-        f"{mode}: wrote {step_dir}: model {cfg.model_name} "
-        f"({models.param_count(cfg.model):,} parameters) from {cfg.init.source_model} "
-        f"at {args.source}"
+        f"{mode}: wrote {step_dir} and its model file {args.output}/{MODEL_YAML}: "
+        f"{cfg.model.num_layers} layers, {kind}, {models.param_count(cfg.model):,} parameters "
+        f"({models.active_param_count(cfg.model):,} active), from {cfg.init.source_model} at "
+        f"{args.source}. To train from it: model_name={args.output}/{MODEL_YAML} "
+        f"checkpoint.load_parameters_path={args.output}"
     )
     return 0

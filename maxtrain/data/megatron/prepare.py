@@ -10,6 +10,7 @@ a config reading the corpus should name.
 from __future__ import annotations
 
 import itertools
+import shutil
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
@@ -34,15 +35,25 @@ def write_corpus(
 ) -> dict[str, Any]:
     """Tokenizes `docs` into PREFIX.bin / PREFIX.idx; returns a summary like write_shards'.
 
-    An existing pair is refused unless `overwrite`; on any failure nothing is left behind (the
-    old pair, if replaced, is only replaced by the final rename).
+    PREFIX's directory is created if missing. An existing pair is refused unless `overwrite`; on
+    any failure nothing is left behind (the old pair, if replaced, is only replaced by the final
+    rename; a directory this call created is removed).
     """
     existing = [p for p in (bin_path(prefix), idx_path(prefix)) if p.exists()]
     if existing and not overwrite:
         raise DataError(f"{existing[0]} exists; pass --overwrite to replace it")
-    if not prefix.parent.is_dir():
-        raise DataError(f"output directory {prefix.parent} does not exist")
-    writer = IndexedWriter(prefix, token_dtype(tokenizer.vocab_size))
+    parent = prefix.parent
+    created = next((p for p in [parent, *parent.parents][::-1] if not p.exists()), None)
+    try:
+        parent.mkdir(parents=True, exist_ok=True)  # as the ArrayRecord output does
+    except OSError as e:
+        raise DataError(f"cannot create the output directory {parent}: {e.strerror or e}") from None
+    try:
+        writer = IndexedWriter(prefix, token_dtype(tokenizer.vocab_size))
+    except BaseException:
+        if created is not None:
+            shutil.rmtree(created, ignore_errors=True)
+        raise
     documents = tokens = 0
     try:
         for batch in itertools.batched(docs, _ENCODE_BATCH):
@@ -58,6 +69,8 @@ def write_corpus(
         writer.finish()
     except BaseException:
         writer.abort()
+        if created is not None:  # a failed run leaves no directory it created
+            shutil.rmtree(created, ignore_errors=True)
         raise
     return {
         "documents": documents,

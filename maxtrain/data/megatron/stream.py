@@ -103,7 +103,9 @@ class MegatronData:
         if not np.any(lengths):
             raise DataError(
                 f"data.sources[{name}]: data.megatron.split {self.split!r} leaves the {split} "
-                f"split of its {corpus.num_sequences} sequences no tokens"
+                f"split of its {corpus.num_sequences} sequences no tokens; give that split a "
+                f"larger share"
+                + (" or set train.eval_every=0 (no evaluation)" if split == "valid" else "")
             )
         description = {
             "idx": file_identity(idx_path(corpus.prefix)),

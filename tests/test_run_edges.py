@@ -1,0 +1,102 @@
+"""What a user sees between the documented workflows: the start-up, checkpoint and end lines,
+summary.json, extending a finished run (its schedule), and a run killed before its summary.
+
+One tiny run in this process, extended once with its schedule pinned (the same program: the
+compilation cache serves it), then started again once complete."""
+
+from __future__ import annotations
+
+import json
+import types
+
+import pytest
+
+from maxtrain import models, optim, run_lock
+from maxtrain import train as train_lib
+from maxtrain.train import run
+
+RUN = ("train.log_every=1", "checkpoint.local.every_steps=2", "optim.lr=1e-2")
+
+
+def lrs(run_dir) -> dict[int, float]:
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return {r["step"]: r["train/lr"] for r in map(json.loads, lines) if "train/lr" in r}
+
+
+def test_a_run_says_what_it_trains_saves_and_did_and_an_extension_keeps_or_names_its_schedule(
+    make_cfg, capsys
+):
+    cfg = make_cfg(*RUN, "train.eval_every=4")
+    summary = run(cfg)
+    out = capsys.readouterr().out
+    total, active = models.param_count(cfg.model), models.active_param_count(cfg.model)
+    # Start-up: parameters (total, active), steps, the schedule's length.
+    assert f"parameters ({active / 1e3:.3g}K active per token)" in out and total == active
+    assert "lr schedule cosine over 4 steps" in out
+    # A line per checkpoint, naming the step and its directory; the final one too.
+    local, persistent = (
+        cfg.run_dir / "checkpoints" / "local",
+        cfg.run_dir / "checkpoints" / "persistent",
+    )
+    assert f"checkpoint step 2: {local / '2'}\n" in out
+    assert f"checkpoint step 4: {persistent / '4'} (final)\n" in out
+    # summary.json: metrics.jsonl's keys, the run's totals, and a last line pointing at it.
+    on_disk = json.loads((cfg.run_dir / "summary.json").read_text())
+    assert on_disk == pytest.approx(summary)
+    last_eval = [json.loads(x) for x in (cfg.run_dir / "metrics.jsonl").read_text().splitlines()]
+    last_eval = [r for r in last_eval if "eval/loss" in r][-1]
+    assert on_disk["eval/loss"] == last_eval["eval/loss"] and "eval_loss" not in on_disk
+    assert on_disk["step"] == 4 and on_disk["tokens_seen"] == 4 * 8 * 32
+    assert (on_disk["params_total"], on_disk["params_active"]) == (total, active)
+    assert on_disk["wall_time_s"] > 0 and on_disk["train/loss"] > 0
+    assert out.rstrip().endswith(f"summary in {cfg.run_dir / 'summary.json'}")
+    assert "maxtrain: done at step 4 in " in out
+
+    # Extended with the schedule's length pinned to the old one: no note, and past its end
+    # the lr stays at its floor (a cosine over 4 steps, then lr * min_lr_ratio).
+    run(make_cfg(*RUN, "train.steps=6", "optim.schedule_steps=4"))
+    out = capsys.readouterr().out
+    assert "lr schedule now spans" not in out and "resumed at step 4" in out
+    lr = lrs(cfg.run_dir)
+    assert lr[5] == lr[6] == pytest.approx(1e-2 * cfg.optim.min_lr_ratio)
+    assert lr[2] > lr[3] > lr[4] > lr[5]
+    # Extended by raising train.steps alone, the decay would re-stretch over 8 steps: the
+    # resume says so in one line naming how to keep the old schedule (read from the config
+    # saved with the step it resumes from).
+    longer = make_cfg(*RUN, "train.steps=8")
+    step_6 = cfg.run_dir / "checkpoints" / "persistent" / "6"
+    restored = types.SimpleNamespace(restore_info={"dir": str(step_6), "step": 6})
+    assert train_lib._schedule_change(longer, restored) == (
+        "maxtrain: note: the lr schedule now spans 8 steps; step 6 was trained on one of 4, so "
+        "the learning rate changes from here on (set optim.schedule_steps=4 to keep that "
+        "schedule)"
+    )
+    pinned = make_cfg(*RUN, "train.steps=8", "optim.schedule_steps=4")
+    assert train_lib._schedule_change(pinned, restored) is None
+
+    # Killed after its final save, before summary.json, with its lock left filled in: the
+    # next start finds it complete, writes the summary from metrics.jsonl and frees the lock.
+    (cfg.run_dir / "summary.json").unlink()
+    left = {"pid": 99999999, "host": "gone", "started": "2025-01-01T00:00:00"}
+    (cfg.run_dir / run_lock.LOCK).write_text(json.dumps(left))
+    assert run(make_cfg(*RUN, "train.steps=6", "optim.schedule_steps=4"))["step"] == 6
+    out, err = capsys.readouterr()
+    assert "is complete: step 6" in out and "wrote the missing" in out
+    assert "taking over" in err and "pid 99999999 on gone" in err
+    assert (cfg.run_dir / run_lock.LOCK).read_text() == ""
+    written = json.loads((cfg.run_dir / "summary.json").read_text())
+    assert written["step"] == 6 and written["train/lr"] == lr[6]
+    assert written["tokens_seen"] == 6 * 8 * 32 and "wall_time_s" not in written
+
+
+def test_warmup_as_long_as_the_schedule_is_warned(make_cfg):
+    """train.steps=20 with the default 30 warmup steps ends mid-warmup: said at start-up."""
+    cfg = make_cfg("train.steps=20", "optim.warmup_steps=30")
+    assert optim.warmup_warning(cfg.optim, cfg.schedule_steps) == (
+        "optim.warmup_steps=30 is not shorter than the schedule (20 steps): the learning rate "
+        "never decays; lower optim.warmup_steps"
+    )
+    longer = make_cfg("train.steps=20", "optim.warmup_steps=30", "optim.schedule_steps=300")
+    assert optim.warmup_warning(longer.optim, longer.schedule_steps) is None
+    constant = make_cfg("train.steps=20", "optim.warmup_steps=30", "optim.schedule=constant")
+    assert optim.warmup_warning(constant.optim, constant.schedule_steps) is None
