@@ -20,6 +20,7 @@ from maxtrain.analysis.program import matmul_dtypes
 from maxtrain.checkpointing import integrity
 from maxtrain.checkpointing.export import save_parameters
 from maxtrain.config import CONFIGS_DIR, to_yaml
+from maxtrain.inference.loading import load_model
 from maxtrain.models import model_def
 from maxtrain.train import _with_rules, build_trainer, data_streams, main, run
 from maxtrain.train_step import summed_grads
@@ -281,6 +282,11 @@ def _check_ptq_loads_dequantized(out, cfg) -> None:
     np.testing.assert_array_equal(np.asarray(loaded["moe_layers"]["moe"]["up"]["kernel"]), expected)
     np.testing.assert_array_equal(np.asarray(loaded["embedding"]), np.asarray(stored["embedding"]))
     assert jax.tree.structure(loaded) == jax.tree.structure(abstract)
+    # generate and evaluate load through the same function
+    model = load_model(out, devices=jax.devices()[:1])
+    np.testing.assert_array_equal(
+        np.asarray(model.params["moe_layers"]["moe"]["up"]["kernel"]), expected
+    )
 
 
 def _ocdbt_versions(state_dir) -> int:

@@ -3,7 +3,8 @@
     model = load_model("runs/base", ["mesh.fsdp=4", "mesh.tensor=2"])
 
 The path is anything `checkpoint.load_parameters_path` takes (a step, a tier or a run
-directory: the newest complete step) or an imported checkpoint (tools/convert_hf.py). Which
+directory: the newest complete step), an imported checkpoint (tools/convert_hf.py) or a
+post-training-quantized one (tools/quantize.py: its kernels dequantized as they are read). Which
 model it holds is the config saved with the step: a training run's resolved config, or an
 import's model section on top of configs/base.yml's defaults. Overrides (`mesh.*`, ...) apply
 on top. Generation and evaluation load through here, so both read a checkpoint the same way.
@@ -22,7 +23,7 @@ import yaml
 from flax import nnx
 from jax.sharding import Mesh
 
-from maxtrain.checkpointing import CheckpointError, load_parameters, read_saved_config
+from maxtrain.checkpointing import CheckpointError, read_saved_config
 from maxtrain.checkpointing.checkpointer import resolve_step_dir
 from maxtrain.checkpointing.common import absolute
 from maxtrain.config import CONFIGS_DIR, Config, deep_merge, parse_override, validate
@@ -71,7 +72,10 @@ def load_model(
     if initial:
         init = lambda: nnx.to_pure_dict(nnx.state(build(cfg.model, seed=cfg.run.seed), nnx.Param))
         return LoadedModel(cfg, mdef, jax.jit(init, out_shardings=shardings)(), mesh, step_dir, 0)
-    params = load_parameters(step_dir, abstract)
+    # float, or tools/quantize.py's (the package imports Qwix: only when a model is loaded)
+    from maxtrain.quantization.ptq import load_parameters_dequantized
+
+    params = load_parameters_dequantized(step_dir, abstract)
     step = int(step_dir.name) if step_dir.name.isdigit() else 0
     return LoadedModel(cfg, mdef, params, mesh, step_dir, step)
 

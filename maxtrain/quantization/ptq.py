@@ -17,7 +17,6 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-import qwix
 from etils import epath
 from flax import nnx
 
@@ -65,6 +64,8 @@ def quantize_params(
 ) -> tuple[dict, dict[str, list[float]]]:
     """Returns (params with each kernel replaced by {qvalue, scale}, relative L2 error of each
     dequantized kernel per stacked layer: the per-layer error report). Symmetric absmax."""
+    import qwix  # here, not at import: loading a quantized checkpoint needs no Qwix (2 s)
+
     out = jax.tree.map(lambda x: x, params)
     errors = {}
     for path, reduce_axes in kernels.items():
