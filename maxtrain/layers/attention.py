@@ -9,7 +9,7 @@ from maxtrain.config import ModelConfig
 from maxtrain.kernels.attention import attention_kernel
 from maxtrain.layers.base import Projection
 from maxtrain.layers.norms import RMSNorm
-from maxtrain.layers.rope import apply_rope, inverse_frequencies
+from maxtrain.layers.rope import Rope
 from maxtrain.mesh import constrain
 
 
@@ -28,7 +28,7 @@ class Attention(nnx.Module):
             self.k_norm = RMSNorm(H, eps=cfg.norm_eps, param_dtype=param_dtype, rngs=rngs)
         else:
             self.q_norm = self.k_norm = None
-        self.rope = (H, cfg.rope_theta, cfg.rope_scaling)  # static: frequencies built at trace
+        self.rope = Rope(H, cfg.rope_theta, cfg.rope_scaling, cfg.rope_interleaved)
         self.attend = attention_kernel(cfg.attention)  # the kernel, picked once
 
     def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array) -> jax.Array:
@@ -37,8 +37,6 @@ class Attention(nnx.Module):
         v = constrain(self.v(x), ("batch", "length", "kv_heads", "head_dim"))  # [B, T, K, H]
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        inv_freq = inverse_frequencies(*self.rope)
-        q = apply_rope(q, positions, inv_freq)
-        k = apply_rope(k, positions, inv_freq)
+        q, k = self.rope(q, positions), self.rope(k, positions)
         out = self.attend(q, k, v, segment_ids)  # [B, T, N, H]
         return self.o(out)
