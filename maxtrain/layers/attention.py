@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import jax
 from flax import nnx
 
@@ -13,7 +15,28 @@ from maxtrain.layers.rope import Rope
 from maxtrain.mesh import constrain
 
 
+@dataclass(frozen=True)
+class AttentionCounts:
+    """What one layer of an attention kind costs per token, declared by the kind itself so that
+    the FLOP count (metrics.py) and the memory estimate (analysis/memory.py) need not know it."""
+
+    matmul_params: int  # projection weights a token multiplies against
+    qk_width: int  # heads x query/key head size: the score matmul's contraction per query
+    v_width: int  # heads x value head size: the value matmul's output per query
+    saved: int  # elements per token remat "minimal" keeps: projection and kernel outputs
+
+
 class Attention(nnx.Module):
+    @staticmethod
+    def counts(cfg: ModelConfig) -> AttentionCounts:
+        D, N, K, H = cfg.emb_dim, cfg.num_heads, cfg.num_kv_heads, cfg.resolved_head_dim
+        return AttentionCounts(
+            matmul_params=2 * D * N * H + 2 * D * K * H,  # q and o; k and v
+            qk_width=N * H,
+            v_width=N * H,
+            saved=2 * N * H + 2 * K * H + D,  # q, k, v, the kernel's output, o
+        )
+
     def __init__(self, cfg: ModelConfig, *, param_dtype, compute_dtype, rngs: nnx.Rngs):
         D, N, K, H = cfg.emb_dim, cfg.num_heads, cfg.num_kv_heads, cfg.resolved_head_dim
         kw = dict(

@@ -23,6 +23,7 @@ from flax import nnx
 
 from maxtrain.config import ModelConfig
 from maxtrain.kernels.attention import attention_kernel
+from maxtrain.layers.attention import AttentionCounts
 from maxtrain.layers.base import Projection
 from maxtrain.layers.norms import RMSNorm
 from maxtrain.layers.rope import Rope
@@ -34,6 +35,23 @@ LATENT_NORM_EPS = 1e-6
 
 
 class MLA(nnx.Module):
+    @staticmethod
+    def counts(cfg: ModelConfig) -> AttentionCounts:
+        m = cfg.mla
+        assert m is not None
+        D, N, H, V = cfg.emb_dim, cfg.num_heads, m.qk_head_dim, m.v_head_dim
+        q = D * N * H if m.q_lora_rank is None else m.q_lora_rank * (D + N * H)
+        latent = m.kv_lora_rank + m.qk_rope_head_dim
+        kv_b = N * (m.qk_nope_head_dim + V)
+        return AttentionCounts(
+            matmul_params=q + D * latent + m.kv_lora_rank * kv_b + N * V * D,
+            qk_width=N * H,
+            v_width=N * V,
+            # q (and its latent), kv_a's latent, kv_b's keys and values, the kernel's
+            # output, o
+            saved=N * H + (m.q_lora_rank or 0) + latent + kv_b + N * V + D,
+        )
+
     def __init__(self, cfg: ModelConfig, *, param_dtype, compute_dtype, rngs: nnx.Rngs):
         m = cfg.mla
         assert m is not None  # attention_type mla implies it (config validation)

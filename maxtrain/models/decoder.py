@@ -16,9 +16,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from maxtrain.config import ModelConfig
-from maxtrain.layers.attention import Attention
+from maxtrain.layers.attention_types import attention_type
 from maxtrain.layers.base import Projection, make_param
-from maxtrain.layers.mla import MLA
 from maxtrain.layers.mlp import MLP
 from maxtrain.layers.moe import MoE
 from maxtrain.layers.norms import RMSNorm
@@ -61,9 +60,6 @@ class BlockKind:
     make_ffn: Callable[..., nnx.Module]  # (cfg, *, param_dtype, compute_dtype, rngs)
 
 
-# model.attention_type -> the attention module; every block of a model uses the same one.
-ATTENTION_TYPES: dict[str, Callable[..., nnx.Module]] = {"gqa": Attention, "mla": MLA}
-
 DENSE = BlockKind(DENSE_STACK, "mlp", MLP)
 MOE = BlockKind(MOE_STACK, "moe", MoE)
 BLOCK_KINDS = {False: DENSE, True: MOE}  # is_moe -> kind
@@ -76,7 +72,7 @@ class DecoderBlock(nnx.Module):
         norm_kw = dict(eps=cfg.norm_eps, param_dtype=param_dtype, rngs=rngs)
         dtypes = dict(param_dtype=param_dtype, compute_dtype=compute_dtype)
         self.attn_norm = RMSNorm(cfg.emb_dim, **norm_kw)
-        self.attn = ATTENTION_TYPES[cfg.attention_type](cfg, **dtypes, rngs=rngs)
+        self.attn = attention_type(cfg)(cfg, **dtypes, rngs=rngs)
         self.mlp_norm = RMSNorm(cfg.emb_dim, **norm_kw)
         self.ffn_name = kind.ffn_name
         setattr(self, kind.ffn_name, kind.make_ffn(cfg, **dtypes, rngs=rngs))
