@@ -67,18 +67,18 @@ class MLA(nnx.Module):
         else:
             r = m.q_lora_rank
             self.q = None
-            self.q_a = Projection("btd,dr->btr", (D, r), ("embed", None), **kw)
+            self.q_a = Projection("btd,dr->btr", (D, r), ("embed", "latent"), **kw)
             self.q_norm = RMSNorm(r, **norm_kw)
-            self.q_b = Projection("btr,rnh->btnh", (r, N, H), (None, *heads), **kw)
+            self.q_b = Projection("btr,rnh->btnh", (r, N, H), ("latent", *heads), **kw)
         # One projection for the latent and the shared rotary key, as checkpoints store it.
         self.kv_a = Projection(
-            "btd,dr->btr", (D, m.kv_lora_rank + m.qk_rope_head_dim), ("embed", None), **kw
+            "btd,dr->btr", (D, m.kv_lora_rank + m.qk_rope_head_dim), ("embed", "latent"), **kw
         )
         self.kv_norm = RMSNorm(m.kv_lora_rank, **norm_kw)
         self.kv_b = Projection(
             "btr,rnh->btnh",
             (m.kv_lora_rank, N, m.qk_nope_head_dim + m.v_head_dim),
-            (None, *heads),
+            ("latent", *heads),
             **kw,
         )
         self.o = Projection("btnh,nhd->btd", (N, m.v_head_dim, D), (*heads, "embed"), **kw)
