@@ -140,7 +140,17 @@ def test_export_reproduces_the_original_files(case, tmp_path):
 
 
 @pytest.mark.parametrize(
-    "preset", ["llama3.2-1b", "qwen3-0.6b", "kanana-nano-2.1b", "mixtral-8x7b", "qwen3-30b-a3b"]
+    "preset",
+    [
+        "llama3.2-1b",
+        "qwen3-0.6b",
+        "kanana-nano-2.1b",
+        "mixtral-8x7b",
+        "qwen3-30b-a3b",
+        "deepseek-v3-671b",
+        "kimi-k2-1t",
+        "tiny-mla",
+    ],
 )
 def test_preset_configs_round_trip(preset):
     cfg = config_lib.load(config_lib.CONFIGS_DIR / "base.yml", [f"model_name={preset}"]).model

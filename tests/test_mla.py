@@ -52,9 +52,10 @@ def test_mla_flops_count_its_projections_and_both_head_sizes():
 def tiny_mla_reference(tmp_path_factory):
     overrides = [
         "model_name=tiny-mla",
+        "model.num_layers=2",  # the dense layer and one MoE layer
         "data.kind=synthetic",
         "train.global_batch_size=8",
-        "train.seq_len=32",
+        "train.seq_len=16",
         "mesh.fsdp=1",
         f"run.output_dir={tmp_path_factory.mktemp('mla')}",
     ]
@@ -72,3 +73,11 @@ def test_tiny_mla_with_expert_parallelism_equals_one_device(tiny_mla_reference):
     loss, grads = loss_and_grads(trainer, _batch(cfg))
     np.testing.assert_allclose(loss, ref_loss, rtol=1e-6)
     assert_trees_close(grads, ref_grads)
+
+
+def test_mla_without_its_section_is_a_config_error_naming_the_key():
+    from maxtrain.config import ConfigError
+
+    with pytest.raises(ConfigError, match="model.mla is absent") as e:
+        load(BASE, ["model_name=tiny", "model.attention_type=mla"])
+    assert "\n" not in str(e.value)

@@ -211,6 +211,10 @@ def _rope(
     kind = params.get("rope_type", params.get("type", "default"))
     if kind == "default":
         return theta, None
+    if kind == "yarn" and not family.mla_keys:  # checked against transformers for DeepSeek only
+        raise ConversionError(
+            f"{where}: RoPE type 'yarn' is supported for deepseek_v3 only, not {family.model_type}"
+        )
     if kind not in _SCALING_KEYS:
         raise ConversionError(
             f"{where}: RoPE type {kind!r} is not supported; supported: default, "
@@ -297,6 +301,9 @@ def _check_exportable(cfg: ModelConfig, family: Family) -> None:
         unsupported.append("a dense model (its MoE layers are required)")
     if cfg.rope_interleaved and not family.mla_keys:
         unsupported.append("model.rope_interleaved=true")
+    scaling = cfg.rope_scaling
+    if scaling is not None and scaling.type == "yarn" and not family.mla_keys:
+        unsupported.append("model.rope_scaling.type=yarn")
     if unsupported:
         raise ConversionError(
             f"cannot export as {name} (the family for attention_type={cfg.attention_type}, "
