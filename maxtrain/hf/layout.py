@@ -26,13 +26,15 @@ from maxtrain.models.stacks import STACKS, is_moe_per_layer, stack_positions
 
 # (our path inside a layer, Hugging Face name inside `model.layers.<i>.`, input axes of a
 # linear weight or None)
-_ATTENTION = (
+_NORMS = (
     (("attn_norm", "scale"), "input_layernorm.weight", None),
+    (("mlp_norm", "scale"), "post_attention_layernorm.weight", None),
+)
+_ATTENTION = (
     (("attn", "q", "kernel"), "self_attn.q_proj.weight", 1),
     (("attn", "k", "kernel"), "self_attn.k_proj.weight", 1),
     (("attn", "v", "kernel"), "self_attn.v_proj.weight", 1),
     (("attn", "o", "kernel"), "self_attn.o_proj.weight", 2),
-    (("mlp_norm", "scale"), "post_attention_layernorm.weight", None),
 )
 # Multi-head latent attention (layers/mla.py): the query's two layouts, then the rest.
 _MLA_Q = ((("attn", "q", "kernel"), "self_attn.q_proj.weight", 1),)
@@ -46,10 +48,6 @@ _MLA = (
     (("attn", "kv_norm", "scale"), "self_attn.kv_a_layernorm.weight", None),
     (("attn", "kv_b", "kernel"), "self_attn.kv_b_proj.weight", 1),
     (("attn", "o", "kernel"), "self_attn.o_proj.weight", 2),
-)
-_NORMS = (
-    (("attn_norm", "scale"), "input_layernorm.weight", None),
-    (("mlp_norm", "scale"), "post_attention_layernorm.weight", None),
 )
 _QK_NORM = (
     (("attn", "q_norm", "scale"), "self_attn.q_norm.weight", None),
@@ -92,7 +90,7 @@ class Slot:
 def _attention(cfg: ModelConfig) -> tuple:
     """A layer's attention and norm tensors: (our path, Hugging Face name, input axes)."""
     if cfg.mla is None:
-        return _ATTENTION + (_QK_NORM if cfg.qk_norm else ())
+        return _NORMS + _ATTENTION + (_QK_NORM if cfg.qk_norm else ())
     return _NORMS + (_MLA_Q if cfg.mla.q_lora_rank is None else _MLA_Q_LORA) + _MLA
 
 
