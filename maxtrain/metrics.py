@@ -24,18 +24,15 @@ import numpy as np
 
 from maxtrain.config import ModelConfig
 from maxtrain.files import write_atomic
+from maxtrain.layers.attention_types import attention_type
 from maxtrain.models.stacks import is_moe_per_layer
 
 # ---- FLOP counting ------------------------------------------------------------------------
 
 
 def attention_proj_params(model: ModelConfig) -> int:
-    """Per-layer q, k, v and o projection weights (GQA: k and v have num_kv_heads heads)."""
-    d, h = model.emb_dim, model.resolved_head_dim
-    q = d * model.num_heads * h
-    kv = 2 * d * model.num_kv_heads * h
-    o = model.num_heads * h * d
-    return q + kv + o
+    """Per-layer projection weights of the attention, as its kind declares them."""
+    return attention_type(model).counts(model).matmul_params
 
 
 def mlp_params(model: ModelConfig) -> int:
@@ -78,12 +75,13 @@ def matmul_params(model: ModelConfig) -> int:
 def attention_flops_per_token(model: ModelConfig, seq_len: int) -> float:
     """Training FLOPs per token of the score (QK^T) and value (AV) matmuls, causal.
 
-    Forward with a full mask: 2 matmuls x 2 FLOPs/MAC x seq_len x (num_heads x head_dim) per
-    token per layer. The causal mask halves it (the standard, mask-aware count), leaving
-    2 x seq_len x N x H; training is 3x the forward (backward = 2x forward).
+    Forward with a full mask: 2 FLOPs/MAC x seq_len x (the scores' width N x H_qk plus the
+    values' N x H_v) per token per layer. The causal mask halves it (the standard, mask-aware
+    count), leaving seq_len x (N H_qk + N H_v), 2 x seq_len x N x H when both head sizes are H;
+    training is 3x the forward (backward = 2x forward).
     """
-    n_h = model.num_heads * model.resolved_head_dim
-    return 6.0 * seq_len * n_h * model.num_layers
+    counts = attention_type(model).counts(model)
+    return 3.0 * seq_len * (counts.qk_width + counts.v_width) * model.num_layers
 
 
 def train_flops_per_token(model: ModelConfig, seq_len: int) -> float:

@@ -37,7 +37,7 @@ def _numpy_attention(q, k, v, seg) -> np.ndarray:
     q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
     b_, t_, n_, h_ = q.shape
     group = n_ // k.shape[2]
-    out = np.zeros_like(q)
+    out = np.zeros(q.shape[:3] + v.shape[3:])
     for b in range(b_):
         for i in range(t_):
             keys = [j for j in range(i + 1) if seg[b, j] == seg[b, i]]
@@ -54,6 +54,16 @@ def test_reference_matches_numpy_loop():
     q, k, v = _qkv()
     got = jax.jit(attn.reference_attention)(q, k, v, jnp.asarray(SEGMENT_IDS))
     assert got.shape == (B, T, N, H) and got.dtype == jnp.float32
+    np.testing.assert_allclose(got, _numpy_attention(q, k, v, SEGMENT_IDS), rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("impl", ["xla", "tokamax_xla"])
+def test_value_heads_may_be_smaller_than_query_key_heads(impl):
+    """Multi-head latent attention's layout: tokamax gets V zero-padded, sliced back."""
+    q, k, v = _qkv(3)
+    v = v[..., :5]
+    got = _attention(q, k, v, jnp.asarray(SEGMENT_IDS), implementation=impl)
+    assert got.shape == (B, T, N, 5)
     np.testing.assert_allclose(got, _numpy_attention(q, k, v, SEGMENT_IDS), rtol=0, atol=1e-5)
 
 

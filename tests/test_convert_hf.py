@@ -30,7 +30,7 @@ from safetensors.numpy import save_file
 from maxtrain import config as config_lib
 from maxtrain import models
 from maxtrain.checkpointing import load_parameters
-from maxtrain.config import ModelConfig, MoeConfig
+from maxtrain.config import MlaConfig, ModelConfig, MoeConfig
 from maxtrain.corpora.embedded import DEFAULT_TOKENIZER
 from maxtrain.hf import ConversionError, cli, read_hf_model, write_hf_model
 from maxtrain.hf import convert as convert_lib
@@ -44,6 +44,9 @@ REPO = Path(__file__).resolve().parent.parent
 FIXTURES = REPO / "tests" / "fixtures" / "hf"
 MAKE_FIXTURES = REPO / "tools" / "make_hf_fixtures.py"
 CASES = sorted(runpy.run_path(str(MAKE_FIXTURES))["CASES"])
+# Group-limited routing (model.moe.n_group > 1) is not computed on this branch yet: that
+# fixture's logits are compared once it is; its export round trip is tested already.
+LOGITS_CASES = [c for c in CASES if c != "deepseek_v3_grouped"]
 TOLERANCE = 1e-4  # max |logits difference| in float32
 
 
@@ -89,7 +92,10 @@ def assert_same_tensors(exported: Path, original: Path) -> None:
 
 
 def explicit_head_dim(cfg: ModelConfig) -> ModelConfig:
-    """cfg as export writes it: head_dim always explicit (transformers 4 reads no null)."""
+    """cfg as export writes it: head_dim always explicit (transformers 4 reads no null); with
+    multi-head latent attention, model.mla holds the head sizes and head_dim stays unset."""
+    if cfg.mla is not None:
+        return cfg
     return cfg.model_copy(update={"head_dim": cfg.resolved_head_dim})
 
 
@@ -112,7 +118,7 @@ def test_fixtures_cover_every_family_and_option():
     assert sizes < 5 * 2**20
 
 
-@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("case", LOGITS_CASES)
 def test_imported_logits_match_transformers(case):
     cfg, params = read_hf_model(FIXTURES / case)
     tokens = np.load(FIXTURES / case / "tokens.npy")
@@ -137,7 +143,17 @@ def test_export_reproduces_the_original_files(case, tmp_path):
 
 
 @pytest.mark.parametrize(
-    "preset", ["llama3.2-1b", "qwen3-0.6b", "kanana-nano-2.1b", "mixtral-8x7b", "qwen3-30b-a3b"]
+    "preset",
+    [
+        "llama3.2-1b",
+        "qwen3-0.6b",
+        "kanana-nano-2.1b",
+        "mixtral-8x7b",
+        "qwen3-30b-a3b",
+        "deepseek-v3-671b",
+        "kimi-k2-1t",
+        "tiny-mla",
+    ],
 )
 def test_preset_configs_round_trip(preset):
     cfg = config_lib.load(config_lib.CONFIGS_DIR / "base.yml", [f"model_name={preset}"]).model
@@ -156,6 +172,42 @@ def test_slots_cover_every_parameter_once():
         mlp_dim=12,
         qk_norm=True,
         moe=MoeConfig(num_experts=3, top_k=2, expert_mlp_dim=4, first_dense_layers=1, interval=2),
+    )
+    counts = jax.tree.map(lambda a: np.zeros(a.shape, int), abstract_params(cfg))
+    for slot in slots(cfg, family_for(cfg)):
+        node = counts
+        for key in slot.path:
+            node = node[key]
+        node[slot.index] += 1
+    assert all(np.all(c == 1) for c in jax.tree.leaves(counts))
+
+
+@pytest.mark.parametrize("q_lora_rank", [None, 6])
+def test_mla_slots_cover_every_parameter_once(q_lora_rank):
+    cfg = ModelConfig(
+        vocab_size=16,
+        emb_dim=8,
+        num_layers=3,
+        num_heads=2,
+        num_kv_heads=2,
+        mlp_dim=12,
+        attention_type="mla",
+        mla=MlaConfig(
+            q_lora_rank=q_lora_rank,
+            kv_lora_rank=4,
+            qk_nope_head_dim=4,
+            qk_rope_head_dim=2,
+            v_head_dim=3,
+        ),
+        moe=MoeConfig(
+            num_experts=3,
+            top_k=2,
+            expert_mlp_dim=4,
+            first_dense_layers=1,
+            shared_experts=1,
+            score="sigmoid",
+            bias_update_rate=0.001,
+        ),
     )
     counts = jax.tree.map(lambda a: np.zeros(a.shape, int), abstract_params(cfg))
     for slot in slots(cfg, family_for(cfg)):
@@ -319,8 +371,8 @@ BAD_IMPORTS = {
     ),
     "unsupported RoPE": (
         "llama3_mqa_tied_rope_scaling",
-        lambda d: edit_config(d, rope_scaling={"rope_type": "yarn", "factor": 4.0}),
-        "RoPE type 'yarn' is not supported",
+        lambda d: edit_config(d, rope_scaling={"rope_type": "longrope", "factor": 4.0}),
+        "RoPE type 'longrope' is not supported",
     ),
     "unsupported option": (
         "llama_gqa_untied_sharded",
@@ -384,7 +436,7 @@ def test_failed_export_leaves_no_directory(tmp_path, monkeypatch):
 @pytest.mark.parametrize(
     "moe, expected",
     [
-        (dict(shared_experts=1), "model.moe.shared_experts > 0"),
+        (dict(shared_experts=1), "model.moe.shared_experts=1"),
         (dict(renormalize=False), "model.moe.renormalize=false"),  # Mixtral always renormalises
         (dict(first_dense_layers=1), "dense layers between MoE layers"),
         (dict(score="sigmoid"), "model.moe.score=sigmoid"),
@@ -433,6 +485,8 @@ def test_transformers_loads_our_exports_with_the_same_logits(tmp_path):
         assert json.loads((fresh / "config.json").read_text()) == json.loads(
             (committed / "config.json").read_text()
         ), f"{case}: committed fixture is stale; rerun tools/make_hf_fixtures.py build"
+        if case not in LOGITS_CASES:
+            continue
         cfg, params = read_hf_model(fresh)
         tokens = np.load(fresh / "tokens.npy")
         ours = logits(cfg, params, tokens)

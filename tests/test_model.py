@@ -7,7 +7,7 @@ from flax import nnx
 
 from maxtrain import models
 from maxtrain.config import CONFIGS_DIR, RopeScaling, load
-from maxtrain.layers.rope import apply_rope, inverse_frequencies
+from maxtrain.layers.rope import Rope
 
 
 def _model_cfg(*overrides):
@@ -41,8 +41,8 @@ def test_llama3_rope_scaling_matches_the_published_rule():
     scaling = RopeScaling(
         factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position=8192
     )
-    plain = inverse_frequencies(128, 500000.0, None)
-    scaled = inverse_frequencies(128, 500000.0, scaling)
+    plain = Rope(128, 500000.0).inverse_frequencies()
+    scaled = Rope(128, 500000.0, scaling).inverse_frequencies()
     wavelen = 2 * np.pi / plain
     high = wavelen < 8192 / 4.0
     low = wavelen > 8192 / 1.0
@@ -54,9 +54,9 @@ def test_llama3_rope_scaling_matches_the_published_rule():
 
 def test_rope_rotates_pairs_by_position_and_restarts_per_document():
     x = jax.random.normal(jax.random.key(0), (1, 4, 1, 8))
-    inv = inverse_frequencies(8, 10000.0, None)
+    inv = Rope(8, 10000.0).inverse_frequencies()
     positions = jnp.array([[0, 1, 0, 1]])  # two documents of two tokens
-    out = apply_rope(x, positions, inv)
+    out = Rope(8, 10000.0)(x, positions)
     np.testing.assert_allclose(out[0, 0], x[0, 0], atol=1e-6)  # position 0: identity
     np.testing.assert_allclose(out[0, 2], x[0, 2], atol=1e-6)  # restarted document
     # position 1 rotates dims (i, i + H/2) by angle inv_freq[i]

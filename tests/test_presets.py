@@ -64,6 +64,7 @@ DESIGNED = [
 ]
 
 ALL_PRESETS = sorted({name for name, *_ in PUBLISHED} | {name for name, _ in DESIGNED})
+MLA_PRESETS = ["deepseek-v3-671b", "kimi-k2-1t", "deepseek-v2-lite-16b", "tiny-mla"]
 
 
 def closed_form_params(m: ModelConfig) -> int:
@@ -138,13 +139,16 @@ def test_model_matches_closed_form(name: str, tmp_path: Path) -> None:
     assert model_params(m) == closed_form_params(m)
 
 
-@pytest.mark.parametrize("name", ALL_PRESETS)
+@pytest.mark.parametrize("name", ALL_PRESETS + MLA_PRESETS)
 def test_load_keeps_preset_shape(name: str, tmp_path: Path) -> None:
     """base.yml must not override a shape key that the model file sets."""
     preset = yaml.safe_load((MODELS_DIR / f"{name}.yml").read_text())
     loaded = load_preset(name, tmp_path).model_dump()
     for key, value in preset.items():
-        assert loaded[key] == value, f"{name}: model.{key} = {loaded[key]!r}, file has {value!r}"
+        got = loaded[key]
+        if isinstance(value, dict):  # a section: the keys the file sets (others take defaults)
+            got = {k: got[k] for k in value}
+        assert got == value, f"{name}: model.{key} = {got!r}, file has {value!r}"
 
 
 @pytest.mark.parametrize("path", sorted(MODELS_DIR.glob("*.yml")), ids=lambda p: p.stem)
@@ -172,3 +176,61 @@ def test_closed_form_counts_what_it_should() -> None:
     tied_qk = m.model_copy(update={"tie_embeddings": True, "qk_norm": True, "head_dim": 3})
     # head_dim 3: q 24, k 12, v 12, o 24, mlp 72, norms 8 + 6 -> layer 158
     assert closed_form_params(tied_qk) == 40 + 158 + 4
+
+
+# ---- DeepSeek-style presets (multi-head latent attention, MoE) --------------------------------
+
+
+def mla_moe_closed_form(m: ModelConfig) -> tuple[int, int]:
+    """(total, one MoE layer's) parameters of a DeepSeek-V3-shaped model, from its shape keys:
+    multi-head latent attention, dense first layers, routed + shared SwiGLU experts."""
+    a, e, d = m.mla, m.moe, m.emb_dim
+    qk, heads = a.qk_nope_head_dim + a.qk_rope_head_dim, m.num_heads
+    q = d * heads * qk if a.q_lora_rank is None else a.q_lora_rank * (d + heads * qk + 1)
+    kv = d * (a.kv_lora_rank + a.qk_rope_head_dim) + a.kv_lora_rank  # kv_a and its norm
+    kv += a.kv_lora_rank * heads * (a.qk_nope_head_dim + a.v_head_dim)  # kv_b
+    attention = q + kv + heads * a.v_head_dim * d + 2 * d  # o, the two block norms
+    router = d * e.num_experts + (e.num_experts if e.bias_update_rate > 0 else 0)
+    moe_layer = attention + router + (e.num_experts + e.shared_experts) * 3 * d * e.expert_mlp_dim
+    dense_layer = attention + 3 * d * m.mlp_dim
+    dense = e.first_dense_layers
+    layers = dense * dense_layer + (m.num_layers - dense) * moe_layer
+    return 2 * m.vocab_size * d + layers + d, moe_layer
+
+
+# (preset, published total, published active, published total with one multi-token prediction
+# module or None, relative tolerance of the totals, of the active count). Active counts are
+# what a token multiplies against (the input embedding is a lookup): published rounded to whole
+# billions (DeepSeek-V3 "37B" +-1.35%), so their tolerance is wider.
+PUBLISHED_MLA = [
+    # DeepSeek-V3 technical report (arXiv 2412.19437) and its model card: 671B total, 37B
+    # activated per token; 685B with the multi-token prediction module on the hub.
+    ("deepseek-v3-671b", 671e9, 37e9, 685e9, 0.01, 0.015),
+    # Kimi K2 technical report (arXiv 2507.20534): 1.04T total (with its multi-token prediction
+    # layer; the released checkpoint without it holds 1.026T), 32B activated.
+    ("kimi-k2-1t", 1.026e12, 32e9, 1.04e12, 0.01, 0.015),
+    # DeepSeek-V2 report (arXiv 2405.04434), appendix: V2-Lite 15.7B total, 2.4B activated.
+    ("deepseek-v2-lite-16b", 15.7e9, 2.4e9, None, 0.01, 0.025),
+]
+
+
+@pytest.mark.parametrize("case", PUBLISHED_MLA, ids=[p[0] for p in PUBLISHED_MLA])
+def test_mla_presets_match_published_counts(case, tmp_path: Path) -> None:
+    from maxtrain.models import active_param_count
+
+    name, total, active, with_mtp, rel_tol, active_tol = case
+    m = load_preset(name, tmp_path)
+    closed, moe_layer = mla_moe_closed_form(m)
+    assert model_params(m) == closed
+    assert_close(closed, int(total), rel_tol, f"{name} total")
+    assert_close(active_param_count(m) - m.vocab_size * m.emb_dim, int(active), active_tol, name)
+    if with_mtp is not None:
+        # One MTP module: a MoE layer, its [2D -> D] projection and three norms; it shares
+        # the embedding and the head.
+        mtp = moe_layer + 2 * m.emb_dim * m.emb_dim + 3 * m.emb_dim
+        assert_close(closed + mtp, int(with_mtp), rel_tol, f"{name} with MTP")
+
+
+def test_tiny_mla_designed_count(tmp_path: Path) -> None:
+    m = load_preset("tiny-mla", tmp_path)
+    assert model_params(m) == mla_moe_closed_form(m)[0] == 901_296

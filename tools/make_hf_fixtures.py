@@ -54,6 +54,37 @@ _LLAMA3_SCALING = dict(
     original_max_position_embeddings=32,  # small, so all three frequency bands occur at H=8
 )
 
+# DeepSeek-V3 shapes: multi-head latent attention with a value head size (12) unlike the
+# query/key one (8 + 8), sigmoid routing with a correction bias, a shared expert, a first dense
+# layer. YaRN with a small original context, so every band of the ramp occurs at 8 rotary dims.
+_DEEPSEEK = dict(
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    kv_lora_rank=16,
+    qk_nope_head_dim=8,
+    qk_rope_head_dim=8,
+    v_head_dim=12,
+    n_routed_experts=8,
+    num_experts_per_tok=2,
+    moe_intermediate_size=16,
+    n_shared_experts=1,
+    first_k_dense_replace=1,
+    routed_scaling_factor=2.5,
+    norm_topk_prob=True,
+    n_group=1,
+    topk_group=1,
+)
+_YARN = dict(
+    rope_type="yarn",
+    factor=8.0,  # = max_position_embeddings / original_max_position_embeddings
+    original_max_position_embeddings=32,
+    beta_fast=32.0,
+    beta_slow=1.0,
+    mscale=1.0,
+    mscale_all_dim=1.0,
+)
+
 # name -> (model_type, config keys, options). Options: layout "v5" keeps the config.json
 # transformers 5 writes, "legacy" rewrites it the way most published checkpoints read;
 # dtype: the stored weights (the oracle computes in float32 either way); head_dim_null: write
@@ -158,6 +189,31 @@ CASES: dict[str, tuple[str, dict, dict]] = {
         ),
         dict(layout="v5"),
     ),
+    "deepseek_v3_q_lora_yarn_v5": (
+        "deepseek_v3",
+        dict(**_DEEPSEEK, q_lora_rank=24, rope_parameters=dict(rope_theta=10000.0, **_YARN)),
+        dict(layout="v5"),
+    ),
+    "deepseek_v3_plain_q_half_rope_legacy": (  # DeepSeek-V2-Lite's query; rotate-half pairing
+        "deepseek_v3",
+        dict(
+            **{**_DEEPSEEK, "num_experts_per_tok": 3, "norm_topk_prob": False},
+            q_lora_rank=None,
+            rope_interleave=False,
+            rope_parameters=dict(rope_type="default", rope_theta=10000.0),
+        ),
+        dict(layout="legacy"),
+    ),
+    # Group-limited routing: 4 groups of 2 experts, each token's experts from its best 2 groups.
+    "deepseek_v3_grouped": (
+        "deepseek_v3",
+        dict(
+            **{**_DEEPSEEK, "n_group": 4, "topk_group": 2},
+            q_lora_rank=24,
+            rope_parameters=dict(rope_theta=10000.0, **_YARN),
+        ),
+        dict(layout="legacy"),
+    ),
 }
 
 
@@ -172,6 +228,7 @@ def build(output: Path, names: list[str]) -> None:
         config = AutoConfig.for_model(model_type, **{**_SMALL, **keys})
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
         _randomize(model, torch)
+        margins = _router_margins(model, torch)
         if options.get("dtype") == "bfloat16":
             model.to(torch.bfloat16)
         case_dir = output / name
@@ -188,6 +245,14 @@ def build(output: Path, names: list[str]) -> None:
         tokens = np.random.default_rng(seed).integers(0, config.vocab_size, TOKENS_SHAPE)
         np.save(case_dir / "tokens.npy", tokens.astype(np.int32))
         write_logits(case_dir)
+        if margins is not None:
+            tokens_t = torch.from_numpy(tokens.astype(np.int64))
+            with torch.no_grad():
+                model.eval()(input_ids=tokens_t)
+            smallest = min(margins)
+            if smallest < 1e-4:  # float32 rounding in either model: ~1e-6
+                raise SystemExit(f"{name}: a router choice is within {smallest:.1e}; reseed")
+            print(f"{name}: smallest router margin {smallest:.2e}")
         print(f"{name}: {sum(p.numel() for p in model.parameters()):,} parameters")
 
 
@@ -279,6 +344,41 @@ def _randomize(model, torch) -> None:
                 p.copy_(1.0 + 0.2 * torch.randn_like(p))
             else:
                 p.normal_(0.0, 1.0 / math.sqrt(p.shape[-1]))
+
+
+def _router_margins(model, torch) -> list[float] | None:
+    """DeepSeek-V3 only: random correction biases (a buffer, not a parameter), and hooks that
+    record, per router call, the smallest gap between a token's k-th and (k+1)-th selection
+    score (after group masking), so that rounding cannot flip a choice in our port."""
+    routers = [m for m in model.modules() if type(m).__name__ == "DeepseekV3TopkRouter"]
+    if not routers:
+        return None
+    margins: list[float] = []
+
+    def record(router, inputs, output):
+        _, _, chosen = output
+        with torch.no_grad():
+            x = inputs[0].reshape(-1, router.hidden_dim).float()
+            select = (x @ router.weight.float().T).sigmoid() + router.e_score_correction_bias
+            group_scores = select.view(len(select), router.num_group, -1).topk(2, -1)[0].sum(-1)
+            ranked = group_scores.sort(-1, descending=True)[0]
+            kept = group_scores >= ranked[:, router.topk_group - 1 : router.topk_group]
+            per_group = router.num_experts // router.num_group
+            select = select.masked_fill(~kept.repeat_interleave(per_group, 1), float("-inf"))
+            picked = select.gather(1, chosen)
+            rest = select.scatter(1, chosen, float("-inf"))
+            gap = picked.min(-1)[0] - rest.max(-1)[0]
+            if router.topk_group < router.num_group:
+                k = router.topk_group
+                gap = torch.minimum(gap, ranked[:, k - 1] - ranked[:, k])
+            margins.append(float(gap.min()))
+
+    for router in routers:
+        with torch.no_grad():
+            bias = router.e_score_correction_bias
+            bias.copy_(0.1 * torch.randn_like(bias))
+        router.register_forward_hook(record)
+    return margins
 
 
 def _legacy_layout(cfg: dict) -> dict:

@@ -39,6 +39,7 @@ from jax.sharding import AbstractMesh
 from maxtrain.config import MESH_AXES, Config
 from maxtrain.kernels.attention import attention_implementation
 from maxtrain.kernels.grouped_matmul import grouped_matmul_implementation
+from maxtrain.layers.attention_types import attention_type
 from maxtrain.layers.expert_parallel import exchange_implementation, routed_capacity
 from maxtrain.mesh import axis_sizes, logical_to_spec, spec_axes
 from maxtrain.models import compute_dtype, model_def
@@ -205,10 +206,10 @@ def _saved_per_token(cfg: Config, is_moe: bool, c: int, policy: str | None = Non
     """Bytes per token one layer keeps for its backward pass under a remat policy."""
     model = cfg.model
     policy = policy or model.remat
-    D, H = model.emb_dim, model.resolved_head_dim
+    D = model.emb_dim
     if policy == "full":
         return D * c  # the layer input only
-    attention = (2 * model.num_heads * H + 2 * model.num_kv_heads * H + D) * c  # q,k,v,out,o
+    attention = attention_type(model).counts(model).saved * c
     if is_moe:
         m = model.moe
         ffn = m.num_experts * 4  # float32 router logits

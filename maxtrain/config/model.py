@@ -12,16 +12,25 @@ from maxtrain.config.domains import NonNegativeFloat, PositiveFloat, PositiveInt
 
 
 class RopeScaling(Section):
-    """Llama-3 style RoPE frequency scaling (absent = no scaling)."""
+    """RoPE frequency scaling for a longer context (absent = no scaling); `type` picks the
+    method, and with it which of the other keys apply (layers/rope.py)."""
 
-    factor: PositiveFloat = 8.0
-    low_freq_factor: PositiveFloat = 1.0
-    high_freq_factor: PositiveFloat = 4.0
-    original_max_position: PositiveInt = 8192
+    type: Literal["llama3", "yarn"] = "llama3"
+    factor: PositiveFloat = 8.0  # both: how much longer than original_max_position
+    original_max_position: PositiveInt = 8192  # both: the context the model was trained at
+    low_freq_factor: PositiveFloat = 1.0  # llama3
+    high_freq_factor: PositiveFloat = 4.0  # llama3
+    beta_fast: PositiveFloat = 32.0  # yarn: rotations above which a frequency is kept
+    beta_slow: PositiveFloat = 1.0  # yarn: rotations below which it is divided by factor
+    # yarn: the logits' temperature, 0.1 * m * ln(factor) + 1 for m = mscale (on the rotated
+    # dims, divided by the same for mscale_all_dim) and, squared, for m = mscale_all_dim on the
+    # softmax scale of multi-head latent attention. mscale_all_dim 0: DeepSeek's term is off.
+    mscale: NonNegativeFloat = 1.0
+    mscale_all_dim: NonNegativeFloat = 0.0
 
     @model_validator(mode="after")
     def _check_band(self) -> RopeScaling:
-        if self.high_freq_factor <= self.low_freq_factor:
+        if self.type == "llama3" and self.high_freq_factor <= self.low_freq_factor:
             raise ValueError(
                 f"model.rope_scaling.high_freq_factor ({self.high_freq_factor}) must exceed "
                 f"model.rope_scaling.low_freq_factor ({self.low_freq_factor})"
@@ -39,6 +48,10 @@ class MoeConfig(Section):
     score: Literal["softmax", "sigmoid"] = "softmax"  # router score function
     renormalize: bool = True  # rescale the top-k weights to sum to 1
     routed_scale: PositiveFloat = 1.0  # multiplies the routed experts' output
+    # Group-limited routing (DeepSeek-V3): experts in n_group groups, a token picks its top_k
+    # within its best topk_group groups. 1 and 1: plain top-k.
+    n_group: int = Field(default=1, gt=0)
+    topk_group: int = Field(default=1, gt=0)
     # Which layers are MoE: layer i (0-based) is MoE iff i >= first_dense_layers and
     # (i + 1) % interval == 0. interval 1 = every layer; 2 = every second layer (1, 3, ...).
     first_dense_layers: int = Field(default=0, ge=0)
@@ -72,6 +85,22 @@ class MoeConfig(Section):
         return self
 
 
+class MlaConfig(Section):
+    """Multi-head latent attention (DeepSeek-V2/V3; layers/mla.py): queries and keys/values
+    through low-rank latents; each head's query/key is a per-head part without position plus a
+    rotary part whose key is shared by all heads."""
+
+    q_lora_rank: PositiveInt | None = None  # null: a plain query projection (DeepSeek-V2-Lite)
+    kv_lora_rank: int = Field(gt=0)  # the key/value latent (what inference caches)
+    qk_nope_head_dim: int = Field(gt=0)  # per head, without position
+    qk_rope_head_dim: int = Field(gt=0, multiple_of=2)  # rotary part (key shared by all heads)
+    v_head_dim: int = Field(gt=0)  # value head size; may differ from the query/key head size
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+
 class ModelArchitecture(Section):
     """The model itself: what its parameters' shapes and its function depend on. A model file
     (configs/models/<name>.yml) holds these keys; tools/convert_hf.py writes them."""
@@ -85,6 +114,13 @@ class ModelArchitecture(Section):
     mlp_dim: int = Field(gt=0)
     rope_theta: PositiveFloat = 10000.0
     rope_scaling: RopeScaling | None = None
+    # Which dims rotate together: false pairs dim i with i + H/2 (Llama, Qwen); true pairs
+    # 2i with 2i + 1 (DeepSeek checkpoints).
+    rope_interleaved: bool = False
+    # gqa: grouped-query attention (layers/attention.py); mla: multi-head latent attention
+    # (layers/mla.py), shaped by the `mla` section (num_kv_heads and head_dim are then unused).
+    attention_type: Literal["gqa", "mla"] = "gqa"
+    mla: MlaConfig | None = None
     qk_norm: bool = False
     tie_embeddings: bool = False
     norm_eps: PositiveFloat = 1e-5
@@ -93,6 +129,13 @@ class ModelArchitecture(Section):
 
     @model_validator(mode="after")
     def _check_heads(self) -> ModelArchitecture:
+        if (self.attention_type == "mla") != (self.mla is not None):
+            raise ValueError(
+                f"model.attention_type is {self.attention_type} but model.mla is "
+                f"{'set' if self.mla else 'absent'}; the mla section goes with attention_type mla"
+            )
+        if self.mla is not None and self.qk_norm:
+            raise ValueError("model.qk_norm is not supported with attention_type mla")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
                 f"model.num_heads ({self.num_heads}) must be a multiple of "

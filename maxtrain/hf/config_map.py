@@ -20,16 +20,26 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from maxtrain.config import ModelConfig, RopeScaling
+from maxtrain.config import ModelConfig
 from maxtrain.hf.errors import ConversionError
 from maxtrain.hf.families import FAMILIES, Family
 from maxtrain.models.stacks import is_moe_per_layer
 
 CONFIG_JSON = "config.json"
 _NO_DEFAULT = object()
-# Llama-3 RoPE scaling keys named alike in RopeScaling and config.json; the fourth differs:
-# original_max_position <-> original_max_position_embeddings.
-_LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor")
+# RoPE scaling keys named alike in RopeScaling and config.json, per type (required ones first;
+# original_max_position <-> original_max_position_embeddings differs); YaRN's others default
+# as in transformers. A rope type we do not list is a ConversionError.
+_SCALING_KEYS = {
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor"),
+    "yarn": ("factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim"),
+}
+_REQUIRED_SCALING_KEYS = {"llama3": _SCALING_KEYS["llama3"], "yarn": ("factor",)}
+# YaRN options of transformers we do not model, with the value we compute.
+_YARN_FIXED = {"attention_factor": None, "truncate": True}
+# The aux-loss-free bias update rate an imported routing bias trains with: DeepSeek-V3's
+# published gamma (its paper, section 2.1.2); the checkpoint does not record it.
+IMPORTED_BIAS_UPDATE_RATE = 0.001
 
 
 def read_config_json(hf_dir: Path) -> tuple[dict[str, Any], Family]:
@@ -69,13 +79,19 @@ def model_config(hf: dict[str, Any], family: Family, where: str) -> ModelConfig:
     heads = value("num_attention_heads")
     num_layers = value("num_hidden_layers")
     theta, scaling = _rope(hf, family, where, value("max_position_embeddings"))
+    mla = {key: value(key) for key in family.mla_keys} or None
     fields = dict(
         vocab_size=value("vocab_size"),
         emb_dim=value("hidden_size"),
         num_layers=num_layers,
         num_heads=heads,
-        num_kv_heads=value("num_key_value_heads") or heads,
-        head_dim=value("head_dim"),
+        # Multi-head latent attention has as many key/value heads as query heads, its head
+        # sizes in model.mla (transformers' head_dim is then the rotary part's).
+        num_kv_heads=heads if mla else value("num_key_value_heads") or heads,
+        head_dim=None if mla else value("head_dim"),
+        attention_type="mla" if mla else "gqa",
+        mla=mla,
+        rope_interleaved=value("rope_interleave") if mla else False,
         mlp_dim=value("intermediate_size"),
         rope_theta=theta,
         rope_scaling=scaling,
@@ -93,10 +109,13 @@ def model_config(hf: dict[str, Any], family: Family, where: str) -> ModelConfig:
             num_experts=value(count_key or family.expert_count_keys[0]),
             top_k=value("num_experts_per_tok"),
             expert_mlp_dim=value(family.expert_width_key),
-            score="softmax",
+            score=family.score,
             renormalize=renormalize,
-            aux_loss_weight=value("router_aux_loss_coef"),
+            aux_loss_weight=value(family.aux_loss_key) if family.aux_loss_key else 0.0,
+            **{ours: value(key) for key, ours in family.moe_keys.items()},
         )
+        if family.router_bias:
+            fields["moe"]["bias_update_rate"] = IMPORTED_BIAS_UPDATE_RATE
         if family.sparse_layer_keys:
             step = value("decoder_sparse_step")
             hf_layers = _hf_sparse_layers(value("mlp_only_layers"), step, num_layers, where)
@@ -132,8 +151,8 @@ def hf_config(cfg: ModelConfig, family: Family, dtype: str) -> dict[str, Any]:
         "rope_scaling": None
         if scaling is None
         else {
-            "rope_type": "llama3",
-            **{key: getattr(scaling, key) for key in _LLAMA3_KEYS},
+            "rope_type": scaling.type,
+            **{key: getattr(scaling, key) for key in _SCALING_KEYS[scaling.type]},
             "original_max_position_embeddings": scaling.original_max_position,
         },
         "tie_word_embeddings": cfg.tie_embeddings,
@@ -141,12 +160,19 @@ def hf_config(cfg: ModelConfig, family: Family, dtype: str) -> dict[str, Any]:
         "torch_dtype": dtype,
         **family.required,
     }
+    if cfg.mla is not None:
+        out.update({key: getattr(cfg.mla, key) for key in family.mla_keys})
+        out["head_dim"] = cfg.mla.qk_rope_head_dim  # what transformers sets it to
+        out["rope_interleave"] = cfg.rope_interleaved
+        out["num_nextn_predict_layers"] = 0  # no multi-token prediction module is written
     m = cfg.moe
     if m is not None:
         out[family.expert_count_keys[0]] = m.num_experts
         out["num_experts_per_tok"] = m.top_k
         out[family.expert_width_key] = m.expert_mlp_dim
-        out["router_aux_loss_coef"] = m.aux_loss_weight
+        if family.aux_loss_key:
+            out[family.aux_loss_key] = m.aux_loss_weight
+        out.update({key: getattr(m, ours) for key, ours in family.moe_keys.items()})
         if family.renormalize_key:
             out[family.renormalize_key] = m.renormalize
         if family.sparse_layer_keys:
@@ -170,9 +196,10 @@ def _check_supported(hf: dict[str, Any], family: Family, where: str) -> None:
 
 def _rope(
     hf: dict[str, Any], family: Family, where: str, max_position: int
-) -> tuple[float, RopeScaling | None]:
-    """(theta, scaling) from either layout. As in transformers, `rope_scaling` wins over
-    `rope_parameters`, and a theta inside them over the top-level `rope_theta`."""
+) -> tuple[float, dict[str, Any] | None]:
+    """(theta, the model.rope_scaling keys or None) from either layout. As in transformers,
+    `rope_scaling` wins over `rope_parameters`, and a theta inside them over the top-level
+    `rope_theta`."""
     params = hf.get("rope_scaling") or hf.get("rope_parameters") or {}
     if any(isinstance(v, dict) for v in params.values()):
         raise ConversionError(f"{where}: per-layer-type RoPE parameters are not supported")
@@ -185,16 +212,28 @@ def _rope(
     kind = params.get("rope_type", params.get("type", "default"))
     if kind == "default":
         return theta, None
-    if kind != "llama3":
+    if kind == "yarn" and not family.mla_keys:  # checked against transformers for DeepSeek only
         raise ConversionError(
-            f"{where}: RoPE type {kind!r} is not supported; supported: default, llama3"
+            f"{where}: RoPE type 'yarn' is supported for deepseek_v3 only, not {family.model_type}"
         )
-    missing = [k for k in _LLAMA3_KEYS if k not in params]
+    if kind not in _SCALING_KEYS:
+        raise ConversionError(
+            f"{where}: RoPE type {kind!r} is not supported; supported: default, "
+            + ", ".join(_SCALING_KEYS)
+        )
+    missing = [k for k in _REQUIRED_SCALING_KEYS[kind] if params.get(k) is None]
     if missing:
-        raise ConversionError(f"{where}: llama3 RoPE scaling without {missing[0]!r}")
-    scaling = {key: params[key] for key in _LLAMA3_KEYS}
+        raise ConversionError(f"{where}: {kind} RoPE scaling without {missing[0]!r}")
+    if kind == "yarn":
+        for key, want in _YARN_FIXED.items():
+            if params.get(key, want) != want:
+                raise ConversionError(
+                    f"{where}: yarn {key}={json.dumps(params[key])} is not supported "
+                    f"(only {json.dumps(want)})"
+                )
+    scaling = {key: params[key] for key in _SCALING_KEYS[kind] if params.get(key) is not None}
     original = params.get("original_max_position_embeddings", max_position)
-    return theta, RopeScaling(**scaling, original_max_position=original)
+    return theta, dict(type=kind, **scaling, original_max_position=original)
 
 
 def _hf_sparse_layers(
@@ -230,22 +269,36 @@ def _check_exportable(cfg: ModelConfig, family: Family) -> None:
     m = cfg.moe
     unsupported = []
     if m is not None:
-        if m.score != "softmax":
+        if m.score != family.score:
             unsupported.append(f"model.moe.score={m.score}")
-        if m.shared_experts:
-            unsupported.append("model.moe.shared_experts > 0")
-        if m.routed_scale != 1.0:
-            unsupported.append(f"model.moe.routed_scale={m.routed_scale}")
-        if m.bias_update_rate > 0:
-            unsupported.append("model.moe.bias_update_rate > 0 (a routing bias)")
+        if (m.bias_update_rate > 0) != bool(family.router_bias):
+            unsupported.append(f"model.moe.bias_update_rate={m.bias_update_rate} (a routing bias)")
         if family.renormalize_key is None and not m.renormalize:
             unsupported.append("model.moe.renormalize=false")
-        if not family.sparse_layer_keys and not all(is_moe_per_layer(cfg)):
+        kinds = is_moe_per_layer(cfg)
+        if family.sparse_layer_keys:
+            pass  # any first_dense_layers and interval
+        elif "first_dense_layers" in family.moe_keys.values():
+            if not all(kinds[m.first_dense_layers :]):
+                unsupported.append(f"model.moe.interval={m.interval}")
+        elif not all(kinds):
             unsupported.append("dense layers between MoE layers")
+        fixed = {"shared_experts": 0, "routed_scale": 1.0, "n_group": 1, "topk_group": 1}
+        for key, want in fixed.items():
+            if key not in family.moe_keys.values() and getattr(m, key) != want:
+                unsupported.append(f"model.moe.{key}={getattr(m, key)}")
+    elif family.is_moe:
+        unsupported.append("a dense model (its MoE layers are required)")
+    if cfg.rope_interleaved and not family.mla_keys:
+        unsupported.append("model.rope_interleaved=true")
+    scaling = cfg.rope_scaling
+    if scaling is not None and scaling.type == "yarn" and not family.mla_keys:
+        unsupported.append("model.rope_scaling.type=yarn")
     if unsupported:
         raise ConversionError(
-            f"cannot export as {name} (the family for qk_norm={cfg.qk_norm}, "
-            f"{'MoE' if m else 'dense'}): {unsupported[0]} is not supported"
+            f"cannot export as {name} (the family for attention_type={cfg.attention_type}, "
+            f"qk_norm={cfg.qk_norm}, {'MoE' if m else 'dense'}): {unsupported[0]} is not "
+            "supported"
         )
 
 

@@ -55,6 +55,9 @@ DTYPES = {"float32": np.dtype(np.float32), "bfloat16": np.dtype(ml_dtypes.bfloat
 # Tensors some checkpoints carry that the model derives: old Llama exports saved RoPE's
 # inverse frequencies as buffers.
 _DERIVED = re.compile(r"\.rotary_emb\.inv_freq$")
+# Layers past num_hidden_layers: DeepSeek-V3's multi-token prediction module (its layer 61),
+# which transformers skips as well.
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 
 
 def read_hf_model(
@@ -245,7 +248,9 @@ def _check_names(
     used = {s.hf_name for s in layout}
     for name in sorted(reader.files):
         tied_head = cfg.tie_embeddings and name == "lm_head.weight"
-        if name not in used and not tied_head and not _DERIVED.search(name):
+        layer = _LAYER.match(name)
+        beyond = layer is not None and int(layer.group(1)) >= cfg.num_layers
+        if name not in used and not tied_head and not beyond and not _DERIVED.search(name):
             raise ConversionError(
                 f"{reader.files[name]}: tensor {name!r} has no place in a {family.model_type} "
                 f"model as {CONFIG_JSON} describes it (an unsupported option?)"

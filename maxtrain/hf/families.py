@@ -1,7 +1,7 @@
 """The Hugging Face architectures we read and write, described as data.
 
-Four transformers families compute exactly our decoder (pre-norm RMSNorm, rotate-half RoPE,
-grouped-query attention, SwiGLU feed-forward or softmax-routed SwiGLU experts). They differ
+Five transformers families compute exactly our decoder (pre-norm RMSNorm, RoPE, grouped-query
+or multi-head latent attention, SwiGLU feed-forward or routed SwiGLU experts). They differ
 only in a few config.json keys and tensor names, which is all this module holds:
 
     llama      LlamaForCausalLM     Llama 2/3 (Llama-3 RoPE scaling), Kanana, tied or not
@@ -9,10 +9,16 @@ only in a few config.json keys and tensor names, which is all this module holds:
     mixtral    MixtralForCausalLM   every layer MoE; top-k weights always renormalised
     qwen3_moe  Qwen3MoeForCausalLM  qk-norm; renormalisation optional (norm_topk_prob); dense
                                     layers chosen by mlp_only_layers and decoder_sparse_step
+    deepseek_v3  DeepseekV3ForCausalLM  multi-head latent attention (with or without q_lora_rank),
+                                    interleaved RoPE pairs, YaRN; sigmoid routing with a
+                                    correction bias, shared experts, first_k_dense_replace
+                                    dense layers, routed_scaling_factor, group-limited routing
 
 Router semantics match ours for both MoE families: transformers takes the softmax over all
 experts, keeps the top k, and (Mixtral always, Qwen3-MoE iff norm_topk_prob) divides by their
-sum; Mixtral's "softmax over the top-k logits" is the same number.
+sum; Mixtral's "softmax over the top-k logits" is the same number. DeepSeek-V3 takes sigmoid
+scores, picks by score + e_score_correction_bias (our aux-loss-free bias), weighs by the
+unbiased scores, optionally renormalised, times routed_scaling_factor: model.moe's sigmoid mode.
 """
 
 from __future__ import annotations
@@ -45,6 +51,14 @@ class Family:
     # mlp_only_layers / decoder_sparse_step pick the MoE layers (else every layer is MoE).
     sparse_layer_keys: bool = False
     moe_defaults: Mapping[str, Any] = field(default_factory=dict)
+    score: str = "softmax"  # the router's score function (model.moe.score)
+    aux_loss_key: str | None = "router_aux_loss_coef"  # -> model.moe.aux_loss_weight
+    # config.json keys mapped one to one onto keys of model.moe.
+    moe_keys: Mapping[str, str] = field(default_factory=dict)
+    router_bias: str | None = None  # the router's selection bias tensor, inside `gate.`
+    shared_block: str | None = None  # the shared experts' SwiGLU, inside moe_block
+    # Multi-head latent attention (model.mla, its keys named alike); empty: GQA.
+    mla_keys: tuple[str, ...] = ()
 
     @property
     def is_moe(self) -> bool:
@@ -131,11 +145,61 @@ QWEN3_MOE = Family(
     },
 )
 
-FAMILIES = {f.model_type: f for f in (LLAMA, QWEN3, MIXTRAL, QWEN3_MOE)}
+DEEPSEEK_V3 = Family(
+    model_type="deepseek_v3",
+    architecture="DeepseekV3ForCausalLM",
+    qk_norm=False,
+    defaults={
+        **_BASE_DEFAULTS,
+        "rms_norm_eps": 1e-6,
+        "max_position_embeddings": 4096,
+        "num_key_value_heads": None,
+        "head_dim": None,
+        "rope_interleave": True,
+        "q_lora_rank": 1536,
+        "kv_lora_rank": 512,
+        "qk_nope_head_dim": 128,
+        "qk_rope_head_dim": 64,
+        "v_head_dim": 128,
+    },
+    required={"hidden_act": "silu", "attention_bias": False},
+    moe_block="mlp",
+    expert_names=("gate_proj", "up_proj", "down_proj"),
+    expert_count_keys=("n_routed_experts", "num_local_experts"),
+    expert_width_key="moe_intermediate_size",
+    renormalize_key="norm_topk_prob",
+    moe_defaults={
+        "n_routed_experts": 256,
+        "num_experts_per_tok": 8,
+        "moe_intermediate_size": 2048,
+        "norm_topk_prob": True,
+        "routed_scaling_factor": 2.5,
+        "n_shared_experts": 1,
+        "first_k_dense_replace": 3,
+        "n_group": 8,
+        "topk_group": 4,
+    },
+    score="sigmoid",
+    aux_loss_key=None,
+    moe_keys={
+        "routed_scaling_factor": "routed_scale",
+        "n_shared_experts": "shared_experts",
+        "first_k_dense_replace": "first_dense_layers",
+        "n_group": "n_group",
+        "topk_group": "topk_group",
+    },
+    router_bias="e_score_correction_bias",
+    shared_block="shared_experts",
+    mla_keys=("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"),
+)
+FAMILIES = {f.model_type: f for f in (LLAMA, QWEN3, MIXTRAL, QWEN3_MOE, DEEPSEEK_V3)}
 
 
 def family_for(cfg: ModelConfig) -> Family:
-    """The family a model of ours exports as: the only one with its qk-norm and MoE choice."""
+    """The family a model of ours exports as: the only one with its attention, qk-norm and
+    MoE choice (multi-head latent attention: DeepSeek-V3, whose layers are MoE)."""
+    if cfg.attention_type == "mla":
+        return DEEPSEEK_V3
     if cfg.moe is None:
         return QWEN3 if cfg.qk_norm else LLAMA
     return QWEN3_MOE if cfg.qk_norm else MIXTRAL

@@ -26,13 +26,28 @@ from maxtrain.models.stacks import STACKS, is_moe_per_layer, stack_positions
 
 # (our path inside a layer, Hugging Face name inside `model.layers.<i>.`, input axes of a
 # linear weight or None)
-_ATTENTION = (
+_NORMS = (
     (("attn_norm", "scale"), "input_layernorm.weight", None),
+    (("mlp_norm", "scale"), "post_attention_layernorm.weight", None),
+)
+_ATTENTION = (
     (("attn", "q", "kernel"), "self_attn.q_proj.weight", 1),
     (("attn", "k", "kernel"), "self_attn.k_proj.weight", 1),
     (("attn", "v", "kernel"), "self_attn.v_proj.weight", 1),
     (("attn", "o", "kernel"), "self_attn.o_proj.weight", 2),
-    (("mlp_norm", "scale"), "post_attention_layernorm.weight", None),
+)
+# Multi-head latent attention (layers/mla.py): the query's two layouts, then the rest.
+_MLA_Q = ((("attn", "q", "kernel"), "self_attn.q_proj.weight", 1),)
+_MLA_Q_LORA = (
+    (("attn", "q_a", "kernel"), "self_attn.q_a_proj.weight", 1),
+    (("attn", "q_norm", "scale"), "self_attn.q_a_layernorm.weight", None),
+    (("attn", "q_b", "kernel"), "self_attn.q_b_proj.weight", 1),
+)
+_MLA = (
+    (("attn", "kv_a", "kernel"), "self_attn.kv_a_proj_with_mqa.weight", 1),
+    (("attn", "kv_norm", "scale"), "self_attn.kv_a_layernorm.weight", None),
+    (("attn", "kv_b", "kernel"), "self_attn.kv_b_proj.weight", 1),
+    (("attn", "o", "kernel"), "self_attn.o_proj.weight", 2),
 )
 _QK_NORM = (
     (("attn", "q_norm", "scale"), "self_attn.q_norm.weight", None),
@@ -44,6 +59,7 @@ _DENSE_MLP = (
     (("mlp", "down", "kernel"), "mlp.down_proj.weight", 1),
 )
 _EXPERTS = ("gate", "up", "down")  # ours, in the order of Family.expert_names
+_SHARED = tuple((("moe", "shared", ours, "kernel"), f"{ours}_proj.weight", 1) for ours in _EXPERTS)
 
 
 @dataclass(frozen=True)
@@ -71,6 +87,13 @@ class Slot:
         return block.reshape(math.prod(block.shape[: self.in_axes]), -1).T
 
 
+def _attention(cfg: ModelConfig) -> tuple:
+    """A layer's attention and norm tensors: (our path, Hugging Face name, input axes)."""
+    if cfg.mla is None:
+        return _NORMS + _ATTENTION + (_QK_NORM if cfg.qk_norm else ())
+    return _NORMS + (_MLA_Q if cfg.mla.q_lora_rank is None else _MLA_Q_LORA) + _MLA
+
+
 def slots(cfg: ModelConfig, family: Family) -> list[Slot]:
     """Every tensor of `cfg` as a `family` checkpoint, in model order (embedding, layers,
     final norm, head)."""
@@ -78,14 +101,20 @@ def slots(cfg: ModelConfig, family: Family) -> list[Slot]:
     kinds = is_moe_per_layer(cfg)
     for i, (is_moe, j) in enumerate(zip(kinds, stack_positions(kinds), strict=True)):
         stack, prefix = STACKS[is_moe], f"model.layers.{i}."
-        per_layer = _ATTENTION + (_QK_NORM if cfg.qk_norm else ())
+        per_layer = _attention(cfg)
         if not is_moe:
             per_layer += _DENSE_MLP
         out += [Slot(prefix + name, (stack, *path), (j,), ax) for path, name, ax in per_layer]
         if is_moe:
             block = f"{prefix}{family.moe_block}."
             out.append(Slot(block + "gate.weight", (stack, "moe", "router", "kernel"), (j,), 1))
+            if family.router_bias:
+                bias = (stack, "moe", "router", "bias")
+                out.append(Slot(f"{block}gate.{family.router_bias}", bias, (j,), None))
             assert cfg.moe is not None  # a MoE layer implies it
+            if family.shared_block and cfg.moe.shared_experts:
+                shared = f"{block}{family.shared_block}."
+                out += [Slot(shared + name, (stack, *p), (j,), ax) for p, name, ax in _SHARED]
             for e in range(cfg.moe.num_experts):
                 out += [
                     Slot(

@@ -101,6 +101,11 @@ def generate(
     if max_new_tokens < 1:
         raise UserError(f"max_new_tokens must be at least 1 (got {max_new_tokens})")
     cfg, mesh, rules = model.cfg, model.mesh, model.cfg.mesh.rules
+    if cfg.model.attention_type != "gqa":
+        raise UserError(
+            f"generation has a key/value cache for attention_type gqa only; this model's is "
+            f"{cfg.model.attention_type} (evaluate and export it, or train it further)"
+        )
     rows = len(prompts)
     tokens, lengths = _padded_batch(prompts, batch_degree(rules, mesh))
     cache_length = tokens.shape[1] + max_new_tokens

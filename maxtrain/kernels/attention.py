@@ -10,6 +10,12 @@ lets the flash kernels skip whole key blocks instead of reading a [T, T] mask fr
 
 `attention_kernel(name)` returns the function for a configured name; the attention layer calls
 it at construction and keeps the function, so nothing is looked up by name while tracing.
+
+Value heads may be smaller than query/key heads (multi-head latent attention: 128 against 192
+in DeepSeek-V3). The reference takes any value head size. The tokamax kernels are given V
+zero-padded to the query/key head size and the padding is sliced off the output (exact: zero
+value dims give zero output dims), because not every one of them accepts differing sizes; this
+costs (H_qk - H_v) / H_qk of the value matmul.
 """
 
 from __future__ import annotations
@@ -55,8 +61,8 @@ def masked_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) 
     # finfo.min rather than -inf: never NaN, and every row keeps at least its own key anyway.
     scores = jnp.where(mask[:, None, None], scores, jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(scores, axis=-1)
-    out = jnp.einsum("bkgts,bskh->btkgh", probs, v.astype(jnp.float32))  # [B, T, K, G, H]
-    return out.reshape(b, t, n, h).astype(q.dtype)
+    out = jnp.einsum("bkgts,bskh->btkgh", probs, v.astype(jnp.float32))  # [B, T, K, G, Hv]
+    return out.reshape(b, t, n, v.shape[-1]).astype(q.dtype)
 
 
 def segment_starts(segment_ids: jax.Array) -> jax.Array:
@@ -102,7 +108,11 @@ def _tokamax(kernel: str, make_mask: Callable[[jax.Array], tokamax_base.Mask]) -
         from tokamax._src.ops.attention import api as tokamax_api
 
         impl = tokamax_api.IMPLEMENTATIONS[kernel]  # looked up at call time: not all exist on CPU
-        return impl(
+        value_dim = v.shape[-1]
+        if value_dim > q.shape[-1]:
+            raise ValueError(f"value head size {value_dim} exceeds the query/key's {q.shape[-1]}")
+        v = jnp.pad(v, [(0, 0)] * (v.ndim - 1) + [(0, q.shape[-1] - value_dim)])
+        out = impl(
             q,
             k,
             v,
@@ -113,6 +123,7 @@ def _tokamax(kernel: str, make_mask: Callable[[jax.Array], tokamax_base.Mask]) -
             logits_soft_cap=None,
             q_sharding=None,
         )
+        return out[..., :value_dim]
 
     return fn
 
@@ -158,8 +169,9 @@ def attention_implementation(name: str) -> str:
 
 def attention_kernel(name: str) -> AttentionFn:
     """The attention function a configured name picks, chosen once (layers store it):
-    (q [B, T, N, H], k, v [B, T, K, H], segment_ids [B, T]) -> [B, T, N, H] in q.dtype, causal
-    within packed documents, scale 1/sqrt(H); N % K == 0, query head n uses kv head n // G."""
+    (q, k [B, T, N|K, H], v [B, T, K, Hv], segment_ids [B, T]) -> [B, T, N, Hv] in q.dtype,
+    causal within packed documents, scale 1/sqrt(H); N % K == 0, query head n uses kv head
+    n // G; Hv <= H."""
     resolved = attention_implementation(name)
     if resolved in IMPLEMENTATIONS:
         return IMPLEMENTATIONS[resolved]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import jax
 from flax import nnx
 
@@ -10,11 +12,32 @@ from maxtrain.inference.kv_cache import LayerCache
 from maxtrain.kernels.attention import attention_kernel, cached_attention
 from maxtrain.layers.base import Projection
 from maxtrain.layers.norms import RMSNorm
-from maxtrain.layers.rope import apply_rope, inverse_frequencies
+from maxtrain.layers.rope import Rope
 from maxtrain.mesh import constrain
 
 
+@dataclass(frozen=True)
+class AttentionCounts:
+    """What one layer of an attention kind costs per token, declared by the kind itself so that
+    the FLOP count (metrics.py) and the memory estimate (analysis/memory.py) need not know it."""
+
+    matmul_params: int  # projection weights a token multiplies against
+    qk_width: int  # heads x query/key head size: the score matmul's contraction per query
+    v_width: int  # heads x value head size: the value matmul's output per query
+    saved: int  # elements per token remat "minimal" keeps: projection and kernel outputs
+
+
 class Attention(nnx.Module):
+    @staticmethod
+    def counts(cfg: ModelConfig) -> AttentionCounts:
+        D, N, K, H = cfg.emb_dim, cfg.num_heads, cfg.num_kv_heads, cfg.resolved_head_dim
+        return AttentionCounts(
+            matmul_params=2 * D * N * H + 2 * D * K * H,  # q and o; k and v
+            qk_width=N * H,
+            v_width=N * H,
+            saved=2 * N * H + 2 * K * H + D,  # q, k, v, the kernel's output, o
+        )
+
     def __init__(self, cfg: ModelConfig, *, param_dtype, compute_dtype, rngs: nnx.Rngs):
         D, N, K, H = cfg.emb_dim, cfg.num_heads, cfg.num_kv_heads, cfg.resolved_head_dim
         kw = dict(
@@ -29,7 +52,7 @@ class Attention(nnx.Module):
             self.k_norm = RMSNorm(H, eps=cfg.norm_eps, param_dtype=param_dtype, rngs=rngs)
         else:
             self.q_norm = self.k_norm = None
-        self.rope = (H, cfg.rope_theta, cfg.rope_scaling)  # static: frequencies built at trace
+        self.rope = Rope(H, cfg.rope_theta, cfg.rope_scaling, cfg.rope_interleaved)
         self.attend = attention_kernel(cfg.attention)  # the kernel, picked once
 
     def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array) -> jax.Array:
@@ -55,7 +78,4 @@ class Attention(nnx.Module):
         v = constrain(self.v(x), ("batch", "length", "kv_heads", "head_dim"))  # [B, T, K, H]
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        inv_freq = inverse_frequencies(*self.rope)
-        q = apply_rope(q, positions, inv_freq)
-        k = apply_rope(k, positions, inv_freq)
-        return q, k, v
+        return self.rope(q, positions), self.rope(k, positions), v

@@ -17,7 +17,7 @@ from flax import nnx
 
 from maxtrain.config import ModelConfig
 from maxtrain.inference.kv_cache import LayerCache
-from maxtrain.layers.attention import Attention
+from maxtrain.layers.attention_types import attention_type
 from maxtrain.layers.base import Projection, make_param
 from maxtrain.layers.mlp import MLP
 from maxtrain.layers.moe import MoE
@@ -73,7 +73,7 @@ class DecoderBlock(nnx.Module):
         norm_kw = dict(eps=cfg.norm_eps, param_dtype=param_dtype, rngs=rngs)
         dtypes = dict(param_dtype=param_dtype, compute_dtype=compute_dtype)
         self.attn_norm = RMSNorm(cfg.emb_dim, **norm_kw)
-        self.attn = Attention(cfg, **dtypes, rngs=rngs)
+        self.attn = attention_type(cfg)(cfg, **dtypes, rngs=rngs)
         self.mlp_norm = RMSNorm(cfg.emb_dim, **norm_kw)
         self.ffn_name = kind.ffn_name
         setattr(self, kind.ffn_name, kind.make_ffn(cfg, **dtypes, rngs=rngs))

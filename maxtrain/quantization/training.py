@@ -9,7 +9,8 @@ the same float arrays, so the train state, checkpoints, resume and starting from
 checkpoint are exactly those of a float run, and the model FLOPs (hence MFU) are counted the
 same way.
 
-Paths are the module attribute paths joined by '/': `layers/attn/q`, `layers/mlp/down`,
+Paths are the module attribute paths joined by '/': `layers/attn/q` (multi-head latent
+attention: `layers/attn/kv_b`, ...), `layers/mlp/down`,
 `moe_layers/moe` (router einsum and experts' ragged_dot), `moe_layers/moe/shared/up`, `lm_head`,
 and '' for the decoder itself (the tied-embedding logits).
 """
@@ -30,7 +31,8 @@ from maxtrain.kernels.quantized_grouped_matmul import GroupedMatmulQuant, quanti
 # core (scores and weighted values: both operands are activations, and softmax inputs are
 # precision-sensitive), the router (a flipped top-k changes the computation, not just its
 # precision) and the logits, as is usual for int8/fp8 training recipes.
-_PROJECTIONS = r".*attn/(q|k|v|o)|.*(mlp|shared)/(gate|up|down)"
+# (Multi-head latent attention's projections: q or q_a/q_b, kv_a, kv_b, o.)
+_PROJECTIONS = r".*attn/(q|k|v|o|q_a|q_b|kv_a|kv_b)|.*(mlp|shared)/(gate|up|down)"
 _EXPERTS = r"(.*/)?moe"
 
 
