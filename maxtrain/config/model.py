@@ -39,6 +39,12 @@ class MoeConfig(Section):
     score: Literal["softmax", "sigmoid"] = "softmax"  # router score function
     renormalize: bool = True  # rescale the top-k weights to sum to 1
     routed_scale: PositiveFloat = 1.0  # multiplies the routed experts' output
+    # Group-limited routing (DeepSeek-V3): the experts form n_group equal groups of consecutive
+    # ids; each token keeps the topk_group groups whose two best scores sum highest and picks
+    # its top_k inside them. With expert parallelism a group lives on one block of devices, so
+    # a token reaches at most topk_group such blocks. n_group 1 = plain top-k.
+    n_group: PositiveInt = 1
+    topk_group: PositiveInt = 1
     # Which layers are MoE: layer i (0-based) is MoE iff i >= first_dense_layers and
     # (i + 1) % interval == 0. interval 1 = every layer; 2 = every second layer (1, 3, ...).
     first_dense_layers: int = Field(default=0, ge=0)
@@ -69,7 +75,27 @@ class MoeConfig(Section):
             raise ValueError(
                 f"model.moe.top_k ({self.top_k}) exceeds model.moe.num_experts ({self.num_experts})"
             )
+        if self.num_experts % self.n_group:
+            raise ValueError(
+                f"model.moe.num_experts ({self.num_experts}) is not divisible into "
+                f"model.moe.n_group ({self.n_group}) equal groups"
+            )
+        if self.topk_group > self.n_group:
+            raise ValueError(
+                f"model.moe.topk_group ({self.topk_group}) exceeds model.moe.n_group "
+                f"({self.n_group})"
+            )
+        reachable = self.topk_group * self.experts_per_group
+        if self.n_group > 1 and self.top_k > reachable:
+            raise ValueError(
+                f"model.moe.top_k ({self.top_k}) exceeds the {reachable} experts of "
+                f"model.moe.topk_group ({self.topk_group}) groups of {self.experts_per_group}"
+            )
         return self
+
+    @property
+    def experts_per_group(self) -> int:
+        return self.num_experts // self.n_group
 
 
 class ModelArchitecture(Section):
