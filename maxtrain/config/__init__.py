@@ -22,7 +22,13 @@ from maxtrain.config.loading import (
     to_yaml,
     validate,
 )
-from maxtrain.config.model import ModelArchitecture, ModelConfig, MoeConfig, RopeScaling
+from maxtrain.config.model import (
+    ModelArchitecture,
+    ModelConfig,
+    MoeConfig,
+    MtpConfig,
+    RopeScaling,
+)
 from maxtrain.config.optim import OptimConfig
 from maxtrain.config.parallel import MESH_AXES, DcnAxes, MeshAxes, MeshConfig, PipelineConfig
 from maxtrain.config.quantization import QType, QuantizationConfig, QuantRule
@@ -53,6 +59,7 @@ __all__ = [
     "ModelArchitecture",
     "ModelConfig",
     "MoeConfig",
+    "MtpConfig",
     "OptimConfig",
     "PipelineConfig",
     "ProfileConfig",

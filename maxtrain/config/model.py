@@ -98,6 +98,15 @@ class MoeConfig(Section):
         return self.num_experts // self.n_group
 
 
+class MtpConfig(Section):
+    """Multi-token prediction (DeepSeek-V3, models/mtp.py): `depth` extra modules, module j
+    predicting the token j + 1 places after the next; their mean loss, times `loss_weight`, is
+    added to the training loss."""
+
+    depth: int = Field(default=0, ge=0)  # 0 = off
+    loss_weight: NonNegativeFloat = 0.3
+
+
 class ModelArchitecture(Section):
     """The model itself: what its parameters' shapes and its function depend on. A model file
     (configs/models/<name>.yml) holds these keys; tools/convert_hf.py writes them."""
@@ -116,6 +125,7 @@ class ModelArchitecture(Section):
     norm_eps: PositiveFloat = 1e-5
     max_seq_len: PositiveInt = 8192
     moe: MoeConfig | None = None
+    mtp: MtpConfig = MtpConfig()
 
     @model_validator(mode="after")
     def _check_heads(self) -> ModelArchitecture:

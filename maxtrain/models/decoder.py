@@ -8,6 +8,7 @@ see the same tree either way.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -23,6 +24,7 @@ from maxtrain.layers.moe import MoE
 from maxtrain.layers.norms import RMSNorm
 from maxtrain.mesh import constrain
 from maxtrain.models import pipeline
+from maxtrain.models.mtp import MultiTokenPrediction
 from maxtrain.models.pipeline import StageLayout
 from maxtrain.models.stacks import (
     DENSE_STACK,
@@ -171,6 +173,20 @@ class Decoder(nnx.Module):
                 rngs=rngs,
             )
         )
+        # Created last, so that the decoder initialises the same with or without it.
+        self.mtp = (
+            MultiTokenPrediction(
+                cfg,
+                # A block of the kind of the last layer (DeepSeek-V3's is MoE).
+                lambda: DecoderBlock(
+                    cfg, BLOCK_KINDS[is_moe_per_layer(cfg)[-1]], **dtypes, rngs=rngs
+                ),
+                **dtypes,
+                rngs=rngs,
+            )
+            if cfg.mtp.depth
+            else None
+        )
 
     def _build_layers(self, cfg: ModelConfig, dtypes: dict, rngs: nnx.Rngs) -> None:
         """One stack per kind of layer (models/stacks.py), run as consecutive runs."""
@@ -184,23 +200,38 @@ class Decoder(nnx.Module):
             setattr(self, kind.stack, stacked_blocks(cfg, kind, counts, dtypes=dtypes, rngs=rngs))
 
     def __call__(
-        self, tokens: jax.Array, positions: jax.Array, segment_ids: jax.Array
+        self,
+        tokens: jax.Array,
+        positions: jax.Array,
+        segment_ids: jax.Array,
+        targets: jax.Array | None = None,
+        loss_mask: jax.Array | None = None,
     ) -> tuple[jax.Array, dict[str, jax.Array]]:
         """tokens/positions/segment_ids: [B, T] int32 -> (logits [B, T, V] in compute dtype,
-        statistics of the blocks that return any (MoE: the router's), stacked in layer order)."""
+        statistics of the blocks that return any (MoE: the router's), stacked in layer order).
+        Given the targets and loss mask, the multi-token prediction modules (models/mtp.py), if
+        any, add their loss statistics."""
         table = self.embedding[...].astype(self.compute_dtype)
         # The lookup reads a table gathered whole, like every FSDP weight: rows looked up in a
         # sharded table make XLA reshard the activations instead (a full rematerialisation when
         # the batch is split over several mesh axes). The tied head keeps the sharded table.
         whole = constrain(table, (None, None))
-        x = constrain(jnp.take(whole, tokens, axis=0), ("batch", "length", "act_embed"))
-        x, stats = self._layers(x, positions, segment_ids)
-        x = constrain(self.final_norm(x), (self.head_batch, "length", "act_embed"))
+        embedded = constrain(jnp.take(whole, tokens, axis=0), ("batch", "length", "act_embed"))
+        hidden, stats = self._layers(embedded, positions, segment_ids)
+        head = functools.partial(self._head, table)
+        if self.mtp is not None and targets is not None:
+            mtp_stats = self.mtp(hidden, embedded, head, positions, segment_ids, targets, loss_mask)
+            stats = {**stats, **mtp_stats}
+        return head(self.final_norm(hidden)), stats
+
+    def _head(self, table: jax.Array, x: jax.Array) -> jax.Array:
+        """Normalised states [B, T, D] -> logits [B, T, V] (the tied head reads `table`)."""
+        x = constrain(x, (self.head_batch, "length", "act_embed"))
         if self.lm_head is None:
             logits = jnp.einsum("btd,vd->btv", x, table)
         else:
             logits = self.lm_head(x)
-        return constrain(logits, (self.head_batch, "length", "vocab")), stats
+        return constrain(logits, (self.head_batch, "length", "vocab"))
 
     head_batch = "batch"  # the logical axis the head's batch dim is split over
 
