@@ -206,12 +206,23 @@ def limit_to_best_groups(select: jax.Array, n_group: int, topk_group: int) -> ja
     it has more than one good expert, as a token sends at most top_k rows to it. Consecutive ids
     are what expert parallelism places on one block of devices, so the rule also bounds the
     devices a token's rows travel to (node-limited routing).
+
+    Written with maxima and comparisons rather than top_k: XLA's SPMD partitioner gathers the
+    whole batch's operand of a top_k (measured on CPU), while these stay split like the tokens.
     """
     *lead, num_experts = select.shape
     grouped = select.reshape(*lead, n_group, num_experts // n_group)
-    best_two, _ = jax.lax.top_k(grouped, min(2, grouped.shape[-1]))
-    _, best_groups = jax.lax.top_k(jnp.sum(best_two, axis=-1), topk_group)  # [..., topk_group]
-    kept = jnp.any(jax.nn.one_hot(best_groups, n_group, dtype=jnp.bool_), axis=-2)
+    best = jnp.max(grouped, axis=-1)
+    group_score = best
+    if grouped.shape[-1] > 1:  # plus the second best: the best of the rest
+        slot = jnp.arange(grouped.shape[-1])
+        first = slot == jnp.argmax(grouped, axis=-1)[..., None]
+        group_score = best + jnp.max(jnp.where(first, -jnp.inf, grouped), axis=-1)
+    # A group's rank: the groups scoring higher, or equal with a lower id (top_k's tie order).
+    ids = jnp.arange(n_group)
+    other, this = group_score[..., None, :], group_score[..., :, None]
+    beaten_by = (other > this) | ((other == this) & (ids[None, :] < ids[:, None]))
+    kept = jnp.sum(beaten_by, axis=-1) < topk_group  # [..., G]
     return jnp.where(kept[..., None], grouped, -jnp.inf).reshape(select.shape)
 
 
