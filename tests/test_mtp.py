@@ -1,6 +1,6 @@
 """Multi-token prediction (models/mtp.py): its loss against a computation by hand from the same
 parameters, its masking at row ends, document boundaries and the data's loss mask, a run in which
-it learns, and the sharded and pipelined runs against one device."""
+it learns, and the sharded and pipelined runs (with group-limited routing) against one device."""
 
 import jax
 import jax.numpy as jnp
@@ -111,6 +111,9 @@ def test_mtp_loss_equals_the_computation_by_hand(make_cfg):
 MOE_MTP = [
     "model_name=tiny-moe",  # 2 MoE layers: the MTP block is MoE too
     "model.moe.ep_capacity_factor=8",  # never drops: the device count must not change the routing
+    "model.moe.score=sigmoid",  # DeepSeek-V3's routing: 4 groups of 2 experts (with mesh.expert=4
+    "model.moe.n_group=4",  # one group per device), a token's 2 experts from its best 2 groups
+    "model.moe.topk_group=2",
     "model.mtp.depth=1",
     "data.kind=synthetic",
     "train.global_batch_size=8",
