@@ -9,7 +9,7 @@ import pytest
 from flax import nnx
 
 from maxtrain import config as config_lib
-from maxtrain import models
+from maxtrain import metrics, models
 from maxtrain.data import to_global
 from maxtrain.models import pipeline
 from maxtrain.train import build_trainer, data_streams
@@ -170,3 +170,24 @@ def test_mtp_on_eight_devices_trains_like_one(tmp_path, one_device, mesh):
         jax.tree.leaves_with_path(got["params"]), jax.tree.leaves(one_device["params"]), strict=True
     ):
         np.testing.assert_allclose(a, b, atol=1e-4, err_msg=jax.tree_util.keystr(path))
+
+
+@pytest.mark.parametrize("model", ["tiny", "tiny-moe"])
+def test_flops_and_active_parameters_count_the_modules_as_built(make_cfg, model):
+    """The MFU numerator and the active count grow by what the built modules hold: all their
+    weights but the norm scales (5 per module) and the idle experts, plus the shared head they
+    run again (FLOPs only: it is the decoder's parameter)."""
+    plain, with_mtp = (
+        make_cfg(f"model_name={model}").model,
+        make_cfg(f"model_name={model}", "model.mtp.depth=2").model,
+    )
+    tree = nnx.to_pure_dict(nnx.state(models.abstract(with_mtp), nnx.Param))["mtp"]
+    built = sum(int(np.prod(a.shape)) for a in jax.tree.leaves(tree))
+    m, D = with_mtp.moe, with_mtp.emb_dim
+    idle = 2 * (m.num_experts - m.top_k) * 3 * D * m.expert_mlp_dim if m else 0
+    active = built - idle
+    assert models.param_count(with_mtp) - models.param_count(plain) == built
+    assert models.active_param_count(with_mtp) - models.active_param_count(plain) == active
+    head = with_mtp.vocab_size * D
+    grown = metrics.matmul_params(with_mtp) - metrics.matmul_params(plain)
+    assert grown == active - 2 * 5 * D + 2 * head
