@@ -134,7 +134,9 @@ class MultiTokenTraining:
         return self.mtp.loss_weight * jnp.mean(per_depth)
 
     def aux_loss(self, stats: Stats) -> jax.Array:
-        return self.inner.aux_loss(stats) + self.mtp_loss(stats)
+        """The inner auxiliary loss, plus MTP's where the forward pass had the targets."""
+        extra = self.mtp_loss(stats) if "mtp_nll" in stats else 0.0
+        return self.inner.aux_loss(stats) + extra
 
     def after_update(self, params: Any, old_params: Any, stats: Stats) -> Any:
         return self.inner.after_update(params, old_params, stats)
