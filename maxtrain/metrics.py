@@ -69,7 +69,17 @@ def matmul_params(model: ModelConfig) -> int:
         active_moe_params(model) if is_moe else mlp_params(model)
         for is_moe in is_moe_per_layer(model)
     )
-    return model.num_layers * attention_proj_params(model) + ffn + head_params(model)
+    layers = model.num_layers * attention_proj_params(model) + ffn + head_params(model)
+    return layers + model.mtp.depth * mtp_module_matmul_params(model)
+
+
+def mtp_module_matmul_params(model: ModelConfig) -> int:
+    """One multi-token prediction module (models/mtp.py): its 2D -> D projection, a block of
+    the last layer's kind, and the shared head it runs again."""
+    last_is_moe = is_moe_per_layer(model)[-1]
+    ffn = active_moe_params(model) if last_is_moe else mlp_params(model)
+    projection = 2 * model.emb_dim * model.emb_dim
+    return projection + attention_proj_params(model) + ffn + head_params(model)
 
 
 def attention_flops_per_token(model: ModelConfig, seq_len: int) -> float:
@@ -81,7 +91,8 @@ def attention_flops_per_token(model: ModelConfig, seq_len: int) -> float:
     training is 3x the forward (backward = 2x forward).
     """
     counts = attention_type(model).counts(model)
-    return 3.0 * seq_len * (counts.qk_width + counts.v_width) * model.num_layers
+    blocks = model.num_layers + model.mtp.depth  # MTP: a block each
+    return 3.0 * seq_len * (counts.qk_width + counts.v_width) * blocks
 
 
 def train_flops_per_token(model: ModelConfig, seq_len: int) -> float:

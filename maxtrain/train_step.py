@@ -26,7 +26,12 @@ def token_losses(
     """Returns (sum of masked token losses, number of counted tokens, sum of z-loss terms, the
     model's auxiliary loss, its forward-pass statistics)."""
     logits, aux_loss, stats = mdef.apply(
-        params, batch["inputs"], batch["positions"], batch["segment_ids"]
+        params,
+        batch["inputs"],
+        batch["positions"],
+        batch["segment_ids"],
+        batch["targets"],
+        batch["loss_mask"],
     )
     nll, log_z = cross_entropy(logits, batch["targets"])  # [B, T] float32 each
     mask = batch["loss_mask"].astype(jnp.float32)

@@ -120,6 +120,12 @@ def estimate(cfg: Config, num_devices: int) -> MemoryEstimate:
     activations = _activation_bytes(cfg, sizes, batch, length, c, layout)
     head_tokens = tokens // (layout.stages if layout else 1)
     logits = 2 * head_tokens * cfg.model.vocab_size * c  # no float32 copy: kernels/cross_entropy.py
+    # Multi-token prediction (models/mtp.py): per module, its logits and its block, not remat'd.
+    depth = cfg.model.mtp.depth
+    if depth:
+        logits *= 1 + depth
+        last_is_moe = is_moe_per_layer(cfg.model)[-1]
+        activations += depth * tokens * _saved_per_token(cfg, last_is_moe, c, policy="none")
     return MemoryEstimate(
         params=params,
         optimizer=2 * params,

@@ -27,6 +27,7 @@ from maxtrain.config.model import (
     ModelArchitecture,
     ModelConfig,
     MoeConfig,
+    MtpConfig,
     RopeScaling,
 )
 from maxtrain.config.optim import OptimConfig
@@ -60,6 +61,7 @@ __all__ = [
     "ModelConfig",
     "MlaConfig",
     "MoeConfig",
+    "MtpConfig",
     "OptimConfig",
     "PipelineConfig",
     "ProfileConfig",

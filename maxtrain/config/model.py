@@ -48,10 +48,12 @@ class MoeConfig(Section):
     score: Literal["softmax", "sigmoid"] = "softmax"  # router score function
     renormalize: bool = True  # rescale the top-k weights to sum to 1
     routed_scale: PositiveFloat = 1.0  # multiplies the routed experts' output
-    # Group-limited routing (DeepSeek-V3): experts in n_group groups, a token picks its top_k
-    # within its best topk_group groups. 1 and 1: plain top-k.
-    n_group: int = Field(default=1, gt=0)
-    topk_group: int = Field(default=1, gt=0)
+    # Group-limited routing (DeepSeek-V3): the experts form n_group equal groups of consecutive
+    # ids; each token keeps the topk_group groups whose two best scores sum highest and picks
+    # its top_k inside them. With expert parallelism a group lives on one block of devices, so
+    # a token reaches at most topk_group such blocks. n_group 1 = plain top-k.
+    n_group: PositiveInt = 1
+    topk_group: PositiveInt = 1
     # Which layers are MoE: layer i (0-based) is MoE iff i >= first_dense_layers and
     # (i + 1) % interval == 0. interval 1 = every layer; 2 = every second layer (1, 3, ...).
     first_dense_layers: int = Field(default=0, ge=0)
@@ -82,7 +84,36 @@ class MoeConfig(Section):
             raise ValueError(
                 f"model.moe.top_k ({self.top_k}) exceeds model.moe.num_experts ({self.num_experts})"
             )
+        if self.num_experts % self.n_group:
+            raise ValueError(
+                f"model.moe.num_experts ({self.num_experts}) is not divisible into "
+                f"model.moe.n_group ({self.n_group}) equal groups"
+            )
+        if self.topk_group > self.n_group:
+            raise ValueError(
+                f"model.moe.topk_group ({self.topk_group}) exceeds model.moe.n_group "
+                f"({self.n_group})"
+            )
+        reachable = self.topk_group * self.experts_per_group
+        if self.n_group > 1 and self.top_k > reachable:
+            raise ValueError(
+                f"model.moe.top_k ({self.top_k}) exceeds the {reachable} experts of "
+                f"model.moe.topk_group ({self.topk_group}) groups of {self.experts_per_group}"
+            )
         return self
+
+    @property
+    def experts_per_group(self) -> int:
+        return self.num_experts // self.n_group
+
+
+class MtpConfig(Section):
+    """Multi-token prediction (DeepSeek-V3, models/mtp.py): `depth` extra modules, module j
+    predicting the token j + 1 places after the next; their mean loss, times `loss_weight`, is
+    added to the training loss."""
+
+    depth: int = Field(default=0, ge=0)  # 0 = off
+    loss_weight: NonNegativeFloat = 0.3
 
 
 class MlaConfig(Section):
@@ -126,6 +157,7 @@ class ModelArchitecture(Section):
     norm_eps: PositiveFloat = 1e-5
     max_seq_len: PositiveInt = 8192
     moe: MoeConfig | None = None
+    mtp: MtpConfig = MtpConfig()
 
     @model_validator(mode="after")
     def _check_heads(self) -> ModelArchitecture:

@@ -76,6 +76,7 @@ class MoE(nnx.Module):
         D, E, F = cfg.emb_dim, m.num_experts, m.expert_mlp_dim
         self.num_experts, self.top_k = E, m.top_k
         self.score, self.renormalize, self.routed_scale = m.score, m.renormalize, m.routed_scale
+        self.n_group, self.topk_group = m.n_group, m.topk_group
         self.gmm = grouped_matmul_kernel(m.grouped_matmul)  # the kernel, picked once
         self.dispatch = make_dispatch(m)  # how rows reach their experts, picked once
         self.compute_dtype = compute_dtype
@@ -113,6 +114,8 @@ class MoE(nnx.Module):
         select = scores
         if self.router.bias is not None:  # the bias steers the choice, never the weights
             select = scores + jax.lax.stop_gradient(self.router.bias[...])
+        if self.topk_group < self.n_group:
+            select = limit_to_best_groups(select, self.n_group, self.topk_group)
         _, expert_ids = jax.lax.top_k(select, self.top_k)
         weights = jnp.take_along_axis(scores, expert_ids, axis=-1)
         if self.renormalize:
@@ -192,6 +195,35 @@ class MoE(nnx.Module):
         if partial_axes:
             y = jax.lax.psum(y, partial_axes)
         return y.reshape(b, t, d), dropped
+
+
+def limit_to_best_groups(select: jax.Array, n_group: int, topk_group: int) -> jax.Array:
+    """Group-limited routing (DeepSeek-V3): select [..., E] scores with the experts outside each
+    token's `topk_group` best groups set to -inf, so that top-k picks only inside them.
+
+    The experts form `n_group` groups of consecutive ids; a group's score is the sum of its two
+    best experts' scores (its one expert's, for groups of one): a group is worth visiting when
+    it has more than one good expert, as a token sends at most top_k rows to it. Consecutive ids
+    are what expert parallelism places on one block of devices, so the rule also bounds the
+    devices a token's rows travel to (node-limited routing).
+
+    Written with maxima and comparisons rather than top_k: XLA's SPMD partitioner gathers the
+    whole batch's operand of a top_k (measured on CPU), while these stay split like the tokens.
+    """
+    *lead, num_experts = select.shape
+    grouped = select.reshape(*lead, n_group, num_experts // n_group)
+    best = jnp.max(grouped, axis=-1)
+    group_score = best
+    if grouped.shape[-1] > 1:  # plus the second best: the best of the rest
+        slot = jnp.arange(grouped.shape[-1])
+        first = slot == jnp.argmax(grouped, axis=-1)[..., None]
+        group_score = best + jnp.max(jnp.where(first, -jnp.inf, grouped), axis=-1)
+    # A group's rank: the groups scoring higher, or equal with a lower id (top_k's tie order).
+    ids = jnp.arange(n_group)
+    other, this = group_score[..., None, :], group_score[..., :, None]
+    beaten_by = (other > this) | ((other == this) & (ids[None, :] < ids[:, None]))
+    kept = jnp.sum(beaten_by, axis=-1) < topk_group  # [..., G]
+    return jnp.where(kept[..., None], grouped, -jnp.inf).reshape(select.shape)
 
 
 def router_stats(

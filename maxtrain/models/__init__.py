@@ -4,6 +4,7 @@ models.build(cfg.model)        a freshly initialised decoder (build.py)
 models.model_def(cfg)          what the rest of maxtrain runs: apply, after_update, metrics
                                on a params dict (definition.py, auxiliary.py)
 models.stacks                  where the layers live in the parameter tree (stacks.py)
+models.mtp                     multi-token prediction modules and their loss (mtp.py)
 """
 
 from maxtrain.models.build import (

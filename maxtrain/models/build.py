@@ -49,8 +49,10 @@ def active_param_count(cfg: ModelConfig) -> int:
     idle = 0
     if cfg.moe is not None:
         m = cfg.moe
+        kinds = is_moe_per_layer(cfg)
+        mtp_moe_blocks = cfg.mtp.depth if kinds[-1] else 0  # models/mtp.py: last layer's kind
         idle = (
-            sum(is_moe_per_layer(cfg))
+            (sum(kinds) + mtp_moe_blocks)
             * (m.num_experts - m.top_k)
             * 3
             * cfg.emb_dim

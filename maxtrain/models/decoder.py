@@ -24,6 +24,7 @@ from maxtrain.layers.moe import MoE
 from maxtrain.layers.norms import RMSNorm
 from maxtrain.mesh import constrain
 from maxtrain.models import pipeline
+from maxtrain.models.mtp import MultiTokenPrediction
 from maxtrain.models.pipeline import StageLayout
 from maxtrain.models.stacks import (
     DENSE_STACK,
@@ -208,6 +209,20 @@ class Decoder(nnx.Module):
                 rngs=rngs,
             )
         )
+        # Created last, so that the decoder initialises the same with or without it.
+        self.mtp = (
+            MultiTokenPrediction(
+                cfg,
+                # A block of the kind of the last layer (DeepSeek-V3's is MoE).
+                lambda: DecoderBlock(
+                    cfg, BLOCK_KINDS[is_moe_per_layer(cfg)[-1]], **dtypes, rngs=rngs
+                ),
+                **dtypes,
+                rngs=rngs,
+            )
+            if cfg.mtp.depth
+            else None
+        )
 
     def _build_layers(self, cfg: ModelConfig, dtypes: dict, rngs: nnx.Rngs) -> None:
         """One stack per kind of layer (models/stacks.py), run as consecutive runs."""
@@ -221,12 +236,25 @@ class Decoder(nnx.Module):
             setattr(self, kind.stack, stacked_blocks(cfg, kind, counts, dtypes=dtypes, rngs=rngs))
 
     def __call__(
-        self, tokens: jax.Array, positions: jax.Array, segment_ids: jax.Array
+        self,
+        tokens: jax.Array,
+        positions: jax.Array,
+        segment_ids: jax.Array,
+        targets: jax.Array | None = None,
+        loss_mask: jax.Array | None = None,
     ) -> tuple[jax.Array, dict[str, jax.Array]]:
         """tokens/positions/segment_ids: [B, T] int32 -> (logits [B, T, V] in compute dtype,
-        statistics of the blocks that return any (MoE: the router's), stacked in layer order)."""
-        x, stats = self._layers(self._embed(tokens), positions, segment_ids)
-        return self._head(x), stats
+        statistics of the blocks that return any (MoE: the router's), stacked in layer order).
+        Given the targets and loss mask, the multi-token prediction modules (models/mtp.py), if
+        any, add their loss statistics."""
+        embedded = self._embed(tokens)
+        hidden, stats = self._layers(embedded, positions, segment_ids)
+        if self.mtp is not None and targets is not None:
+            mtp_stats = self.mtp(
+                hidden, embedded, self._head, positions, segment_ids, targets, loss_mask
+            )
+            stats = {**stats, **mtp_stats}
+        return self._head(self.final_norm(hidden)), stats
 
     def decode(
         self, tokens: jax.Array, positions: jax.Array, cache: dict[str, LayerCache]
@@ -240,7 +268,7 @@ class Decoder(nnx.Module):
             x, cache[stack] = run_stack_cached(
                 graphdef, stacked, start, length, x, positions, cache[stack]
             )
-        return self._head(x), cache
+        return self._head(self.final_norm(x)), cache
 
     def _embed(self, tokens: jax.Array) -> jax.Array:
         table = self.embedding[...].astype(self.compute_dtype)
@@ -251,7 +279,8 @@ class Decoder(nnx.Module):
         return constrain(jnp.take(whole, tokens, axis=0), ("batch", "length", "act_embed"))
 
     def _head(self, x: jax.Array) -> jax.Array:
-        x = constrain(self.final_norm(x), (self.head_batch, "length", "act_embed"))
+        """Normalised states [B, T, D] -> logits [B, T, V]."""
+        x = constrain(x, (self.head_batch, "length", "act_embed"))
         if self.lm_head is None:  # tied: the embedding table, still sharded
             table = self.embedding[...].astype(self.compute_dtype)
             logits = jnp.einsum("btd,vd->btv", x, table)

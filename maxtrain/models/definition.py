@@ -21,6 +21,7 @@ from maxtrain.config import Config
 from maxtrain.inference.kv_cache import LayerCache
 from maxtrain.models.auxiliary import AuxiliaryTraining, NoAuxiliary, RouterTraining, Stats
 from maxtrain.models.build import abstract
+from maxtrain.models.mtp import MultiTokenTraining
 from maxtrain.models.pipeline import StageLayout, stage_layout
 
 
@@ -39,11 +40,16 @@ class ModelDef:
     auxiliary: AuxiliaryTraining
     layout: StageLayout | None = None  # pipeline stages (models/pipeline.py), or none
 
-    def apply(self, params: Any, tokens, positions, segment_ids) -> ModelOutput:
-        """tokens/positions/segment_ids [B, T] int32 -> logits, auxiliary loss, statistics."""
+    def apply(
+        self, params: Any, tokens, positions, segment_ids, targets=None, loss_mask=None
+    ) -> ModelOutput:
+        """tokens/positions/segment_ids [B, T] int32 -> logits, auxiliary loss, statistics.
+        targets/loss_mask [B, T]: for a model with training objectives of its own beyond the
+        next token (multi-token prediction, models/mtp.py); without them it has none."""
         state = jax.tree.map(lambda v: v, self.abstract_state)  # a fresh copy to fill
         nnx.replace_by_pure_dict(state, params)
-        logits, stats = nnx.merge(self.graphdef, state)(tokens, positions, segment_ids)
+        model = nnx.merge(self.graphdef, state)
+        logits, stats = model(tokens, positions, segment_ids, targets, loss_mask)
         return ModelOutput(logits, self.auxiliary.aux_loss(stats), stats)
 
     def decode(
@@ -82,4 +88,6 @@ def model_def(cfg: Config, pipelined: bool = True) -> ModelDef:
     graphdef, abstract_state = nnx.split(model)
     moe = cfg.model.moe
     auxiliary = RouterTraining(moe) if moe is not None else NoAuxiliary()
+    if cfg.model.mtp.depth:
+        auxiliary = MultiTokenTraining(auxiliary, cfg.model.mtp)
     return ModelDef(graphdef, abstract_state, auxiliary, layout)
