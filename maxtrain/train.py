@@ -20,7 +20,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
-from maxtrain import cache, distributed, optim, run_lock
+from maxtrain import cache, distributed, losses, optim, run_lock
 from maxtrain import config as config_lib
 from maxtrain import metrics as metrics_lib
 from maxtrain.checkpointing import (
@@ -58,10 +58,20 @@ class Trainer:
     flops_per_token: float
     shardings: TrainState  # of the state
     saved: SavedLayout  # the state as checkpoints hold it (models/pipeline.py)
+    reference_fn: Any = None  # (params, batch) -> DPO's reference log-probs (losses.py)
+    reference: Any = None  # train.task dpo: the frozen start parameters (_load_reference)
 
     def saved_state(self) -> TrainState:
         """The state to hand a checkpointer: in model order, whatever the pipeline."""
         return self.saved.saved(self.state)
+
+    def global_batch(self, local: dict[str, np.ndarray]) -> dict[str, jax.Array]:
+        """This host's rows as the global batch the step takes; for DPO with the frozen
+        reference's log-probabilities added, computed on the mesh."""
+        batch = to_global(local, self.batch_sharding)
+        if self.reference is not None:
+            batch[losses.REFERENCE] = self.reference_fn(self.reference, batch)
+        return batch
 
 
 def check_batch(cfg: Config, mesh: Mesh) -> None:
@@ -129,6 +139,7 @@ def build_trainer(
         state, mdef, shardings = init_state(cfg, mesh, tx, abstract)
         saved = saved_layout(cfg, mesh, tx, mdef)
     data_sharding = batch_sharding(mesh, cfg.mesh.rules)
+    objective = losses.objective(cfg.train)
     step = functools.partial(
         train_step,
         mdef=mdef,
@@ -136,6 +147,7 @@ def build_trainer(
         lr_schedule=lr_schedule,
         grad_accum_steps=cfg.train.grad_accum_steps,
         z_loss=cfg.train.z_loss,
+        objective=objective,
     )
     step_fn = jax.jit(
         _with_rules(step, mesh, cfg),
@@ -144,11 +156,28 @@ def build_trainer(
         donate_argnums=0,
     )
     eval_fn = jax.jit(
-        _with_rules(functools.partial(eval_step, mdef=mdef), mesh, cfg),
+        _with_rules(functools.partial(eval_step, mdef=mdef, objective=objective), mesh, cfg),
         in_shardings=(shardings.params, data_sharding),
     )
+    reference_fn = jax.jit(
+        _with_rules(functools.partial(losses.reference_logps, mdef), mesh, cfg),
+        in_shardings=(shardings.params, data_sharding),
+        out_shardings=data_sharding,
+    )
     flops = metrics_lib.train_flops_per_token(cfg.model, cfg.train.seq_len)
-    return Trainer(cfg, mesh, mdef, state, data_sharding, step_fn, eval_fn, flops, shardings, saved)
+    return Trainer(
+        cfg,
+        mesh,
+        mdef,
+        state,
+        data_sharding,
+        step_fn,
+        eval_fn,
+        flops,
+        shardings,
+        saved,
+        reference_fn,
+    )
 
 
 def _with_rules(fn, mesh: Mesh, cfg: Config):
@@ -178,22 +207,25 @@ def evaluate(trainer: Trainer, eval_streams: list[EvalStream]) -> dict[str, floa
     and are comparable. The overall loss weights each stream's loss by its source weight: the
     expected loss per token of the training mixture, whatever the sources' eval sizes.
     """
-    weighted, total_weight, per_stream = 0.0, 0.0, {}
+    weighted, total_weight, per_stream = {}, 0.0, {}
     for stream in eval_streams:
         batches = stream.batches()
-        nll, tokens = [], []
+        outs = []  # device scalars: fetched once per stream, below
         for _ in range(trainer.cfg.train.eval_steps):
-            out = trainer.eval_fn(
-                trainer.state.params, to_global(next(batches), trainer.batch_sharding)
-            )
-            nll.append(out["nll_sum"])  # device scalars: fetched once per stream, below
-            tokens.append(out["tokens"])
-        loss = float(sum(jax.device_get(nll))) / max(float(sum(jax.device_get(tokens))), 1.0)
+            outs.append(trainer.eval_fn(trainer.state.params, trainer.global_batch(next(batches))))
+        sums = {
+            k: float(sum(v)) for k, v in jax.device_get(jax.tree.map(lambda *x: x, *outs)).items()
+        }
+        count = max(sums.pop("tokens"), 1.0)
+        # The loss, and an objective's further metrics (DPO: accuracy, reward margin), per item.
+        means = {"loss": sums.pop("nll_sum") / count, **{k: v / count for k, v in sums.items()}}
         if stream.name:
-            per_stream[f"{stream.name}/loss"] = loss
-        weighted, total_weight = weighted + stream.weight * loss, total_weight + stream.weight
-    loss = weighted / total_weight
-    return {"loss": loss, "perplexity": float(np.exp(min(loss, 50.0))), **per_stream}
+            per_stream[f"{stream.name}/loss"] = means["loss"]
+        for k, v in means.items():
+            weighted[k] = weighted.get(k, 0.0) + stream.weight * v
+        total_weight += stream.weight
+    means = {k: v / total_weight for k, v in weighted.items()}
+    return {**means, "perplexity": float(np.exp(min(means["loss"], 50.0))), **per_stream}
 
 
 def _resume_or_load(trainer: Trainer, ckpt: TieredCheckpointer | None, train_batches) -> int:
@@ -214,6 +246,17 @@ def _resume_or_load(trainer: Trainer, ckpt: TieredCheckpointer | None, train_bat
             params=trainer.saved.restored(params, trainer.shardings.params)
         )
     return 0
+
+
+def _load_reference(trainer: Trainer) -> None:
+    """train.task dpo: the frozen reference, the parameters the run started from
+    (checkpoint.load_parameters_path), resumed or not; a copy apart from the trained ones."""
+    if trainer.cfg.train.task != "dpo":
+        return
+    saved = trainer.saved.abstract(trainer.state).params
+    trainer.reference = trainer.saved.restored(
+        initial_params(trainer.cfg, saved), trainer.shardings.params
+    )
 
 
 def _finished(cfg: Config) -> dict[str, Any] | None:
@@ -299,6 +342,7 @@ def run(cfg: Config) -> dict[str, Any]:
 def _train(trainer: Trainer, ckpt: TieredCheckpointer | None, train_batches, eval_streams) -> dict:
     cfg, run_dir, is_writer = trainer.cfg, trainer.cfg.run_dir, jax.process_index() == 0
     start_step = _resume_or_load(trainer, ckpt, train_batches)
+    _load_reference(trainer)
     if start_step >= cfg.train.steps:  # resumed from a local step at or past the end
         info = ckpt.restore_info or {}
         return _complete(cfg, start_step, info.get("dir") or f"the {info.get('tier')} tier")
@@ -323,7 +367,7 @@ def _train(trainer: Trainer, ckpt: TieredCheckpointer | None, train_batches, eva
         metrics_lib.MetricsWriter(run_dir, is_writer=is_writer, start_step=start_step) as writer,
         StopSignals(jax.process_count()) as signals,
     ):
-        next_batch = to_global(next(train_batches), trainer.batch_sharding)
+        next_batch = trainer.global_batch(next(train_batches))
         window_start, window_steps, data_wait = time.perf_counter(), 0, 0.0
         for step in range(start_step + 1, cfg.train.steps + 1):
             if step == profile.start_step:
@@ -339,7 +383,7 @@ def _train(trainer: Trainer, ckpt: TieredCheckpointer | None, train_batches, eva
             # The step runs asynchronously: the host builds the next batch meanwhile.
             t0 = time.perf_counter()
             if step < cfg.train.steps and not stopping:
-                next_batch = to_global(next(train_batches), trainer.batch_sharding)
+                next_batch = trainer.global_batch(next(train_batches))
             data_wait += time.perf_counter() - t0
             if profile.start_step > 0 and step == profile.start_step + profile.num_steps - 1:
                 jax.block_until_ready(trainer.state)
