@@ -8,6 +8,11 @@ key of the train step's batch, each [N, global_batch_size, seq_len] int32: `inpu
 `loss_mask`, `segment_ids`, `positions`. Diff it against another stack's token ids (for a
 Megatron config, sample s of Megatron's train dataset is `inputs[s // B, s % B]` plus the last
 `targets` token), or against an older run's file, to see whether two runs train on the same data.
+
+`--show-loss R` also prints the first R rows of the first batch as text, the targets that carry
+loss in [[double brackets]] and a | between segments: for chat data, the assistant's turns
+should be bracketed and nothing else. The text is decoded with data.tokenizer (default: the
+committed tokenizer).
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from maxtrain import config as config_lib  # noqa: E402
-from maxtrain.data import BATCH_KEYS  # noqa: E402
+from maxtrain.data import BATCH_KEYS, chat  # noqa: E402
 from maxtrain.data.errors import DataError  # noqa: E402
 from maxtrain.errors import ArgumentParser, UserError, positive_int, refuse  # noqa: E402
 from maxtrain.train import data_streams  # noqa: E402
@@ -43,12 +48,29 @@ def collect(cfg: config_lib.Config, steps: int) -> dict[str, np.ndarray]:
     return {k: np.stack([b[k] for b in batches]) for k in BATCH_KEYS}
 
 
+def loss_view(targets: np.ndarray, loss_mask: np.ndarray, segments: np.ndarray, decode) -> str:
+    """One row's targets as text, runs of loss-carrying tokens in [[ ]], segments split by |."""
+    keys = list(zip(segments, loss_mask, strict=True))
+    text, start = [], 0
+    for end in [*np.flatnonzero(np.diff(np.asarray(keys), axis=0).any(-1)) + 1, len(keys)]:
+        segment, counted = keys[start]
+        piece = decode(targets[start:end])
+        if segment == 0:
+            piece = f"<{end - start} padding>"
+        text.append(f"[[{piece}]]" if counted else piece)
+        if end < len(keys) and segments[end] != segment:
+            text.append(" | ")
+        start = end
+    return "".join(text)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = ArgumentParser(prog=PROG, description=__doc__.splitlines()[0])
     parser.add_argument("config")
     parser.add_argument("overrides", nargs="*", help="key=value config overrides")
     parser.add_argument("--steps", type=positive_int, required=True)
     parser.add_argument("--out", type=Path, required=True, metavar="F.npz")
+    parser.add_argument("--show-loss", type=positive_int, default=0, metavar="R")
     args = parser.parse_intermixed_args(argv)
     try:
         # No eval streams: only the train batches are shown (and a missing split is no error).
@@ -59,6 +81,11 @@ def main(argv: list[str] | None = None) -> int:
     np.savez_compressed(args.out, **arrays)
     shape = "x".join(map(str, arrays["inputs"].shape))
     print(f"{PROG}: wrote {args.out}: {', '.join(BATCH_KEYS)} [{shape}] (steps x rows x tokens)")
+    if args.show_loss:
+        decode = chat.load_tokenizer(cfg.data.tokenizer).decode
+        for r in range(min(args.show_loss, arrays["inputs"].shape[1])):
+            row = [arrays[k][0, r] for k in ("targets", "loss_mask", "segment_ids")]
+            print(f"row {r}: {loss_view(*row, decode)}")
     return 0
 
 
