@@ -78,7 +78,8 @@ class DataConfig(Section):
     # chat and preference sources: a built-in template (chatml, plain), a .jinja file, or a
     # tokenizer_config.json (or its directory) holding a chat_template
     chat_template: str = Field(default="chatml", min_length=1)
-    tokenizer: str | None = None  # chat and preference sources; None: the committed default
+    # chat and preference sources; None: the committed default
+    tokenizer: str | None = Field(default=None, min_length=1)
     packing: Literal["concat_then_split", "first_fit"] = "concat_then_split"
     first_fit_bins: int = Field(default=8, gt=0)  # first_fit: open rows per stream (less padding)
     eval_fraction: float = Field(
