@@ -76,7 +76,9 @@ def dpo_losses(
     pairs = jnp.any(batch["segment_ids"] == CHOSEN, axis=-1).astype(jnp.float32)  # not padding
     sums = {
         "dpo/reward_margin": (beta * h * pairs).sum(),  # beta * h: the implicit reward's margin
-        "dpo/accuracy": ((h > 0) * pairs).sum(),  # share of pairs the policy ranks right
+        # The share of pairs the policy ranks right, relative to the reference; a tie (h = 0, as
+        # at the start) counts half, so that the start reads as chance, 0.5.
+        "dpo/accuracy": ((jnp.sign(h) + 1) / 2 * pairs).sum(),
     }
     return (losses * pairs).sum(), pairs.sum(), jnp.zeros(()), aux_loss, stats, sums
 

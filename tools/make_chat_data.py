@@ -6,7 +6,7 @@ chat.jsonl         conversations: a math question of the embedded worksheets and
                    answer (some with a system turn, some two questions long), and requests to
                    explain a Python topic answered with the opening of its pydoc reference text
 preference.jsonl   pairs over other math questions: chosen = the worked answer, rejected = the
-                   worked answer of a different question (numbers that do not match the prompt)
+                   bare result without the working (a preference for showing one's working)
 
 Deterministic on one interpreter (the embedded corpus is). The files are small enough to
 commit, so `configs/sft.yml` and `configs/dpo.yml` run offline from a fresh checkout.
@@ -83,12 +83,13 @@ def chat_examples(problems: list[tuple[str, str]], rng: random.Random) -> list[d
     return examples
 
 
-def preference_pairs(problems: list[tuple[str, str]], rng: random.Random) -> list[dict]:
+def preference_pairs(problems: list[tuple[str, str]]) -> list[dict]:
+    """Working shown is preferred: chosen = the worked answer, rejected = its result alone."""
     pairs = []
-    for i, (question, answer) in enumerate(problems):
-        other = problems[(i + rng.randrange(1, len(problems))) % len(problems)][1]
-        if other != answer:
-            pairs.append({"prompt": question, "chosen": answer, "rejected": other})
+    for question, answer in problems:
+        result = answer.rsplit("= ", 1)[-1]
+        if result != answer:
+            pairs.append({"prompt": question, "chosen": answer, "rejected": result})
     return pairs
 
 
@@ -110,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     chat_problems, pair_problems = problems[: 2 * args.conversations], problems[-args.pairs :]
     args.out_dir.mkdir(parents=True, exist_ok=True)
     write_jsonl(args.out_dir / "chat.jsonl", chat_examples(chat_problems, rng))
-    write_jsonl(args.out_dir / "preference.jsonl", preference_pairs(pair_problems, rng))
+    write_jsonl(args.out_dir / "preference.jsonl", preference_pairs(pair_problems))
     return 0
 
 
