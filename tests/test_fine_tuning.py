@@ -128,6 +128,29 @@ def test_sft_data_resumes_exactly(make_cfg, tmp_path):
         assert all(np.array_equal(got[k], want[k]) for k in want)
 
 
+@pytest.mark.parametrize(
+    "line, error",
+    [
+        (
+            '{"messages": [{"role": "user", "content": "hi"}]}',
+            "the conversation has no assistant turn",
+        ),
+        (
+            '{"messages": [{"role": "bot", "content": "hi"}]}',
+            "every message needs a role among system, user",
+        ),
+        ('{"prompt": "hi"}', "expected 'messages', or 'prompt' and 'completion'"),
+        ("not json", "not JSON"),
+    ],
+)
+def test_a_bad_conversation_is_named_by_file_and_line(make_cfg, tmp_path, line, error):
+    path = _write_chat(tmp_path / "bad.jsonl", n=2)
+    path.write_text(path.read_text() + "\n" + line + "\n")  # line 4, after a blank one
+    source = f"data.sources=[{{name: chat, path: {path}, format: chat}}]"
+    with pytest.raises(chat.DataError, match=rf"data.sources\[chat\]: {path}:4: {error}"):
+        Pipeline(make_cfg(*TINY_SFT, source, "train.task=sft"))
+
+
 def test_dpo_needs_preference_sources_and_a_start_checkpoint(make_cfg):
     with pytest.raises(ConfigError, match="train.task=dpo"):
         make_cfg("train.task=dpo")

@@ -171,8 +171,9 @@ def encode(
 # ---- JSONL --------------------------------------------------------------------------------------
 
 
-def read_jsonl(path: str) -> list[dict[str, Any]]:
-    """The objects of a JSONL file; DataError naming the file and line of the first bad one."""
+def read_jsonl(path: str) -> list[tuple[str, dict[str, Any]]]:
+    """(where: "FILE:LINE", object) of each line of a JSONL file; DataError naming the file and
+    line of the first that is not a JSON object."""
     file = Path(path)
     if not file.is_file():
         raise DataError(f"no such JSONL file: {path}")
@@ -186,7 +187,7 @@ def read_jsonl(path: str) -> list[dict[str, Any]]:
             raise DataError(f"{path}:{number}: not JSON ({e.msg})") from None
         if not isinstance(row, dict):
             raise DataError(f"{path}:{number}: expected a JSON object")
-        rows.append(row)
+        rows.append((f"{path}:{number}", row))
     if not rows:
         raise DataError(f"{path} holds no examples")
     return rows
@@ -261,9 +262,7 @@ class ChatExamples:
 
 def chat_examples(path: str, template: ChatTemplate, tokenizer: shards.Tokenizer) -> ChatExamples:
     rows = read_jsonl(path)
-    return ChatExamples(
-        [encode(template, tokenizer, conversation(r, f"{path}:{i}")) for i, r in enumerate(rows)]
-    )
+    return ChatExamples([encode(template, tokenizer, conversation(r, where)) for where, r in rows])
 
 
 class PreferenceRows:
@@ -302,8 +301,8 @@ def preference_rows(
     path: str, template: ChatTemplate, tokenizer: shards.Tokenizer, row_len: int
 ) -> PreferenceRows:
     pairs = []
-    for i, row in enumerate(read_jsonl(path)):
-        chosen, rejected = preference(row, f"{path}:{i}")
+    for where, row in read_jsonl(path):
+        chosen, rejected = preference(row, where)
         pairs.append((encode(template, tokenizer, chosen), encode(template, tokenizer, rejected)))
     rows = PreferenceRows(pairs, row_len)
     if not rows.pairs:
