@@ -67,7 +67,13 @@ def preference_losses(
 
 
 def dpo_losses(
-    mdef: ModelDef, params: Any, batch: dict[str, jax.Array], z_loss: float, *, beta, kind
+    mdef: ModelDef,
+    params: Any,
+    batch: dict[str, jax.Array],
+    z_loss: float,
+    *,
+    beta: float,
+    kind: str,
 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array, dict, dict[str, jax.Array]]:
     """The DPO objective in train_step's contract: summed over the batch's pairs (rows)."""
     del z_loss  # a token-level regulariser; DPO's loss is per pair

@@ -33,7 +33,7 @@ from typing import Any
 
 import numpy as np
 
-from maxtrain.data import shards
+from maxtrain.data import packing, shards
 from maxtrain.data.errors import DataError
 
 DEFAULT_TOKENIZER = Path(__file__).parent / "assets" / "default.model"
@@ -253,7 +253,7 @@ class ChatExamples:
 
     def __getitem__(self, i: int) -> dict[str, np.ndarray]:
         e = self.examples[i]
-        return {"tokens": e.tokens, "loss": e.loss}
+        return {packing.FEATURE: e.tokens, packing.LOSS: e.loss}
 
     @property
     def num_tokens(self) -> int:
@@ -279,16 +279,15 @@ class PreferenceRows:
         return len(self.pairs)
 
     def __getitem__(self, i: int) -> dict[str, np.ndarray]:
-        row = {
-            k: np.zeros(self.row_len, np.int32)
-            for k in ("tokens", "tokens_segment_ids", "tokens_positions", "loss")
-        }
+        tokens, loss = packing.FEATURE, packing.LOSS
+        segments, positions = f"{tokens}_segment_ids", f"{tokens}_positions"
+        row = {k: np.zeros(self.row_len, np.int32) for k in (tokens, segments, positions, loss)}
         start = 0
         for segment, e in enumerate(self.pairs[i], 1):
             span = slice(start, start + len(e.tokens))
-            row["tokens"][span], row["loss"][span] = e.tokens, e.loss
-            row["tokens_segment_ids"][span] = segment
-            row["tokens_positions"][span] = np.arange(len(e.tokens))
+            row[tokens][span], row[loss][span] = e.tokens, e.loss
+            row[segments][span] = segment
+            row[positions][span] = np.arange(len(e.tokens))
             start = span.stop
         return row
 

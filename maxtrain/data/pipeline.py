@@ -31,6 +31,13 @@ shuffle seed, packing and first_fit_bins, train.seq_len, train.global_batch_size
 count (a host's state holds its own streams), and num_workers (each grain worker packs a
 strided slice of every stream, so the row order depends on the worker count: 0 and 2 workers
 give different, equally valid data). worker_buffer_size may change.
+
+Fine-tuning sources (data/chat.py). A `chat` source is a JSONL file of conversations, tokenized
+in memory when the pipeline is built; its documents carry a second feature, a loss flag per
+token (1 on the assistant's tokens), packed alongside the tokens, and `rows_to_batch` keeps
+loss_mask only where it is 1. Prepared documents mixed with chat get the flag as all ones.
+Weights remain token shares, context tokens included. A `preference` source (train.task dpo)
+is rows already, one pair each, and is not packed.
 """
 
 from __future__ import annotations
@@ -50,6 +57,7 @@ import numpy as np
 
 from maxtrain import absl_flags
 from maxtrain.config import Config, DataConfig
+from maxtrain.config.data import DataSource
 from maxtrain.data import chat, host_rows, packing, shards
 from maxtrain.data.errors import DataError
 from maxtrain.data.synthetic import SyntheticText
@@ -111,7 +119,11 @@ def resolve_sources(data: DataConfig, model_vocab_size: int, row_len: int) -> li
     return resolved
 
 
-def _fine_tuning_source(source, data: DataConfig, model_vocab_size: int, row_len: int) -> Source:
+def _fine_tuning_source(
+    source: DataSource, data: DataConfig, model_vocab_size: int, row_len: int
+) -> Source:
+    """A chat or preference JSONL source, read, rendered and tokenized in memory (data/chat.py):
+    every mistake in it surfaces here, before anything is compiled."""
     try:
         tokenizer = chat.load_tokenizer(data.tokenizer)
         shards.check_vocab(
