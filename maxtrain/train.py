@@ -34,10 +34,12 @@ from maxtrain.config import Config, ConfigError
 from maxtrain.data import batch_sharding, to_global
 from maxtrain.data.pipeline import STREAMS, EvalStream
 from maxtrain.errors import DEBUG_ENV, UserError, first_line, refuse
+from maxtrain.evaluation.harness import TaskEvaluator, task_evaluator
+from maxtrain.evaluation.loss import held_out_loss
 from maxtrain.interrupts import EXIT_STATUS, StopSignals
 from maxtrain.layers.expert_parallel import exchange_implementation
 from maxtrain.mesh import batch_degree, build_mesh, sharding_rules
-from maxtrain.models import ModelDef
+from maxtrain.models import ModelDef, model_def
 from maxtrain.nonfinite import NonFiniteLoss, NonFiniteWatch
 from maxtrain.state import SavedLayout, TrainState, init_state, saved_layout
 from maxtrain.train_step import eval_step, train_step
@@ -65,13 +67,16 @@ class Trainer:
         """The state to hand a checkpointer: in model order, whatever the pipeline."""
         return self.saved.saved(self.state)
 
+    def with_reference(self, batch: dict[str, jax.Array]) -> dict[str, jax.Array]:
+        """For DPO, the global batch with the frozen reference's log-probabilities added,
+        computed on the mesh; else the batch as it is."""
+        if self.reference is None:
+            return batch
+        return {**batch, losses.REFERENCE: self.reference_fn(self.reference, batch)}
+
     def global_batch(self, local: dict[str, np.ndarray]) -> dict[str, jax.Array]:
-        """This host's rows as the global batch the step takes; for DPO with the frozen
-        reference's log-probabilities added, computed on the mesh."""
-        batch = to_global(local, self.batch_sharding)
-        if self.reference is not None:
-            batch[losses.REFERENCE] = self.reference_fn(self.reference, batch)
-        return batch
+        """This host's rows as the global batch the step takes (with_reference added)."""
+        return self.with_reference(to_global(local, self.batch_sharding))
 
 
 def check_batch(cfg: Config, mesh: Mesh) -> None:
@@ -201,31 +206,13 @@ def data_streams(cfg: Config, start_step: int = 0) -> tuple[Any, list[EvalStream
 
 
 def evaluate(trainer: Trainer, eval_streams: list[EvalStream]) -> dict[str, float]:
-    """Loss per held-out stream over train.eval_steps batches, and overall.
-
-    Each stream restarts from its beginning, so evals at different steps score the same tokens
-    and are comparable. The overall loss weights each stream's loss by its source weight: the
-    expected loss per token of the training mixture, whatever the sources' eval sizes.
-    """
-    weighted, total_weight, per_stream = {}, 0.0, {}
-    for stream in eval_streams:
-        batches = stream.batches()
-        outs = []  # device scalars: fetched once per stream, below
-        for _ in range(trainer.cfg.train.eval_steps):
-            outs.append(trainer.eval_fn(trainer.state.params, trainer.global_batch(next(batches))))
-        sums = {
-            k: float(sum(v)) for k, v in jax.device_get(jax.tree.map(lambda *x: x, *outs)).items()
-        }
-        count = max(sums.pop("tokens"), 1.0)
-        # The loss, and an objective's further metrics (DPO: accuracy, reward margin), per item.
-        means = {"loss": sums.pop("nll_sum") / count, **{k: v / count for k, v in sums.items()}}
-        if stream.name:
-            per_stream[f"{stream.name}/loss"] = means["loss"]
-        for k, v in means.items():
-            weighted[k] = weighted.get(k, 0.0) + stream.weight * v
-        total_weight += stream.weight
-    means = {k: v / total_weight for k, v in weighted.items()}
-    return {**means, "perplexity": float(np.exp(min(means["loss"], 50.0))), **per_stream}
+    """Loss per held-out stream over train.eval_steps batches, and overall
+    (evaluation/loss.py); for DPO the batches get the reference's log-probabilities."""
+    cfg = trainer.cfg
+    return held_out_loss(
+        lambda params, batch: trainer.eval_fn(params, trainer.with_reference(batch)),
+        trainer.state.params, trainer.batch_sharding, eval_streams, cfg.train.eval_steps,
+    )  # fmt: skip
 
 
 def _resume_or_load(trainer: Trainer, ckpt: TieredCheckpointer | None, train_batches) -> int:
@@ -317,6 +304,7 @@ def run(cfg: Config) -> dict[str, Any]:
     # Config and data mistakes surface in these two calls, before anything is written; the
     # data's first, as it needs no compilation (the state's initialisation does).
     train_batches, eval_streams = data_streams(cfg)
+    tasks = _task_evaluator(cfg)
     trainer = build_trainer(cfg)
     with run_lock.held(cfg.run_dir, take=jax.process_index() == 0):
         ckpt = None
@@ -328,7 +316,7 @@ def run(cfg: Config) -> dict[str, Any]:
                 trainer.saved.abstract(trainer.state),
             )
         try:
-            return _train(trainer, ckpt, train_batches, eval_streams)
+            return _train(trainer, ckpt, train_batches, eval_streams, tasks)
         except NonFiniteLoss as e:
             e.kept = _keep_finite_checkpoints(ckpt, e.first)
             raise
@@ -339,7 +327,23 @@ def run(cfg: Config) -> dict[str, Any]:
             raise
 
 
-def _train(trainer: Trainer, ckpt: TieredCheckpointer | None, train_batches, eval_streams) -> dict:
+def _task_evaluator(cfg: Config) -> TaskEvaluator | None:
+    """train.eval_tasks' evaluator (evaluation/harness.py), its tasks read before compiling."""
+    if not cfg.train.eval_tasks:
+        return None
+    mesh = build_mesh(cfg.mesh)
+    with sharding_rules(mesh, cfg.mesh.rules):
+        mdef = model_def(cfg)
+    return task_evaluator(cfg, mdef, mesh, cfg.train.eval_tasks, shots=cfg.train.eval_shots)
+
+
+def _train(
+    trainer: Trainer,
+    ckpt: TieredCheckpointer | None,
+    train_batches,
+    eval_streams,
+    tasks: TaskEvaluator | None = None,
+) -> dict:
     cfg, run_dir, is_writer = trainer.cfg, trainer.cfg.run_dir, jax.process_index() == 0
     start_step = _resume_or_load(trainer, ckpt, train_batches)
     _load_reference(trainer)
@@ -415,6 +419,8 @@ def _train(trainer: Trainer, ckpt: TieredCheckpointer | None, train_batches, eva
                 step % cfg.train.eval_every == 0 or step == cfg.train.steps
             ):
                 ev = evaluate(trainer, eval_streams)
+                if tasks is not None:
+                    ev.update(tasks(trainer.state.params))
                 writer.write(step, ev, prefix="eval")
                 _print(is_writer, _format_eval(step, ev))
                 last.update({f"eval_{k}": v for k, v in ev.items()})
@@ -460,7 +466,9 @@ def _format_eval(step: int, ev: dict[str, float]) -> str:
         f"{k.removesuffix('/loss')} {v:.3f}" for k, v in ev.items() if k.endswith("/loss")
     )
     line = f"eval  step {step}: loss {ev['loss']:.4f}, ppl {ev['perplexity']:.2f}"
-    return f"{line} ({per_source})" if per_source else line
+    line = f"{line} ({per_source})" if per_source else line
+    tasks = ", ".join(f"{k} {v:.3f}" for k, v in ev.items() if k.endswith("/acc"))
+    return f"{line}; {tasks}" if tasks else line
 
 
 def _print(is_writer: bool, line: str) -> None:

@@ -66,6 +66,7 @@ def train_step(
     grad_accum_steps: int,
     z_loss: float,
     objective: Callable = token_losses,
+    guard_nonfinite: bool = True,
 ) -> tuple[TrainState, dict[str, jax.Array]]:
     """One optimizer step over the global batch, split into `grad_accum_steps` micro-batches.
 
@@ -76,7 +77,9 @@ def train_step(
     A step whose loss or gradient is NaN/inf (metrics["finite"] false) leaves the parameters and
     optimizer state as they were (only the step count moves on): the state is never poisoned,
     whatever train.on_nonfinite then decides (skip: go on; stop: end the run), and a save can
-    only ever hold finite values. The cost is an elementwise select beside the update.
+    only ever hold finite values. The guard costs nothing on a finite step: the update runs
+    under a conditional. guard_nonfinite=False drops it; only the test that holds the guarded
+    step's compiled program to the unguarded one's uses that.
     """
 
     def split(x: jax.Array) -> jax.Array:
@@ -103,14 +106,26 @@ def train_step(
 
         (grad_sum, (nll, count, z, aux, stats, sums)), _ = jax.lax.scan(accumulate, zeros, micro)
     denom = jnp.maximum(count, 1.0)
-    grads = jax.tree.map(lambda g: g / denom, grad_sum)
-    grad_norm = optax.tree.norm(grads)
-    updates, opt_state = tx.update(grads, state.opt_state, state.params)
-    params = mdef.after_update(optax.apply_updates(state.params, updates), state.params, stats)
+    grad_norm = optax.tree.norm(grad_sum) / denom
     finite = jnp.isfinite(nll) & jnp.isfinite(grad_norm)
-    keep_old = lambda new, old: jnp.where(finite, new, old)  # noqa: E731
-    params = jax.tree.map(keep_old, params, state.params)
-    opt_state = jax.tree.map(keep_old, opt_state, state.opt_state)
+
+    def update(params, opt_state):
+        # A scalar multiply, not a divide: XLA fuses it into each leaf's optimizer update.
+        grads = jax.tree.map(lambda g: g * (1.0 / denom), grad_sum)
+        updates, new_opt_state = tx.update(grads, opt_state, params, grad_norm=grad_norm)
+        new_params = optax.apply_updates(params, updates)
+        return mdef.after_update(new_params, params, stats), new_opt_state
+
+    if guard_nonfinite:
+        # The whole update is skipped, not computed and then discarded by a select: with the
+        # state donated, a select needs the old moments after the new ones are written, so XLA
+        # copies every optimizer-state leaf at the start of the step. A conditional leaves the
+        # state's buffers in place on both branches (tests/test_step_program.py reads it).
+        params, opt_state = jax.lax.cond(
+            finite, update, lambda p, o: (p, o), state.params, state.opt_state
+        )
+    else:
+        params, opt_state = update(state.params, state.opt_state)
     metrics = {
         "loss": nll / denom,
         "z_loss": z / denom,

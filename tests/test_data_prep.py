@@ -25,12 +25,12 @@ from maxtrain.data.errors import DataError
 from maxtrain.data.readers import DocumentReader
 from maxtrain.data.shards import (
     check_vocab,
-    load_tokenizer,
     read_metadata,
     read_shard,
     validate_source,
     write_shards,
 )
+from maxtrain.tokenizers import load_tokenizer
 
 TOKENIZER = embedded.DEFAULT_TOKENIZER
 CODE = 'def f(x):\n    """Doc."""\n\treturn  {"a": [x, \'é\', "🙂"]}\n\n\n'

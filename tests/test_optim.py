@@ -68,13 +68,16 @@ def test_gradients_are_clipped_to_the_global_norm_before_adam():
     raw = [jnp.array([30.0, 40.0]), jnp.array([0.3, 0.4])]  # norms 50 and 0.5
     clipped = [jnp.array([0.6, 0.8]), jnp.array([0.3, 0.4])]
 
-    def second_update(transform, grads):
+    def second_update(transform, grads, norm_given=False):
         state = transform.init(params)
         for g in grads:
-            update, state = transform.update({"kernel": g}, state, params)
+            extra = {"grad_norm": jnp.linalg.norm(g)} if norm_given else {}
+            update, state = transform.update({"kernel": g}, state, params, **extra)
         return update["kernel"]
 
     np.testing.assert_allclose(
         second_update(tx, raw), second_update(unclipped_tx, clipped), rtol=1e-5
     )
+    # train_step hands the norm in (computed once per step): the same clip.
+    np.testing.assert_allclose(second_update(tx, raw, norm_given=True), second_update(tx, raw))
     assert not np.allclose(second_update(unclipped_tx, raw), second_update(tx, raw), rtol=1e-3)

@@ -36,7 +36,7 @@ from jax.sharding import AbstractMesh  # noqa: E402
 from maxtrain import config as config_lib  # noqa: E402
 from maxtrain import metrics, models  # noqa: E402
 from maxtrain.analysis import memory  # noqa: E402
-from maxtrain.analysis.program import collective_bytes  # noqa: E402
+from maxtrain.analysis.program import collective_bytes, entry_parameter_copies  # noqa: E402
 from maxtrain.analysis.program import matmul_dtypes as traced_matmul_dtypes  # noqa: E402
 from maxtrain.data import to_global  # noqa: E402
 from maxtrain.errors import (  # noqa: E402
@@ -161,6 +161,12 @@ def benchmark(cfg: config_lib.Config, steps: int, warmup: int, profile_dir: str 
         # Per device and step, from the compiled program (maxtrain/analysis/program.py).
         "collective_bytes": program_collectives(cfg, trainer, step),
         **routed_bytes(cfg, trainer),
+        # XLA's count of the bytes the step reads and writes, and the copies it makes of the
+        # state it is handed (donated: a copy is memory traffic the math did not ask for).
+        "bytes_accessed_mb": round(step.cost_analysis()["bytes accessed"] / 1e6, 1),
+        "state_copied_mb": round(
+            sum(b for _, b in entry_parameter_copies(step.as_text())) / 1e6, 3
+        ),
         "compile_s": round(compile_s, 2),
         "first_step_s": round(first_step, 2),
         "median_step_s": round(step_time, 5),

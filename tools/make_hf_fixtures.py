@@ -3,6 +3,7 @@
     python tools/make_hf_fixtures.py build [--output tests/fixtures/hf] [--case NAME ...]
     python tools/make_hf_fixtures.py logits DIR [DIR ...]
     python tools/make_hf_fixtures.py random-llama --output DIR [shape options]
+    python tools/make_hf_fixtures.py generate DIR [DIR ...]
 
 build: for every case below, a small random transformers model saved as config.json +
 safetensors, with token ids (tokens.npy, int32 [2, 12]) and the float32 logits transformers
@@ -17,6 +18,12 @@ machines a CPU torch exists for Python 3.11 only, so they run in a separate envi
     python3.11 -m venv scratch/hf311
     scratch/hf311/bin/pip install torch==2.13.0 transformers==5.23.0
     scratch/hf311/bin/python tools/make_hf_fixtures.py build
+
+generate: the oracle for tokenization and greedy decoding. It gives a model directory a small
+BPE tokenizer trained on a fixed text (tokenizer.json, tokenizer_config.json and
+generation_config.json, as transformers saves them; a Llama directory's adds a BOS) unless it
+has one, then writes generate.json: for each of a few prompts, the ids transformers' tokenizer
+gives it and the tokens `generate()` appends greedily, one prompt at a time.
 
 random-llama writes a Llama-shaped directory of random bfloat16 weights (Llama-3.2-1B's shape by
 default) one layer per file, with numpy, safetensors and ml_dtypes only: the input for
@@ -201,6 +208,68 @@ def write_logits(model_dir: Path) -> None:
     np.save(model_dir / "logits.npy", logits.numpy().astype(np.float32))
 
 
+# The tokenizer's training text and the prompts of generate.json (every character is in it).
+_TOKENIZER_TEXT = (
+    "the cat sat on the mat. a dog ran to the park, and the cat saw it. "
+    "we write small models to test large ones; tokens go in and tokens come out. "
+    "hello world, this is a tiny corpus for a tiny tokenizer with a tiny vocabulary."
+)
+PROMPTS = ("the cat sat", "hello world, this is a longer prompt for the model", "a")
+MAX_NEW_TOKENS = 12
+_SPECIALS = dict(unk_token="<unk>", bos_token="<s>", eos_token="</s>", pad_token="<pad>")
+
+
+def write_tokenizer(model_dir: Path) -> None:
+    """A BPE tokenizer (sentencepiece-style spaces) of the model's vocab size, its special
+    tokens the first ids, and a generation config naming them."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    config = json.loads((model_dir / "config.json").read_text())
+    tokenizer = Tokenizer(models.BPE(unk_token=_SPECIALS["unk_token"]))
+    tokenizer.pre_tokenizer = pre_tokenizers.Metaspace()
+    tokenizer.decoder = decoders.Metaspace()
+    trainer = trainers.BpeTrainer(
+        vocab_size=config["vocab_size"], special_tokens=list(_SPECIALS.values())
+    )
+    tokenizer.train_from_iterator([_TOKENIZER_TEXT], trainer)
+    ids = {key: tokenizer.token_to_id(token) for key, token in _SPECIALS.items()}
+    if config["model_type"] == "llama":  # Llama's tokenizer starts every text with BOS
+        bos = (_SPECIALS["bos_token"], ids["bos_token"])
+        tokenizer.post_processor = processors.TemplateProcessing(
+            single=f"{bos[0]} $A", pair=f"{bos[0]} $A {bos[0]} $B", special_tokens=[bos]
+        )
+    tokenizer.save(str(model_dir / "tokenizer.json"))
+    settings = {"tokenizer_class": "PreTrainedTokenizerFast", **_SPECIALS}
+    (model_dir / "tokenizer_config.json").write_text(json.dumps(settings, indent=2) + "\n")
+    generation = {
+        f"{k.removesuffix('_token')}_token_id": ids[k] for k in _SPECIALS if k != "unk_token"
+    }
+    (model_dir / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
+
+
+def write_generation(model_dir: Path) -> None:
+    """transformers' prompt ids and greedy continuations into model_dir/generate.json."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if not (model_dir / "tokenizer.json").is_file():
+        write_tokenizer(model_dir)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(
+        model_dir, dtype=torch.float32, attn_implementation="eager"
+    ).eval()
+    cases = []
+    for prompt in PROMPTS:
+        ids = tokenizer(prompt)["input_ids"]
+        with torch.no_grad():
+            out = model.generate(
+                torch.tensor([ids]), max_new_tokens=MAX_NEW_TOKENS, do_sample=False
+            )
+        cases.append({"prompt": prompt, "prompt_ids": ids, "new_ids": out[0, len(ids) :].tolist()})
+    result = {"max_new_tokens": MAX_NEW_TOKENS, "cases": cases}
+    (model_dir / "generate.json").write_text(json.dumps(result, indent=1) + "\n")
+
+
 def _randomize(model, torch) -> None:
     """Weights that make every mistake visible: matrices with std 1/sqrt(fan-in) (activations
     and logits of order 1, router scores well apart), norm scales around 1, not exactly 1."""
@@ -319,8 +388,13 @@ def main(argv: list[str]) -> None:
     r.add_argument("--heads", type=int, default=32)
     r.add_argument("--kv-heads", type=int, default=8)
     r.add_argument("--tie", action=argparse.BooleanOptionalAction, default=True)
+    g = sub.add_parser("generate", help="a tokenizer and transformers' greedy tokens for DIR")
+    g.add_argument("dirs", nargs="+", type=Path)
     args = parser.parse_args(argv)
-    if args.command == "build":
+    if args.command == "generate":
+        for d in args.dirs:
+            write_generation(d)
+    elif args.command == "build":
         build(args.output, args.case)
     elif args.command == "logits":
         for d in args.dirs:

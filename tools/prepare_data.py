@@ -29,8 +29,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from maxtrain.data.megatron.prepare import write_corpus  # noqa: E402
 from maxtrain.data.readers import FORMATS, DocumentReader  # noqa: E402
-from maxtrain.data.shards import load_tokenizer, write_shards  # noqa: E402
+from maxtrain.data.shards import write_shards  # noqa: E402
 from maxtrain.errors import ArgumentParser, UserError, positive_int, refuse  # noqa: E402
+from maxtrain.tokenizers import load_tokenizer  # noqa: E402
 
 PROG = "prepare_data"
 
@@ -38,7 +39,11 @@ PROG = "prepare_data"
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = ArgumentParser(prog=PROG, description=__doc__.splitlines()[0])
     parser.add_argument("--input", nargs="+", required=True, metavar="GLOB")
-    parser.add_argument("--tokenizer", required=True, help="sentencepiece .model file")
+    parser.add_argument(
+        "--tokenizer",
+        required=True,
+        help="sentencepiece .model, tokenizer.json, or a directory holding either",
+    )
     parser.add_argument("--output", required=True, type=Path, metavar="DIR")
     parser.add_argument("--field", default="text", help="JSONL field / Parquet column")
     parser.add_argument("--format", choices=("auto", *FORMATS), default="auto", help="input")

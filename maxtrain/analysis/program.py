@@ -1,4 +1,5 @@
-"""What a traced training step really computes: the operand dtypes of its matmuls.
+"""What a traced or compiled training step really does: the operand dtypes of its matmuls, the
+bytes its collectives move, the copies it makes of its inputs.
 
 `tools/benchmark.py` prints it beside the step time, and the quantization tests assert it, so a
 quantization rule that silently matches nothing shows up as float matmuls.
@@ -186,3 +187,27 @@ def _crosses_slices(attributes: str, device_slices: Sequence[int]) -> bool:
     if groups is None:
         return len(set(device_slices)) > 1
     return any(len({device_slices[d] for d in group}) > 1 for group in groups)
+
+
+# ---- copies of a compiled program's inputs ----------------------------------------------------
+
+
+def entry_parameter_copies(hlo_text: str) -> list[tuple[str, int]]:
+    """The copies a compiled program makes of its own inputs, as (name, bytes): instructions of
+    the ENTRY computation that copy one of its parameters. A train step's inputs are the state
+    it donates, so a copy of one is a pass over memory the math did not ask for (XLA inserts
+    them when an input must outlive the output written into its buffer)."""
+    entry = hlo_text[hlo_text.index("\nENTRY") :]
+    entry = entry[: entry.index("\n}")]
+    parameters: set[str] = set()
+    copies = []
+    for line in entry.splitlines()[1:]:
+        match = _INSTRUCTION.match(line)
+        if match is None:
+            continue
+        result, shape, opcode, rest = match.groups()
+        if opcode == "parameter":
+            parameters.add(result)
+        elif opcode == "copy" and re.match(r"\s*%([\w.\-]+)", rest)[1] in parameters:
+            copies.append((result, sum(_shape_bytes(shape))))
+    return copies

@@ -1,4 +1,4 @@
-"""The `quantization:` section: quantized training from presets and rules (maxtrain/quantization/)."""
+"""The `quantization:` section: quantized training from presets and rules."""
 
 from __future__ import annotations
 

@@ -4,7 +4,7 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import Field, model_validator
 
@@ -36,6 +36,10 @@ class TrainConfig(Section):
     z_loss: NonNegativeFloat = 0.0
     eval_every: int = Field(default=100, ge=0)  # 0 disables eval
     eval_steps: int = Field(default=4, gt=0)
+    # log-likelihood tasks scored at every eval (maxtrain/evaluation/): committed task names
+    # (maxtrain/evaluation/tasks/) or task directories / JSONL files; [] = none
+    eval_tasks: list[Annotated[str, Field(min_length=1)]] = []
+    eval_shots: int = Field(default=0, ge=0)  # solved train examples before each task prompt
     log_every: int = Field(default=10, gt=0)
     on_nonfinite: Literal["stop", "skip"] = "stop"  # a NaN/inf loss stops, or skips the update
     # skip: more non-finite steps in a row than this stop the run as `stop` does (a run that

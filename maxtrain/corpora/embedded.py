@@ -52,7 +52,8 @@ from pathlib import Path
 import numpy as np
 
 from maxtrain import cache
-from maxtrain.data.shards import load_tokenizer, read_metadata, read_shard, write_shards
+from maxtrain.data.shards import read_metadata, read_shard, write_shards
+from maxtrain.tokenizers import load_tokenizer
 
 BUILDER_VERSION = 1
 DEFAULT_TOKENIZER = Path(__file__).parents[1] / "data" / "assets" / "default.model"

@@ -20,7 +20,9 @@ are not prefixes of each other (one that rewrites earlier turns) is refused. The
 tokenized one by one, so a token never straddles a loss boundary; the tokenizer's handling of
 a piece's first character can make that differ slightly from tokenizing the whole text.
 
-The tokenizer is reached only through `load_tokenizer` below, the one place to switch it.
+The tokenizer (maxtrain/tokenizers: sentencepiece or a Hugging Face tokenizer.json) is
+loaded only by `load_tokenizer` below; with a Hugging Face tokenizer directory, data.tokenizer
+and data.chat_template can both name it (tokenizer.json and tokenizer_config.json).
 """
 
 from __future__ import annotations
@@ -33,7 +35,8 @@ from typing import Any
 
 import numpy as np
 
-from maxtrain.data import packing, shards
+from maxtrain import tokenizers
+from maxtrain.data import packing
 from maxtrain.data.errors import DataError
 
 DEFAULT_TOKENIZER = Path(__file__).parent / "assets" / "default.model"
@@ -53,9 +56,10 @@ ROLES = ("system", "user", "assistant")
 Messages = list[dict[str, str]]
 
 
-def load_tokenizer(path: str | None) -> shards.Tokenizer:
-    """The tokenizer chat data is encoded with: data.tokenizer, or the committed default."""
-    return shards.load_tokenizer(path or DEFAULT_TOKENIZER)
+def load_tokenizer(path: str | None) -> tokenizers.Tokenizer:
+    """The tokenizer chat data is encoded with: data.tokenizer (a sentencepiece model, a
+    tokenizer.json, or a directory holding one), or the committed default."""
+    return tokenizers.load_tokenizer(path or DEFAULT_TOKENIZER)
 
 
 class ChatTemplate:
@@ -152,7 +156,7 @@ class Encoded:
 
 
 def encode(
-    template: ChatTemplate, tokenizer: shards.Tokenizer, messages: Messages, eos: bool = True
+    template: ChatTemplate, tokenizer: tokenizers.Tokenizer, messages: Messages, eos: bool = True
 ) -> Encoded:
     """A conversation's tokens and loss flags; with eos, the EOS id last, carrying loss."""
     pieces = template.pieces(messages)
@@ -260,7 +264,9 @@ class ChatExamples:
         return sum(len(e.tokens) for e in self.examples)
 
 
-def chat_examples(path: str, template: ChatTemplate, tokenizer: shards.Tokenizer) -> ChatExamples:
+def chat_examples(
+    path: str, template: ChatTemplate, tokenizer: tokenizers.Tokenizer
+) -> ChatExamples:
     rows = read_jsonl(path)
     return ChatExamples([encode(template, tokenizer, conversation(r, where)) for where, r in rows])
 
@@ -297,7 +303,7 @@ class PreferenceRows:
 
 
 def preference_rows(
-    path: str, template: ChatTemplate, tokenizer: shards.Tokenizer, row_len: int
+    path: str, template: ChatTemplate, tokenizer: tokenizers.Tokenizer, row_len: int
 ) -> PreferenceRows:
     pairs = []
     for where, row in read_jsonl(path):

@@ -14,7 +14,6 @@ metadata.json is never treated as a prepared source.
 from __future__ import annotations
 
 import glob
-import hashlib
 import itertools
 import json
 import os
@@ -25,60 +24,19 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import sentencepiece as spm
 from array_record.python.array_record_module import ArrayRecordReader, ArrayRecordWriter
 
 from maxtrain.data.errors import DataError
 from maxtrain.errors import first_line
 from maxtrain.files import write_atomic
+from maxtrain.tokenizers import Tokenizer
 
 FORMAT = "maxtrain-tokens-v1"
 METADATA = "metadata.json"
 SHARD_SUFFIX = ".arrayrecord"
 TOKEN_DTYPE = np.dtype("<i4")  # every record: [len(doc) + 1] little-endian int32, EOS last
 _WRITER_OPTIONS = "group_size:1"
-_ENCODE_BATCH = 256  # documents per sentencepiece call (it tokenizes a batch on all cores)
-
-
-@dataclass(frozen=True)
-class Tokenizer:
-    path: str  # as the user gave it; recorded in metadata.json
-    sha256: str
-    processor: spm.SentencePieceProcessor
-
-    @property
-    def vocab_size(self) -> int:
-        return self.processor.vocab_size()
-
-    @property
-    def eos_id(self) -> int:
-        return self.processor.eos_id()
-
-    @property
-    def bos_id(self) -> int:
-        return self.processor.bos_id()  # -1 when the model has none
-
-    def encode(self, texts: Sequence[str]) -> list[list[int]]:
-        return self.processor.encode(list(texts), out_type=int)
-
-    def decode(self, ids: Sequence[int]) -> str:
-        return self.processor.decode([int(i) for i in ids])
-
-
-def load_tokenizer(path: str | Path) -> Tokenizer:
-    """A sentencepiece model with an EOS piece; DataError if the file is missing or not a model."""
-    file = Path(path)
-    if not file.is_file():
-        raise DataError(f"tokenizer not found: {path}")
-    data = file.read_bytes()
-    processor = spm.SentencePieceProcessor()
-    try:
-        processor.LoadFromSerializedProto(data)
-    except (RuntimeError, OSError) as e:
-        raise DataError(f"tokenizer {path} is not a valid sentencepiece model") from e
-    if processor.eos_id() < 0:
-        raise DataError(f"tokenizer {path} has no EOS piece, which delimits documents")
-    return Tokenizer(str(path), hashlib.sha256(data).hexdigest(), processor)
+_ENCODE_BATCH = 256  # documents per tokenizer call (both kinds tokenize a batch on all cores)
 
 
 def encode_record(ids: Sequence[int], eos_id: int) -> bytes:

@@ -47,6 +47,7 @@ from maxtrain.hf.errors import ConversionError
 from maxtrain.hf.families import Family, family_for
 from maxtrain.hf.layout import Slot, slots
 from maxtrain.hf.safetensors_io import OutputTensor, TensorReader, write_safetensors
+from maxtrain.tokenizers import TOKENIZER_MODELS, copy_tokenizer_files, load_tokenizer
 
 MODEL_YAML = "model.yml"  # written beside the imported checkpoint's step directory
 DTYPES = {"float32": np.dtype(np.float32), "bfloat16": np.dtype(ml_dtypes.bfloat16)}
@@ -92,15 +93,19 @@ def import_checkpoint(
 ) -> ModelConfig:
     """Writes the Hugging Face model at hf_dir as a parameters-only checkpoint in the new
     directory `output` (step 0, what checkpoint.load_parameters_path reads), with the model's
-    config file `output/model.yml` (the format of configs/models/*.yml)."""
+    config file `output/model.yml` (the format of configs/models/*.yml) and the model's
+    tokenizer files (maxtrain.tokenizers.TOKENIZER_FILES), so every tool finds its tokenizer."""
     output = Path(output)
     _refuse_existing(output)
+    if any((Path(hf_dir) / name).is_file() for name in TOKENIZER_MODELS):
+        load_tokenizer(hf_dir)  # a broken tokenizer is refused before anything is written
     cfg, params = read_hf_model(hf_dir, param_dtype)
     source = f"Imported from {Path(hf_dir).resolve()} by tools/convert_hf.py."
     meta = {"source": {"hugging_face": str(Path(hf_dir).resolve())}}
     with atomic_directory(output) as staging:
         save_parameters(staging, params, config_yaml=model_config_yaml(cfg, output.name), meta=meta)
         (staging / MODEL_YAML).write_text(model_yaml(cfg, source))
+        copy_tokenizer_files(hf_dir, staging)
     return cfg
 
 

@@ -31,16 +31,29 @@ def reference_attention(
     q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array
 ) -> jax.Array:
     """Plain-jnp causal, segment-masked attention; float32 scores, GQA without repeating K/V."""
+    t = q.shape[1]
+    causal = jnp.tril(jnp.ones((t, t), dtype=bool))  # [T, S]
+    same_doc = segment_ids[:, :, None] == segment_ids[:, None, :]  # [B, T, S]
+    return masked_attention(q, k, v, causal & same_doc)
+
+
+def cached_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_positions: jax.Array) -> jax.Array:
+    """Attention of new queries [B, T, N, H] over a key/value cache [B, S, K, H] whose entry s
+    holds position s: a query at position p sees the entries 0..p (generation's cache path,
+    maxtrain/inference/). Entries beyond p may hold anything; they are masked out exactly."""
+    key_positions = jnp.arange(k.shape[1], dtype=q_positions.dtype)
+    return masked_attention(q, k, v, key_positions[None, None, :] <= q_positions[:, :, None])
+
+
+def masked_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
+    """q [B, T, N, H], k/v [B, S, K, H], mask [B, T, S] (True: may attend) -> [B, T, N, H]."""
     b, t, n, h = q.shape
     num_kv = k.shape[2]
     q = q.reshape(b, t, num_kv, n // num_kv, h)  # [B, T, K, G, H]; q head n -> kv head n // G
     scores = jnp.einsum("btkgh,bskh->bkgts", q, k, preferred_element_type=jnp.float32)
     scores = scores.astype(jnp.float32) / math.sqrt(h)  # [B, K, G, T, S]
-    causal = jnp.tril(jnp.ones((t, t), dtype=bool))  # [T, S]
-    same_doc = segment_ids[:, :, None] == segment_ids[:, None, :]  # [B, T, S]
-    mask = (causal & same_doc)[:, None, None]  # [B, 1, 1, T, S]
     # finfo.min rather than -inf: never NaN, and every row keeps at least its own key anyway.
-    scores = jnp.where(mask, scores, jnp.finfo(jnp.float32).min)
+    scores = jnp.where(mask[:, None, None], scores, jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(scores, axis=-1)
     out = jnp.einsum("bkgts,bskh->btkgh", probs, v.astype(jnp.float32))  # [B, T, K, G, H]
     return out.reshape(b, t, n, h).astype(q.dtype)

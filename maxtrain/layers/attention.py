@@ -6,7 +6,8 @@ import jax
 from flax import nnx
 
 from maxtrain.config import ModelConfig
-from maxtrain.kernels.attention import attention_kernel
+from maxtrain.inference.kv_cache import LayerCache
+from maxtrain.kernels.attention import attention_kernel, cached_attention
 from maxtrain.layers.base import Projection
 from maxtrain.layers.norms import RMSNorm
 from maxtrain.layers.rope import apply_rope, inverse_frequencies
@@ -32,6 +33,23 @@ class Attention(nnx.Module):
         self.attend = attention_kernel(cfg.attention)  # the kernel, picked once
 
     def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array) -> jax.Array:
+        q, k, v = self._project(x, positions)
+        out = self.attend(q, k, v, segment_ids)  # [B, T, N, H]
+        return self.o(out)
+
+    def cached(
+        self, x: jax.Array, positions: jax.Array, cache: LayerCache
+    ) -> tuple[jax.Array, LayerCache]:
+        """Generation's path (maxtrain/inference/): the new tokens' keys and values are written
+        into the layer's cache at their positions ([B, T], consecutive per row), and the queries
+        attend over the cache. Same projections, norms and RoPE as the training path."""
+        q, k, v = self._project(x, positions)
+        cache = cache.write(k, v, positions)
+        out = cached_attention(q, cache.k, cache.v, positions)  # [B, T, N, H]
+        return self.o(out), cache
+
+    def _project(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, ...]:
+        """Queries, keys and values of x [B, T, D], qk-normed and rotated."""
         q = constrain(self.q(x), ("batch", "length", "heads", "head_dim"))  # [B, T, N, H]
         k = constrain(self.k(x), ("batch", "length", "kv_heads", "head_dim"))  # [B, T, K, H]
         v = constrain(self.v(x), ("batch", "length", "kv_heads", "head_dim"))  # [B, T, K, H]
@@ -40,5 +58,4 @@ class Attention(nnx.Module):
         inv_freq = inverse_frequencies(*self.rope)
         q = apply_rope(q, positions, inv_freq)
         k = apply_rope(k, positions, inv_freq)
-        out = self.attend(q, k, v, segment_ids)  # [B, T, N, H]
-        return self.o(out)
+        return q, k, v

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from maxtrain.config import ModelConfig
+from maxtrain.inference.kv_cache import LayerCache
 from maxtrain.layers.attention import Attention
 from maxtrain.layers.base import Projection, make_param
 from maxtrain.layers.mlp import MLP
@@ -86,6 +87,16 @@ class DecoderBlock(nnx.Module):
         x = x + ffn_out
         return constrain(x, ("batch", "length", "act_embed")), stats
 
+    def cached(
+        self, x: jax.Array, positions: jax.Array, cache: LayerCache
+    ) -> tuple[jax.Array, LayerCache]:
+        """The block on new tokens with the layer's key/value cache (generation); the
+        feed-forward's statistics are of no use there."""
+        attn_out, cache = self.attn.cached(self.attn_norm(x), positions, cache)
+        x = x + attn_out
+        ffn_out, _ = getattr(self, self.ffn_name)(self.mlp_norm(x))
+        return constrain(x + ffn_out, ("batch", "length", "act_embed")), cache
+
 
 def stacked_blocks(
     cfg: ModelConfig, kind: BlockKind, counts: tuple[tuple[str, int], ...], *, dtypes, rngs
@@ -138,6 +149,32 @@ def run_stack(
     return x, jax.tree.map(lambda *layers: jnp.stack(layers), *per_layer)
 
 
+def run_stack_cached(
+    graphdef: nnx.GraphDef,
+    stacked: nnx.State,
+    start: int,
+    length: int,
+    x: jax.Array,
+    positions: jax.Array,
+    cache: LayerCache,
+) -> tuple[jax.Array, LayerCache]:
+    """Layers [start, start + length) of a stack on new tokens, scanned over the layers'
+    parameters and their slices of the stack's cache ([L, ...]); returns the updated cache."""
+    whole = length == jax.tree.leaves(stacked)[0].shape[0]
+    layers = lambda tree: tree if whole else jax.tree.map(lambda a: a[start : start + length], tree)
+
+    def apply_one(x, layer):
+        layer_state, layer_cache = layer
+        return nnx.merge(graphdef, layer_state).cached(x, positions, layer_cache)
+
+    x, updated = jax.lax.scan(apply_one, x, (layers(stacked), layers(cache)))
+    if not whole:
+        updated = jax.tree.map(
+            lambda c, u: jax.lax.dynamic_update_slice_in_dim(c, u, start, axis=0), cache, updated
+        )
+    return x, updated
+
+
 def concatenate_runs(per_run: list[dict[str, jax.Array]]) -> dict[str, jax.Array]:
     """Statistics of consecutive runs of layers, joined along the layer axis ({} if none)."""
     per_run = [stats for stats in per_run if stats]
@@ -188,19 +225,39 @@ class Decoder(nnx.Module):
     ) -> tuple[jax.Array, dict[str, jax.Array]]:
         """tokens/positions/segment_ids: [B, T] int32 -> (logits [B, T, V] in compute dtype,
         statistics of the blocks that return any (MoE: the router's), stacked in layer order)."""
+        x, stats = self._layers(self._embed(tokens), positions, segment_ids)
+        return self._head(x), stats
+
+    def decode(
+        self, tokens: jax.Array, positions: jax.Array, cache: dict[str, LayerCache]
+    ) -> tuple[jax.Array, dict[str, LayerCache]]:
+        """Generation: new tokens [B, T] at positions [B, T] (consecutive per row) -> their
+        logits [B, T, V] and the cache (maxtrain/inference/kv_cache.py) with their keys and
+        values added. A token sees every cached position before its own."""
+        x, cache = self._embed(tokens), dict(cache)
+        for stack, start, length in self.runs:
+            graphdef, stacked = nnx.split(getattr(self, stack))
+            x, cache[stack] = run_stack_cached(
+                graphdef, stacked, start, length, x, positions, cache[stack]
+            )
+        return self._head(x), cache
+
+    def _embed(self, tokens: jax.Array) -> jax.Array:
         table = self.embedding[...].astype(self.compute_dtype)
         # The lookup reads a table gathered whole, like every FSDP weight: rows looked up in a
         # sharded table make XLA reshard the activations instead (a full rematerialisation when
-        # the batch is split over several mesh axes). The tied head keeps the sharded table.
+        # the batch is split over several mesh axes).
         whole = constrain(table, (None, None))
-        x = constrain(jnp.take(whole, tokens, axis=0), ("batch", "length", "act_embed"))
-        x, stats = self._layers(x, positions, segment_ids)
+        return constrain(jnp.take(whole, tokens, axis=0), ("batch", "length", "act_embed"))
+
+    def _head(self, x: jax.Array) -> jax.Array:
         x = constrain(self.final_norm(x), (self.head_batch, "length", "act_embed"))
-        if self.lm_head is None:
+        if self.lm_head is None:  # tied: the embedding table, still sharded
+            table = self.embedding[...].astype(self.compute_dtype)
             logits = jnp.einsum("btd,vd->btv", x, table)
         else:
             logits = self.lm_head(x)
-        return constrain(logits, (self.head_batch, "length", "vocab")), stats
+        return constrain(logits, (self.head_batch, "length", "vocab"))
 
     head_batch = "batch"  # the logical axis the head's batch dim is split over
 

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from maxtrain.config import Config
+from maxtrain.inference.kv_cache import LayerCache
 from maxtrain.models.auxiliary import AuxiliaryTraining, NoAuxiliary, RouterTraining, Stats
 from maxtrain.models.build import abstract
 from maxtrain.models.pipeline import StageLayout, stage_layout
@@ -44,6 +45,15 @@ class ModelDef:
         nnx.replace_by_pure_dict(state, params)
         logits, stats = nnx.merge(self.graphdef, state)(tokens, positions, segment_ids)
         return ModelOutput(logits, self.auxiliary.aux_loss(stats), stats)
+
+    def decode(
+        self, params: Any, tokens, positions, cache: dict[str, LayerCache]
+    ) -> tuple[jax.Array, dict[str, LayerCache]]:
+        """Generation's forward: new tokens [B, T] at positions [B, T] -> their logits and the
+        key/value cache with them added (models/decoder.py Decoder.decode)."""
+        state = jax.tree.map(lambda v: v, self.abstract_state)
+        nnx.replace_by_pure_dict(state, params)
+        return nnx.merge(self.graphdef, state).decode(tokens, positions, cache)
 
     def after_update(self, params: Any, old_params: Any, stats: Stats) -> Any:
         """Called by the train step after the optimizer's update (see models/auxiliary.py)."""

@@ -18,7 +18,7 @@ import numpy as np
 
 from maxtrain.data.errors import DataError
 from maxtrain.data.megatron.indexed import IndexedWriter, bin_path, idx_path, token_dtype
-from maxtrain.data.shards import Tokenizer
+from maxtrain.tokenizers import Tokenizer
 
 _ENCODE_BATCH = 256  # documents per sentencepiece call
 

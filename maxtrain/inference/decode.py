@@ -1,0 +1,205 @@
+"""Batched generation: a jitted prefill of the prompts, then a jitted one-token decode step.
+
+Prompts of different lengths share a batch right-padded to the longest: the prefill runs every
+row over the padded length, writes the keys and values of all of it into the cache, and takes
+each row's next token from the logits at its own last prompt token. Each decode step then feeds
+one token per row at that row's next position, overwriting the padding's cache entries before
+any query could see them (kv_cache.py). The batch is padded to a multiple of the mesh's
+data-parallel degree with rows whose output is dropped.
+
+Both functions are compiled ahead of the timed work, so the printed tokens/s are of running,
+not of compiling.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding
+from tqdm import tqdm
+
+from maxtrain.config import ModelConfig
+from maxtrain.errors import UserError
+from maxtrain.inference.kv_cache import cache_shardings, init_cache
+from maxtrain.inference.loading import LoadedModel
+from maxtrain.inference.sampling import Sampling, next_tokens
+from maxtrain.mesh import batch_degree, logical_to_spec, sharding_rules
+from maxtrain.models import compute_dtype
+from maxtrain.models.stacks import DENSE_STACK, MOE_STACK, is_moe_per_layer
+
+GREEDY = Sampling()
+# row, its new tokens so far -> whether it is done (a stop string appeared)
+type StopCheck = Callable[[int, list[int]], bool]
+
+
+@dataclass
+class Generation:
+    new_tokens: list[list[int]]  # per prompt, a stop token included
+    finish: list[str]  # per prompt: "eos", "stop" (a stop string) or "length"
+    prompt_tokens: int  # over the batch's real rows
+    compile_seconds: float
+    prefill_seconds: float
+    decode_seconds: float
+    decode_steps: int
+
+    @property
+    def generated_tokens(self) -> int:
+        return sum(len(t) for t in self.new_tokens)
+
+    def throughput_line(self) -> str:
+        decoded = self.generated_tokens - len(self.new_tokens)  # the first token is prefill's
+        return (
+            f"prefill {self.prompt_tokens} tokens in {self.prefill_seconds:.3f} s "
+            f"({self.prompt_tokens / max(self.prefill_seconds, 1e-9):,.0f} tokens/s); decode "
+            f"{decoded} tokens in {self.decode_steps} steps, {self.decode_seconds:.3f} s "
+            f"({decoded / max(self.decode_seconds, 1e-9):,.0f} tokens/s); compile "
+            f"{self.compile_seconds:.1f} s"
+        )
+
+
+def cache_stacks(model_cfg: ModelConfig) -> dict[str, int]:
+    """{params key of a layer stack: its layers} for the stacks the model has."""
+    kinds = is_moe_per_layer(model_cfg)
+    stacks = {DENSE_STACK: kinds.count(False), MOE_STACK: kinds.count(True)}
+    return {stack: layers for stack, layers in stacks.items() if layers}
+
+
+def _padded_batch(prompts: Sequence[Sequence[int]], degree: int) -> tuple[np.ndarray, np.ndarray]:
+    """(tokens [B, W] right-padded with 0, lengths [B]): B a multiple of the data-parallel
+    degree, the padding rows repeating the first prompt; W the longest prompt."""
+    rows = [*prompts, *[prompts[0]] * (-len(prompts) % degree)]
+    lengths = np.array([len(p) for p in rows], np.int32)
+    tokens = np.zeros((len(rows), int(lengths.max())), np.int32)
+    for row, prompt in enumerate(rows):
+        tokens[row, : len(prompt)] = prompt
+    return tokens, lengths
+
+
+def generate(
+    model: LoadedModel,
+    prompts: Sequence[Sequence[int]],
+    max_new_tokens: int,
+    *,
+    sampling: Sampling = GREEDY,
+    seed: int = 0,
+    stop_ids: Sequence[int] = (),
+    stop_check: StopCheck | None = None,
+    progress: bool = False,
+) -> Generation:
+    """Up to max_new_tokens new tokens per prompt (token ids). A row stops at a token in
+    stop_ids (kept in its output) or when stop_check says so; the batch stops when every row
+    has. progress: a progress bar of the decode steps on a terminal (the command line's)."""
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise UserError("every prompt needs at least one token")
+    if max_new_tokens < 1:
+        raise UserError(f"max_new_tokens must be at least 1 (got {max_new_tokens})")
+    cfg, mesh, rules = model.cfg, model.mesh, model.cfg.mesh.rules
+    rows = len(prompts)
+    tokens, lengths = _padded_batch(prompts, batch_degree(rules, mesh))
+    cache_length = tokens.shape[1] + max_new_tokens
+    if cache_length > cfg.model.max_seq_len:
+        raise UserError(
+            f"the longest prompt ({tokens.shape[1]} tokens) plus max_new_tokens "
+            f"({max_new_tokens}) needs {cache_length} positions; the model's max_seq_len is "
+            f"{cfg.model.max_seq_len}"
+        )
+    rows_sharding = NamedSharding(mesh, logical_to_spec(("batch",), rules, mesh, lengths.shape))
+    tokens_sharding = NamedSharding(mesh, logical_to_spec(("batch", None), rules, mesh))
+    make_cache = functools.partial(
+        init_cache,
+        cache_stacks(cfg.model),
+        len(lengths),
+        cache_length,
+        cfg.model.num_kv_heads,
+        cfg.model.resolved_head_dim,
+        compute_dtype(cfg.model),
+    )
+    cache_sharding = cache_shardings(jax.eval_shape(make_cache), mesh, rules)
+
+    def traced(fn):
+        def wrapped(*args):
+            with sharding_rules(mesh, rules):
+                return fn(*args)
+
+        return wrapped
+
+    def prefill(params, tokens, lengths, cache, rng):
+        positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
+        logits, cache = model.mdef.decode(params, tokens, positions, cache)
+        last = jnp.take_along_axis(logits, (lengths - 1)[:, None, None], axis=1)[:, 0]
+        return next_tokens(last, rng, sampling), cache
+
+    def step(params, tokens, positions, cache, rng):
+        logits, cache = model.mdef.decode(params, tokens[:, None], positions[:, None], cache)
+        return next_tokens(logits[:, 0], rng, sampling), cache
+
+    def compiled(fn, *example_args):
+        out_shardings = (rows_sharding, cache_sharding)
+        jitted = jax.jit(traced(fn), out_shardings=out_shardings, donate_argnums=3)
+        return jitted.lower(*example_args).compile()
+
+    start = time.perf_counter()
+    cache = jax.jit(make_cache, out_shardings=cache_sharding)()
+    rng, prefill_rng = jax.random.split(jax.random.key(seed))
+    tokens = jax.device_put(tokens, tokens_sharding)
+    lengths_on_mesh = jax.device_put(lengths, rows_sharding)
+    prefill_fn = compiled(prefill, model.params, tokens, lengths_on_mesh, cache, rng)
+    step_fn = compiled(step, model.params, lengths_on_mesh, lengths_on_mesh, cache, rng)
+    compile_seconds = time.perf_counter() - start
+
+    start = time.perf_counter()
+    token, cache = prefill_fn(model.params, tokens, lengths_on_mesh, cache, prefill_rng)
+    token = np.asarray(token)
+    prefill_seconds = time.perf_counter() - start
+
+    new_tokens: list[list[int]] = [[] for _ in range(rows)]
+    finish = ["length"] * rows
+    stop_ids = set(stop_ids)
+    steps = 0
+    bar = tqdm(
+        total=max_new_tokens - 1, desc="decode", unit=" step", file=sys.stderr,
+        disable=None if progress else True, leave=False,
+    )  # fmt: skip
+    start = time.perf_counter()
+    while True:
+        for row in range(rows):
+            if finish[row] != "length" or len(new_tokens[row]) == max_new_tokens:
+                continue
+            new_tokens[row].append(int(token[row]))
+            if int(token[row]) in stop_ids:
+                finish[row] = "eos"
+            elif stop_check is not None and stop_check(row, new_tokens[row]):
+                finish[row] = "stop"
+        running = [r for r in range(rows) if finish[r] == "length"]
+        if all(len(new_tokens[r]) == max_new_tokens for r in running):
+            break
+        positions = lengths + steps
+        rng, step_rng = jax.random.split(rng)
+        token, cache = step_fn(
+            model.params,
+            jax.device_put(token, rows_sharding),
+            jax.device_put(positions, rows_sharding),
+            cache,
+            step_rng,
+        )
+        token = np.asarray(token)
+        steps += 1
+        bar.update()
+    decode_seconds = time.perf_counter() - start
+    bar.close()
+    return Generation(
+        new_tokens,
+        finish,
+        int(lengths[:rows].sum()),
+        compile_seconds,
+        prefill_seconds,
+        decode_seconds,
+        steps,
+    )

@@ -1,0 +1,129 @@
+"""A trained or imported model ready to run: its config, parameters on a mesh, its tokenizer.
+
+    model = load_model("runs/base", ["mesh.fsdp=4", "mesh.tensor=2"])
+
+The path is anything `checkpoint.load_parameters_path` takes (a step, a tier or a run
+directory: the newest complete step) or an imported checkpoint (tools/convert_hf.py). Which
+model it holds is the config saved with the step: a training run's resolved config, or an
+import's model section on top of configs/base.yml's defaults. Overrides (`mesh.*`, ...) apply
+on top. Generation and evaluation load through here, so both read a checkpoint the same way.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import jax
+import yaml
+from flax import nnx
+from jax.sharding import Mesh
+
+from maxtrain.checkpointing import CheckpointError, load_parameters, read_saved_config
+from maxtrain.checkpointing.checkpointer import resolve_step_dir
+from maxtrain.checkpointing.common import absolute
+from maxtrain.config import CONFIGS_DIR, Config, deep_merge, parse_override, validate
+from maxtrain.corpora.embedded import DEFAULT_TOKENIZER
+from maxtrain.data.pipeline import EMBEDDED_PREFIX
+from maxtrain.data.shards import read_metadata
+from maxtrain.mesh import build_mesh, sharding_rules
+from maxtrain.models import ModelDef, build, model_def
+from maxtrain.state import param_shardings
+from maxtrain.tokenizers import TOKENIZER_MODELS, Tokenizer, load_tokenizer
+
+_TOKENIZER_SEARCH_DEPTH = 4  # step, tier, checkpoints, run directory
+
+
+@dataclass(frozen=True)
+class LoadedModel:
+    cfg: Config
+    mdef: ModelDef  # the model in layer order (no pipeline stages)
+    params: Any  # sharded over `mesh` by the config's rules
+    mesh: Mesh
+    step_dir: Path
+    step: int  # the training step the parameters are from (0 for an import)
+
+
+def load_model(
+    path: str | Path,
+    overrides: Sequence[str] = (),
+    devices: list[jax.Device] | None = None,
+    initial: bool = False,
+) -> LoadedModel:
+    """The parameters of the newest complete step under `path`, on a mesh of `devices`
+    (default all); CheckpointError/ConfigError (one line) for a bad path or override.
+    initial: the parameters the run started from instead (its model initialised with
+    run.seed, as the train state is at step 0): the baseline an evaluation compares with."""
+    step_dir = Path(resolve_step_dir(absolute(path)))
+    cfg = saved_config(step_dir, overrides)
+    mesh = build_mesh(cfg.mesh, devices)
+    with sharding_rules(mesh, cfg.mesh.rules):
+        mdef = model_def(cfg, pipelined=False)
+        shardings = param_shardings(mdef, cfg, mesh)
+    abstract = jax.tree.map(
+        lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+        _abstract_params(mdef),
+        shardings,
+    )
+    if initial:
+        init = lambda: nnx.to_pure_dict(nnx.state(build(cfg.model, seed=cfg.run.seed), nnx.Param))
+        return LoadedModel(cfg, mdef, jax.jit(init, out_shardings=shardings)(), mesh, step_dir, 0)
+    params = load_parameters(step_dir, abstract)
+    step = int(step_dir.name) if step_dir.name.isdigit() else 0
+    return LoadedModel(cfg, mdef, params, mesh, step_dir, step)
+
+
+def saved_config(step_dir: Path, overrides: Sequence[str] = ()) -> Config:
+    """The config a step was saved with, over base.yml's defaults, with `overrides` applied.
+    Mixture-of-experts layers run dropless (no capacity limit): inference drops no token."""
+    saved = yaml.safe_load(read_saved_config(step_dir)) or {}
+    if not isinstance(saved.get("model"), dict):
+        raise CheckpointError(f"{step_dir}: its saved config names no model")
+    base = yaml.safe_load((CONFIGS_DIR / "base.yml").read_text())
+    tree = deep_merge(base, saved)
+    for text in overrides:
+        keys, value = parse_override(text)
+        tree = deep_merge(
+            tree, functools.reduce(lambda inner, key: {key: inner}, keys[::-1], value)
+        )
+    if tree["model"].get("moe"):
+        tree = deep_merge(tree, {"model": {"moe": {"capacity_factor": None}}})
+    return validate(tree)
+
+
+def find_tokenizer(
+    model: LoadedModel, explicit: str | Path | None = None
+) -> tuple[Tokenizer | None, bool]:
+    """The tokenizer of a loaded model, and whether a prompt gets its special tokens.
+
+    `explicit` if given; else one kept beside the checkpoint (an import copies the Hugging Face
+    model's, and prompts get its special tokens as transformers adds them: Llama's BOS); else
+    the one the run's data was prepared with (the default tokenizer for the embedded corpus, a
+    prepared source's metadata.json: documents start without BOS, so prompts do too). None if
+    there is none (synthetic data): prompts must then be token ids.
+    """
+    if explicit is not None:
+        return load_tokenizer(explicit), False
+    for directory in [model.step_dir, *model.step_dir.parents][:_TOKENIZER_SEARCH_DEPTH]:
+        if any((directory / name).is_file() for name in TOKENIZER_MODELS):
+            return load_tokenizer(directory), True
+    path = data_tokenizer_path(model.cfg)
+    return (load_tokenizer(path) if path is not None else None), False
+
+
+def data_tokenizer_path(cfg: Config) -> str | None:
+    """The tokenizer the run's first data source was made with, or None."""
+    if cfg.data.kind != "grain":
+        return None
+    source = cfg.data.sources[0].path
+    if source.startswith(EMBEDDED_PREFIX):
+        return str(DEFAULT_TOKENIZER)
+    directory = Path(source) if Path(source).is_dir() else Path(source).parent
+    return read_metadata(directory)["tokenizer"]
+
+
+def _abstract_params(mdef: ModelDef) -> Any:
+    return nnx.to_pure_dict(mdef.abstract_state)

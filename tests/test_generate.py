@@ -1,0 +1,118 @@
+"""Generation: the cached decode equals the full forward pass, and greedy generation from
+imported Hugging Face models is token-identical to transformers' generate().
+
+The oracle for the second is tests/fixtures/hf/*/generate.json (tools/make_hf_fixtures.py
+generate): the tokens transformers' greedy generate() appended to each prompt, one prompt at a
+time; here all prompts run in one batch, of different lengths.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from maxtrain import generate as generate_cli
+from maxtrain import models
+from maxtrain.hf.convert import import_checkpoint
+from maxtrain.inference.decode import cache_stacks
+from maxtrain.inference.kv_cache import init_cache
+
+FIXTURES = Path(__file__).resolve().parent / "fixtures" / "hf"
+TOLERANCE = 2e-5  # float32 rounding: the cache path sums attention over more (masked) keys
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ("model_name=tiny-qk",),
+        ("model_name=tiny-moe", "model.moe.first_dense_layers=1", "model.moe.capacity_factor=null"),
+    ],
+    ids=["dense-qk-norm", "moe-after-dense"],
+)
+def test_cached_decode_equals_the_full_forward(make_cfg, overrides):
+    """A prefill of padded prompts (row 1's is 3 tokens, padded to 5 with other tokens) then
+    one token per step at each row's own position gives, at every real position, the logits
+    the uncached model computes for the whole sequence."""
+    cfg = make_cfg(*overrides)
+    mdef = models.model_def(cfg, pipelined=False)
+    params = nnx.to_pure_dict(nnx.state(models.build(cfg.model, seed=3), nnx.Param))
+    T, lengths = 12, np.array([5, 3])
+    tokens = jax.random.randint(jax.random.key(0), (2, T), 0, cfg.model.vocab_size)
+    positions = jnp.broadcast_to(jnp.arange(T), (2, T))
+    forward = jax.jit(lambda p, t: mdef.apply(p, t, positions, jnp.ones_like(t)).logits)
+    full = np.asarray(forward(params, tokens))
+
+    cache = init_cache(
+        cache_stacks(cfg.model),
+        2,
+        T,
+        cfg.model.num_kv_heads,
+        cfg.model.resolved_head_dim,
+        jnp.float32,
+    )
+    decode = jax.jit(mdef.decode)
+    padded = tokens[:, :5].at[1, 3:].set(7)  # row 1: its 3 prompt tokens, then padding
+    logits, cache = decode(params, padded, positions[:, :5], cache)
+    got = [[logits[0, p] for p in range(5)], [logits[1, p] for p in range(3)]]
+    for step in range(T - 5):
+        pos = jnp.asarray(lengths + step)[:, None]
+        step_logits, cache = decode(params, jnp.take_along_axis(tokens, pos, 1), pos, cache)
+        for row in range(2):
+            got[row].append(step_logits[row, 0])
+    for row, length in enumerate(lengths):
+        seen = len(range(length + T - 5))
+        diff = np.abs(np.stack(got[row]) - full[row, :seen]).max()
+        assert diff <= TOLERANCE * max(1.0, np.abs(full).max()), f"row {row}: {diff:.2e}"
+
+
+@pytest.mark.parametrize(
+    "case, mesh",
+    [
+        ("llama_gqa_untied_sharded", ["--devices", "1"]),
+        ("qwen3_gqa4_untied_v5", ["mesh.fsdp=4", "mesh.tensor=2"]),  # 8 devices
+    ],
+)
+def test_greedy_generation_from_an_import_equals_transformers(case, mesh, tmp_path, capsys):
+    """The tools' path: tools/convert_hf.py's import (which keeps the tokenizer), then
+    `python -m maxtrain.generate` with text prompts of different lengths in one batch, on one
+    device and on 8 with the weights and cache split over fsdp and tensor."""
+    oracle = json.loads((FIXTURES / case / "generate.json").read_text())
+    import_checkpoint(FIXTURES / case, tmp_path / "ckpt")
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": c["prompt"]}) + "\n" for c in oracle["cases"]))
+    out = tmp_path / "out.jsonl"
+    args = [str(tmp_path / "ckpt"), *mesh, "--prompts", str(prompts), "--output", str(out)]
+    assert generate_cli.main([*args, "--max-new-tokens", str(oracle["max_new_tokens"])]) == 0
+    lines = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [line["prompt_ids"] for line in lines] == [c["prompt_ids"] for c in oracle["cases"]]
+    assert [line["new_ids"] for line in lines] == [c["new_ids"] for c in oracle["cases"]]
+    assert "tokens/s" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--prompt-ids", "1,x"], "--prompt-ids '1,x' is not comma-separated integers"),
+        (["--prompt", "a", "--temperature", "-1"], "temperature must be a finite number >= 0"),
+        (["--prompt", "a", "--top-p", "1.5"], "top_p must be in (0, 1]"),
+        ([], "no prompt given"),
+        (["--prompt", "a"], "no complete checkpoint found at"),
+    ],
+)
+def test_bad_generate_input_is_one_line(tmp_path, capsys, args, message):
+    (tmp_path / "prompts.jsonl").write_text('{"prompt": 3}\n')
+    assert generate_cli.main([str(tmp_path), *args]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and message in err, err
+
+
+def test_bad_prompts_file_line_is_named(tmp_path, capsys):
+    (tmp_path / "prompts.jsonl").write_text('{"prompt": "ok"}\n{"prompt": 3}\n')
+    assert generate_cli.main([str(tmp_path), "--prompts", str(tmp_path / "prompts.jsonl")]) == 2
+    assert 'prompts.jsonl:2: expected an object with "prompt"' in capsys.readouterr().err
