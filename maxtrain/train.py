@@ -20,7 +20,7 @@ import numpy as np
 import yaml
 from jax.sharding import Mesh, NamedSharding
 
-from maxtrain import cache, distributed, optim, run_lock, run_summary
+from maxtrain import cache, distributed, losses, optim, run_lock, run_summary
 from maxtrain import config as config_lib
 from maxtrain import metrics as metrics_lib
 from maxtrain.checkpointing import (
@@ -61,10 +61,23 @@ class Trainer:
     flops_per_token: float
     shardings: TrainState  # of the state
     saved: SavedLayout  # the state as checkpoints hold it (models/pipeline.py)
+    reference_fn: Any = None  # (params, batch) -> DPO's reference log-probs (losses.py)
+    reference: Any = None  # train.task dpo: the frozen start parameters (_load_reference)
 
     def saved_state(self) -> TrainState:
         """The state to hand a checkpointer: in model order, whatever the pipeline."""
         return self.saved.saved(self.state)
+
+    def with_reference(self, batch: dict[str, jax.Array]) -> dict[str, jax.Array]:
+        """For DPO, the global batch with the frozen reference's log-probabilities added,
+        computed on the mesh; else the batch as it is."""
+        if self.reference is None:
+            return batch
+        return {**batch, losses.REFERENCE: self.reference_fn(self.reference, batch)}
+
+    def global_batch(self, local: dict[str, np.ndarray]) -> dict[str, jax.Array]:
+        """This host's rows as the global batch the step takes (with_reference added)."""
+        return self.with_reference(to_global(local, self.batch_sharding))
 
 
 def check_batch(cfg: Config, mesh: Mesh) -> None:
@@ -132,6 +145,7 @@ def build_trainer(
         state, mdef, shardings = init_state(cfg, mesh, tx, abstract)
         saved = saved_layout(cfg, mesh, tx, mdef)
     data_sharding = batch_sharding(mesh, cfg.mesh.rules)
+    objective = losses.objective(cfg.train)
     step = functools.partial(
         train_step,
         mdef=mdef,
@@ -139,6 +153,7 @@ def build_trainer(
         lr_schedule=lr_schedule,
         grad_accum_steps=cfg.train.grad_accum_steps,
         z_loss=cfg.train.z_loss,
+        objective=objective,
     )
     step_fn = jax.jit(
         _with_rules(step, mesh, cfg),
@@ -147,11 +162,28 @@ def build_trainer(
         donate_argnums=0,
     )
     eval_fn = jax.jit(
-        _with_rules(functools.partial(eval_step, mdef=mdef), mesh, cfg),
+        _with_rules(functools.partial(eval_step, mdef=mdef, objective=objective), mesh, cfg),
         in_shardings=(shardings.params, data_sharding),
     )
+    reference_fn = jax.jit(
+        _with_rules(functools.partial(losses.reference_logps, mdef), mesh, cfg),
+        in_shardings=(shardings.params, data_sharding),
+        out_shardings=data_sharding,
+    )
     flops = metrics_lib.train_flops_per_token(cfg.model, cfg.train.seq_len)
-    return Trainer(cfg, mesh, mdef, state, data_sharding, step_fn, eval_fn, flops, shardings, saved)
+    return Trainer(
+        cfg,
+        mesh,
+        mdef,
+        state,
+        data_sharding,
+        step_fn,
+        eval_fn,
+        flops,
+        shardings,
+        saved,
+        reference_fn,
+    )
 
 
 def _with_rules(fn, mesh: Mesh, cfg: Config):
@@ -176,11 +208,11 @@ def data_streams(cfg: Config, start_step: int = 0) -> tuple[Any, list[EvalStream
 
 def evaluate(trainer: Trainer, eval_streams: list[EvalStream]) -> dict[str, float]:
     """Loss per held-out stream over train.eval_steps batches, and overall
-    (evaluation/loss.py)."""
+    (evaluation/loss.py); for DPO the batches get the reference's log-probabilities."""
     cfg = trainer.cfg
     return held_out_loss(
-        trainer.eval_fn, trainer.state.params, trainer.batch_sharding, eval_streams,
-        cfg.train.eval_steps,
+        lambda params, batch: trainer.eval_fn(params, trainer.with_reference(batch)),
+        trainer.state.params, trainer.batch_sharding, eval_streams, cfg.train.eval_steps,
     )  # fmt: skip
 
 
@@ -202,6 +234,17 @@ def _resume_or_load(trainer: Trainer, ckpt: TieredCheckpointer | None, train_bat
             params=trainer.saved.restored(params, trainer.shardings.params)
         )
     return 0
+
+
+def _load_reference(trainer: Trainer) -> None:
+    """train.task dpo: the frozen reference, the parameters the run started from
+    (checkpoint.load_parameters_path), resumed or not; a copy apart from the trained ones."""
+    if trainer.cfg.train.task != "dpo":
+        return
+    saved = trainer.saved.abstract(trainer.state).params
+    trainer.reference = trainer.saved.restored(
+        initial_params(trainer.cfg, saved), trainer.shardings.params
+    )
 
 
 def _finished(cfg: Config) -> dict[str, Any] | None:
@@ -313,6 +356,7 @@ def _train(
 ) -> dict:
     cfg, run_dir, is_writer = trainer.cfg, trainer.cfg.run_dir, jax.process_index() == 0
     start_step = _resume_or_load(trainer, ckpt, train_batches)
+    _load_reference(trainer)
     if start_step >= cfg.train.steps:  # resumed from a local step at or past the end
         info = ckpt.restore_info or {}
         return _complete(cfg, start_step, info.get("dir") or f"the {info.get('tier')} tier")
@@ -343,7 +387,7 @@ def _train(
         metrics_lib.MetricsWriter(run_dir, is_writer=is_writer, start_step=start_step) as writer,
         StopSignals(jax.process_count()) as signals,
     ):
-        next_batch = to_global(next(train_batches), trainer.batch_sharding)
+        next_batch = trainer.global_batch(next(train_batches))
         window_start, window_steps, data_wait = time.perf_counter(), 0, 0.0
         for step in range(start_step + 1, cfg.train.steps + 1):
             if step == profile.start_step:
@@ -361,7 +405,7 @@ def _train(
             # The step runs asynchronously: the host builds the next batch meanwhile.
             t0 = time.perf_counter()
             if step < cfg.train.steps and not stopping:
-                next_batch = to_global(next(train_batches), trainer.batch_sharding)
+                next_batch = trainer.global_batch(next(train_batches))
             data_wait += time.perf_counter() - t0
             if profile.start_step > 0 and step == profile.start_step + profile.num_steps - 1:
                 jax.block_until_ready(trainer.state)

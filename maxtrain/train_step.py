@@ -8,6 +8,7 @@ at 0 in each document).
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -22,9 +23,9 @@ from maxtrain.state import TrainState
 
 def token_losses(
     mdef: ModelDef, params: Any, batch: dict[str, jax.Array], z_loss: float
-) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array, dict[str, jax.Array]]:
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array, dict[str, jax.Array], dict]:
     """Returns (sum of masked token losses, number of counted tokens, sum of z-loss terms, the
-    model's auxiliary loss, its forward-pass statistics)."""
+    model's auxiliary loss, its forward-pass statistics, no further sums)."""
     logits, aux_loss, stats = mdef.apply(
         params,
         batch["inputs"],
@@ -38,20 +39,25 @@ def token_losses(
     nll = nll * mask
     # z-loss (PaLM): pulls log Z toward 0 so the logits cannot drift, which keeps bf16 stable.
     z_term = z_loss * jnp.square(log_z) * mask
-    return nll.sum(), mask.sum(), z_term.sum(), aux_loss, stats
+    return nll.sum(), mask.sum(), z_term.sum(), aux_loss, stats, {}
 
 
-def summed_grads(mdef: ModelDef, params: Any, batch: dict[str, jax.Array], z_loss: float):
-    """Gradients of the summed token losses. The model's auxiliary loss is a per-batch mean,
-    scaled by the token count so that the step's division by the total count leaves its
-    configured weight."""
+def summed_grads(
+    mdef: ModelDef,
+    params: Any,
+    batch: dict[str, jax.Array],
+    z_loss: float,
+    objective: Callable = token_losses,
+):
+    """Gradients of the summed losses. The model's auxiliary loss is a per-batch mean, scaled
+    by the count so that the step's division by the total count leaves its configured weight."""
 
-    def objective(p):
-        nll, count, z, aux_loss, stats = token_losses(mdef, p, batch, z_loss)
+    def total(p):
+        loss, count, z, aux_loss, stats, sums = objective(mdef, p, batch, z_loss)
         aux = aux_loss * count
-        return nll + z + aux, (nll, count, z, aux, stats)
+        return loss + z + aux, (loss, count, z, aux, stats, sums)
 
-    (_, aux), grads = jax.value_and_grad(objective, has_aux=True)(params)
+    (_, aux), grads = jax.value_and_grad(total, has_aux=True)(params)
     return grads, aux
 
 
@@ -64,6 +70,7 @@ def train_step(
     lr_schedule: optax.Schedule,
     grad_accum_steps: int,
     z_loss: float,
+    objective: Callable = token_losses,
     guard_nonfinite: bool = True,
 ) -> tuple[TrainState, dict[str, jax.Array]]:
     """One optimizer step over the global batch, split into `grad_accum_steps` micro-batches.
@@ -88,9 +95,11 @@ def train_step(
         return constrain(micro_x, (None, "batch", "length"))
 
     micro = jax.tree.map(split, batch)
-    grads_and_aux = functools.partial(summed_grads, mdef, state.params, z_loss=z_loss)
+    grads_and_aux = functools.partial(
+        summed_grads, mdef, state.params, z_loss=z_loss, objective=objective
+    )
     if grad_accum_steps == 1:
-        grad_sum, (nll, count, z, aux, stats) = grads_and_aux(batch)
+        grad_sum, (nll, count, z, aux, stats, sums) = grads_and_aux(batch)
     else:
         first = jax.tree.map(lambda x: x[0], micro)
         zeros = jax.tree.map(
@@ -100,7 +109,7 @@ def train_step(
         def accumulate(carry, micro_batch):
             return jax.tree.map(jnp.add, carry, grads_and_aux(micro_batch)), None
 
-        (grad_sum, (nll, count, z, aux, stats)), _ = jax.lax.scan(accumulate, zeros, micro)
+        (grad_sum, (nll, count, z, aux, stats, sums)), _ = jax.lax.scan(accumulate, zeros, micro)
     denom = jnp.maximum(count, 1.0)
     grad_norm = optax.tree.norm(grad_sum) / denom
     finite = jnp.isfinite(nll) & jnp.isfinite(grad_norm)
@@ -130,10 +139,18 @@ def train_step(
         "tokens": count,
         "finite": finite,
     }
+    metrics.update({k: v / denom for k, v in sums.items()})
     metrics.update(mdef.metrics(stats, aux / denom))
     return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics
 
 
-def eval_step(params: Any, batch: dict[str, jax.Array], *, mdef: ModelDef) -> dict[str, jax.Array]:
-    nll, count, *_ = token_losses(mdef, params, batch, 0.0)
-    return {"nll_sum": nll, "tokens": count}
+def eval_step(
+    params: Any,
+    batch: dict[str, jax.Array],
+    *,
+    mdef: ModelDef,
+    objective: Callable = token_losses,
+) -> dict[str, jax.Array]:
+    """The objective's summed loss and count (and its further sums) on a held-out batch."""
+    nll, count, _, _, _, sums = objective(mdef, params, batch, 0.0)
+    return {"nll_sum": nll, "tokens": count, **sums}

@@ -68,7 +68,7 @@ def megatron_overrides(cfg: config_lib.Config, out_dir: Path) -> list[str]:
     """Writes the config's grain sources as Megatron corpora in out_dir; the overrides that read
     them with data.kind megatron (same weights, EOS as the end-of-document id)."""
     listed = []
-    for source in resolve_sources(cfg.data, cfg.model.vocab_size):
+    for source in resolve_sources(cfg.data, cfg.model.vocab_size, cfg.train.seq_len + 1):
         metadata = validate_source(source.shards[0]).metadata
         writer = IndexedWriter(out_dir / source.name, token_dtype(metadata["vocab_size"]))
         for shard in source.shards:

@@ -10,6 +10,11 @@ Megatron config, sample s of Megatron's train dataset is `inputs[s // B, s % B]`
 `targets` token), or against an older run's file, to see whether two runs train on the same data.
 Beside it, F.txt holds each row decoded to text, document by document, with the sources'
 tokenizer (or --tokenizer); Megatron corpora do not record theirs.
+
+`--show-loss R` also prints the first R rows of the first batch as text, the targets that carry
+loss in [[double brackets]] and a | between segments: for chat data, the assistant's turns
+should be bracketed and nothing else. The text is decoded with data.tokenizer (default: the
+committed tokenizer).
 """
 
 from __future__ import annotations
@@ -22,10 +27,11 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from maxtrain import config as config_lib  # noqa: E402
-from maxtrain.data import BATCH_KEYS  # noqa: E402
+from maxtrain.data import BATCH_KEYS, chat  # noqa: E402
 from maxtrain.data.errors import DataError  # noqa: E402
-from maxtrain.data.shards import data_tokenizer, load_tokenizer  # noqa: E402
+from maxtrain.data.shards import data_tokenizer  # noqa: E402
 from maxtrain.errors import ArgumentParser, UserError, positive_int, refuse  # noqa: E402
+from maxtrain.tokenizers import load_tokenizer  # noqa: E402
 from maxtrain.train import data_streams  # noqa: E402
 
 PROG = "show_data"
@@ -46,6 +52,22 @@ def collect(cfg: config_lib.Config, steps: int) -> dict[str, np.ndarray]:
     return {k: np.stack([b[k] for b in batches]) for k in BATCH_KEYS}
 
 
+def loss_view(targets: np.ndarray, loss_mask: np.ndarray, segments: np.ndarray, decode) -> str:
+    """One row's targets as text, runs of loss-carrying tokens in [[ ]], segments split by |."""
+    keys = list(zip(segments, loss_mask, strict=True))
+    text, start = [], 0
+    for end in [*np.flatnonzero(np.diff(np.asarray(keys), axis=0).any(-1)) + 1, len(keys)]:
+        segment, counted = keys[start]
+        piece = decode(targets[start:end])
+        if segment == 0:
+            piece = f"<{end - start} padding>"
+        text.append(f"[[{piece}]]" if counted else piece)
+        if end < len(keys) and segments[end] != segment:
+            text.append(" | ")
+        start = end
+    return "".join(text)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = ArgumentParser(prog=PROG, description=__doc__.splitlines()[0])
     parser.add_argument("config")
@@ -57,6 +79,7 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="sentencepiece model to decode with (default: the sources', where known)",
     )
+    parser.add_argument("--show-loss", type=positive_int, default=0, metavar="R")
     args = parser.parse_intermixed_args(argv)
     try:
         # The config is checked as the train loop checks it (eval streams included): what one
@@ -72,10 +95,15 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{PROG}: wrote {args.out}: {', '.join(BATCH_KEYS)} [{shape}] (steps x rows x tokens)")
     if tokenizer is None:
         print(f"{PROG}: no text: the sources' tokenizer is not known (pass --tokenizer)")
-        return 0
-    text = args.out.with_suffix(".txt")
-    text.write_text(decoded(arrays, tokenizer), encoding="utf-8")
-    print(f"{PROG}: wrote {text}: each row decoded with {tokenizer_path}")
+    else:
+        text = args.out.with_suffix(".txt")
+        text.write_text(decoded(arrays, tokenizer), encoding="utf-8")
+        print(f"{PROG}: wrote {text}: each row decoded with {tokenizer_path}")
+    if args.show_loss:
+        decode = chat.load_tokenizer(cfg.data.tokenizer).decode
+        for r in range(min(args.show_loss, arrays["inputs"].shape[1])):
+            row = [arrays[k][0, r] for k in ("targets", "loss_mask", "segment_ids")]
+            print(f"row {r}: {loss_view(*row, decode)}")
     return 0
 
 

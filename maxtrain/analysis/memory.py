@@ -12,6 +12,7 @@ for a slice. The parts:
                       micro-batch, plus one layer's recomputation working set
   logits              the [tokens, vocab] logits and their gradient (the loss never makes a
                       float32 copy)
+  reference           train.task dpo: the frozen reference, a second copy of the parameters
 
 With pipeline stages (models/pipeline.py) a device holds its stage's layers only, and the
 backward pass keeps every iteration's activations: R x M + S - 1 iterations of one group of
@@ -58,10 +59,18 @@ class MemoryEstimate:
     gradients: int
     activations: int
     logits: int
+    reference: int = 0
 
     @property
     def total(self) -> int:
-        return self.params + self.optimizer + self.gradients + self.activations + self.logits
+        return (
+            self.params
+            + self.optimizer
+            + self.gradients
+            + self.activations
+            + self.logits
+            + self.reference
+        )
 
     def as_gib(self) -> dict[str, float]:
         return {k: round(v / 2**30, 3) for k, v in {**asdict(self), "total": self.total}.items()}
@@ -132,6 +141,7 @@ def estimate(cfg: Config, num_devices: int) -> MemoryEstimate:
         gradients=params * (2 if cfg.train.grad_accum_steps > 1 else 1),
         activations=activations,
         logits=logits,
+        reference=params if cfg.train.task == "dpo" else 0,
     )
 
 

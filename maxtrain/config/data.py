@@ -17,6 +17,9 @@ class DataSource(Section):
     # Names key the held-out split and the eval metrics (eval/<name>/loss): keep them stable.
     name: str = Field(min_length=1)
     path: str = Field(min_length=1)  # shard directory, glob, embedded:<prose|code|math>, prefix
+    # tokens: prepared shards; chat / preference: a JSONL file of conversations / preference
+    # pairs, rendered with data.chat_template and tokenized on load (maxtrain/data/chat.py)
+    format: Literal["tokens", "chat", "preference"] = "tokens"
     # grain: share of TOKENS, 0 = eval only; megatron: Megatron's blend weight (share of SAMPLES)
     weight: NonNegativeFloat = 1.0
 
@@ -72,6 +75,11 @@ class DataConfig(Section):
     )
     # the embedded corpus and Megatron index files; None: $MAXTRAIN_CACHE or ~/.cache/maxtrain
     cache_dir: str | None = None
+    # chat and preference sources: a built-in template (chatml, plain), a .jinja file, or a
+    # tokenizer_config.json (or its directory) holding a chat_template
+    chat_template: str = Field(default="chatml", min_length=1)
+    # chat and preference sources; None: the committed default
+    tokenizer: str | None = Field(default=None, min_length=1)
     packing: Literal["concat_then_split", "first_fit"] = "concat_then_split"
     first_fit_bins: int = Field(default=8, gt=0)  # first_fit: open rows per stream (less padding)
     eval_fraction: float = Field(
@@ -105,6 +113,8 @@ class DataConfig(Section):
             if names.count(name) > 1:
                 raise ValueError(f"data.sources: duplicate source name {name!r}")
         for s in self.sources:
+            if s.format != "tokens" and self.kind != "grain":
+                raise ValueError(f"data.sources[{s.name}].format={s.format} needs data.kind grain")
             if s.weight == 0 and self.kind == "megatron":
                 raise ValueError(
                     f"data.sources[{s.name}].weight is 0; Megatron's blend takes positive "

@@ -8,10 +8,27 @@ from typing import Annotated, Literal
 
 from pydantic import Field, model_validator
 
-from maxtrain.config.domains import NonNegativeFloat, NonNegativeInt, PositiveOrMinusOne, Section
+from maxtrain.config.domains import (
+    NonNegativeFloat,
+    NonNegativeInt,
+    PositiveFloat,
+    PositiveOrMinusOne,
+    Section,
+)
+
+
+class DPOConfig(Section):
+    """train.task dpo: direct preference optimisation against the frozen start checkpoint."""
+
+    beta: PositiveFloat = 0.1  # how far the policy may move from the reference (KL weight)
+    loss: Literal["sigmoid", "ipo"] = "sigmoid"  # DPO's logistic loss, or IPO's squared one
 
 
 class TrainConfig(Section):
+    # pretrain and sft: next-token loss on loss_mask (sft data masks all but the assistant);
+    # dpo: preference pairs against a frozen reference (maxtrain/losses.py)
+    task: Literal["pretrain", "sft", "dpo"] = "pretrain"
+    dpo: DPOConfig = DPOConfig()
     steps: int = Field(default=300, gt=0)
     global_batch_size: int = Field(default=16, gt=0)  # sequences per optimizer step
     seq_len: int = Field(default=128, gt=0)

@@ -59,6 +59,28 @@ class Config(Section):
         return self
 
     @model_validator(mode="after")
+    def _check_task(self) -> Config:
+        """sft trains on chat sources, dpo only on preference pairs, which nothing else reads."""
+        formats = {s.format for s in self.data.sources if s.weight > 0}
+        if self.train.task == "sft" and "chat" not in formats:
+            raise ValueError(
+                "train.task=sft needs a data.sources entry with format: chat (a JSONL file of "
+                "conversations)"
+            )
+        if (self.train.task == "dpo") != (formats == {"preference"}):
+            raise ValueError(
+                f"train.task={self.train.task} with data.sources of format "
+                f"{', '.join(sorted(formats))}: train.task=dpo trains on format: preference "
+                "sources only, and only it reads them"
+            )
+        if self.train.task == "dpo" and not self.checkpoint.load_parameters_path:
+            raise ValueError(
+                "train.task=dpo needs checkpoint.load_parameters_path: the model to tune, whose "
+                "frozen copy is the reference"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _check_init(self) -> Config:
         mode, layer_map = self.init.mode, self.init.layer_map
         if mode != "none" and not self.checkpoint.load_parameters_path:

@@ -23,7 +23,10 @@ from collections.abc import Callable
 import grain
 import numpy as np
 
-FEATURE = "tokens"  # the one packed feature; grain adds tokens_segment_ids and tokens_positions
+FEATURE = "tokens"  # the packed feature; grain adds tokens_segment_ids and tokens_positions
+# Fine-tuning data adds a second feature, packed alongside: 1 where predicting the token counts
+# (maxtrain/data/chat.py); pre-training documents in such a mixture carry it as all ones.
+LOSS = "loss"
 
 
 class SplitLongDocuments(grain.experimental.FlatMapTransform):
@@ -40,12 +43,12 @@ class SplitLongDocuments(grain.experimental.FlatMapTransform):
         self.row_len = row_len
 
     def flat_map(self, element: dict[str, np.ndarray]) -> list[dict[str, np.ndarray]]:
-        tokens = element[FEATURE]
-        if len(tokens) <= self.row_len:
+        length = len(element[FEATURE])
+        if length <= self.row_len:
             return [element]
         stride = self.row_len - 1  # chunk k+1 starts at the last token of chunk k
-        starts = range(0, len(tokens) - 1, stride)
-        return [{FEATURE: tokens[s : s + self.row_len]} for s in starts]
+        starts = range(0, length - 1, stride)
+        return [{k: v[s : s + self.row_len] for k, v in element.items()} for s in starts]
 
 
 class _JsonSafeConcatThenSplit(grain.IterDataset):
@@ -56,9 +59,9 @@ class _JsonSafeConcatThenSplit(grain.IterDataset):
     remainder and the restored stream differs. set_state turns the slices back into tuples.
     """
 
-    def __init__(self, parent: grain.IterDataset, row_len: int):
+    def __init__(self, parent: grain.IterDataset, lengths: dict[str, int]):
         super().__init__(
-            grain.experimental.ConcatThenSplitIterDataset(parent, length_struct={FEATURE: row_len})
+            grain.experimental.ConcatThenSplitIterDataset(parent, length_struct=lengths)
         )
 
     def __iter__(self) -> grain.DatasetIterator:
@@ -78,44 +81,53 @@ class _TupleSlicesIterator(grain.DatasetIterator):
 
 
 def _concat_then_split(
-    ds: grain.IterDataset, row_len: int, bins: int, seed: int
+    ds: grain.IterDataset, lengths: dict[str, int], bins: int, seed: int
 ) -> grain.IterDataset:
     del bins, seed  # rows are cut from one running stream: nothing to bin or shuffle
-    return _JsonSafeConcatThenSplit(ds, row_len)
+    return _JsonSafeConcatThenSplit(ds, lengths)
 
 
-def _first_fit(ds: grain.IterDataset, row_len: int, bins: int, seed: int) -> grain.IterDataset:
-    chunks = grain.experimental.FlatMapIterDataset(ds, SplitLongDocuments(row_len))
+def _first_fit(
+    ds: grain.IterDataset, lengths: dict[str, int], bins: int, seed: int
+) -> grain.IterDataset:
+    chunks = grain.experimental.FlatMapIterDataset(ds, SplitLongDocuments(lengths[FEATURE]))
     return grain.experimental.FirstFitPackIterDataset(
-        chunks, length_struct={FEATURE: row_len}, num_packing_bins=bins, seed=seed
+        chunks, length_struct=lengths, num_packing_bins=bins, seed=seed
     )
 
 
-PACKERS: dict[str, Callable[[grain.IterDataset, int, int, int], grain.IterDataset]] = {
+PACKERS: dict[str, Callable[[grain.IterDataset, dict[str, int], int, int], grain.IterDataset]] = {
     "concat_then_split": _concat_then_split,
     "first_fit": _first_fit,
 }
 
 
-def pack(ds: grain.IterDataset, packing: str, row_len: int, bins: int, seed: int):
-    """Documents {"tokens": [n]} -> rows {"tokens", "tokens_segment_ids", "tokens_positions"}."""
-    return PACKERS[packing](ds, row_len, bins, seed)
+def pack(
+    ds: grain.IterDataset, packing: str, row_len: int, bins: int, seed: int, loss: bool = False
+):
+    """Documents {"tokens": [n]} -> rows {"tokens", "tokens_segment_ids", "tokens_positions"};
+    with loss, documents and rows also hold the "loss" feature."""
+    lengths = {FEATURE: row_len, **({LOSS: row_len} if loss else {})}
+    return PACKERS[packing](ds, lengths, bins, seed)
 
 
 def rows_to_batch(rows: tuple[dict[str, np.ndarray], ...]) -> dict[str, np.ndarray]:
     """Packed rows of seq_len + 1 -> the [R, seq_len] int32 batch of maxtrain/train_step.py.
 
     loss_mask is 1 only where the target is a real token of the same segment as its input, so a
-    row never asks the model to predict across a document (or chunk) edge or into padding.
+    row never asks the model to predict across a document (or chunk) edge or into padding; with
+    the "loss" feature, also only where the target's flag is 1 (fine-tuning: assistant tokens).
     """
     tokens = np.stack([r[FEATURE] for r in rows]).astype(np.int32)  # [R, T+1]
     segments = np.stack([r[f"{FEATURE}_segment_ids"] for r in rows]).astype(np.int32)
     positions = np.stack([r[f"{FEATURE}_positions"] for r in rows]).astype(np.int32)
-    same_segment = (segments[:, 1:] == segments[:, :-1]) & (segments[:, 1:] != 0)
+    counted = (segments[:, 1:] == segments[:, :-1]) & (segments[:, 1:] != 0)
+    if LOSS in rows[0]:
+        counted &= np.stack([r[LOSS] for r in rows])[:, 1:] != 0
     return {
         "inputs": tokens[:, :-1],
         "targets": tokens[:, 1:],
-        "loss_mask": same_segment.astype(np.int32),
+        "loss_mask": counted.astype(np.int32),
         "segment_ids": segments[:, :-1],
         "positions": positions[:, :-1],
     }

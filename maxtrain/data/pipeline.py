@@ -31,6 +31,13 @@ shuffle seed, packing and first_fit_bins, train.seq_len, train.global_batch_size
 count (a host's state holds its own streams), and num_workers (each grain worker packs a
 strided slice of every stream, so the row order depends on the worker count: 0 and 2 workers
 give different, equally valid data). worker_buffer_size may change.
+
+Fine-tuning sources (data/chat.py). A `chat` source is a JSONL file of conversations, tokenized
+in memory when the pipeline is built; its documents carry a second feature, a loss flag per
+token (1 on the assistant's tokens), packed alongside the tokens, and `rows_to_batch` keeps
+loss_mask only where it is 1. Prepared documents mixed with chat get the flag as all ones.
+Weights remain token shares, context tokens included. A `preference` source (train.task dpo)
+is rows already, one pair each, and is not packed.
 """
 
 from __future__ import annotations
@@ -50,7 +57,8 @@ import numpy as np
 
 from maxtrain import absl_flags
 from maxtrain.config import Config, DataConfig
-from maxtrain.data import host_rows, packing, shards
+from maxtrain.config.data import DataSource
+from maxtrain.data import chat, host_rows, packing, shards
 from maxtrain.data.errors import DataError
 from maxtrain.data.synthetic import SyntheticText
 
@@ -70,6 +78,8 @@ class Source:
     shards: tuple[str, ...]  # sorted: record indices (and so the held-out split) follow it
     documents: int
     tokens: int  # EOS included, as the pipeline reads them
+    format: str = "tokens"  # chat / preference: `examples` holds it, tokenized (data/chat.py)
+    examples: Any = None
 
     @property
     def mean_doc_len(self) -> float:
@@ -88,11 +98,15 @@ class EvalStream:
 # ---- sources ----------------------------------------------------------------------------------
 
 
-def resolve_sources(data: DataConfig, model_vocab_size: int) -> list[Source]:
-    """Checks every source's shards and tokenizer; DataError naming the source and file."""
+def resolve_sources(data: DataConfig, model_vocab_size: int, row_len: int) -> list[Source]:
+    """Checks every source's shards and tokenizer; DataError naming the source and file. Chat
+    and preference sources are read and tokenized here, whole."""
     embedded = _embedded_dirs(data)
     resolved = []
     for s in data.sources:
+        if s.format != "tokens":
+            resolved.append(_fine_tuning_source(s, data, model_vocab_size, row_len))
+            continue
         path = embedded[s.path] if s.path in embedded else s.path
         try:
             info = shards.validate_source(path)
@@ -103,6 +117,35 @@ def resolve_sources(data: DataConfig, model_vocab_size: int) -> list[Source]:
             Source(s.name, s.weight, tuple(map(str, info.shards)), info.documents, info.tokens)
         )
     return resolved
+
+
+def _fine_tuning_source(
+    source: DataSource, data: DataConfig, model_vocab_size: int, row_len: int
+) -> Source:
+    """A chat or preference JSONL source, read, rendered and tokenized in memory (data/chat.py):
+    every mistake in it surfaces here, before anything is compiled."""
+    try:
+        tokenizer = chat.load_tokenizer(data.tokenizer)
+        shards.check_vocab(
+            {"tokenizer": tokenizer.path, "vocab_size": tokenizer.vocab_size}, model_vocab_size
+        )
+        template = chat.load_template(data.chat_template)
+        if source.format == "chat":
+            examples = chat.chat_examples(source.path, template, tokenizer)
+        else:
+            examples = chat.preference_rows(source.path, template, tokenizer, row_len)
+            if examples.dropped:
+                print(
+                    f"maxtrain: warning: data.sources[{source.name}]: {examples.dropped} of "
+                    f"{examples.dropped + len(examples)} preference pairs do not fit a row of "
+                    f"{row_len} tokens and are left out",
+                    file=sys.stderr,
+                )
+    except DataError as e:
+        raise DataError(f"data.sources[{source.name}]: {e}") from None
+    return Source(
+        source.name, source.weight, (), len(examples), examples.num_tokens, source.format, examples
+    )
 
 
 def _embedded_dirs(data: DataConfig) -> dict[str, str]:
@@ -163,9 +206,11 @@ class Documents:
         return self.records[int(self.indices[i])]
 
 
-def decode(record: bytes) -> dict[str, np.ndarray]:
-    """One record (little-endian int32 ids, EOS last) -> {"tokens": [n] int32}."""
-    return {packing.FEATURE: shards.decode_record(record).astype(np.int32)}
+def decode(record: bytes, loss: bool = False) -> dict[str, np.ndarray]:
+    """One record (little-endian int32 ids, EOS last) -> {"tokens": [n] int32}; with loss, in
+    a mixture with fine-tuning data, every token's loss flag too (all count)."""
+    tokens = shards.decode_record(record).astype(np.int32)
+    return {packing.FEATURE: tokens, **({packing.LOSS: np.ones_like(tokens)} if loss else {})}
 
 
 # ---- the pipeline -----------------------------------------------------------------------------
@@ -178,6 +223,7 @@ class _Part:
     documents: Documents
     doc_weight: float
     shuffle_seed: int
+    format: str  # of its source: tokens documents are decoded, the others come decoded
 
 
 class Pipeline:
@@ -196,10 +242,15 @@ class Pipeline:
             raise ValueError(f"rows {self.rows} are not rows of a {self.num_streams}-row batch")
         self.seed = cfg.run.seed if self.data.shuffle_seed is None else self.data.shuffle_seed
         self.num_epochs = num_epochs
-        self.sources = resolve_sources(self.data, cfg.model.vocab_size)
+        self.sources = resolve_sources(self.data, cfg.model.vocab_size, self.row_len)
         self._records = {
-            s.name: grain.sources.ArrayRecordDataSource(list(s.shards)) for s in self.sources
+            s.name: grain.sources.ArrayRecordDataSource(list(s.shards))
+            if s.examples is None
+            else s.examples
+            for s in self.sources
         }
+        # Chat documents carry per-token loss flags, and the documents mixed with them too.
+        self.loss_flags = any(s.format == "chat" for s in self.sources)
 
     def split(self, source: Source, split: str) -> Documents:
         """The source's 'train' or 'eval' documents; DataError if there are none."""
@@ -215,27 +266,38 @@ class Pipeline:
     def train_parts(self) -> list[_Part]:
         weighted = [s for s in self.sources if s.weight > 0]  # weight 0: eval only
         return [
-            _Part(self.split(s, "train"), w, derive_seed(self.seed, "train", s.name))
+            _Part(self.split(s, "train"), w, derive_seed(self.seed, "train", s.name), s.format)
             for s, w in zip(weighted, document_weights(weighted), strict=True)
         ]
 
     def eval_parts(self, source: Source) -> list[_Part]:
-        return [_Part(self.split(source, "eval"), 1.0, derive_seed(self.seed, "eval", source.name))]
+        seed = derive_seed(self.seed, "eval", source.name)
+        return [_Part(self.split(source, "eval"), 1.0, seed, source.format)]
 
     def stream_documents(self, part: _Part, stream: int) -> grain.IterDataset:
         """Documents stream, stream + B, ... of the source's shuffled (per epoch) order."""
         ds = grain.MapDataset.source(part.documents).shuffle(seed=part.shuffle_seed)
         ds = ds.repeat(self.num_epochs)[stream :: self.num_streams]
-        return ds.map(decode).to_iter_dataset(_IN_THREAD)
+        if part.format == "tokens":
+            ds = ds.map(functools.partial(decode, loss=self.loss_flags))
+        return ds.to_iter_dataset(_IN_THREAD)
 
     def stream_rows(self, parts: list[_Part], stream: int) -> grain.IterDataset:
-        """Packed rows of one stream: {"tokens", "tokens_segment_ids", "tokens_positions"}."""
+        """Packed rows of one stream: {"tokens", "tokens_segment_ids", "tokens_positions"},
+        and "loss" with chat sources. Preference sources are rows already (a pair each)."""
         docs = [self.stream_documents(p, stream) for p in parts]
         if len(docs) > 1:
             docs = [grain.IterDataset.mix(docs, weights=[p.doc_weight for p in parts])]
+        if parts[0].format == "preference":  # the config allows no other format beside it
+            return docs[0]
         pack_seed = derive_seed(self.seed, "pack", stream)
         return packing.pack(
-            docs[0], self.data.packing, self.row_len, self.data.first_fit_bins, pack_seed
+            docs[0],
+            self.data.packing,
+            self.row_len,
+            self.data.first_fit_bins,
+            pack_seed,
+            self.loss_flags,
         )
 
     def batches(self, parts: list[_Part]) -> grain.IterDataset:

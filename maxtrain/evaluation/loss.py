@@ -25,19 +25,25 @@ def held_out_loss(
     Each stream restarts from its beginning, so evals at different steps score the same tokens
     and are comparable. The overall loss weights each stream's loss by its source weight: the
     expected loss per token of the training mixture, whatever the sources' eval sizes.
-    eval_fn: (params, batch) -> {nll_sum, tokens} (train_step.eval_step, jitted).
+    eval_fn: (params, batch) -> {nll_sum, tokens, and any further sums, each reported per
+    token (or per item the objective counts)} (train_step.eval_step, jitted).
     """
-    weighted, total_weight, per_stream = 0.0, 0.0, {}
+    weighted, total_weight, per_stream = {}, 0.0, {}
     for stream in streams:
         batches = stream.batches()
-        nll, tokens = [], []
-        for _ in range(steps):
-            out = eval_fn(params, to_global(next(batches), sharding))
-            nll.append(out["nll_sum"])  # device scalars: fetched once per stream, below
-            tokens.append(out["tokens"])
-        loss = float(sum(jax.device_get(nll))) / max(float(sum(jax.device_get(tokens))), 1.0)
+        outs = [eval_fn(params, to_global(next(batches), sharding)) for _ in range(steps)]
+        sums = {k: float(sum(v)) for k, v in jax.device_get(_by_key(outs)).items()}  # one fetch
+        count = max(sums.pop("tokens"), 1.0)
+        # The loss, and an objective's further sums (DPO: accuracy, reward margin), per item.
+        means = {"loss": sums.pop("nll_sum") / count, **{k: v / count for k, v in sums.items()}}
         if stream.name:
-            per_stream[f"{stream.name}/loss"] = loss
-        weighted, total_weight = weighted + stream.weight * loss, total_weight + stream.weight
-    loss = weighted / total_weight
-    return {"loss": loss, "perplexity": float(np.exp(min(loss, 50.0))), **per_stream}
+            per_stream[f"{stream.name}/loss"] = means["loss"]
+        for k, v in means.items():
+            weighted[k] = weighted.get(k, 0.0) + stream.weight * v
+        total_weight += stream.weight
+    means = {k: v / total_weight for k, v in weighted.items()}
+    return {**means, "perplexity": float(np.exp(min(means["loss"], 50.0))), **per_stream}
+
+
+def _by_key(outs: list[dict[str, Any]]) -> dict[str, list[Any]]:
+    return {k: [out[k] for out in outs] for k in outs[0]}
