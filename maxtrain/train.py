@@ -325,14 +325,15 @@ def _train(trainer: Trainer, ckpt: TieredCheckpointer | None, train_batches, eva
     ):
         next_batch = to_global(next(train_batches), trainer.batch_sharding)
         window_start, window_steps, data_wait = time.perf_counter(), 0, 0.0
-        window_dropped = 0.0  # MoE assignments' dropped share, summed over the window's steps
+        window_dropped = []  # each step's share of MoE assignments dropped, still on device
         for step in range(start_step + 1, cfg.train.steps + 1):
             if step == profile.start_step:
                 jax.profiler.start_trace(str(run_dir / "profile"))
             trainer.state, step_metrics = trainer.step_fn(trainer.state, next_batch)
             nonfinite.after_step(step, step_metrics["finite"])  # reads the steps before it
             window_steps += 1
-            window_dropped = step_metrics.get("moe/dropped", 0.0) + window_dropped  # async
+            if "moe/dropped" in step_metrics:
+                window_dropped.append(step_metrics["moe/dropped"])
             # Save before fetching the next batch: the saved data position must be step + 1.
             if ckpt is not None and ckpt.due(step):
                 nonfinite.settle(step)  # never save a non-finite step
@@ -366,11 +367,13 @@ def _train(trainer: Trainer, ckpt: TieredCheckpointer | None, train_batches, eva
                 }
                 writer.write(step, scalars, prefix="train")
                 _print(is_writer, metrics_lib.format_console_line(step, cfg.train.steps, scalars))
-                if warning := metrics_lib.drop_warning(float(window_dropped) / window_steps):
+                if window_dropped and (
+                    warning := metrics_lib.drop_warning(np.mean(jax.device_get(window_dropped)))
+                ):
                     _warn(is_writer, warning)
                 last = scalars
                 window_start, window_steps, data_wait = time.perf_counter(), 0, 0.0
-                window_dropped = 0.0
+                window_dropped = []
 
             if cfg.train.eval_every and (
                 step % cfg.train.eval_every == 0 or step == cfg.train.steps

@@ -210,8 +210,9 @@ def test_router_statistics_match_hand_computation():
     expert_ids = jnp.array([[[0], [2]]])  # top-1
     stats = router_stats(logits, probs, expert_ids, 3)
     metrics = RouterTraining(moe_model_cfg(num_experts=3, top_k=1).moe).metrics(
-        {**jax.tree.map(lambda a: a[None], stats), "dropped": jnp.zeros(1)}, jnp.zeros(())
-    )  # one MoE layer
+        {**jax.tree.map(lambda a: a[None], stats), "dropped": jnp.zeros(1), "rounds": 2 * 2.0},
+        jnp.zeros(()),
+    )  # one MoE layer, whose exchange took 2 rounds (the statistic is rounds x tokens)
     # f = [1/2, 0, 1/2]; p = [0.4, 0.25, 0.35] -> 3 * (0.2 + 0 + 0.175)
     assert float(metrics["moe/balance_loss"]) == pytest.approx(3 * 0.375, rel=1e-5)
     assert float(metrics["moe/router_z_loss"]) == pytest.approx(0.0, abs=1e-6)  # log(sum p) = 0
@@ -219,6 +220,7 @@ def test_router_statistics_match_hand_computation():
         [sum(p * math.log(p) for p in row) for row in [[0.7, 0.2, 0.1], [0.1, 0.3, 0.6]]]
     )
     assert float(metrics["moe/entropy"]) == pytest.approx(entropy, rel=1e-5)
+    assert float(metrics["moe/rounds"]) == 2
     np.testing.assert_array_equal(stats["load"], [1, 0, 1])
     assert float(stats["tokens"]) == 2
 
@@ -229,7 +231,11 @@ def test_router_statistics_of_micro_batches_add_up_to_the_whole_batch():
     logits = jax.random.normal(jax.random.key(11), (4, 6, E))
     probs = jax.nn.softmax(logits, -1)
     _, expert_ids = jax.lax.top_k(probs, K)
-    layer = lambda s: {**jax.tree.map(lambda a: a[None], s), "dropped": jnp.zeros(1)}  # noqa: E731
+    layer = lambda s: {  # noqa: E731
+        **jax.tree.map(lambda a: a[None], s),
+        "dropped": jnp.zeros(1),
+        "rounds": s["tokens"][None],
+    }
     whole = router_stats(logits, probs, expert_ids, E)
     halves = [router_stats(logits[i::2], probs[i::2], expert_ids[i::2], E) for i in (0, 1)]
     summed = jax.tree.map(jnp.add, *halves)
@@ -328,6 +334,7 @@ def test_flops_count_active_parameters_only():
 def test_tiny_moe_trains_with_expert_parallelism_and_logs_router_health(make_cfg):
     cfg = make_cfg(
         "model_name=tiny-moe",
+        "model.vocab_size=256",  # synthetic text over 256 tokens: learnt within 30 steps
         "mesh.expert=4",
         "mesh.fsdp=2",
         "train.steps=30",

@@ -118,8 +118,11 @@ def in_rounds(one_round: Round, most: int, needed: jax.Array, plan: Any, inputs:
     return run(needed, plan, inputs)
 
 
-def _counts(dropped: jax.Array, rounds: jax.Array | int) -> DispatchCounts:
-    return DispatchCounts(jnp.asarray(dropped, jnp.int32), jnp.asarray(rounds, jnp.int32))
+def _counts(dropped: jax.Array, rounds: jax.Array, par: Parallelism) -> DispatchCounts:
+    """The counts, varying over the expert axes like everything per device (the rounds, made
+    equal over them, are not), so that callers may reduce them over any token axes."""
+    rounds = jax.lax.pcast(rounds, par.expert_axes, to="varying")
+    return DispatchCounts(jnp.asarray(dropped, jnp.int32), rounds.astype(jnp.int32))
 
 
 @dataclass(frozen=True)
@@ -173,7 +176,7 @@ class AllToAll:
         needed = rounds_needed(jnp.max(slot) + 1, Q, par.expert_axes)
         plan = (dest, slot, sorted_ids % EL)
         y_sorted = in_rounds(one_round, most, needed, plan, (x[order // k], w))
-        counts = _counts(jnp.sum(slot >= most * Q), jnp.minimum(needed, most))
+        counts = _counts(jnp.sum(slot >= most * Q), jnp.minimum(needed, most), par)
         return combine(y_sorted, order, weights), counts
 
 
@@ -286,7 +289,7 @@ class Ragged:
         needed = rounds_needed(busiest, capacity, par.expert_axes)
         back = in_rounds(one_round, most, needed, (counts, me), (rows, w))
         sent = ragged_layout(counts, me, most * capacity).send_sizes.sum()
-        counts = _counts(n * k - sent, jnp.minimum(needed, most))
+        counts = _counts(n * k - sent, jnp.minimum(needed, most), par)
         return combine(back, order, weights), counts
 
 
@@ -340,7 +343,9 @@ class AllGather:
         needed = rounds_needed(total, capacity, par.expert_axes)
         partial = in_rounds(one_round, most, needed, (order, counts), (tokens, mixing, w))
         y = jax.lax.psum_scatter(partial, par.expert_axes, scatter_dimension=0, tiled=True)
-        counts = _counts(total - jnp.minimum(total, most * capacity), jnp.minimum(needed, most))
+        counts = _counts(
+            total - jnp.minimum(total, most * capacity), jnp.minimum(needed, most), par
+        )
         return y, counts
 
 

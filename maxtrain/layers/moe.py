@@ -149,7 +149,14 @@ class MoE(nnx.Module):
         replicated = par.degree > 1 and not set(expert_axes) <= set(token_axes)
         partial_axes = tensor_axes + (expert_axes if replicated else ())
 
+        # The weights are the same on every device of these token axes: marked per-device at
+        # once, their gradients are summed over them once, here, rather than inside the
+        # exchange's rounds, whose number may differ between the devices of these axes.
+        shared_axes = tuple(a for a in token_axes if a not in expert_axes + tensor_axes)
+
         def per_device(x, expert_ids, weights, gate, up, down):
+            if shared_axes:
+                gate, up, down = jax.lax.pcast((gate, up, down), shared_axes, to="varying")
             w = moe_dispatch.ExpertWeights(gate, up, down)
             num_experts = self.num_experts
             if replicated:
