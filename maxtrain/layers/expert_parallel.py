@@ -105,8 +105,8 @@ def max_rounds(worst: int, capacity: int, overflow: Overflow) -> int:
 
 
 def rounds_needed(busiest: jax.Array, capacity: int, axes: tuple[str, ...]) -> jax.Array:
-    """Rounds the busiest buffer of any device needs: the same number on every device (pmax),
-    so that every device runs the same collectives."""
+    """Rounds the busiest buffer of any device of the exchange needs: the same number on all
+    of them (pmax over the expert axes), so that they run the same collectives."""
     return jax.lax.pmax((busiest + capacity - 1) // capacity, axes)
 
 
@@ -114,10 +114,12 @@ def in_rounds(one_round: Round, most: int, needed: jax.Array, plan: Any, inputs:
     """The sum of one_round(r, plan, inputs) over the rounds r < needed (at most `most`).
 
     Round 0 always runs; the later ones run in a loop whose trip count, `needed`, is the same
-    on every device, so a step runs only the rounds its routing needs, and every device the
-    same collectives. The backward pass replays the rounds: round 0 from the residuals its
-    forward saved (one round's buffers), every later one recomputed from the inputs and the
-    plan, one at a time, so that no more than one round's buffers are ever alive.
+    on every device of the exchange, so a step runs only the rounds its routing needs, and
+    those devices the same collectives (devices of other exchange groups, e.g. other
+    data-parallel replicas, may run a different number: nothing in the loop joins them).
+    The backward pass replays the rounds: round 0 from the residuals its forward saved (one
+    round's buffers), every later one recomputed from the inputs and the plan, one at a time,
+    so that no more than one round's buffers are ever alive.
     """
     if most == 1:
         return one_round(0, plan, inputs)
