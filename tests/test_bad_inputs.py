@@ -138,8 +138,8 @@ ROWS = [
      "checkpoint {in}/ckpt/0 does not match the model: 'params/layers/mlp/down/kernel' has "
      "shape (2, 128, 64) in the checkpoint, the model expects (2, 96, 64)"),
     ("upcycle source missing", "upcycle",
-     [BASE, "model_name=tiny-moe", "model.moe.expert_mlp_dim=64", "init.source_model=tiny",
-      "--source", "{in}/nowhere",
+     [BASE, "model_name=tiny-moe", "model.vocab_size=256", "model.moe.expert_mlp_dim=64",
+      "init.source_model=tiny", "--source", "{in}/nowhere",
       "--output", "{out}/moe"], "no complete checkpoint found at {in}/nowhere"),
     # ---- Hugging Face directories
     ("HF dir missing", "convert_hf", ["import", "--hf-dir", "{in}/nowhere", "--output", "{out}/c"],
