@@ -314,7 +314,8 @@ def format_console_line(step: int, total_steps: int, scalars: dict[str, Any]) ->
     """One compact progress line; each piece is shown only when its scalar is present.
 
     Reads ``loss``, ``lr``, ``grad_norm``, ``step_time_s`` (seconds), and the ``step_stats``
-    keys ``tokens_per_sec_per_device``, ``tflops_per_device``, ``mfu`` (fraction, shown as %).
+    keys ``tokens_per_sec_per_device``, ``tflops_per_device``, ``mfu`` (fraction, shown as %),
+    and an MoE model's ``moe/max_load``, ``moe/rounds`` and ``moe/dropped`` (when any).
     ETA = (total_steps - step) * step_time_s.
     """
     width = max(5, len(str(total_steps)))
@@ -335,6 +336,23 @@ def format_console_line(step: int, total_steps: int, scalars: dict[str, Any]) ->
         parts.append(f"{float(tflops):.1f} TFLOP/s/dev")
     if (mfu := get("mfu")) is not None:
         parts.append(f"MFU {float(mfu) * 100:.1f}%")
+    if (max_load := get("moe/max_load")) is not None:
+        moe = f"moe max_load {float(max_load):.2f} rounds {float(get('moe/rounds', 1)):.3g}"
+        if dropped := float(get("moe/dropped", 0)):
+            moe += f" dropped {dropped * 100:.2f}%"
+        parts.append(moe)
     if step_time is not None:
         parts.append(f"ETA {_hms(max(0, total_steps - step) * float(step_time))}")
     return " | ".join(parts)
+
+
+def drop_warning(dropped: float, limit: float = 0.01) -> str | None:
+    """A warning when the MoE layers dropped more than `limit` of their assignments (mean over
+    the steps of a log window), else None."""
+    if dropped <= limit:
+        return None
+    return (
+        f"MoE layers dropped {dropped:.1%} of their routed assignments over the last log window: "
+        "raise model.moe.capacity_factor or model.moe.ep_capacity_factor, or set "
+        "model.moe.ep_overflow=rounds (dropless)"
+    )

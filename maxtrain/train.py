@@ -130,6 +130,13 @@ def check_experts(cfg: Config, mesh: Mesh) -> None:
             "model.moe.ep_dispatch=ragged needs a GPU or TPU (XLA:CPU has no ragged "
             "all-to-all); use all_to_all or all_gather, or auto"
         )
+    rounds = moe.capacity_factor is None and moe.ep_overflow == "rounds"
+    if degree > 1 and mesh.shape["stage"] > 1 and rounds and moe.ep_capacity_factor < degree:
+        raise ConfigError(
+            "model.moe.ep_overflow=rounds does not yet run inside pipeline stages (mesh.stage "
+            f"{mesh.shape['stage']}); set model.moe.ep_overflow=drop, or "
+            f"model.moe.ep_capacity_factor >= {degree} (one round of worst-case buffers)"
+        )
 
 
 def build_trainer(
@@ -389,12 +396,15 @@ def _train(
     ):
         next_batch = trainer.global_batch(next(train_batches))
         window_start, window_steps, data_wait = time.perf_counter(), 0, 0.0
+        window_dropped = []  # each step's share of MoE assignments dropped, still on device
         for step in range(start_step + 1, cfg.train.steps + 1):
             if step == profile.start_step:
                 jax.profiler.start_trace(str(run_dir / "profile"))
             trainer.state, step_metrics = trainer.step_fn(trainer.state, next_batch)
             nonfinite.after_step(step, step_metrics["finite"])  # reads the steps before it
             window_steps += 1
+            if "moe/dropped" in step_metrics:
+                window_dropped.append(step_metrics["moe/dropped"])
             # Save before fetching the next batch: the saved data position must be step + 1.
             if ckpt is not None and ckpt.due(step):
                 nonfinite.settle(step)  # never save a non-finite step
@@ -430,8 +440,13 @@ def _train(
                 }
                 writer.write(step, scalars, prefix="train")
                 _print(is_writer, metrics_lib.format_console_line(step, cfg.train.steps, scalars))
+                if window_dropped and (
+                    warning := metrics_lib.drop_warning(np.mean(jax.device_get(window_dropped)))
+                ):
+                    _warn(is_writer, warning)
                 last.update({f"train/{k}": v for k, v in scalars.items()})
                 window_start, window_steps, data_wait = time.perf_counter(), 0, 0.0
+                window_dropped = []
 
             if cfg.train.eval_every and (
                 step % cfg.train.eval_every == 0 or step == cfg.train.steps

@@ -159,8 +159,8 @@ ROWS = [
      "unknown embedded source 'embedded:poetry'; the embedded corpus has embedded:code, "
      "embedded:math, embedded:prose"),
     ("upcycle source missing", "upcycle",
-     [BASE, "model_name=tiny-moe", "model.moe.expert_mlp_dim=64", "init.source_model=tiny",
-      "--source", "{in}/nowhere",
+     [BASE, "model_name=tiny-moe", "model.vocab_size=256", "model.moe.expert_mlp_dim=64",
+      "init.source_model=tiny", "--source", "{in}/nowhere",
       "--output", "{out}/moe"], "no complete checkpoint found at {in}/nowhere"),
     # ---- Hugging Face directories
     ("HF dir missing", "convert_hf", ["import", "--hf-dir", "{in}/nowhere", "--output", "{out}/c"],

@@ -88,6 +88,8 @@ def test_training_continues_from_the_old_checkpoint_as_the_old_code_did(tmp_path
         return out
 
     got = deterministic(tmp_path / "run" / "metrics.jsonl")
+    for metrics in got.values():
+        metrics.pop("train/moe/rounds")  # added since (the expert-parallel exchange's rounds)
     want = deterministic(FIXTURE / "metrics_steps_4_to_6.jsonl")
     assert sorted(got) == [4, 5, 6]
     for step in want:

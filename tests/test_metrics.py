@@ -12,6 +12,7 @@ import pytest
 from maxtrain.config import ModelConfig
 from maxtrain.metrics import (
     MetricsWriter,
+    drop_warning,
     format_console_line,
     matmul_params,
     peak_tflops,
@@ -272,6 +273,17 @@ def test_console_line_with_mfu_and_long_eta() -> None:
     assert "| MFU 45.7% |" in line
     assert line.endswith("ETA 5:33:20")  # 10000 steps * 2 s = 20000 s
     assert line.startswith("step     0/10000 | loss 3.2104")
+
+
+def test_console_line_shows_moe_load_rounds_and_drops_and_warns_over_1_percent() -> None:
+    moe = {"loss": 1.0, "moe/max_load": 3.359, "moe/rounds": 4.0, "moe/dropped": 0.0}
+    assert format_console_line(5, 5, moe) == (
+        "step     5/5 | loss 1.0000 | moe max_load 3.36 rounds 4"
+    )  # dropless: no dropped share to show
+    dropping = moe | {"moe/rounds": 1.0, "moe/dropped": 0.0512}
+    assert format_console_line(5, 5, dropping).endswith("moe max_load 3.36 rounds 1 dropped 5.12%")
+    assert drop_warning(0.01) is None
+    assert "dropped 1.1% of their routed assignments" in drop_warning(0.011)
 
 
 def test_console_line_omits_missing_pieces() -> None:

@@ -21,7 +21,7 @@ from maxtrain.layers.moe import MoE, router_stats
 from maxtrain.mesh import build_mesh, sharding_rules
 from maxtrain.models.auxiliary import RouterTraining
 from maxtrain.models.stacks import is_moe_per_layer, layer_runs
-from maxtrain.train import build_trainer, data_streams, run
+from maxtrain.train import build_trainer, check_experts, data_streams, run
 
 D, E, K, F = 16, 8, 2, 12
 
@@ -210,8 +210,9 @@ def test_router_statistics_match_hand_computation():
     expert_ids = jnp.array([[[0], [2]]])  # top-1
     stats = router_stats(logits, probs, expert_ids, 3)
     metrics = RouterTraining(moe_model_cfg(num_experts=3, top_k=1).moe).metrics(
-        {**jax.tree.map(lambda a: a[None], stats), "dropped": jnp.zeros(1)}, jnp.zeros(())
-    )  # one MoE layer
+        {**jax.tree.map(lambda a: a[None], stats), "dropped": jnp.zeros(1), "rounds": 2 * 2.0},
+        jnp.zeros(()),
+    )  # one MoE layer, whose exchange took 2 rounds (the statistic is rounds x tokens)
     # f = [1/2, 0, 1/2]; p = [0.4, 0.25, 0.35] -> 3 * (0.2 + 0 + 0.175)
     assert float(metrics["moe/balance_loss"]) == pytest.approx(3 * 0.375, rel=1e-5)
     assert float(metrics["moe/router_z_loss"]) == pytest.approx(0.0, abs=1e-6)  # log(sum p) = 0
@@ -219,6 +220,7 @@ def test_router_statistics_match_hand_computation():
         [sum(p * math.log(p) for p in row) for row in [[0.7, 0.2, 0.1], [0.1, 0.3, 0.6]]]
     )
     assert float(metrics["moe/entropy"]) == pytest.approx(entropy, rel=1e-5)
+    assert float(metrics["moe/rounds"]) == 2
     np.testing.assert_array_equal(stats["load"], [1, 0, 1])
     assert float(stats["tokens"]) == 2
 
@@ -229,7 +231,11 @@ def test_router_statistics_of_micro_batches_add_up_to_the_whole_batch():
     logits = jax.random.normal(jax.random.key(11), (4, 6, E))
     probs = jax.nn.softmax(logits, -1)
     _, expert_ids = jax.lax.top_k(probs, K)
-    layer = lambda s: {**jax.tree.map(lambda a: a[None], s), "dropped": jnp.zeros(1)}  # noqa: E731
+    layer = lambda s: {  # noqa: E731
+        **jax.tree.map(lambda a: a[None], s),
+        "dropped": jnp.zeros(1),
+        "rounds": s["tokens"][None],
+    }
     whole = router_stats(logits, probs, expert_ids, E)
     halves = [router_stats(logits[i::2], probs[i::2], expert_ids[i::2], E) for i in (0, 1)]
     summed = jax.tree.map(jnp.add, *halves)
@@ -318,16 +324,17 @@ def test_flops_count_active_parameters_only():
     m = cfg.moe
     attention = 64 * 4 * 16 * 2 + 2 * 64 * 2 * 16  # q, o and k, v
     active_ffn = 64 * m.num_experts + m.top_k * 3 * 64 * m.expert_mlp_dim
-    assert metrics.matmul_params(cfg) == 2 * (attention + active_ffn) + 256 * 64
+    assert metrics.matmul_params(cfg) == 2 * (attention + active_ffn) + cfg.vocab_size * 64
     total = models.param_count(cfg)
     all_experts = 2 * (64 * m.num_experts + m.num_experts * 3 * 64 * m.expert_mlp_dim)
     norms = 2 * 2 * 64 + 64
-    assert total == 2 * attention + all_experts + norms + 2 * 256 * 64
+    assert total == 2 * attention + all_experts + norms + 2 * cfg.vocab_size * 64
 
 
 def test_tiny_moe_trains_with_expert_parallelism_and_logs_router_health(make_cfg):
     cfg = make_cfg(
         "model_name=tiny-moe",
+        "model.vocab_size=256",  # synthetic text over 256 tokens: learnt within 30 steps
         "mesh.expert=4",
         "mesh.fsdp=2",
         "train.steps=30",
@@ -345,9 +352,12 @@ def test_tiny_moe_trains_with_expert_parallelism_and_logs_router_health(make_cfg
     np.testing.assert_allclose(loads[-1].sum(-1), 1.0, rtol=1e-5)
     scalars = [x for x in lines if "train/moe/entropy" in x][-1]
     assert 0 < scalars["train/moe/entropy"] <= math.log(8) + 1e-5
-    # 32 tokens per device: 64 routed rows, 20 per peer fit (moe.ep_capacity_factor 1.25); a
-    # few overflow while the router is still unbalanced, and are reported.
-    assert 0.0 <= scalars["train/moe/dropped"] < 0.1
+    # 32 tokens per device: 64 routed rows, 20 per peer and round (moe.ep_capacity_factor
+    # 1.25). What overflows while the router is still unbalanced goes in further rounds: none
+    # is dropped, at most ceil(4 / 1.25) = 4 rounds.
+    logged = [x for x in lines if "train/moe/rounds" in x]
+    assert all(x["train/moe/dropped"] == 0 for x in logged)
+    assert all(1 <= x["train/moe/rounds"] <= 4 for x in logged)
 
 
 def test_bias_balancing_moves_load_toward_the_mean(make_cfg):
@@ -381,3 +391,13 @@ def test_experts_not_divisible_by_the_expert_axis_is_a_config_error(make_cfg):
     cfg = make_cfg("model_name=tiny-moe", "model.moe.num_experts=6", "mesh.expert=4", "mesh.fsdp=2")
     with pytest.raises(ConfigError, match="degree 4"):
         build_trainer(cfg)
+
+
+def test_exchange_rounds_inside_pipeline_stages_is_a_config_error(make_cfg):
+    """Not yet supported (the stage map batches the rounds' loop); one round or drop is."""
+    staged = ("model_name=tiny-moe", "mesh.stage=2", "mesh.expert=2", "mesh.fsdp=2")
+    with pytest.raises(ConfigError, match=r"model.moe.ep_overflow=rounds does not yet run"):
+        build_trainer(make_cfg(*staged))
+    for allowed in ("model.moe.ep_overflow=drop", "model.moe.ep_capacity_factor=2"):
+        cfg = make_cfg(*staged, allowed)
+        check_experts(cfg, build_mesh(cfg.mesh))  # no error

@@ -182,7 +182,13 @@ def test_tiny_model_trains_under_int8_and_fp8_close_to_float(make_cfg, model):
     Measured gap of that mean to the float run's (quantized - float): tiny int8 -0.0005, fp8
     +0.002; tiny-moe int8 -0.002, fp8 -0.007. Bound: 0.03. The reported model FLOPs (the MFU
     numerator) are those of the float model."""
-    common = (f"model_name={model}", "optim.lr=1e-2", "optim.warmup_steps=5", "train.steps=20")
+    common = (
+        f"model_name={model}",
+        "model.vocab_size=256",
+        "optim.lr=1e-2",
+        "optim.warmup_steps=5",
+    )
+    common = (*common, "train.steps=20")
     ref, ref_flops = _train(make_cfg(*common), 20)
     assert ref[-5:].mean() < 0.8 * ref[0]
     for preset in ("int8", "fp8"):

@@ -71,6 +71,7 @@ def moe_settings(model: config_lib.ModelConfig) -> dict:
         "grouped_matmul": grouped_matmul_implementation(model.moe.grouped_matmul),
         "moe_mode": "dropless" if model.moe.capacity_factor is None else "capacity",
         "ep_dispatch": exchange_implementation(model.moe.ep_dispatch),
+        "ep_overflow": model.moe.ep_overflow,
     }
 
 

@@ -200,7 +200,9 @@ def _moe_dispatch_bytes(cfg: Config, sizes: dict[str, int], tokens: int, c: int)
     D, Fe, routed = cfg.model.emb_dim, m.expert_mlp_dim, tokens * m.top_k
     ways = math.prod(sizes[a] for a in cfg.mesh.rules.get("exp", []))
     computed = routed  # rows through the experts on this device
-    exchange = 0  # expert-parallel buffers of routed rows (layers/expert_parallel.py)
+    # Expert-parallel buffers of routed rows (layers/expert_parallel.py), those of one round:
+    # further rounds (moe.ep_overflow: rounds) run one after another and reuse them.
+    exchange = 0
     if m.capacity_factor is None and ways > 1:
         computed = routed_capacity(routed, m.ep_capacity_factor, ways * routed)
         name = exchange_implementation(m.ep_dispatch)

@@ -94,8 +94,11 @@ def collective_bytes(hlo_text: str, device_slices: Sequence[int] | None = None) 
     Each collective counts its whole buffer as the program declares it (the larger of its
     operands and its result: an all-gather's output, a reduce-scatter's input), times how often
     it runs: a collective inside a loop (a scan over layers) counts once per iteration, by the
-    trip count XLA records. Read from `jax.jit(f).lower(...).compile().as_text()`, so it sees
-    the collectives the SPMD partitioner inserted as well as those written by hand.
+    trip count XLA records. A loop whose trip count only the run decides (the expert-parallel
+    exchange's overflow rounds, layers/expert_parallel.py) is apart: its collectives count once
+    per trip under "<kind> per loop trip", not in the kind's total. Read from
+    `jax.jit(f).lower(...).compile().as_text()`, so it sees the collectives the SPMD
+    partitioner inserted as well as those written by hand.
 
     device_slices: the slice of each device of the program, in its device order (the mesh's
     devices, flattened). Then a collective whose groups (or, for a collective-permute, whose
@@ -118,7 +121,7 @@ def collective_bytes(hlo_text: str, device_slices: Sequence[int] | None = None) 
 
     totals: dict[str, int] = collections.Counter()
 
-    def visit(name: str, times: int) -> None:
+    def visit(name: str, times: int, suffix: str = "") -> None:
         shapes: dict[str, list[int]] = {}
         for line in computations.get(name, []):
             match = _INSTRUCTION.match(line)
@@ -134,16 +137,17 @@ def collective_bytes(hlo_text: str, device_slices: Sequence[int] | None = None) 
                     moved = max([*shapes[result], *operand_bytes])  # input and output buffers
                 else:
                     moved = max(sum(shapes[result]), sum(operand_bytes))
-                totals[kind] += times * moved
+                totals[kind + suffix] += times * moved
                 if device_slices is not None and _crosses_slices(rest, device_slices):
-                    totals[f"dcn {kind}"] += times * moved
+                    totals[f"dcn {kind}{suffix}"] += times * moved
             trips = _TRIP_COUNT.search(rest) if opcode == "while" else None
             repeat = int(trips.group(1)) if trips else 1
+            inner = " per loop trip" if opcode == "while" and trips is None else suffix
             callees = _CALLEE.findall(rest)
             for branches in _BRANCHES.findall(rest):
                 callees += re.findall(r"%([\w.\-]+)", branches)
             for callee in callees:
-                visit(callee, times * repeat)
+                visit(callee, times * repeat, inner)
 
     visit(entry, 1)
     return dict(totals)

@@ -70,9 +70,12 @@ class MoeConfig(Section):
     # Dropless with experts split over devices (mesh.expert > 1): how rows reach their experts
     # (layers/expert_parallel.py). auto: ragged on GPU/TPU, all_to_all elsewhere.
     ep_dispatch: Literal["auto", "all_to_all", "ragged", "all_gather"] = "auto"
-    # Its buffers hold this many times the routed rows; rows beyond are dropped (moe/dropped).
-    # >= mesh.expert never drops (worst-case buffers, P times the traffic).
+    # Its buffers hold this many times the routed rows per round (>= mesh.expert: one round,
+    # worst-case buffers, P times the traffic).
     ep_capacity_factor: PositiveFloat = 1.25
+    # What does not fit: rounds = sent in further rounds, nothing dropped (moe/rounds);
+    # drop = dropped (moe/dropped), one round.
+    ep_overflow: Literal["rounds", "drop"] = "rounds"
 
     def is_moe_layer(self, layer: int) -> bool:
         """Whether model layer `layer` (0-based) is a mixture of experts."""

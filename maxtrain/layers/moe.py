@@ -16,8 +16,9 @@ accumulation, pipeline stages) add up to exactly those of the whole batch:
   probs [E]      routing probability per expert, summed over tokens
   z_squares      squared log-sum-exp of the router logits, summed over tokens (ST-MoE z-loss)
   entropy        entropy of each token's routing distribution (nats), summed over tokens
-  dropped        assignments dropped (capacity mode, or an expert-parallel exchange whose
-                 buffers were full; 0 otherwise)
+  dropped        assignments dropped (capacity mode, or an expert-parallel exchange set to
+                 drop what overflows its buffers; 0 otherwise)
+  rounds         expert-parallel exchange rounds the step ran (1 without), times tokens
 """
 
 from __future__ import annotations
@@ -98,11 +99,12 @@ class MoE(nnx.Module):
             "btd,de->bte", x.astype(jnp.float32), self.router.kernel[...].astype(jnp.float32)
         )
         probs, expert_ids, weights = self._route(logits)
-        y, dropped = self._experts(x.astype(self.compute_dtype), expert_ids, weights)
+        y, counts = self._experts(x.astype(self.compute_dtype), expert_ids, weights)
         if self.shared is not None:
             y = y + self.shared(x)
         stats = router_stats(logits, probs, expert_ids, self.num_experts)
-        stats["dropped"] = dropped.astype(jnp.float32)
+        stats["dropped"] = counts.dropped.astype(jnp.float32)
+        stats["rounds"] = counts.rounds.astype(jnp.float32) * stats["tokens"]
         return y, stats
 
     def _route(self, logits: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -123,8 +125,8 @@ class MoE(nnx.Module):
         probs = scores / jnp.sum(scores, axis=-1, keepdims=True)
         return probs, expert_ids, weights * self.routed_scale
 
-    def _experts(self, x, expert_ids, weights) -> tuple[jax.Array, jax.Array]:
-        """Runs the routed experts on each device's own tokens; returns (y, dropped count)."""
+    def _experts(self, x, expert_ids, weights) -> tuple[jax.Array, moe_dispatch.DispatchCounts]:
+        """Runs the routed experts on each device's own tokens; returns (y, dropped, rounds)."""
         dt = self.compute_dtype
         w = moe_dispatch.ExpertWeights(
             self.gate.kernel[...].astype(dt),
@@ -150,7 +152,14 @@ class MoE(nnx.Module):
         replicated = par.degree > 1 and not set(expert_axes) <= set(token_axes)
         partial_axes = tensor_axes + (expert_axes if replicated else ())
 
+        # The weights are the same on every device of these token axes: marked per-device at
+        # once, their gradients are summed over them once, here, rather than inside the
+        # exchange's rounds, whose number may differ between the devices of these axes.
+        shared_axes = tuple(a for a in token_axes if a not in expert_axes + tensor_axes)
+
         def per_device(x, expert_ids, weights, gate, up, down):
+            if shared_axes:
+                gate, up, down = jax.lax.pcast((gate, up, down), shared_axes, to="varying")
             w = moe_dispatch.ExpertWeights(gate, up, down)
             num_experts = self.num_experts
             if replicated:
@@ -161,7 +170,7 @@ class MoE(nnx.Module):
                     expert_ids, weights, num_experts, par
                 )
                 num_experts //= par.degree
-            y, dropped = self._local(
+            y, counts = self._local(
                 x,
                 expert_ids,
                 weights,
@@ -171,7 +180,11 @@ class MoE(nnx.Module):
                 partial_axes,
             )
             count_axes = token_axes + (expert_axes if replicated else ())
-            return y, jax.lax.psum(dropped, count_axes) if count_axes else dropped
+            if not count_axes:
+                return y, counts
+            return y, moe_dispatch.DispatchCounts(
+                jax.lax.psum(counts.dropped, count_axes), jax.lax.pmax(counts.rounds, count_axes)
+            )
 
         return jax.shard_map(
             per_device,
@@ -182,19 +195,19 @@ class MoE(nnx.Module):
 
     def _local(
         self, x, expert_ids, weights, w, num_experts, par, partial_axes
-    ) -> tuple[jax.Array, jax.Array]:
+    ) -> tuple[jax.Array, moe_dispatch.DispatchCounts]:
         """One device's tokens through its experts; partial_axes: mesh axes over which each
         device computed only part of the output (hidden-unit or expert slices), summed here."""
         b, t, d = x.shape
         flat_x = x.reshape(b * t, d)
         flat_ids = expert_ids.reshape(b * t, -1)
         flat_w = weights.reshape(b * t, -1)
-        y, dropped = self.dispatch(
+        y, counts = self.dispatch(
             flat_x, flat_ids, flat_w, w, num_experts=num_experts, par=par, gmm=self.gmm
         )
         if partial_axes:
             y = jax.lax.psum(y, partial_axes)
-        return y.reshape(b, t, d), dropped
+        return y.reshape(b, t, d), counts
 
 
 def limit_to_best_groups(select: jax.Array, n_group: int, topk_group: int) -> jax.Array:

@@ -44,6 +44,14 @@ class Parallelism:
     degree: int = 1
 
 
+class DispatchCounts(NamedTuple):
+    """What a dispatch reports besides its output: assignments it dropped (capacity mode, or an
+    exchange set to drop), and the exchange rounds it ran (expert_parallel.py; 1 otherwise)."""
+
+    dropped: jax.Array
+    rounds: jax.Array
+
+
 class Dispatch(Protocol):
     """How one device's assignments reach their experts and come back (one per MoE layer,
     picked at construction: dispatch.py)."""
@@ -58,8 +66,8 @@ class Dispatch(Protocol):
         num_experts: int,
         par: Parallelism,
         gmm: GroupedMatmul,
-    ) -> tuple[jax.Array, jax.Array]:
-        """x [n, D], expert_ids/weights [n, k] -> (y [n, D], assignments dropped)."""
+    ) -> tuple[jax.Array, DispatchCounts]:
+        """x [n, D], expert_ids/weights [n, k] -> (y [n, D], assignments dropped, rounds)."""
         ...
 
 
@@ -128,14 +136,16 @@ def dropless_local(
     *,
     num_experts: int,
     gmm: GroupedMatmul,
-) -> tuple[jax.Array, jax.Array]:
+) -> tuple[jax.Array, DispatchCounts]:
     """Every assignment computed on this device. Ids equal to num_experts (experts held
     elsewhere, see keep_local_experts) sort last and stay outside every group."""
     k = expert_ids.shape[1]
     order, sorted_ids, _ = sort_by_expert(expert_ids.reshape(-1), num_experts)
     group_sizes = jnp.bincount(sorted_ids, length=num_experts + 1)[:num_experts]
     out = swiglu_grouped(x[order // k], group_sizes, w, gmm)  # assignment a is token a // k
-    return combine(out, order, weights), jnp.zeros((), jnp.int32)
+    return combine(out, order, weights), DispatchCounts(
+        jnp.zeros((), jnp.int32), jnp.ones((), jnp.int32)
+    )
 
 
 def capacity(num_tokens: int, top_k: int, num_experts: int, factor: float) -> int:
@@ -159,7 +169,7 @@ class ExpertBlocks:
         num_experts: int,
         par: Parallelism,
         gmm: GroupedMatmul,
-    ) -> tuple[jax.Array, jax.Array]:
+    ) -> tuple[jax.Array, DispatchCounts]:
         n, k = expert_ids.shape
         cap = capacity(n, k, num_experts, self.capacity_factor)
         order, sorted_ids, rank = sort_by_expert(expert_ids.reshape(-1), num_experts)
@@ -177,4 +187,4 @@ class ExpertBlocks:
             out_blocks = out_blocks.reshape(num_experts, cap, -1)
         out = out_blocks.at[sorted_ids, slot].get(mode="fill", fill_value=0)
         dropped = jnp.sum(~kept & (sorted_ids < num_experts))  # ids >= num_experts: not ours
-        return combine(out, order, weights), dropped
+        return combine(out, order, weights), DispatchCounts(dropped, jnp.ones((), jnp.int32))

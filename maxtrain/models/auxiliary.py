@@ -61,7 +61,7 @@ class NoAuxiliary:
 class RouterTraining:
     """The MoE layers' training extras. Their statistics (layers/moe.py `router_stats`: sums
     over tokens) come with a leading axis over the MoE layers: load and probs [layers, E];
-    tokens, z_squares, entropy and dropped [layers]."""
+    tokens, z_squares, entropy, dropped and rounds [layers]."""
 
     moe: MoeConfig
 
@@ -94,7 +94,8 @@ class RouterTraining:
 
         `moe/load` [layers, experts] is each expert's share of the assignments (1/E when
         balanced); `moe/max_load` is the busiest expert's share relative to fair, 1.0 =
-        perfectly balanced; `moe/dropped` the share of assignments dropped.
+        perfectly balanced; `moe/dropped` the share of assignments dropped; `moe/rounds` the
+        expert-parallel exchange rounds of the busiest MoE layer (mean over micro-batches).
         """
         load, tokens = stats["load"], stats["tokens"]
         share = load / jnp.maximum(jnp.sum(load, axis=-1, keepdims=True), 1.0)
@@ -105,6 +106,7 @@ class RouterTraining:
             "moe/entropy": jnp.mean(stats["entropy"] / tokens),
             "moe/dropped": jnp.mean(stats["dropped"] / (tokens * self.moe.top_k)),
             "moe/max_load": jnp.max(share) * load.shape[-1],
+            "moe/rounds": jnp.max(stats["rounds"] / tokens),
             "moe/load": share,
         }
 
