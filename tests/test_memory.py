@@ -41,3 +41,16 @@ def test_parameter_shards_follow_the_mesh(make_cfg):
     norms = (2 * 2 + 1) * 64 * 4
     assert sharded.params == (replicated.params - norms) // 8 + norms
     assert replicated.optimizer == 2 * replicated.params
+
+
+def test_muon_keeps_one_moment_per_matrix_and_counts_newton_schulz(make_cfg):
+    """tiny, replicated: Muon drops one of AdamW's two moments for every layer matrix (q, o
+    64x64; k, v 64x32; gate, up, down 64x128; two layers), and its working set is the largest
+    stacked matrix's: both layers' 64x128 MLP kernels twice, and two 64x64 Gram matrices each."""
+    replicated = ("mesh.fsdp=1", "mesh.data=8")
+    adamw = memory.estimate(make_cfg(*replicated), num_devices=8)
+    muon = memory.estimate(make_cfg(*replicated, "optim.name=muon"), num_devices=8)
+    matrices = 2 * (2 * 64 * 64 + 2 * 64 * 32 + 3 * 64 * 128) * 4
+    assert muon.optimizer == adamw.optimizer - matrices
+    assert muon.optimizer_scratch == 2 * (2 * 64 * 128 + 2 * 64 * 64) * 4
+    assert adamw.optimizer_scratch == 0

@@ -2,11 +2,13 @@
 prints one JSON line per run and one with the two winners.
 
     python tools/compare_optimizers.py [CONFIG.yml] [key=value ...]
-        [--adamw-lrs 1.5e-3,3e-3,6e-3] [--muon-lrs 3e-3,6e-3,1.2e-2] [--output-dir DIR]
+        [--lrs 3e-3,6e-3,1.5e-3] [--output-dir DIR]
 
 Every run is the config as given (default configs/base.yml: the default model on the embedded
 corpus) with only optim.name and optim.lr changed: the same seed, batches and token count, and
 the same held-out eval at the last step, whose weighted loss picks each optimizer's best rate.
+Both sweep the same rates (Muon's update is scaled to AdamW's RMS, so its rate is on the same
+scale), taking turns rate by rate, so a sweep cut short still compares like with like.
 It also prints each optimizer's state bytes (its moments and counters, all devices together):
 AdamW keeps two moments per parameter, Muon one per matrix and AdamW's two for the rest.
 """
@@ -29,7 +31,7 @@ from maxtrain.errors import ArgumentParser, UserError, positive_float, refuse  #
 from maxtrain.models import model_def  # noqa: E402
 from maxtrain.train import run  # noqa: E402
 
-DEFAULT_LRS = {"adamw": "1.5e-3,3e-3,6e-3", "muon": "3e-3,6e-3,1.2e-2"}
+OPTIMIZERS = ("adamw", "muon")
 
 
 def optimizer_state_bytes(cfg: config_lib.Config) -> int:
@@ -49,17 +51,16 @@ def main(argv: list[str] | None = None) -> int:
     parser = ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("config", nargs="?", default=str(config_lib.CONFIGS_DIR / "base.yml"))
     parser.add_argument("overrides", nargs="*", help="dotted.key=value")
-    for name, rates in DEFAULT_LRS.items():
-        parser.add_argument(
-            f"--{name}-lrs", type=learning_rates, default=rates, help=f"comma-separated ({rates})"
-        )
+    parser.add_argument(
+        "--lrs", type=learning_rates, default="3e-3,6e-3,1.5e-3", help="peak rates to sweep"
+    )
     parser.add_argument("--output-dir", default="runs/compare_optimizers")
     args = parser.parse_args(argv)
     try:
         steps = config_lib.load(args.config, args.overrides).train.steps
         best = {}
-        for name in ("adamw", "muon"):
-            for lr in getattr(args, f"{name}_lrs"):
+        for lr in args.lrs:
+            for name in OPTIMIZERS:
                 result = train_one(args, name, lr, steps)
                 print(json.dumps(result), flush=True)
                 if name not in best or result["eval_loss"] < best[name]["eval_loss"]:
