@@ -149,8 +149,7 @@ def test_a_muon_run_stopped_and_resumed_is_bit_exact(make_cfg, tmp_path):
         nnx.to_pure_dict(model_def(straight_cfg).abstract_state),
     )
     final = [
-        load_parameters(cfg.run_dir / "checkpoints", target)
-        for cfg in (straight_cfg, resumed_cfg)
+        load_parameters(cfg.run_dir / "checkpoints", target) for cfg in (straight_cfg, resumed_cfg)
     ]
     for a, b in zip(*map(jax.tree.leaves, final), strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
