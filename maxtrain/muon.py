@@ -23,13 +23,15 @@ Norm scales and biases are vectors: AdamW.
 
 Stacked weights are orthogonalised matrix by matrix. Scanned layers carry a leading layers axis
 ([L, in, out]), experts an expert axis ([L, E, in, out]), pipelined ones stage axes in front; a
-q kernel is [L, embed, heads, head_dim], one matrix embed x (heads * head_dim) per layer. Every
-leading axis gets its own jax.vmap, so an axis sharded over devices (experts over `expert`,
-layers over `stage`) stays sharded and each device orthogonalises only its own matrices. Within
-one matrix, A = X X^T contracts over X's columns: when the rows are sharded (fsdp over `embed`)
-XLA all-gathers the other operand's rows over that axis, when the columns are (tensor over
-`mlp`/`heads`) it all-reduces A's partial sums; one matrix per layer and expert, never the whole
-stack on one device. docs/optimizers.md quotes the bytes.
+q kernel is [L, embed, heads, head_dim], one matrix embed x (heads * head_dim) per layer. The
+leading axes are batch axes of the iteration's matmuls, so one sharded over devices (experts
+over `expert`, layers over `stage`) stays sharded: each device orthogonalises only its own
+experts' and stages' matrices. A matrix split over fsdp (`embed`) or tensor (`mlp`, `heads`) is
+gathered whole once per step, before the iterations, as Moonlight's Distributed Muon gathers
+each data-parallel partition's matrix. Left to itself, XLA partitions each iteration's X X^T
+and A X and gathers X twice per iteration: ten times the bytes for five steps. The price is
+that the devices sharing a matrix all compute its iterations; each keeps its part of the result.
+docs/optimizers.md quotes the bytes.
 
 Why not optax.contrib.muon as it stands (optax 0.2.8): its momentum is Adam-style, (1 - b)
 weighted and bias-corrected with different corrections on the two Nesterov terms, which turns
@@ -46,6 +48,10 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import optax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from maxtrain.mesh import active_rules
 
 # Kernels that stay on AdamW although they are matrices (see the module docstring).
 NOT_MATRICES = ("lm_head", "router")
@@ -72,18 +78,22 @@ def labels(params: Any) -> Any:
     )
 
 
-def newton_schulz(x: jax.Array, coeffs: tuple[float, float, float], steps: int) -> jax.Array:
-    """The quintic iteration on one matrix, from x / ||x||_F. It works on the wide side (A is
-    min(m, n) square), transposing a tall matrix in and out: f(X^T) = f(X)^T."""
+def newton_schulz(
+    x: jax.Array, coeffs: tuple[float, float, float], steps: int, layout=lambda x: x
+) -> jax.Array:
+    """The quintic iteration on each trailing matrix of x (leading axes are a batch), from
+    x / ||x||_F. It works on the wide side (A is min(m, n) square), transposing a tall matrix in
+    and out: f(X^T) = f(X)^T. `layout` pins the iterate's sharding each step."""
     a, b, c = coeffs
-    tall = x.shape[0] > x.shape[1]
+    tall = x.shape[-2] > x.shape[-1]
     if tall:
-        x = x.T
-    x = x / (jnp.linalg.norm(x) + 1e-7)
+        x = x.mT
+    x = x / (jnp.linalg.norm(x, axis=(-2, -1), keepdims=True) + 1e-7)
     for _ in range(steps):
-        gram = x @ x.T
+        x = layout(x)
+        gram = x @ x.mT
         x = a * x + (b * gram + c * gram @ gram) @ x
-    return x.T if tall else x
+    return x.mT if tall else x
 
 
 def orthogonalize(
@@ -94,13 +104,18 @@ def orthogonalize(
     n_in, n_out = dims
     stacked, matrix = u.shape[: -(n_in + n_out)], u.shape[-(n_in + n_out) :]
     m, n = math.prod(matrix[:n_in]), math.prod(matrix[n_in:])
+    x = newton_schulz(u.reshape(*stacked, m, n), coeffs, steps, whole_matrices)
+    return x.reshape(u.shape) * math.sqrt(max(m, n))
 
-    def one(x: jax.Array) -> jax.Array:
-        return newton_schulz(x.reshape(m, n), coeffs, steps).reshape(matrix)
 
-    for _ in stacked:  # one vmap per stacked axis: each keeps its sharding
-        one = jax.vmap(one)
-    return one(u) * math.sqrt(max(m, n))
+def whole_matrices(x: jax.Array) -> jax.Array:
+    """x with its trailing matrices unsplit on every device, its stacked (leading) axes split as
+    XLA has them; a no-op outside a run's mesh (mesh.sharding_rules)."""
+    active = active_rules()
+    if active is None:
+        return x
+    spec = P(*[P.UNCONSTRAINED] * (x.ndim - 2), None, None)
+    return jax.lax.with_sharding_constraint(x, NamedSharding(active[0], spec))
 
 
 class MuonState(NamedTuple):

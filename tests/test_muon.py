@@ -12,8 +12,10 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from maxtrain import optim
+from maxtrain.analysis.program import collective_bytes
 from maxtrain.checkpointing import load_parameters
 from maxtrain.config import OptimConfig
+from maxtrain.mesh import sharding_rules
 from maxtrain.models import model_def
 from maxtrain.train import run
 
@@ -90,42 +92,48 @@ def test_three_updates_match_the_published_algorithm_per_layer_matrix():
 
 
 def test_sharded_update_equals_the_single_device_one():
-    """Experts split over `expert`, embed over `fsdp`, hidden units over `tensor` (8 devices):
-    the same update as on one device, and the expert axis stays split (each device
-    orthogonalises its own experts' matrices, nothing gathers them)."""
+    """Experts split over `expert`, embed over `fsdp`, hidden units over `tensor` (8 devices),
+    traced under the run's mesh: the same two updates as on one device. Each matrix is gathered
+    whole once per step (not once per Newton-Schulz iteration), and the experts never: a
+    device's gathers are its two experts' matrices and the two dense stacks, once per step."""
     rng = np.random.default_rng(1)
     shapes = {
-        "layers": {
-            "mlp": {"up": {"kernel": (2, 16, 24)}, "down": {"kernel": (2, 24, 16)}},
-            "moe": {"up": {"kernel": (2, 4, 16, 8)}},
-        }
+        "mlp": {"up": (2, 16, 24), "down": (2, 24, 16)},
+        "moe": {"up": (2, 4, 16, 8)},
     }
     specs = {
-        "layers": {
-            "mlp": {"up": {"kernel": P(None, "fsdp", "tensor")}},
-            "moe": {"up": {"kernel": P(None, "expert", "fsdp", "tensor")}},
-        }
+        "mlp": {"up": P(None, "fsdp", "tensor"), "down": P(None, "tensor", "fsdp")},
+        "moe": {"up": P(None, "expert", "fsdp", "tensor")},
     }
-    specs["layers"]["mlp"]["down"] = {"kernel": P(None, "tensor", "fsdp")}
     is_shape = lambda x: isinstance(x, tuple) and all(isinstance(d, int) for d in x)  # noqa: E731
-    params = jax.tree.map(
-        lambda s: rng.standard_normal(s).astype(np.float32), shapes, is_leaf=is_shape
+    as_params = lambda tree: {"layers": jax.tree.map(lambda x: {"kernel": x}, tree)}  # noqa: E731
+    draw = lambda: as_params(  # noqa: E731
+        jax.tree.map(lambda s: rng.standard_normal(s).astype(np.float32), shapes, is_leaf=is_shape)
     )
-    grads = [jax.tree.map(lambda x: rng.standard_normal(x.shape).astype(np.float32), params)]
-    grads.append(jax.tree.map(lambda x: rng.standard_normal(x.shape).astype(np.float32), params))
+    params, grads = draw(), [draw(), draw()]
     tx, _ = optim.build(muon_cfg(), 10)
-    step = jax.jit(lambda p, gs: apply(tx, p, gs))
+    single = jax.jit(lambda p, gs: apply(tx, p, gs))(params, grads)
 
-    single = step(params, grads)
     mesh = Mesh(np.array(jax.devices()[:8]).reshape(2, 2, 2), ("fsdp", "tensor", "expert"))
-    shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), specs)
+    shardings = as_params(jax.tree.map(lambda s: NamedSharding(mesh, s), specs))
     put = lambda t: jax.device_put(t, shardings)  # noqa: E731
-    sharded = step(put(params), [put(g) for g in grads])
+
+    def step(p, gs):
+        with sharding_rules(mesh, {}):
+            return apply(tx, p, gs)
+
+    args = put(params), [put(g) for g in grads]
+    compiled = jax.jit(step, out_shardings=shardings).lower(*args).compile()
+    sharded = compiled(*args)
     for a, b in zip(jax.tree.leaves(single), jax.tree.leaves(sharded), strict=True):
         np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-5, atol=1e-6)
-    experts = sharded["layers"]["moe"]["up"]["kernel"]
-    assert experts.sharding.spec[1] == "expert", experts.sharding
-    assert experts.addressable_shards[0].data.shape[1] == 2  # 4 experts over 2 devices
+    # A device's whole matrices, in bytes. Gathered over two mesh axes, a matrix goes in two
+    # gathers, the first's half-size result counted too: 1.5x per step. Left to XLA, the
+    # iterations would gather 3x that and all-reduce 8x (Gram matrices' partial sums).
+    per_step = (2 * 16 * 24 + 2 * 24 * 16 + 2 * 2 * 16 * 8) * 4
+    moved = collective_bytes(compiled.as_text())
+    assert moved["all-gather"] <= 2 * 1.5 * per_step, moved
+    assert moved.get("all-reduce", 0) <= per_step, moved
 
 
 def test_a_muon_run_stopped_and_resumed_is_bit_exact(make_cfg, tmp_path):
