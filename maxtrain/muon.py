@@ -51,6 +51,7 @@ import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from maxtrain.config import OptimConfig
 from maxtrain.mesh import active_rules
 
 # Kernels that stay on AdamW although they are matrices (see the module docstring).
@@ -142,7 +143,9 @@ def scale_by_muon(
     return optax.GradientTransformation(init, update)
 
 
-def muon(cfg: Any, lr: optax.Schedule, adamw: optax.GradientTransformation):
+def muon(
+    cfg: OptimConfig, lr: optax.Schedule, adamw: optax.GradientTransformation
+) -> optax.GradientTransformation:
     """Muon on the matrices (optim.muon), `adamw` on every other parameter."""
     m = cfg.muon
     matrices = optax.chain(

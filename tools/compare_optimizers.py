@@ -2,7 +2,7 @@
 prints one JSON line per run and one with the two winners.
 
     python tools/compare_optimizers.py [CONFIG.yml] [key=value ...]
-        [--lrs 3e-3,6e-3,1.5e-3] [--output-dir DIR]
+        [--lrs 3e-3,6e-3,1.5e-3] [--optimizers adamw,muon] [--output-dir DIR]
 
 Every run is the config as given (default configs/base.yml: the default model on the embedded
 corpus) with only optim.name and optim.lr changed: the same seed, batches and token count, and
@@ -15,6 +15,7 @@ AdamW keeps two moments per parameter, Muon one per matrix and AdamW's two for t
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import sys
@@ -47,6 +48,14 @@ def learning_rates(text: str) -> list[float]:
     return [positive_float(v) for v in text.split(",")]
 
 
+def optimizers(text: str) -> list[str]:
+    """An argparse type: comma-separated optimizer names."""
+    names = text.split(",")
+    if unknown := [n for n in names if n not in OPTIMIZERS]:
+        raise argparse.ArgumentTypeError(f"{unknown[0]!r} is not one of {', '.join(OPTIMIZERS)}")
+    return names
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("config", nargs="?", default=str(config_lib.CONFIGS_DIR / "base.yml"))
@@ -54,13 +63,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--lrs", type=learning_rates, default="3e-3,6e-3,1.5e-3", help="peak rates to sweep"
     )
+    parser.add_argument(
+        "--optimizers", type=optimizers, default=",".join(OPTIMIZERS), help="a subset to run"
+    )
     parser.add_argument("--output-dir", default="runs/compare_optimizers")
     args = parser.parse_args(argv)
     try:
         steps = config_lib.load(args.config, args.overrides).train.steps
         best = {}
         for lr in args.lrs:
-            for name in OPTIMIZERS:
+            for name in args.optimizers:
                 result = train_one(args, name, lr, steps)
                 print(json.dumps(result), flush=True)
                 if name not in best or result["eval_loss"] < best[name]["eval_loss"]:
