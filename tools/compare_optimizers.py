@@ -6,7 +6,8 @@ prints one JSON line per run and one with the two winners.
 
 Every run is the config as given (default configs/base.yml: the default model on the embedded
 corpus) with only optim.name and optim.lr changed: the same seed, batches and token count, and
-the same held-out eval at the last step, whose weighted loss picks each optimizer's best rate.
+the same held-out eval at the last step, whose weighted loss picks each optimizer's best rate
+(a run stopped by SIGTERM or Ctrl-C ends the sweep and takes no part).
 Both sweep the same rates (Muon's update is scaled to AdamW's RMS, so its rate is on the same
 scale), taking turns rate by rate, so a sweep cut short still compares like with like.
 It also prints each optimizer's state bytes (its moments and counters, all devices together):
@@ -16,6 +17,7 @@ AdamW keeps two moments per parameter, Muon one per matrix and AdamW's two for t
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 import sys
@@ -71,12 +73,13 @@ def main(argv: list[str] | None = None) -> int:
     try:
         steps = config_lib.load(args.config, args.overrides).train.steps
         best = {}
-        for lr in args.lrs:
-            for name in args.optimizers:
-                result = train_one(args, name, lr, steps)
-                print(json.dumps(result), flush=True)
-                if name not in best or result["eval_loss"] < best[name]["eval_loss"]:
-                    best[name] = result
+        for lr, name in itertools.product(args.lrs, args.optimizers):
+            result = train_one(args, name, lr, steps)
+            print(json.dumps(result), flush=True)
+            if result["steps"] < steps:  # stopped by a signal: the sweep stops with it
+                break
+            if name not in best or result["eval_loss"] < best[name]["eval_loss"]:
+                best[name] = result
     except UserError as e:
         return refuse("compare_optimizers", e)
     print(json.dumps({"best": best}), flush=True)
