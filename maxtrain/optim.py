@@ -1,4 +1,5 @@
-"""The optimizer: global-norm clipping then AdamW on a warmup + cosine/WSD/constant schedule."""
+"""The optimizer: global-norm clipping then AdamW, or Muon on the weight matrices and AdamW on
+the rest (optim.name, maxtrain/muon.py), on a warmup + cosine/WSD/constant schedule."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from maxtrain import muon
 from maxtrain.config import OptimConfig
 
 
@@ -78,9 +80,8 @@ def build(
 ) -> tuple[optax.GradientTransformation, optax.Schedule]:
     lr = schedule(cfg, total_steps)
     parts = [clip_by_global_norm(cfg.clip_norm)] if cfg.clip_norm > 0 else []
-    parts.append(
-        optax.adamw(
-            lr, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay, mask=decay_mask
-        )
+    adamw = optax.adamw(
+        lr, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay, mask=decay_mask
     )
+    parts.append(muon.muon(cfg, lr, adamw) if cfg.name == "muon" else adamw)
     return optax.chain(*parts), lr

@@ -54,12 +54,14 @@ def state_shardings(
     replicated = NamedSharding(mesh, P())
     abstract_opt = jax.eval_shape(tx.init, abstract_params)
     # Optimizer moments mirror the params they belong to; counters and the like replicate.
+    # A partitioned optimizer (optim.name muon) holds MaskedNode where another part owns a leaf.
     opt = optax.tree_map_params(
         tx,
-        lambda _, s: s,
+        lambda v, s: v if isinstance(v, optax.MaskedNode) else s,
         abstract_opt,
         params,
         transform_non_params=lambda _: replicated,
+        is_leaf=lambda v: isinstance(v, optax.MaskedNode),
     )
     return TrainState(step=replicated, params=params, opt_state=opt)
 

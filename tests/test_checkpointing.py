@@ -377,20 +377,28 @@ def test_shape_mismatch_names_param_and_touches_nothing(setup, make_cfg):
     assert tree_hash(cfg.run_dir) == before
 
 
-def test_another_optimizer_is_named_as_such_and_touches_nothing(setup, make_cfg):
-    """optim.clip_norm 1.0 -> 0 drops the clipping stage from optax's chain: every optimizer
-    path changes while the parameters match. It used to be blamed on the model."""
+@pytest.mark.parametrize(
+    "override, named",
+    [
+        ("optim.clip_norm=0", "optim.clip_norm 1.0 there, 0.0 here"),
+        ("optim.name=muon", "optim.name adamw there, muon here"),
+    ],
+)
+def test_another_optimizer_is_named_as_such_and_touches_nothing(setup, make_cfg, override, named):
+    """optim.clip_norm 1.0 -> 0 drops the clipping stage from optax's chain, AdamW -> Muon
+    swaps its state for a partition of two: every optimizer path changes while the parameters
+    match. It used to be blamed on the model."""
     cfg, state, _, checkpointer = setup()
     with checkpointer() as ckpt:
         ckpt.save_now(10, state, tier="local")
     before = tree_hash(cfg.run_dir)
 
-    other_cfg = make_cfg("optim.clip_norm=0")
+    other_cfg = make_cfg(override)
     other = Checkpointer(other_cfg.checkpoint, other_cfg.run_dir, config_lib.to_yaml(other_cfg))
     with other as ckpt, pytest.raises(CheckpointError) as err:
         ckpt.restore_latest(abstract(random_state(other_cfg)))
     msg = str(err.value)
-    assert "holds the state of another optimizer (optim.clip_norm 1.0 there, 0.0 here)" in msg
+    assert f"holds the state of another optimizer ({named})" in msg
     step_dir = cfg.run_dir / "checkpoints" / "local" / "10"
     assert msg.endswith(f"checkpoint.load_parameters_path={step_dir}") and "\n" not in msg
     assert tree_hash(cfg.run_dir) == before

@@ -78,3 +78,16 @@ def test_dry_run_says_whether_it_fits_the_named_device_and_by_how_much(
         "headroom_gib": pytest.approx(memory_gib - total, abs=1e-3),
     }
     assert result["fit"]["fits"] == (device != "TPU v5e" or devices == 8)
+
+
+def test_muon_keeps_one_moment_per_matrix_and_counts_newton_schulz(make_cfg):
+    """tiny, replicated: Muon drops one of AdamW's two moments for every layer matrix (q, o
+    64x64; k, v 64x32; gate, up, down 64x128; two layers), and its working set is the largest
+    stacked matrix's: both layers' 64x128 MLP kernels twice, and two 64x64 Gram matrices each."""
+    replicated = ("mesh.fsdp=1", "mesh.data=8")
+    adamw = memory.estimate(make_cfg(*replicated), num_devices=8)
+    muon = memory.estimate(make_cfg(*replicated, "optim.name=muon"), num_devices=8)
+    matrices = 2 * (2 * 64 * 64 + 2 * 64 * 32 + 3 * 64 * 128) * 4
+    assert muon.optimizer == adamw.optimizer - matrices
+    assert muon.optimizer_scratch == 2 * (2 * 64 * 128 + 2 * 64 * 64) * 4
+    assert adamw.optimizer_scratch == 0

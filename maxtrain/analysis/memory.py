@@ -5,7 +5,10 @@ for a slice. The parts:
 
   params, optimizer   each parameter's shard on one device (exact: the same logical-axis
                       rules and divisibility fallbacks the real run uses), and AdamW's two
-                      moments, stored in the parameter dtype
+                      moments, stored in the parameter dtype; with optim.name muon one
+                      momentum per weight matrix (maxtrain/muon.py) and AdamW's two for the rest
+  optimizer_scratch   muon: Newton-Schulz's working set for the largest stacked matrix, its
+                      matrices gathered whole (stacked axes still split) with two Gram matrices
   gradients           one parameter-shaped buffer (two with gradient accumulation: the running
                       sum and the current micro-batch's)
   activations         what the backward pass keeps per layer under the remat policy, for one
@@ -37,6 +40,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import AbstractMesh
 
+from maxtrain import muon
 from maxtrain.config import MESH_AXES, Config
 from maxtrain.kernels.attention import attention_implementation
 from maxtrain.kernels.grouped_matmul import grouped_matmul_implementation
@@ -56,6 +60,7 @@ class MemoryEstimate:
 
     params: int
     optimizer: int
+    optimizer_scratch: int
     gradients: int
     activations: int
     logits: int
@@ -63,14 +68,7 @@ class MemoryEstimate:
 
     @property
     def total(self) -> int:
-        return (
-            self.params
-            + self.optimizer
-            + self.gradients
-            + self.activations
-            + self.logits
-            + self.reference
-        )
+        return sum(asdict(self).values())
 
     def as_gib(self) -> dict[str, float]:
         return {k: round(v / 2**30, 3) for k, v in {**asdict(self), "total": self.total}.items()}
@@ -118,7 +116,11 @@ def estimate(cfg: Config, num_devices: int) -> MemoryEstimate:
     sizes = axis_sizes(cfg.mesh, num_devices)
     mesh = AbstractMesh(tuple(sizes[a] for a in MESH_AXES), MESH_AXES)
     param_bytes = _BYTES[cfg.model.param_dtype]
-    params = _sharded_param_elements(cfg, mesh) * param_bytes
+    shards = _param_shards(cfg, mesh)
+    params = sum(math.prod(shard) for _, _, shard in shards) * param_bytes
+    moments, scratch = 2 * params, 0
+    if cfg.optim.name == "muon":
+        moments, scratch = _muon_state_and_scratch(shards, param_bytes)
     batch_ways = math.prod(sizes[a] for a in cfg.mesh.rules.get("batch", []))
     length_ways = math.prod(sizes[a] for a in cfg.mesh.rules.get("length", []))
     batch = math.ceil(cfg.micro_batch_size / batch_ways)
@@ -137,7 +139,8 @@ def estimate(cfg: Config, num_devices: int) -> MemoryEstimate:
         activations += depth * tokens * _saved_per_token(cfg, last_is_moe, c, policy="none")
     return MemoryEstimate(
         params=params,
-        optimizer=2 * params,
+        optimizer=moments,
+        optimizer_scratch=scratch,
         gradients=params * (2 if cfg.train.grad_accum_steps > 1 else 1),
         activations=activations,
         logits=logits,
@@ -145,11 +148,12 @@ def estimate(cfg: Config, num_devices: int) -> MemoryEstimate:
     )
 
 
-def _sharded_param_elements(cfg: Config, mesh: AbstractMesh) -> int:
-    """Sum over parameters of the elements one device holds."""
+def _param_shards(cfg: Config, mesh: AbstractMesh) -> list[tuple[tuple, tuple, list[int]]]:
+    """(path, shape, the shape one device holds) of every parameter."""
     state = model_def(cfg).abstract_state
-    total = 0
-    for var in jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, nnx.Variable)):
+    is_var = lambda x: isinstance(x, nnx.Variable)  # noqa: E731
+    out = []
+    for path, var in jax.tree_util.tree_flatten_with_path(state, is_leaf=is_var)[0]:
         value = var.get_value()
         axes = var.get_metadata().get("out_sharding") or (None,) * value.ndim
         spec = logical_to_spec(axes, cfg.mesh.rules, mesh, value.shape)
@@ -157,8 +161,29 @@ def _sharded_param_elements(cfg: Config, mesh: AbstractMesh) -> int:
             dim // math.prod(mesh.shape[a] for a in spec_axes(part))
             for dim, part in zip(value.shape, tuple(spec) + (None,) * value.ndim, strict=False)
         ]
-        total += math.prod(shard)
-    return total
+        out.append((path, value.shape, shard))
+    return out
+
+
+def _muon_state_and_scratch(shards: list, param_bytes: int) -> tuple[int, int]:
+    """Muon's state (one momentum per matrix, AdamW's two moments for the rest) and
+    Newton-Schulz's working set for the largest stacked matrix, in bytes."""
+    state = scratch = 0
+    for path, shape, shard in shards:
+        dims = muon.matrix_dims(path)
+        state += math.prod(shard) * (2 if dims is None else 1)
+        if dims is not None:
+            scratch = max(scratch, _newton_schulz_elements(shape, shard, dims))
+    return state * param_bytes, scratch * param_bytes
+
+
+def _newton_schulz_elements(shape: tuple, shard: list[int], dims: tuple[int, int]) -> int:
+    """Elements Newton-Schulz holds at once for one stacked parameter: each matrix whole (XLA
+    gathers the split rows or columns for X X^T) twice, the iterate and the next, and the Gram
+    matrix A and A^2 (min(m, n) square), for this device's part of the stacked axes."""
+    matrix = len(shape) - sum(dims)
+    m, n = math.prod(shape[matrix : matrix + dims[0]]), math.prod(shape[matrix + dims[0] :])
+    return math.prod(shard[:matrix]) * (2 * m * n + 2 * min(m, n) ** 2)
 
 
 def _activation_bytes(

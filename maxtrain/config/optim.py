@@ -2,14 +2,32 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import Field
 
 from maxtrain.config.domains import Fraction, NonNegativeFloat, PositiveFloat, Section
 
+FiniteFloat = Annotated[float, Field(allow_inf_nan=False)]
+
+
+class MuonConfig(Section):
+    """optim.name muon: the weight matrices' hyper-parameters (maxtrain/muon.py); everything
+    else (embeddings, output head, router, norms) takes the AdamW keys of optim."""
+
+    momentum: float = Field(default=0.95, ge=0, lt=1, allow_inf_nan=False)
+    nesterov: bool = True
+    ns_steps: int = Field(default=5, ge=1, le=20)  # Newton-Schulz iterations
+    # The quintic's coefficients (a, b, c): X <- a X + (b A + c A^2) X, A = X X^T.
+    ns_coeffs: list[FiniteFloat] = Field(
+        default=[3.4445, -4.7750, 2.0315], min_length=3, max_length=3
+    )
+    rms_scale: PositiveFloat = 0.2  # update scaled by rms_scale * sqrt(max(rows, cols))
+    weight_decay: NonNegativeFloat = 0.1
+
 
 class OptimConfig(Section):
+    name: Literal["adamw", "muon"] = "adamw"
     lr: NonNegativeFloat = 3e-4
     schedule: Literal["cosine", "wsd", "constant"] = "cosine"
     warmup_steps: int = Field(default=100, ge=0)
@@ -23,3 +41,4 @@ class OptimConfig(Section):
     eps: PositiveFloat = 1e-8
     weight_decay: NonNegativeFloat = 0.1
     clip_norm: NonNegativeFloat = 1.0  # 0 disables clipping
+    muon: MuonConfig = MuonConfig()
