@@ -8,6 +8,7 @@ from flax import nnx
 from maxtrain.config import ModelConfig
 from maxtrain.kernels.attention import attention_kernel
 from maxtrain.layers.base import Projection
+from maxtrain.layers.context_parallel import context_attention, context_degree
 from maxtrain.layers.norms import RMSNorm
 from maxtrain.layers.rope import apply_rope, inverse_frequencies
 from maxtrain.mesh import constrain
@@ -30,6 +31,8 @@ class Attention(nnx.Module):
             self.q_norm = self.k_norm = None
         self.rope = (H, cfg.rope_theta, cfg.rope_scaling)  # static: frequencies built at trace
         self.attend = attention_kernel(cfg.attention)  # the kernel, picked once
+        # ... and the exchange that runs it on a sequence split over mesh.context devices.
+        self.attend_split = context_attention(cfg.context_exchange, cfg.context_layout)
 
     def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array) -> jax.Array:
         q = constrain(self.q(x), ("batch", "length", "heads", "head_dim"))  # [B, T, N, H]
@@ -40,5 +43,6 @@ class Attention(nnx.Module):
         inv_freq = inverse_frequencies(*self.rope)
         q = apply_rope(q, positions, inv_freq)
         k = apply_rope(k, positions, inv_freq)
-        out = self.attend(q, k, v, segment_ids)  # [B, T, N, H]
+        split = context_degree() > 1
+        out = (self.attend_split if split else self.attend)(q, k, v, segment_ids)  # [B, T, N, H]
         return self.o(out)

@@ -37,6 +37,7 @@ class ModelDef:
     abstract_state: nnx.State  # nnx.Param tree with shapes and logical-axis metadata
     auxiliary: AuxiliaryTraining
     layout: StageLayout | None = None  # pipeline stages (models/pipeline.py), or none
+    context_layout: str = "contiguous"  # token order over mesh.context (layers/context_parallel.py)
 
     def apply(self, params: Any, tokens, positions, segment_ids) -> ModelOutput:
         """tokens/positions/segment_ids [B, T] int32 -> logits, auxiliary loss, statistics."""
@@ -72,4 +73,4 @@ def model_def(cfg: Config, pipelined: bool = True) -> ModelDef:
     graphdef, abstract_state = nnx.split(model)
     moe = cfg.model.moe
     auxiliary = RouterTraining(moe) if moe is not None else NoAuxiliary()
-    return ModelDef(graphdef, abstract_state, auxiliary, layout)
+    return ModelDef(graphdef, abstract_state, auxiliary, layout, cfg.model.context_layout)
