@@ -89,12 +89,15 @@ def _all_gather(q, k, v, segment_ids, index, *, degree: int):
 
 def _ring(q, k, v, segment_ids, index, *, degree: int):
     ring = [(i, (i + 1) % degree) for i in range(degree)]
+    # Recomputed in the backward pass, so that it keeps one block's scores at a time rather
+    # than all C: the ring's memory is one block whatever the remat policy.
+    attend_block = jax.checkpoint(block_attention)
     block = (k, v, segment_ids, index)
     out = lse = None
     for step in range(degree):
         # The next block is sent before this one is used, so the transfer can overlap the math.
         arriving = jax.lax.ppermute(block, AXIS, ring) if step < degree - 1 else None
-        block_out, block_lse = block_attention(q, block[0], block[1], segment_ids, block[2],
+        block_out, block_lse = attend_block(q, block[0], block[1], segment_ids, block[2],
                                                index, block[3])  # fmt: skip
         if out is None:
             out, lse = block_out, block_lse
