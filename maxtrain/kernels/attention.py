@@ -10,6 +10,10 @@ lets the flash kernels skip whole key blocks instead of reading a [T, T] mask fr
 
 `attention_kernel(name)` returns the function for a configured name; the attention layer calls
 it at construction and keeps the function, so nothing is looked up by name while tracing.
+
+`block_attention` and `merge_blocks` are the pieces of a sequence split over devices
+(layers/context_parallel.py): a block of queries against any block of keys, masked by original
+token indices, and the online-softmax merge of two such blocks.
 """
 
 from __future__ import annotations
