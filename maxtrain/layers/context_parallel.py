@@ -90,20 +90,25 @@ def _all_gather(q, k, v, segment_ids, index, *, degree: int):
 def _ring(q, k, v, segment_ids, index, *, degree: int):
     ring = [(i, (i + 1) % degree) for i in range(degree)]
     # Recomputed in the backward pass, so that it keeps one block's scores at a time rather
-    # than all C: the ring's memory is one block whatever the remat policy.
+    # than all C; the scan runs the blocks one after another (unrolled, XLA may schedule them
+    # side by side and hold every block's scores at once).
     attend_block = jax.checkpoint(block_attention)
-    block = (k, v, segment_ids, index)
-    out = lse = None
-    for step in range(degree):
+
+    def attend(block):
+        block_k, block_v, block_segments, block_index = block
+        return attend_block(q, block_k, block_v, segment_ids, block_segments, index, block_index)
+
+    def step(carry, _):
+        out, lse, block = carry
         # The next block is sent before this one is used, so the transfer can overlap the math.
-        arriving = jax.lax.ppermute(block, AXIS, ring) if step < degree - 1 else None
-        block_out, block_lse = attend_block(q, block[0], block[1], segment_ids, block[2],
-                                               index, block[3])  # fmt: skip
-        if out is None:
-            out, lse = block_out, block_lse
-        else:
-            out, lse = merge_blocks(out, lse, block_out, block_lse)
-        block = arriving
+        arriving = jax.lax.ppermute(block, AXIS, ring)
+        out, lse = merge_blocks(out, lse, *attend(block))
+        return (out, lse, arriving), None
+
+    out, lse = attend((k, v, segment_ids, index))
+    first = jax.lax.ppermute((k, v, segment_ids, index), AXIS, ring)
+    (out, lse, last), _ = jax.lax.scan(step, (out, lse, first), None, length=degree - 2)
+    out, _ = merge_blocks(out, lse, *attend(last))
     return out.astype(q.dtype)
 
 
