@@ -38,6 +38,7 @@ from maxtrain.errors import DEBUG_ENV, UserError, first_line, refuse
 from maxtrain.evaluation.harness import TaskEvaluator, task_evaluator
 from maxtrain.evaluation.loss import held_out_loss
 from maxtrain.interrupts import EXIT_STATUS, StopSignals
+from maxtrain.layers.context_parallel import check_context
 from maxtrain.layers.expert_parallel import exchange_implementation
 from maxtrain.mesh import batch_degree, build_mesh, sharding_rules
 from maxtrain.models import ModelDef, model_def
@@ -147,6 +148,7 @@ def build_trainer(
     mesh = build_mesh(cfg.mesh, devices)
     check_batch(cfg, mesh)
     check_experts(cfg, mesh)
+    check_context(cfg, mesh.shape["context"])
     tx, lr_schedule = optim.build(cfg.optim, cfg.schedule_steps)
     with sharding_rules(mesh, cfg.mesh.rules):
         state, mdef, shardings = init_state(cfg, mesh, tx, abstract)

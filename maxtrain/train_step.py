@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import optax
 
 from maxtrain.kernels.cross_entropy import cross_entropy
+from maxtrain.layers.context_parallel import to_layout
 from maxtrain.mesh import constrain
 from maxtrain.models import ModelDef
 from maxtrain.state import TrainState
@@ -25,7 +26,10 @@ def token_losses(
     mdef: ModelDef, params: Any, batch: dict[str, jax.Array], z_loss: float
 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array, dict[str, jax.Array], dict]:
     """Returns (sum of masked token losses, number of counted tokens, sum of z-loss terms, the
-    model's auxiliary loss, its forward-pass statistics, no further sums)."""
+    model's auxiliary loss, its forward-pass statistics, no further sums). The tokens are first
+    put in the context-parallel layout (a no-op without mesh.context): none of the sums depends
+    on order."""
+    batch = to_layout(batch, mdef.context_layout)
     logits, aux_loss, stats = mdef.apply(
         params,
         batch["inputs"],

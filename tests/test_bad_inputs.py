@@ -107,10 +107,11 @@ ROWS = [
      "model.num_layers=2 leaves 2 layers, not divisible into 2 stages x pipeline.repeats=2"),
     ("too few micro-batches", "maxtrain", [*TINY, "mesh.stage=2", "pipeline.microbatches=1"],
      "pipeline.microbatches=1 is fewer than the 2 stages"),
-    ("context", "maxtrain", [*TINY, "mesh.context=2"],
-     "mesh.context=2: context parallelism is not implemented yet"),
-    ("context over DCN", "maxtrain", [*TINY, "mesh.dcn.context=2"],
-     "mesh.dcn.context=2: context parallelism is not implemented yet"),
+    ("context split", "maxtrain", [*TINY, "mesh.context=4", "train.seq_len=36"],
+     "train.seq_len=36 must be divisible by 8 (model.context_layout=balanced over a context "
+     "degree of 4)"),
+    ("context exchange", "maxtrain", [*TINY, "model.context_exchange=ulysses"],
+     "config key 'model.context_exchange' must be one of 'all_gather' or 'ring'"),
     ("mesh too big", "maxtrain", [*TINY, "mesh.fsdp=3"], "use 3 devices per slice but 8 are"),
     # ---- config files
     ("no config", "maxtrain", [], "no config file given"),

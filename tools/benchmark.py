@@ -49,6 +49,7 @@ from maxtrain.errors import (  # noqa: E402
     refuse,
 )
 from maxtrain.kernels.grouped_matmul import grouped_matmul_implementation  # noqa: E402
+from maxtrain.layers.context_parallel import attention_pairs  # noqa: E402
 from maxtrain.layers.expert_parallel import exchange_implementation  # noqa: E402
 from maxtrain.mesh import axis_sizes, batch_degree, device_slices  # noqa: E402
 from maxtrain.models.pipeline import stage_layout  # noqa: E402
@@ -87,6 +88,31 @@ def pipeline_settings(cfg: config_lib.Config) -> dict:
             "repeats": layout.repeats,
             "microbatches": layout.microbatches,
             "bubble": round(layout.bubble, 4),
+        }
+    }
+
+
+def context_settings(cfg: config_lib.Config, context: int) -> dict:
+    """The context-parallel exchange and each layout's forward attention FLOPs per device and
+    layer for one sequence (causal, one document): max / min over the devices (none at C = 1)."""
+    if context == 1:
+        return {}
+    model = cfg.model
+    per_pair = 4 * model.num_heads * model.resolved_head_dim  # QK^T and PV, 2 FLOPs per MAC
+
+    def flops(layout: str) -> dict:
+        pairs = attention_pairs(cfg.train.seq_len, context, layout)
+        return {"max": per_pair * max(pairs), "min": per_pair * min(pairs),
+                "max_over_min": round(max(pairs) / min(pairs), 4)}  # fmt: skip
+
+    return {
+        "context": {
+            "degree": context,
+            "exchange": model.context_exchange,
+            "layout": model.context_layout,
+            "attention_flops_per_device_layer": {
+                layout: flops(layout) for layout in ("balanced", "contiguous")
+            },
         }
     }
 
@@ -159,6 +185,7 @@ def benchmark(cfg: config_lib.Config, steps: int, warmup: int, profile_dir: str 
         "remat": cfg.model.remat,
         **moe_settings(cfg.model),
         **pipeline_settings(cfg),
+        **context_settings(cfg, trainer.mesh.shape["context"]),
         "quantization": cfg.quantization.preset,
         "matmul_dtypes": dtypes,
         # Per device and step, from the compiled program (maxtrain/analysis/program.py).
@@ -197,6 +224,7 @@ def dry_run(cfg: config_lib.Config, num_devices: int, compile_step: bool, device
         "compute_dtype": str(jnp.dtype(models.compute_dtype(cfg.model))),
         "remat": cfg.model.remat,
         **pipeline_settings(cfg),
+        **context_settings(cfg, sizes["context"]),
         "estimated_gib_per_device": (estimated := memory.estimate(cfg, num_devices).as_gib()),
         "fit": memory.fit(estimated["total"], device_kind),
     }

@@ -205,11 +205,19 @@ def _activation_bytes(
         kept += passes * tokens * sum(_saved_per_token(cfg, is_moe, c) for is_moe in layers)
         per_token = max(_saved_per_token(cfg, is_moe, c, policy="none") for is_moe in layers)
         working = max(working, tokens * per_token)
-        if attention_implementation(model.attention) == "xla":
-            # The reference attention materialises float32 scores and probabilities: one
-            # layer's while recomputing under remat, every layer's without it.
+        # Keys a device's queries meet at once: the whole sequence, or under context
+        # parallelism with the ring exchange one block (layers/context_parallel.py).
+        split = length < cfg.train.seq_len
+        keys = length if split and model.context_exchange == "ring" else cfg.train.seq_len
+        if split or attention_implementation(model.attention) == "xla":
+            # The reference attention, and every block of a split sequence, materialise float32
+            # scores and probabilities: one layer's while recomputing under remat, every
+            # layer's without it.
             count = passes * len(layers) if model.remat == "none" else 1
-            scores += count * 2 * 4 * rows * model.num_heads * length * cfg.train.seq_len
+            scores += count * 2 * 4 * rows * model.num_heads * length * keys
+        if split:  # the exchanged K and V (all_gather: the whole sequence)
+            kv = 2 * rows * keys * model.num_kv_heads * model.resolved_head_dim * c
+            working = max(working, tokens * per_token + kv)
         if any(layers):
             dispatch = max(dispatch, _moe_dispatch_bytes(cfg, sizes, tokens, c))
     if layout is not None:  # the micro-batches between repeats, and their gradient

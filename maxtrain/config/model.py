@@ -206,3 +206,7 @@ class ModelConfig(ModelArchitecture):
     attention: Literal["auto", "xla", "mosaic", "cudnn", "triton", "xla_chunked", "tokamax_xla"] = (
         "auto"
     )
+    # With mesh.context > 1 (layers/context_parallel.py): how keys/values reach the queries,
+    # and how the sequence is cut over the devices.
+    context_exchange: Literal["all_gather", "ring"] = "all_gather"
+    context_layout: Literal["balanced", "contiguous"] = "balanced"

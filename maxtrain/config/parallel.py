@@ -10,9 +10,6 @@ from maxtrain.config.domains import PositiveInt, PositiveOrMinusOne, Section
 
 MESH_AXES = ("data", "stage", "fsdp", "context", "tensor", "expert")
 MeshAxis = Literal[MESH_AXES]
-# Mesh axes not implemented yet: a degree other than 1 (within or across slices) is refused
-# rather than silently running every stage/shard on the same work. Drop an axis once it works.
-UNIMPLEMENTED_AXES = ("context",)
 
 
 class MeshAxes(Section):
@@ -42,20 +39,6 @@ class MeshConfig(MeshAxes):
     dcn: DcnAxes = DcnAxes()
     # Logical axis name -> mesh axes it is sharded over. Layer code names only logical axes.
     rules: dict[str, list[MeshAxis]] = Field(default_factory=dict)
-
-    @model_validator(mode="after")
-    def _check_implemented(self) -> MeshConfig:
-        for axis in UNIMPLEMENTED_AXES:
-            for key, degree in (
-                (axis, getattr(self, axis)),
-                (f"dcn.{axis}", getattr(self.dcn, axis)),
-            ):
-                if degree != 1:
-                    raise ValueError(
-                        f"mesh.{key}={degree}: {axis} parallelism is not implemented yet; "
-                        "set it to 1"
-                    )
-        return self
 
 
 class PipelineConfig(Section):

@@ -16,6 +16,10 @@ in DeepSeek-V3). The reference takes any value head size. The tokamax kernels ar
 zero-padded to the query/key head size and the padding is sliced off the output (exact: zero
 value dims give zero output dims), because not every one of them accepts differing sizes; this
 costs (H_qk - H_v) / H_qk of the value matmul.
+
+`block_attention` and `merge_blocks` are the pieces of a sequence split over devices
+(layers/context_parallel.py): a block of queries against any block of keys, masked by original
+token indices, and the online-softmax merge of two such blocks.
 """
 
 from __future__ import annotations
@@ -176,3 +180,49 @@ def attention_kernel(name: str) -> AttentionFn:
     if resolved in IMPLEMENTATIONS:
         return IMPLEMENTATIONS[resolved]
     return _unavailable(name, jax.default_backend())
+
+
+def block_attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    q_segment_ids: jax.Array,
+    k_segment_ids: jax.Array,
+    q_index: jax.Array,
+    k_index: jax.Array,
+) -> tuple[jax.Array, jax.Array]:
+    """One block of a split attention: queries [B, Tq, N, H] against keys/values [B, S, K, H]
+    that may be any part of the sequence, in any order.
+
+    The mask comes from each token's index in the original sequence (q_index [Tq], k_index [S])
+    and its document (segment ids [B, Tq], [B, S]), not from where it sits in the block, so a
+    load-balanced or rotated split masks exactly as the whole sequence does. Returns the
+    normalised output [B, Tq, N, H] and the log-sum-exp of the scores [B, Tq, N] (both float32):
+    blocks of the same queries merge exactly with `merge_blocks`. The plain-XLA path of the
+    context-parallel exchanges (layers/context_parallel.py); its math is `reference_attention`'s.
+    """
+    b, t, n, h = q.shape
+    num_kv = k.shape[2]
+    q = q.reshape(b, t, num_kv, n // num_kv, h)  # [B, Tq, K, G, H]
+    scores = jnp.einsum("btkgh,bskh->bkgts", q, k, preferred_element_type=jnp.float32)
+    scores = scores.astype(jnp.float32) / math.sqrt(h)  # [B, K, G, Tq, S]
+    causal = k_index[None, :] <= q_index[:, None]  # [Tq, S]
+    same_doc = q_segment_ids[:, :, None] == k_segment_ids[:, None, :]  # [B, Tq, S]
+    mask = (causal & same_doc)[:, None, None]
+    # A query may see no key of this block: finfo.min keeps it finite, and its log-sum-exp
+    # (about finfo.min) gives the block zero weight when merged with the block holding its key.
+    scores = jnp.where(mask, scores, jnp.finfo(jnp.float32).min)
+    lse = jax.nn.logsumexp(scores, axis=-1)  # [B, K, G, Tq]
+    probs = jnp.exp(scores - lse[..., None])
+    out = jnp.einsum("bkgts,bskh->btkgh", probs, v.astype(jnp.float32)).reshape(b, t, n, h)
+    return out, lse.transpose(0, 3, 1, 2).reshape(b, t, n)
+
+
+def merge_blocks(
+    out_a: jax.Array, lse_a: jax.Array, out_b: jax.Array, lse_b: jax.Array
+) -> tuple[jax.Array, jax.Array]:
+    """Two `block_attention` results of the same queries over disjoint keys -> the result over
+    both (online softmax): each output weighted by its share of the total exp-score mass."""
+    lse = jnp.logaddexp(lse_a, lse_b)
+    weight_a, weight_b = jnp.exp(lse_a - lse)[..., None], jnp.exp(lse_b - lse)[..., None]
+    return out_a * weight_a + out_b * weight_b, lse

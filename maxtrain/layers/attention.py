@@ -11,6 +11,7 @@ from maxtrain.config import ModelConfig
 from maxtrain.inference.kv_cache import LayerCache
 from maxtrain.kernels.attention import attention_kernel, cached_attention
 from maxtrain.layers.base import Projection
+from maxtrain.layers.context_parallel import context_attention, context_degree
 from maxtrain.layers.norms import RMSNorm
 from maxtrain.layers.rope import Rope
 from maxtrain.mesh import constrain
@@ -54,10 +55,13 @@ class Attention(nnx.Module):
             self.q_norm = self.k_norm = None
         self.rope = Rope(H, cfg.rope_theta, cfg.rope_scaling, cfg.rope_interleaved)
         self.attend = attention_kernel(cfg.attention)  # the kernel, picked once
+        # ... and the exchange that runs it on a sequence split over mesh.context devices.
+        self.attend_split = context_attention(cfg.context_exchange, cfg.context_layout)
 
     def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array) -> jax.Array:
         q, k, v = self._project(x, positions)
-        out = self.attend(q, k, v, segment_ids)  # [B, T, N, H]
+        split = context_degree() > 1
+        out = (self.attend_split if split else self.attend)(q, k, v, segment_ids)  # [B, T, N, H]
         return self.o(out)
 
     def cached(

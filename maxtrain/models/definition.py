@@ -39,6 +39,7 @@ class ModelDef:
     abstract_state: nnx.State  # nnx.Param tree with shapes and logical-axis metadata
     auxiliary: AuxiliaryTraining
     layout: StageLayout | None = None  # pipeline stages (models/pipeline.py), or none
+    context_layout: str = "contiguous"  # token order over mesh.context (layers/context_parallel.py)
 
     def apply(
         self, params: Any, tokens, positions, segment_ids, targets=None, loss_mask=None
@@ -90,4 +91,4 @@ def model_def(cfg: Config, pipelined: bool = True) -> ModelDef:
     auxiliary = RouterTraining(moe) if moe is not None else NoAuxiliary()
     if cfg.model.mtp.depth:
         auxiliary = MultiTokenTraining(auxiliary, cfg.model.mtp)
-    return ModelDef(graphdef, abstract_state, auxiliary, layout)
+    return ModelDef(graphdef, abstract_state, auxiliary, layout, cfg.model.context_layout)
