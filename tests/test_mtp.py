@@ -109,7 +109,8 @@ def test_mtp_loss_equals_the_computation_by_hand(make_cfg):
 
 
 MOE_MTP = [
-    "model_name=tiny-moe",  # 2 MoE layers: the MTP block is MoE too
+    "model_name=tiny-mla",  # DeepSeek-style: MLA, a dense first layer, 2 MoE layers; the MTP
+    # block is the last layer's kind (MLA and MoE)
     "model.moe.ep_capacity_factor=8",  # never drops: the device count must not change the routing
     "model.moe.score=sigmoid",  # DeepSeek-V3's routing: 4 groups of 2 experts (with mesh.expert=4
     "model.moe.n_group=4",  # one group per device), a token's 2 experts from its best 2 groups
