@@ -5,8 +5,8 @@ This is the dropless MoE workhorse: after tokens are sorted by expert, ``x[M, K]
 
 Two implementations, picked once by `grouped_matmul_kernel` (the MoE layer keeps the function):
   * ``xla``: ``jax.lax.ragged_dot``. Exact and the CPU path, but on GPU it lowers to a dense
-    computation over every group (E times the work) and at real sizes runs out of memory
-    (../shared/notes/h100-measurements.md: 32 GiB for 64 experts).
+    computation over every group (E times the work) and at real sizes runs out of memory (a
+    64-expert MoE on an H100: recipes/h100/README.md).
   * ``tokamax``: ``tokamax.ragged_dot``, the Pallas Mosaic kernels on GPU/TPU, which touch only
     each row's own group.
 
