@@ -8,19 +8,16 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import math
 import os
 import sys
 import time
-from dataclasses import dataclass
 from typing import Any
 
 import jax
 import numpy as np
 import yaml
-from jax.sharding import Mesh, NamedSharding
 
-from maxtrain import cache, distributed, losses, optim, run_lock, run_summary
+from maxtrain import cache, distributed, optim, run_lock, run_summary
 from maxtrain import config as config_lib
 from maxtrain import metrics as metrics_lib
 from maxtrain.checkpointing import (
@@ -31,179 +28,17 @@ from maxtrain.checkpointing import (
 )
 from maxtrain.checkpointing.common import tier_dirs
 from maxtrain.checkpointing.integrity import newest_complete
-from maxtrain.config import Config, ConfigError
-from maxtrain.data import batch_sharding, to_global
+from maxtrain.config import Config
 from maxtrain.data.pipeline import STREAMS, EvalStream
 from maxtrain.errors import DEBUG_ENV, UserError, first_line, refuse
 from maxtrain.evaluation.harness import TaskEvaluator, task_evaluator
 from maxtrain.evaluation.loss import held_out_loss
 from maxtrain.interrupts import EXIT_STATUS, StopSignals
-from maxtrain.layers.context_parallel import check_context
-from maxtrain.layers.expert_parallel import exchange_implementation
-from maxtrain.mesh import batch_degree, build_mesh, sharding_rules
-from maxtrain.models import ModelDef, model_def
+from maxtrain.mesh import build_mesh, sharding_rules
+from maxtrain.models import model_def
 from maxtrain.nonfinite import NonFiniteLoss, NonFiniteWatch
-from maxtrain.state import SavedLayout, TrainState, init_state, saved_layout
-from maxtrain.train_step import eval_step, train_step
+from maxtrain.trainer import Trainer, build_trainer
 from maxtrain.transforms.initialize import initial_params
-
-
-@dataclass
-class Trainer:
-    """The compiled pieces of a run, shared by the train loop and tools/benchmark.py."""
-
-    cfg: Config
-    mesh: Mesh
-    mdef: ModelDef
-    state: TrainState
-    batch_sharding: NamedSharding
-    step_fn: Any  # (state, batch) -> (state, metrics), donates state
-    eval_fn: Any  # (params, batch) -> {nll_sum, tokens}
-    flops_per_token: float
-    shardings: TrainState  # of the state
-    saved: SavedLayout  # the state as checkpoints hold it (models/pipeline.py)
-    reference_fn: Any = None  # (params, batch) -> DPO's reference log-probs (losses.py)
-    reference: Any = None  # train.task dpo: the frozen start parameters (_load_reference)
-
-    def saved_state(self) -> TrainState:
-        """The state to hand a checkpointer: in model order, whatever the pipeline."""
-        return self.saved.saved(self.state)
-
-    def with_reference(self, batch: dict[str, jax.Array]) -> dict[str, jax.Array]:
-        """For DPO, the global batch with the frozen reference's log-probabilities added,
-        computed on the mesh; else the batch as it is."""
-        if self.reference is None:
-            return batch
-        return {**batch, losses.REFERENCE: self.reference_fn(self.reference, batch)}
-
-    def global_batch(self, local: dict[str, np.ndarray]) -> dict[str, jax.Array]:
-        """This host's rows as the global batch the step takes (with_reference added)."""
-        return self.with_reference(to_global(local, self.batch_sharding))
-
-
-def check_batch(cfg: Config, mesh: Mesh) -> None:
-    degree = batch_degree(cfg.mesh.rules, mesh)
-    if cfg.micro_batch_size % degree:
-        raise ConfigError(
-            f"train.global_batch_size={cfg.train.global_batch_size} over "
-            f"train.grad_accum_steps={cfg.train.grad_accum_steps} gives micro-batches of "
-            f"{cfg.micro_batch_size} sequences, not divisible by the data-parallel degree "
-            f"{degree} (mesh axes {', '.join(cfg.mesh.rules.get('batch', []))})"
-        )
-    pipeline_microbatches = cfg.pipeline.microbatches or cfg.mesh.stage * cfg.mesh.dcn.stage
-    if cfg.mesh.stage * cfg.mesh.dcn.stage > 1 and (
-        cfg.micro_batch_size % pipeline_microbatches
-        or (cfg.micro_batch_size // pipeline_microbatches) % degree
-    ):
-        raise ConfigError(
-            f"micro-batches of {cfg.micro_batch_size} sequences do not split into "
-            f"pipeline.microbatches={pipeline_microbatches} parts divisible by the "
-            f"data-parallel degree {degree}"
-        )
-    if cfg.train.global_batch_size % jax.process_count():
-        raise ConfigError(
-            f"train.global_batch_size={cfg.train.global_batch_size} is not divisible by the "
-            f"{jax.process_count()} processes"
-        )
-
-
-def check_experts(cfg: Config, mesh: Mesh) -> None:
-    """Expert parallelism needs whole experts per device and tokens split the same way."""
-    moe = cfg.model.moe
-    if moe is None:
-        return
-    axes = [a for a in cfg.mesh.rules.get("exp", []) if mesh.shape[a] > 1]
-    degree = math.prod(mesh.shape[a] for a in axes)
-    if moe.num_experts % degree:
-        raise ConfigError(
-            f"model.moe.num_experts ({moe.num_experts}) is not divisible by the expert-parallel "
-            f"degree {degree} (mesh axes {', '.join(axes)}); change mesh.expert or num_experts"
-        )
-    missing = [a for a in axes if a not in cfg.mesh.rules.get("batch", [])]
-    if missing:
-        raise ConfigError(
-            f"mesh.rules.exp splits experts over {', '.join(missing)}, which mesh.rules.batch "
-            f"does not split tokens over; add it to mesh.rules.batch"
-        )
-    exchange = exchange_implementation(moe.ep_dispatch)
-    if degree > 1 and exchange == "ragged" and jax.default_backend() == "cpu":
-        raise ConfigError(
-            "model.moe.ep_dispatch=ragged needs a GPU or TPU (XLA:CPU has no ragged "
-            "all-to-all); use all_to_all or all_gather, or auto"
-        )
-    rounds = moe.capacity_factor is None and moe.ep_overflow == "rounds"
-    if degree > 1 and mesh.shape["stage"] > 1 and rounds and moe.ep_capacity_factor < degree:
-        raise ConfigError(
-            "model.moe.ep_overflow=rounds does not yet run inside pipeline stages (mesh.stage "
-            f"{mesh.shape['stage']}); set model.moe.ep_overflow=drop, or "
-            f"model.moe.ep_capacity_factor >= {degree} (one round of worst-case buffers)"
-        )
-
-
-def build_trainer(
-    cfg: Config, devices: list[jax.Device] | None = None, abstract: bool = False
-) -> Trainer:
-    """The run's mesh, state and compiled functions. abstract=True: the state as shapes and
-    shardings only (state.init_state), for compiling the step without memory for it."""
-    mesh = build_mesh(cfg.mesh, devices)
-    check_batch(cfg, mesh)
-    check_experts(cfg, mesh)
-    check_context(cfg, mesh.shape["context"])
-    tx, lr_schedule = optim.build(cfg.optim, cfg.schedule_steps)
-    with sharding_rules(mesh, cfg.mesh.rules):
-        state, mdef, shardings = init_state(cfg, mesh, tx, abstract)
-        saved = saved_layout(cfg, mesh, tx, mdef)
-    data_sharding = batch_sharding(mesh, cfg.mesh.rules)
-    objective = losses.objective(cfg.train)
-    step = functools.partial(
-        train_step,
-        mdef=mdef,
-        tx=tx,
-        lr_schedule=lr_schedule,
-        grad_accum_steps=cfg.train.grad_accum_steps,
-        z_loss=cfg.train.z_loss,
-        objective=objective,
-    )
-    step_fn = jax.jit(
-        _with_rules(step, mesh, cfg),
-        in_shardings=(shardings, data_sharding),
-        out_shardings=(shardings, None),
-        donate_argnums=0,
-    )
-    eval_fn = jax.jit(
-        _with_rules(functools.partial(eval_step, mdef=mdef, objective=objective), mesh, cfg),
-        in_shardings=(shardings.params, data_sharding),
-    )
-    reference_fn = jax.jit(
-        _with_rules(functools.partial(losses.reference_logps, mdef), mesh, cfg),
-        in_shardings=(shardings.params, data_sharding),
-        out_shardings=data_sharding,
-    )
-    flops = metrics_lib.train_flops_per_token(cfg.model, cfg.train.seq_len)
-    return Trainer(
-        cfg,
-        mesh,
-        mdef,
-        state,
-        data_sharding,
-        step_fn,
-        eval_fn,
-        flops,
-        shardings,
-        saved,
-        reference_fn,
-    )
-
-
-def _with_rules(fn, mesh: Mesh, cfg: Config):
-    """Traces `fn` with the config's logical-axis rules active (for activation constraints)."""
-
-    @functools.wraps(fn)
-    def wrapped(*args, **kwargs):
-        with sharding_rules(mesh, cfg.mesh.rules):
-            return fn(*args, **kwargs)
-
-    return wrapped
 
 
 def data_streams(cfg: Config, start_step: int = 0) -> tuple[Any, list[EvalStream]]:

@@ -21,7 +21,8 @@ from maxtrain.layers.moe import MoE, router_stats
 from maxtrain.mesh import build_mesh, sharding_rules
 from maxtrain.models.auxiliary import RouterTraining
 from maxtrain.models.stacks import is_moe_per_layer, layer_runs
-from maxtrain.train import build_trainer, check_experts, data_streams, run
+from maxtrain.train import data_streams, run
+from maxtrain.trainer import build_trainer, check_experts
 
 D, E, K, F = 16, 8, 2, 12
 

@@ -161,7 +161,7 @@ def test_mtp_losses_fall(one_device):
 
 
 # Stages with expert parallelism take one round of worst-case buffers (f >= mesh.expert): the
-# rounds of the dropless default do not run under the stage map (train.check_experts).
+# rounds of the dropless default do not run under the stage map (trainer.check_experts).
 STAGED = ["mesh.stage=2", "mesh.expert=2", "mesh.fsdp=2", "model.moe.ep_capacity_factor=2"]
 
 

@@ -22,8 +22,9 @@ from maxtrain.checkpointing.export import save_parameters
 from maxtrain.config import CONFIGS_DIR, to_yaml
 from maxtrain.inference.loading import load_model
 from maxtrain.models import model_def
-from maxtrain.train import _with_rules, build_trainer, data_streams, main, run
+from maxtrain.train import data_streams, main, run
 from maxtrain.train_step import summed_grads
+from maxtrain.trainer import _with_rules, build_trainer
 
 BASE = CONFIGS_DIR / "base.yml"
 EXPERTS_INT8 = (

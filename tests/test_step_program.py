@@ -12,8 +12,9 @@ import pytest
 from maxtrain import optim
 from maxtrain.analysis.program import entry_parameter_copies
 from maxtrain.data import to_global
-from maxtrain.train import _with_rules, build_trainer, data_streams
+from maxtrain.train import data_streams
 from maxtrain.train_step import train_step
+from maxtrain.trainer import _with_rules, build_trainer
 
 
 def compiled_steps(cfg):

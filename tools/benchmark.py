@@ -54,7 +54,8 @@ from maxtrain.layers.expert_parallel import exchange_implementation  # noqa: E40
 from maxtrain.mesh import axis_sizes, batch_degree, device_slices  # noqa: E402
 from maxtrain.models.pipeline import stage_layout  # noqa: E402
 from maxtrain.models.stacks import is_moe_per_layer  # noqa: E402
-from maxtrain.train import build_trainer, check_batch, data_streams  # noqa: E402
+from maxtrain.train import data_streams  # noqa: E402
+from maxtrain.trainer import build_trainer, check_batch  # noqa: E402
 
 
 def peak_memory_gib() -> float | None:
