@@ -38,10 +38,10 @@ def xla_grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array) -> ja
 def tokamax_grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array) -> jax.Array:
     import tokamax  # when first traced: its import takes seconds, and CPU runs never need it
 
-    out = tokamax.ragged_dot(
-        x, w, group_sizes.astype(jnp.int32), preferred_element_type=jnp.float32
-    )
-    return out.astype(x.dtype)
+    # Output in x.dtype straight from the kernel, which accumulates in float32 anyway: a float32
+    # output would hand tokamax's backward a float32 cotangent to multiply with the bf16
+    # weights, and its GPU kernels take only operands of one dtype.
+    return tokamax.ragged_dot(x, w, group_sizes.astype(jnp.int32))
 
 
 IMPLEMENTATIONS: dict[str, GroupedMatmul] = {
