@@ -27,8 +27,26 @@ from maxtrain.models.pipeline import StageLayout
 @struct.dataclass
 class TrainState:
     step: jax.Array
-    params: Any
+    params: Any  # what the optimizer trains: the whole model, or its adapters (maxtrain/lora.py)
     opt_state: Any
+    # With lora.rank > 0: the frozen base model the adapters sit on (its layer kernels Qwix
+    # QArrays under lora.base_quantization). Read from checkpoint.load_parameters_path at every
+    # start and resume, never saved (SavedLayout drops it). None otherwise.
+    frozen: Any = None
+
+    def model_params(self) -> Any:
+        """The parameters the model runs on."""
+        return model_params(self.params, self.frozen)
+
+
+def model_params(params: Any, frozen: Any) -> Any:
+    """The trained parameters with the frozen ones (if any) beside them: what ModelDef.apply
+    takes."""
+    if frozen is None:
+        return params
+    from maxtrain import lora
+
+    return lora.combine(frozen, params)
 
 
 def param_shardings(mdef: ModelDef, cfg: Config, mesh: Mesh) -> Any:
@@ -51,6 +69,15 @@ def state_shardings(
 ) -> TrainState:
     params = param_shardings(mdef, cfg, mesh)
     abstract_params = nnx.to_pure_dict(mdef.abstract_state)
+    frozen = None
+    if cfg.lora.enabled:
+        from maxtrain import lora
+
+        params, _ = lora.split(params)
+        abstract_params, abstract_base = lora.split(abstract_params)
+        frozen = _leaf_shardings(
+            jax.eval_shape(functools.partial(_frozen, cfg, mdef), abstract_base), mdef, cfg, mesh
+        )
     replicated = NamedSharding(mesh, P())
     abstract_opt = jax.eval_shape(tx.init, abstract_params)
     # Optimizer moments mirror the params they belong to; counters and the like replicate.
@@ -63,7 +90,49 @@ def state_shardings(
         transform_non_params=lambda _: replicated,
         is_leaf=lambda v: isinstance(v, optax.MaskedNode),
     )
-    return TrainState(step=replicated, params=params, opt_state=opt)
+    return TrainState(step=replicated, params=params, opt_state=opt, frozen=frozen)
+
+
+def _frozen(cfg: Config, mdef: ModelDef, base: dict) -> dict:
+    """A LoRA run's frozen base as it is kept: its layer kernels quantized under
+    lora.base_quantization (QLoRA), else as it is."""
+    if cfg.lora.base_quantization == "none":
+        return base
+    from maxtrain import lora
+
+    return lora.quantized_kernels(base, mdef.abstract_state, cfg.lora)
+
+
+def abstract_base(mdef: ModelDef, cfg: Config, mesh: Mesh) -> dict:
+    """A LoRA run's base model (its parameters without the adapters, unquantized) as shapes and
+    shardings: what checkpoint.load_parameters_path is read into."""
+    from maxtrain import lora
+
+    shapes = lora.split(nnx.to_pure_dict(mdef.abstract_state))[1]
+    return _with_shardings(shapes, lora.split(param_shardings(mdef, cfg, mesh))[1])
+
+
+def frozen_base(cfg: Config, mdef: ModelDef, shardings: TrainState, base: dict) -> Any:
+    """The loaded base as the state keeps it (state.frozen): quantized under
+    lora.base_quantization, on the frozen part's shardings."""
+    return jax.jit(functools.partial(_frozen, cfg, mdef), out_shardings=shardings.frozen)(base)
+
+
+def _leaf_shardings(tree: Any, mdef: ModelDef, cfg: Config, mesh: Mesh) -> Any:
+    """A sharding for every leaf of a params-shaped tree, from the logical axes of the parameter
+    it belongs to and its own shape: a quantized kernel's values and scales are split like it,
+    wherever their shape allows."""
+    axes = {
+        tuple(str(k) for k in path): var.get_metadata().get("out_sharding")
+        for path, var in nnx.to_flat_state(mdef.abstract_state)
+    }
+
+    def sharding(path, leaf) -> NamedSharding:
+        names = tuple(str(k.key) for k in path if isinstance(k, jax.tree_util.DictKey))
+        leaf_axes = axes[names] or (None,) * leaf.ndim
+        return NamedSharding(mesh, logical_to_spec(leaf_axes, cfg.mesh.rules, mesh, leaf.shape))
+
+    return jax.tree_util.tree_map_with_path(sharding, tree)
 
 
 def init_state(
@@ -80,11 +149,19 @@ def init_state(
     shardings = state_shardings(mdef, cfg, mesh, tx)
 
     def create() -> TrainState:
-        model = models.build(cfg.model, seed=cfg.run.seed)
+        model = models.build(cfg.model, seed=cfg.run.seed, lora=cfg.lora)
         params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
         if mdef.layout is not None:
             params = pipeline.to_stages(params, mdef.layout)
-        return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params))
+        frozen = None
+        if cfg.lora.enabled:  # the base is replaced by the loaded one (train.py)
+            from maxtrain import lora
+
+            params, base = lora.split(params)
+            frozen = _frozen(cfg, mdef, base)
+        return TrainState(
+            step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params), frozen=frozen
+        )
 
     if abstract:
         state = _with_shardings(jax.eval_shape(create), shardings)
@@ -115,7 +192,9 @@ class SavedLayout:
     shardings: TrainState  # of the state in model order
 
     def saved(self, state: TrainState) -> TrainState:
-        """The state to save: in model order."""
+        """The state to save: in model order, without a LoRA run's frozen base (it is the
+        checkpoint the run started from)."""
+        state = state.replace(frozen=None)
         return state if self.layout is None else self._to_saved(state)
 
     def abstract(self, state: TrainState) -> Any:
@@ -144,6 +223,6 @@ class SavedLayout:
 def saved_layout(
     cfg: Config, mesh: Mesh, tx: optax.GradientTransformation, mdef: ModelDef
 ) -> SavedLayout:
-    if mdef.layout is None:
-        return SavedLayout(None, state_shardings(mdef, cfg, mesh, tx))
-    return SavedLayout(mdef.layout, state_shardings(model_def(cfg, pipelined=False), cfg, mesh, tx))
+    in_model_order = mdef if mdef.layout is None else model_def(cfg, pipelined=False)
+    shardings = state_shardings(in_model_order, cfg, mesh, tx).replace(frozen=None)  # not saved
+    return SavedLayout(mdef.layout, shardings)

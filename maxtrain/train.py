@@ -14,6 +14,7 @@ import time
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import yaml
 
@@ -37,6 +38,7 @@ from maxtrain.interrupts import EXIT_STATUS, StopSignals
 from maxtrain.mesh import build_mesh, sharding_rules
 from maxtrain.models import model_def
 from maxtrain.nonfinite import NonFiniteLoss, NonFiniteWatch
+from maxtrain.state import abstract_base, frozen_base
 from maxtrain.trainer import Trainer, build_trainer
 from maxtrain.transforms.initialize import initial_params
 
@@ -55,7 +57,9 @@ def evaluate(trainer: Trainer, eval_streams: list[EvalStream]) -> dict[str, floa
     (evaluation/loss.py); for DPO the batches get the reference's log-probabilities."""
     cfg = trainer.cfg
     return held_out_loss(
-        lambda params, batch: trainer.eval_fn(params, trainer.with_reference(batch)),
+        lambda params, batch: trainer.eval_fn(
+            params, trainer.state.frozen, trainer.with_reference(batch)
+        ),
         trainer.state.params, trainer.batch_sharding, eval_streams, cfg.train.eval_steps,
     )  # fmt: skip
 
@@ -65,14 +69,16 @@ def _resume_or_load(trainer: Trainer, ckpt: TieredCheckpointer | None, train_bat
     loads checkpoint.load_parameters_path into the fresh state, if set (transformed per
     init.mode: upcycling, depth upscaling), and returns 0."""
     saved = trainer.saved.abstract(trainer.state)  # checkpoints hold layers in model order
+    _load_frozen(trainer)
     if ckpt is not None:
         restored = ckpt.restore_latest(saved, train_batches)
         if restored is not None:
             state, step = restored
-            trainer.state = trainer.saved.restored(state, trainer.shardings)
+            frozen = trainer.state.frozen  # checkpoints hold no frozen base (_load_frozen)
+            trainer.state = trainer.saved.restored(state, trainer.shardings).replace(frozen=frozen)
             return step
     path = trainer.cfg.checkpoint.load_parameters_path
-    if path:
+    if path and not trainer.cfg.lora.enabled:  # with adapters, it is the frozen base
         params = initial_params(trainer.cfg, saved.params)
         trainer.state = trainer.state.replace(
             params=trainer.saved.restored(params, trainer.shardings.params)
@@ -80,10 +86,26 @@ def _resume_or_load(trainer: Trainer, ckpt: TieredCheckpointer | None, train_bat
     return 0
 
 
+def _load_frozen(trainer: Trainer) -> None:
+    """lora.rank > 0: the base model the adapters sit on, from checkpoint.load_parameters_path
+    (transformed per init.mode), at every start and resume: checkpoints hold the adapters only."""
+    cfg = trainer.cfg
+    if not cfg.lora.enabled:
+        return
+    abstract = abstract_base(trainer.mdef, cfg, trainer.mesh)
+    trainer.state = trainer.state.replace(
+        frozen=frozen_base(cfg, trainer.mdef, trainer.shardings, initial_params(cfg, abstract))
+    )
+
+
 def _load_reference(trainer: Trainer) -> None:
     """train.task dpo: the frozen reference, the parameters the run started from
-    (checkpoint.load_parameters_path), resumed or not; a copy apart from the trained ones."""
+    (checkpoint.load_parameters_path), resumed or not; a copy apart from the trained ones. With
+    adapters, the reference is the frozen base itself: zero adapters on it."""
     if trainer.cfg.train.task != "dpo":
+        return
+    if trainer.cfg.lora.enabled:
+        trainer.reference = jax.tree.map(jnp.zeros_like, trainer.state.params)
         return
     saved = trainer.saved.abstract(trainer.state).params
     trainer.reference = trainer.saved.restored(

@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from maxtrain import state as state_lib
 from maxtrain.kernels.cross_entropy import cross_entropy
 from maxtrain.layers.context_parallel import to_layout
 from maxtrain.mesh import constrain
@@ -52,12 +53,15 @@ def summed_grads(
     batch: dict[str, jax.Array],
     z_loss: float,
     objective: Callable = token_losses,
+    frozen: Any = None,
 ):
-    """Gradients of the summed losses. The model's auxiliary loss is a per-batch mean, scaled
-    by the count so that the step's division by the total count leaves its configured weight."""
+    """Gradients of the summed losses with respect to `params` (a LoRA run's adapters, beside
+    the `frozen` base: state.py). The model's auxiliary loss is a per-batch mean, scaled by the
+    count so that the step's division by the total count leaves its configured weight."""
 
     def total(p):
-        loss, count, z, aux_loss, stats, sums = objective(mdef, p, batch, z_loss)
+        model_params = state_lib.model_params(p, frozen)
+        loss, count, z, aux_loss, stats, sums = objective(mdef, model_params, batch, z_loss)
         aux = aux_loss * count
         return loss + z + aux, (loss, count, z, aux, stats, sums)
 
@@ -100,7 +104,7 @@ def train_step(
 
     micro = jax.tree.map(split, batch)
     grads_and_aux = functools.partial(
-        summed_grads, mdef, state.params, z_loss=z_loss, objective=objective
+        summed_grads, mdef, state.params, z_loss=z_loss, objective=objective, frozen=state.frozen
     )
     if grad_accum_steps == 1:
         grad_sum, (nll, count, z, aux, stats, sums) = grads_and_aux(batch)
@@ -145,7 +149,7 @@ def train_step(
     }
     metrics.update({k: v / denom for k, v in sums.items()})
     metrics.update(mdef.metrics(stats, aux / denom))
-    return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics
+    return state.replace(step=state.step + 1, params=params, opt_state=opt_state), metrics
 
 
 def eval_step(
@@ -154,7 +158,8 @@ def eval_step(
     *,
     mdef: ModelDef,
     objective: Callable = token_losses,
+    frozen: Any = None,
 ) -> dict[str, jax.Array]:
     """The objective's summed loss and count (and its further sums) on a held-out batch."""
-    nll, count, _, _, _, sums = objective(mdef, params, batch, 0.0)
+    nll, count, _, _, _, sums = objective(mdef, state_lib.model_params(params, frozen), batch, 0.0)
     return {"nll_sum": nll, "tokens": count, **sums}

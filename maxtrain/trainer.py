@@ -22,7 +22,7 @@ from maxtrain.layers.context_parallel import check_context
 from maxtrain.layers.expert_parallel import exchange_implementation
 from maxtrain.mesh import batch_degree, build_mesh, sharding_rules
 from maxtrain.models import ModelDef
-from maxtrain.state import SavedLayout, TrainState, init_state, saved_layout
+from maxtrain.state import SavedLayout, TrainState, init_state, model_params, saved_layout
 from maxtrain.train_step import eval_step, train_step
 
 
@@ -36,12 +36,14 @@ class Trainer:
     state: TrainState
     batch_sharding: NamedSharding
     step_fn: Any  # (state, batch) -> (state, metrics), donates state
-    eval_fn: Any  # (params, batch) -> {nll_sum, tokens}
+    eval_fn: Any  # (params, frozen, batch) -> {nll_sum, tokens}
     flops_per_token: float
     shardings: TrainState  # of the state
     saved: SavedLayout  # the state as checkpoints hold it (models/pipeline.py)
-    reference_fn: Any = None  # (params, batch) -> DPO's reference log-probs (losses.py)
-    reference: Any = None  # train.task dpo: the frozen start parameters (_load_reference)
+    reference_fn: Any = None  # (params, frozen, batch) -> DPO's reference log-probs (losses.py)
+    # train.task dpo: the start parameters, apart from the trained ones (train.py
+    # _load_reference); with adapters, zero adapters on the same frozen base
+    reference: Any = None
 
     def saved_state(self) -> TrainState:
         """The state to hand a checkpointer: in model order, whatever the pipeline."""
@@ -52,7 +54,8 @@ class Trainer:
         computed on the mesh; else the batch as it is."""
         if self.reference is None:
             return batch
-        return {**batch, losses.REFERENCE: self.reference_fn(self.reference, batch)}
+        logps = self.reference_fn(self.reference, self.state.frozen, batch)
+        return {**batch, losses.REFERENCE: logps}
 
     def global_batch(self, local: dict[str, np.ndarray]) -> dict[str, jax.Array]:
         """This host's rows as the global batch the step takes (with_reference added)."""
@@ -148,13 +151,20 @@ def build_trainer(
         out_shardings=(shardings, None),
         donate_argnums=0,
     )
+
+    def evaluate(params, frozen, batch):
+        return eval_step(params, batch, mdef=mdef, objective=objective, frozen=frozen)
+
+    def reference(params, frozen, batch):
+        return losses.reference_logps(mdef, model_params(params, frozen), batch)
+
     eval_fn = jax.jit(
-        _with_rules(functools.partial(eval_step, mdef=mdef, objective=objective), mesh, cfg),
-        in_shardings=(shardings.params, data_sharding),
+        _with_rules(evaluate, mesh, cfg),
+        in_shardings=(shardings.params, shardings.frozen, data_sharding),
     )
     reference_fn = jax.jit(
-        _with_rules(functools.partial(losses.reference_logps, mdef), mesh, cfg),
-        in_shardings=(shardings.params, data_sharding),
+        _with_rules(reference, mesh, cfg),
+        in_shardings=(shardings.params, shardings.frozen, data_sharding),
         out_shardings=data_sharding,
     )
     flops = metrics_lib.train_flops_per_token(cfg.model, cfg.train.seq_len)

@@ -22,6 +22,7 @@ from maxtrain.config.loading import (
     to_yaml,
     validate,
 )
+from maxtrain.config.lora import LoraConfig
 from maxtrain.config.model import (
     MlaConfig,
     ModelArchitecture,
@@ -68,6 +69,7 @@ __all__ = [
     "QType",
     "QuantRule",
     "QuantizationConfig",
+    "LoraConfig",
     "RopeScaling",
     "RunConfig",
     "TrainConfig",

@@ -21,6 +21,7 @@ from pydantic import model_validator
 from maxtrain.config.checkpoint import CheckpointConfig, InitConfig
 from maxtrain.config.data import DataConfig
 from maxtrain.config.domains import Section
+from maxtrain.config.lora import LoraConfig
 from maxtrain.config.model import ModelConfig
 from maxtrain.config.optim import OptimConfig
 from maxtrain.config.parallel import MeshConfig, PipelineConfig
@@ -43,6 +44,7 @@ class Config(Section):
     run: RunConfig = RunConfig()
     distributed: DistributedConfig = DistributedConfig()
     quantization: QuantizationConfig = QuantizationConfig()
+    lora: LoraConfig = LoraConfig()
 
     @model_validator(mode="after")
     def _check_train(self) -> Config:
@@ -77,6 +79,27 @@ class Config(Section):
             raise ValueError(
                 "train.task=dpo needs checkpoint.load_parameters_path: the model to tune, whose "
                 "frozen copy is the reference"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _check_lora(self) -> Config:
+        if not self.lora.enabled:
+            return self
+        if not self.checkpoint.load_parameters_path:
+            raise ValueError(
+                f"lora.rank={self.lora.rank} needs checkpoint.load_parameters_path: the base "
+                "model the adapters are trained on"
+            )
+        if self.mesh.stage * self.mesh.dcn.stage > 1:
+            raise ValueError(
+                "lora.rank > 0 does not yet run in pipeline stages; set mesh.stage and "
+                "mesh.dcn.stage to 1"
+            )
+        if self.quantization.preset != "none" or self.quantization.rules:
+            raise ValueError(
+                "lora.rank > 0 with quantization: set: quantized training and adapters "
+                "intercept the same matmuls; for a quantized base use lora.base_quantization"
             )
         return self
 

@@ -47,10 +47,24 @@ _OUT_AXES = ("exp", "mlp", "embed")
 
 
 class ExpertKernel(nnx.Module):
-    """The stacked [E, in, out] weights of one projection of every expert."""
+    """The stacked [E, in, out] weights of one projection of every expert, and their low-rank
+    adapters when a run trains adapters (maxtrain/lora.py add_adapters sets them)."""
 
     def __init__(self, shape, axes, *, init_std: float, param_dtype, rngs: nnx.Rngs):
         self.kernel = make_param(rngs, shape, axes, std=init_std, dtype=param_dtype)
+        # Declared as data (nnx.data), so that LoRAParams may replace them.
+        self.kernel_lora_a: nnx.LoRAParam | None = nnx.data(None)  # [E, in, rank]
+        self.kernel_lora_b: nnx.LoRAParam | None = nnx.data(None)  # [E, rank, out]
+        self.lora_scale = 0.0  # alpha / rank
+
+    def weight(self, dtype) -> jax.Array:
+        """The [E, in, out] weights in dtype: W, or W + scale * A B with adapters (formed here,
+        before the experts run: Qwix's LoRA provider does not intercept grouped matmuls)."""
+        w = self.kernel[...]
+        if self.kernel_lora_a is not None:
+            a, b = self.kernel_lora_a[...], self.kernel_lora_b[...]
+            w = w + self.lora_scale * jnp.einsum("eir,ero->eio", a, b).astype(w.dtype)
+        return w.astype(dtype)
 
 
 class Router(nnx.Module):
@@ -129,9 +143,7 @@ class MoE(nnx.Module):
         """Runs the routed experts on each device's own tokens; returns (y, dropped, rounds)."""
         dt = self.compute_dtype
         w = moe_dispatch.ExpertWeights(
-            self.gate.kernel[...].astype(dt),
-            self.up.kernel[...].astype(dt),
-            self.down.kernel[...].astype(dt),
+            self.gate.weight(dt), self.up.weight(dt), self.down.weight(dt)
         )
         active = active_rules()
         if active is None:  # no mesh: one device holds everything

@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from maxtrain.config import ModelConfig
+from maxtrain.config import LoraConfig, ModelConfig
 from maxtrain.models.decoder import Decoder, PipelinedDecoder
 from maxtrain.models.pipeline import StageLayout
 from maxtrain.models.stacks import is_moe_per_layer
@@ -21,21 +21,34 @@ def compute_dtype(cfg: ModelConfig) -> jnp.dtype:
     return _DTYPES[cfg.compute_dtype]
 
 
-def build(cfg: ModelConfig, seed: int = 0, layout: StageLayout | None = None) -> Decoder:
+def build(
+    cfg: ModelConfig,
+    seed: int = 0,
+    layout: StageLayout | None = None,
+    lora: LoraConfig | None = None,
+) -> Decoder:
     """A freshly initialised model (call under jit to get sharded parameters, see state.py);
     with a layout, the pipelined model (whose parameters come from the plain one's, never from
-    its own initialisation: models/pipeline.py to_stages)."""
+    its own initialisation: models/pipeline.py to_stages); with lora.rank > 0, with low-rank
+    adapters (maxtrain/lora.py), created after the model so that it initialises the same."""
     kwargs = dict(
         param_dtype=_DTYPES[cfg.param_dtype],
         compute_dtype=compute_dtype(cfg),
         rngs=nnx.Rngs(params=seed),
     )
-    return Decoder(cfg, **kwargs) if layout is None else PipelinedDecoder(cfg, layout, **kwargs)
+    model = Decoder(cfg, **kwargs) if layout is None else PipelinedDecoder(cfg, layout, **kwargs)
+    if lora is not None and lora.enabled:
+        from maxtrain import lora as lora_lib  # Qwix takes seconds to import: only when asked
+
+        lora_lib.add_adapters(model, lora, seed)
+    return model
 
 
-def abstract(cfg: ModelConfig, layout: StageLayout | None = None) -> Decoder:
+def abstract(
+    cfg: ModelConfig, layout: StageLayout | None = None, lora: LoraConfig | None = None
+) -> Decoder:
     """The model with ShapeDtypeStruct leaves: shapes and metadata, no memory."""
-    return nnx.eval_shape(lambda: build(cfg, layout=layout))
+    return nnx.eval_shape(lambda: build(cfg, layout=layout, lora=lora))
 
 
 def param_count(cfg: ModelConfig) -> int:

@@ -8,6 +8,7 @@ see the same tree either way.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -119,6 +120,20 @@ def stacked_blocks(
     return stack(rngs)
 
 
+def dequantized(layer_state: nnx.State) -> nnx.State:
+    """One layer's parameters with any Qwix QArray (QLoRA's quantized base, maxtrain/lora.py)
+    multiplied out in float32. Called per layer inside the layer loop, so that one layer's float
+    copy exists at a time. Without Qwix loaded no parameter can be quantized: nothing to do."""
+    qwix = sys.modules.get("qwix")
+    if qwix is None:
+        return layer_state
+    for _, var in nnx.to_flat_state(layer_state):
+        value = var.get_value()
+        if isinstance(value, qwix.QArray):
+            var.set_value(qwix.dequantize(value).astype(jnp.float32))
+    return layer_state
+
+
 def run_stack(
     graphdef: nnx.GraphDef,
     stacked: nnx.State,
@@ -137,7 +152,7 @@ def run_stack(
         stacked = jax.tree.map(lambda a: a[start : start + length], stacked)
 
     def apply_one(x, layer_state):
-        return nnx.merge(graphdef, layer_state)(x, positions, segment_ids)
+        return nnx.merge(graphdef, dequantized(layer_state))(x, positions, segment_ids)
 
     if remat != "none":
         apply_one = jax.checkpoint(apply_one, policy=REMAT_POLICIES[remat], prevent_cse=not scan)
@@ -166,7 +181,7 @@ def run_stack_cached(
 
     def apply_one(x, layer):
         layer_state, layer_cache = layer
-        return nnx.merge(graphdef, layer_state).cached(x, positions, layer_cache)
+        return nnx.merge(graphdef, dequantized(layer_state)).cached(x, positions, layer_cache)
 
     x, updated = jax.lax.scan(apply_one, x, (layers(stacked), layers(cache)))
     if not whole:

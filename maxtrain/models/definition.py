@@ -77,10 +77,14 @@ class ModelDef:
 def model_def(cfg: Config, pipelined: bool = True) -> ModelDef:
     """The model to run: pipelined if the mesh has stages (unless pipelined=False: the model
     in layer order, as checkpoints hold it); with `quantization:` set, its matmuls quantized
-    (quantization/). Quantization changes only the graph definition: the params are the float
-    model's."""
+    (quantization/); with lora.rank > 0, with low-rank adapters (maxtrain/lora.py). Quantization
+    changes only the graph definition: the params are the float model's."""
     layout = stage_layout(cfg) if pipelined else None
-    model = abstract(cfg.model, layout)
+    model = abstract(cfg.model, layout, cfg.lora)
+    if cfg.lora.enabled:
+        from maxtrain import lora
+
+        model = lora.with_lora(model, cfg.lora)
     if cfg.quantization.preset != "none" or cfg.quantization.rules:
         # Imported only when asked for: Qwix and tokamax take seconds to import.
         from maxtrain.quantization import training as quantized_training
