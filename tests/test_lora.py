@@ -1,0 +1,232 @@
+"""LoRA and QLoRA (maxtrain/lora.py): zero adapters leave the model as it was, only the adapters
+train, their gradients are the chain rule through the merged weight, QLoRA runs on the
+dequantized base, the experts' adapters work under expert parallelism, and a run resumes
+bit-exactly from checkpoints that hold the adapters alone."""
+
+import jax
+import numpy as np
+import pytest
+import qwix
+
+from maxtrain import lora
+from maxtrain.config import ConfigError
+from maxtrain.data import to_global
+from maxtrain.data.synthetic import SyntheticText
+from maxtrain.mesh import sharding_rules
+from maxtrain.state import frozen_base, model_params
+from maxtrain.train import build_trainer, run
+from maxtrain.train_step import summed_grads
+
+LORA = ["lora.rank=4", "lora.alpha=8", "checkpoint.load_parameters_path=unused"]
+
+
+def _batch(trainer):
+    cfg = trainer.cfg
+    source = SyntheticText(cfg.model.vocab_size, cfg.train.seq_len, 4, seed=0, stream=0)
+    return to_global(source.batch(0, range(cfg.train.global_batch_size)), trainer.batch_sharding)
+
+
+def _with_base(trainer, base):
+    """The trainer's state with `base` (a plain model's params) as its frozen base."""
+    cfg = trainer.cfg
+    frozen = frozen_base(cfg, trainer.mdef, trainer.shardings, base)
+    trainer.state = trainer.state.replace(frozen=frozen)
+    return trainer
+
+
+def _logits(trainer, params, batch):
+    apply = lambda p, b: trainer.mdef.apply(p, b["inputs"], b["positions"], b["segment_ids"])[0]  # noqa: E731
+    with sharding_rules(trainer.mesh, trainer.cfg.mesh.rules):
+        return jax.jit(apply)(params, batch)
+
+
+@pytest.fixture(scope="module")
+def dense(tmp_path_factory):
+    """A plain tiny model and the same model with adapters on attention and MLP, on 8 devices
+    (fsdp 4 x tensor 2), its frozen base the plain model's parameters."""
+    from maxtrain import config as config_lib
+    from tests.conftest import BASE
+
+    tmp = tmp_path_factory.mktemp("lora")
+    common = [
+        "model_name=tiny",
+        "data.kind=synthetic",
+        f"run.output_dir={tmp}",
+        "train.global_batch_size=8",
+        "train.seq_len=32",
+        "mesh.fsdp=4",
+        "mesh.tensor=2",
+        "optim.warmup_steps=1",  # the rate is 0 at the first step, the peak after it
+    ]
+    plain = build_trainer(config_lib.load(BASE, common))
+    adapted = build_trainer(config_lib.load(BASE, [*common, *LORA, "lora.modules=[attention,mlp]"]))
+    return plain, _with_base(adapted, plain.state.params)
+
+
+def test_zero_adapters_leave_the_logits_unchanged(dense):
+    plain, adapted = dense
+    batch = _batch(plain)
+    assert jax.tree.leaves(adapted.state.params)  # there are adapters, B all zero
+    for path, leaf in jax.tree.leaves_with_path(adapted.state.params):
+        if jax.tree_util.keystr(path).endswith("'kernel_lora_b']"):
+            assert not np.any(np.asarray(leaf))
+    expected = _logits(plain, plain.state.params, batch)
+    got = _logits(adapted, adapted.state.model_params(), batch)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(expected))
+
+
+def test_only_the_adapters_train(dense):
+    """The optimizer holds only the adapters; three steps leave the base bit-equal and move
+    every adapter (the first step's rate is 0; then B moves, and A from the step after, its
+    gradient being zero while B is)."""
+    _, adapted = dense
+    adapted_names = {
+        jax.tree_util.keystr(p) for p, _ in jax.tree.leaves_with_path(adapted.state.params)
+    }
+    assert adapted_names and all(n.endswith(("_lora_a']", "_lora_b']")) for n in adapted_names)
+    opt_leaves = [x for x in jax.tree.leaves(adapted.state.opt_state) if x.ndim > 0]
+    adapter_size = sum(x.size for x in jax.tree.leaves(adapted.state.params))
+    assert sum(x.size for x in opt_leaves) == 2 * adapter_size  # Adam's two moments, no more
+
+    batch = _batch(adapted)
+    base_before = jax.device_get(adapted.state.frozen)
+    start = jax.device_get(adapted.state.params)
+    state = adapted.state
+    for _ in range(3):
+        state, metrics = adapted.step_fn(state, batch)
+        assert bool(metrics["finite"])
+    adapted.state = state
+    for a, b in zip(jax.tree.leaves(base_before), jax.tree.leaves(state.frozen), strict=True):
+        np.testing.assert_array_equal(a, np.asarray(b))
+    for (path, a), b in zip(
+        jax.tree.leaves_with_path(start), jax.tree.leaves(state.params), strict=True
+    ):
+        assert np.any(a != np.asarray(b)), jax.tree_util.keystr(path)
+
+
+def test_adapter_gradients_are_the_chain_rule_through_the_merged_weight(dense):
+    """dL/dB = s A^T dL/dW' and dL/dA = s dL/dW' B^T, with dL/dW' the plain model's gradient
+    at the merged weights W' = W + s A B: an oracle that never runs Qwix."""
+    plain, adapted = dense
+    cfg, batch = adapted.cfg, _batch(adapted)
+    keys = jax.random.split(jax.random.key(7), 64)
+    params = jax.tree.map(  # B nonzero, so that both gradients are
+        lambda x, k: x + 0.05 * jax.random.normal(k, x.shape, x.dtype),
+        adapted.state.params,
+        jax.tree.unflatten(
+            jax.tree.structure(adapted.state.params),
+            list(keys[: len(jax.tree.leaves(adapted.state.params))]),
+        ),
+    )
+    frozen = adapted.state.frozen
+
+    def grads(trainer, p, f=None):
+        with sharding_rules(trainer.mesh, cfg.mesh.rules):
+            return summed_grads(trainer.mdef, p, batch, 0.0, frozen=f)[0]
+
+    got = jax.device_get(jax.jit(lambda p, f: grads(adapted, p, f))(params, frozen))
+    merged = lora.merge(model_params(params, frozen), cfg.lora, adapted.mdef.abstract_state)
+    dw = jax.device_get(jax.jit(lambda p: grads(plain, p))(merged))
+    s = cfg.lora.scale
+    for stack, block, name in [
+        ("layers", "attn", "q"),
+        ("layers", "attn", "o"),
+        ("layers", "mlp", "down"),
+    ]:
+        a = np.asarray(params[stack][block][name][lora.A], np.float64)
+        b = np.asarray(params[stack][block][name][lora.B], np.float64)
+        g = np.asarray(dw[stack][block][name]["kernel"], np.float64)
+        layers = g.shape[0]
+        a2, b2 = a.reshape(layers, -1, a.shape[-1]), b.reshape(layers, b.shape[1], -1)
+        g2 = g.reshape(layers, a2.shape[1], b2.shape[2])
+        want_b = s * np.einsum("lir,lio->lro", a2, g2).reshape(b.shape)
+        want_a = s * np.einsum("lio,lro->lir", g2, b2).reshape(a.shape)
+        np.testing.assert_allclose(got[stack][block][name][lora.B], want_b, rtol=2e-4, atol=1e-6)
+        np.testing.assert_allclose(got[stack][block][name][lora.A], want_a, rtol=2e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("qtype", ["int8", "nf4"])
+def test_qlora_runs_on_the_dequantized_base(dense, make_cfg, qtype):
+    """The frozen layer kernels are stored quantized; the model computes with them dequantized
+    (the plain model on the dequantized base, with zero adapters); a step trains."""
+    plain, _ = dense
+    cfg = make_cfg(*LORA, f"lora.base_quantization={qtype}", "mesh.fsdp=4", "mesh.tensor=2")
+    trainer = _with_base(build_trainer(cfg), plain.state.params)
+    kernel = trainer.state.frozen["layers"]["attn"]["q"]["kernel"]
+    assert isinstance(kernel, qwix.QArray) and kernel.qtype == qtype
+    assert not isinstance(trainer.state.frozen["embedding"], qwix.QArray)  # only layer kernels
+    batch = _batch(trainer)
+    expected = _logits(plain, lora.dequantized(trainer.state.frozen), batch)
+    got = _logits(trainer, trainer.state.model_params(), batch)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(expected), rtol=1e-5, atol=1e-5)
+    loss_w = np.asarray(plain.state.params["layers"]["attn"]["q"]["kernel"])
+    err = np.linalg.norm(np.asarray(qwix.dequantize(kernel)) - loss_w) / np.linalg.norm(loss_w)
+    assert 0 < err < (0.01 if qtype == "int8" else 0.15)
+    state, metrics = trainer.step_fn(trainer.state, batch)
+    assert bool(metrics["finite"]) and float(metrics["grad_norm"]) > 0
+
+
+def test_expert_adapters_under_expert_parallelism(make_cfg):
+    """tiny-moe with adapters on the routed experts too, experts split over 4 devices: zero
+    adapters give the base model's loss, and training moves the experts' B."""
+    common = ["model_name=tiny-moe", "mesh.expert=4", "mesh.fsdp=2", "train.seq_len=32"]
+    plain = build_trainer(make_cfg(*common))
+    cfg = make_cfg(*common, *LORA, "lora.modules=[attention,experts]")
+    trainer = _with_base(build_trainer(cfg), plain.state.params)
+    expert_b = trainer.state.params["moe_layers"]["moe"]["down"][lora.B]
+    assert expert_b.shape[-3:] == (cfg.model.moe.num_experts, 4, cfg.model.emb_dim)
+    batch = _batch(trainer)
+    _, plain_metrics = plain.step_fn(plain.state, batch)
+    state, metrics = trainer.step_fn(trainer.state, batch)
+    np.testing.assert_allclose(float(metrics["loss"]), float(plain_metrics["loss"]), rtol=1e-6)
+    state, _ = trainer.step_fn(state, batch)  # the first step's rate is 0
+    moved = np.asarray(state.params["moe_layers"]["moe"]["down"][lora.B])
+    assert np.any(moved != 0)
+
+
+def test_lora_run_resumes_bit_exactly(make_cfg, tmp_path):
+    """A base checkpoint, then a LoRA run of 4 steps against 2 steps and a resume to 4: the
+    same adapters, bit for bit (the frozen base is re-read at the resume, never saved)."""
+    base = make_cfg("run.name=base", "train.steps=2")
+    run(base)
+    base_ckpt = str(tmp_path / "base" / "checkpoints" / "persistent")
+    lora_args = [
+        "lora.rank=4",
+        f"checkpoint.load_parameters_path={base_ckpt}",
+        "checkpoint.persistent.every_steps=2",
+    ]
+    straight = make_cfg(*lora_args, "run.name=straight", "train.steps=4")
+    run(straight)
+    run(make_cfg(*lora_args, "run.name=split", "train.steps=2"))
+    split = make_cfg(*lora_args, "run.name=split", "train.steps=4")
+    run(split)
+
+    def adapters(cfg):
+        from maxtrain.checkpointing import load_parameters
+
+        trainer = build_trainer(cfg, abstract=True)
+        step = cfg.run_dir / "checkpoints" / "persistent" / "4"
+        return jax.device_get(load_parameters(step, trainer.saved.abstract(trainer.state).params))
+
+    a, b = adapters(straight), adapters(split)
+    assert jax.tree.leaves(a)
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+        np.testing.assert_array_equal(x, y)
+
+
+@pytest.mark.parametrize(
+    "overrides, error",
+    [
+        (["lora.rank=4"], "lora.rank=4 needs checkpoint.load_parameters_path"),
+        ([*LORA, "mesh.stage=2"], "does not yet run in pipeline stages"),
+        ([*LORA, "quantization.preset=int8"], "for a quantized base use lora.base_quantization"),
+        (["lora.modules=[mlp,mlp]"], "lora.modules lists a module twice"),
+        ([*LORA, "lora.base_quantization=int3"], "lora.base_quantization"),
+    ],
+)
+def test_bad_lora_configs_are_refused_in_one_line(make_cfg, overrides, error):
+    with pytest.raises(ConfigError, match=error):
+        make_cfg(*overrides)
+    with pytest.raises(ValueError, match="matches no matmul"):
+        cfg = make_cfg(*LORA, "lora.modules=[experts]")  # tiny is dense: no experts
+        build_trainer(cfg)
