@@ -62,18 +62,19 @@ def adapted_modules(model: nnx.Module, lcfg: LoraConfig) -> dict[str, nnx.Module
 
 def add_adapters(model: nnx.Module, lcfg: LoraConfig, seed: int) -> nnx.Module:
     """Gives every adapted module its A (random) and B (zero), stacked like its kernel: the
-    kernel's leading stack axes (layers, stages) come first, then the matmul's own shape."""
+    kernel's leading stack axes (layers, stages) come first, then the matmul's own shape. They
+    are float32 whatever model.param_dtype (which the frozen base keeps: bfloat16 halves it),
+    so that the optimizer's small updates are not lost to rounding."""
     modules = adapted_modules(model, lcfg)
     if not modules:
         raise ValueError(f"lora.modules {lcfg.modules} matches no matmul of this model")
     for path, module in modules.items():
         a_shape, a_axes, b_shape, b_axes, fan_in = _adapter_layout(module, lcfg.rank)
-        kernel = module.kernel
         key = jax.random.fold_in(jax.random.key(seed), zlib.crc32(path.encode()))
         bound = math.sqrt(6.0 / fan_in)  # He-uniform, as Qwix initialises A
-        a = jax.random.uniform(key, a_shape, kernel.dtype, -bound, bound)
+        a = jax.random.uniform(key, a_shape, jnp.float32, -bound, bound)
         setattr(module, A, nnx.LoRAParam(a, out_sharding=a_axes, eager_sharding=False))
-        b = jnp.zeros(b_shape, kernel.dtype)
+        b = jnp.zeros(b_shape, jnp.float32)
         setattr(module, B, nnx.LoRAParam(b, out_sharding=b_axes, eager_sharding=False))
         if isinstance(module, ExpertKernel):
             module.lora_scale = lcfg.scale
