@@ -8,6 +8,7 @@ see the same tree either way.
 
 from __future__ import annotations
 
+import math
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -40,9 +41,19 @@ from maxtrain.models.stacks import (
 _KERNEL_PRIMITIVES = frozenset({"pallas_call", "remat_opt"})
 
 
+# A matmul summing fewer values than this is recomputed rather than kept: LoRA's (x A) B
+# (maxtrain/lora.py) contracts over the adapter rank, costs a rank/width share of its
+# projection to recompute, and its output is as large as the projection's.
+_RECOMPUTED_CONTRACTION = 128
+
+
 def _save_matmuls_and_kernels(prim, *args, **params) -> bool:
-    dots = jax.checkpoint_policies.dots_with_no_batch_dims_saveable
-    return prim.name in _KERNEL_PRIMITIVES or dots(prim, *args, **params)
+    if prim.name in _KERNEL_PRIMITIVES:
+        return True
+    if not jax.checkpoint_policies.dots_with_no_batch_dims_saveable(prim, *args, **params):
+        return False
+    (contracting, _), _ = params["dimension_numbers"]
+    return math.prod(args[0].shape[d] for d in contracting) >= _RECOMPUTED_CONTRACTION
 
 
 # What the backward pass may keep instead of recomputing, by config name.
