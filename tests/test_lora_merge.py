@@ -22,9 +22,11 @@ from maxtrain import config as config_lib
 from maxtrain import lora, models, optim
 from maxtrain.checkpointing import read_saved_config
 from maxtrain.checkpointing.export import save_parameters
+from maxtrain.corpora.embedded import DEFAULT_TOKENIZER
+from maxtrain.data.shards import data_tokenizer
 from maxtrain.hf import ConversionError
 from maxtrain.hf.convert import export_checkpoint
-from maxtrain.inference.loading import load_model
+from maxtrain.inference.loading import data_tokenizer_path, load_model
 from maxtrain.lora_merge import merge_checkpoint
 from maxtrain.mesh import build_mesh, sharding_rules
 from maxtrain.models import model_def
@@ -186,3 +188,17 @@ def test_bad_input_is_refused_in_one_line(tmp_path, capsys):
     # Exporting the adapters alone would write no model: export says to merge first.
     with pytest.raises(ConversionError, match="holds a LoRA run's adapters.*merge_lora"):
         export_checkpoint(tmp_path / "run", tmp_path / "hf")
+
+
+def test_a_chat_run_names_the_tokenizer_its_text_was_encoded_with(make_cfg, tmp_path):
+    """Fine-tuning runs (LoRA or not) read chat text, tokenized as it is read: generate,
+    evaluate and export find the tokenizer in data.tokenizer, else the committed default."""
+    chat = config_lib.REPO_ROOT / "maxtrain" / "data" / "assets" / "chat.jsonl"
+    sources = f"data.sources=[{{name: chat, path: {chat}, format: chat}}]"
+    cfg = make_cfg("data.kind=grain", sources, "train.task=sft")
+    assert data_tokenizer(cfg.data) == DEFAULT_TOKENIZER
+    assert data_tokenizer_path(cfg) == str(DEFAULT_TOKENIZER)
+    own = tmp_path / "own.model"
+    cfg = make_cfg("data.kind=grain", sources, "train.task=sft", f"data.tokenizer={own}")
+    assert data_tokenizer(cfg.data) == own
+    assert data_tokenizer_path(cfg) == str(own)

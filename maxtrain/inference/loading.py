@@ -133,6 +133,8 @@ def data_tokenizer_path(cfg: Config) -> str | None:
     """The tokenizer the run's first data source was made with, or None."""
     if cfg.data.kind != "grain":
         return None
+    if cfg.data.sources[0].format != "tokens":  # chat or preference text, tokenized as read
+        return cfg.data.tokenizer or str(DEFAULT_TOKENIZER)
     source = cfg.data.sources[0].path
     if source.startswith(EMBEDDED_PREFIX):
         return str(DEFAULT_TOKENIZER)
