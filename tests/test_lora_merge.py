@@ -6,6 +6,7 @@ a LoRA run's own checkpoint loads as that merged model."""
 from __future__ import annotations
 
 import runpy
+import shutil
 from pathlib import Path
 
 import jax
@@ -27,7 +28,6 @@ from maxtrain.data.shards import data_tokenizer
 from maxtrain.hf import ConversionError
 from maxtrain.hf.convert import export_checkpoint
 from maxtrain.inference.loading import data_tokenizer_path, load_model
-from maxtrain.lora_merge import merge_checkpoint
 from maxtrain.mesh import build_mesh, sharding_rules
 from maxtrain.models import model_def
 from maxtrain.state import abstract_base, frozen_base, state_shardings
@@ -127,10 +127,14 @@ CASES = {
 
 
 @pytest.mark.parametrize("case", CASES)
-def test_merged_checkpoint_is_the_adapted_model_and_exports_its_weights(case, tmp_path):
+def test_merged_checkpoint_is_the_adapted_model_and_exports_its_weights(case, tmp_path, capsys):
     model, lora_keys, tensors = CASES[case]
     cfg, adapted = lora_run(tmp_path, model, *lora_keys)
-    step_dir, _ = merge_checkpoint(tmp_path / "run", tmp_path / "merged")
+    shutil.copyfile(DEFAULT_TOKENIZER, tmp_path / "base" / "tokenizer.model")  # as an import's
+    assert MERGE_LORA([str(tmp_path / "run"), str(tmp_path / "merged")]) == 0
+    assert "merge_lora: wrote" in capsys.readouterr().out
+    step_dir = tmp_path / "merged" / "0"
+    assert (tmp_path / "merged" / "tokenizer.model").read_bytes() == DEFAULT_TOKENIZER.read_bytes()
 
     merged = load_model(tmp_path / "merged")  # as generate/evaluate load any checkpoint
     assert not merged.cfg.lora.enabled
