@@ -56,7 +56,8 @@ def lora_run(tmp: Path, model: str, *lora_keys: str):
     """A base checkpoint and a LoRA run's checkpoint on it, whose adapters have B set by hand
     (nonzero: the adapted model differs from the base). Returns (the run's config, the
     adapted model's logits as the run computes them: its frozen base as state.py keeps it,
-    with the adapters beside it, run by the LoRA model through Qwix's provider)."""
+    with the adapters beside it, run by the LoRA model: Qwix's provider on the projections,
+    the experts' own adapter path)."""
     base_cfg = config(tmp, model)
     init = lambda: nnx.to_pure_dict(nnx.state(models.build(base_cfg.model, 1), nnx.Param))  # noqa: E731
     save_parameters(tmp / "base", jax.jit(init)(), config_yaml=config_lib.to_yaml(base_cfg))
