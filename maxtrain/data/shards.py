@@ -289,10 +289,12 @@ def data_tokenizer(data: Any) -> Path | None:
     is gone). data: a DataConfig."""
     if data.kind != "grain" or not data.sources:
         return None
+    from maxtrain.corpora.embedded import DEFAULT_TOKENIZER
+
+    if data.sources[0].format != "tokens":  # chat or preference text, tokenized as it is read
+        return Path(data.tokenizer) if data.tokenizer else DEFAULT_TOKENIZER
     path = data.sources[0].path
     if path.startswith("embedded:"):
-        from maxtrain.corpora.embedded import DEFAULT_TOKENIZER
-
         return DEFAULT_TOKENIZER
     directory = Path(path) if Path(path).is_dir() else Path(path).parent
     try:

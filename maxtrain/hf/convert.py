@@ -178,6 +178,13 @@ def export_checkpoint(
             "was quantized from"
         )
     cfg = checkpoint_model_config(step_dir)
+    rank = ((yaml.safe_load(read_saved_config(step_dir)) or {}).get("lora") or {}).get("rank")
+    if rank:
+        raise ConversionError(
+            f"checkpoint {step_dir} holds a LoRA run's adapters (lora.rank={rank}), not a whole "
+            f"model; merge them into their base first (tools/merge_lora.py {step_dir} MERGED) "
+            "and export MERGED"
+        )
     hf_config(cfg, family_for(cfg), dtype or cfg.param_dtype)  # unsupported: fail before reading
     device = SingleDeviceSharding(jax.devices("cpu")[0])
     abstract = jax.tree.map(

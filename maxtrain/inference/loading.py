@@ -35,7 +35,7 @@ from maxtrain.models import ModelDef, build, model_def
 from maxtrain.state import param_shardings
 from maxtrain.tokenizers import TOKENIZER_MODELS, Tokenizer, load_tokenizer
 
-_TOKENIZER_SEARCH_DEPTH = 4  # step, tier, checkpoints, run directory
+TOKENIZER_SEARCH_DEPTH = 4  # step, tier, checkpoints, run directory
 
 
 @dataclass(frozen=True)
@@ -57,10 +57,21 @@ def load_model(
     """The parameters of the newest complete step under `path`, on a mesh of `devices`
     (default all); CheckpointError/ConfigError (one line) for a bad path or override.
     initial: the parameters the run started from instead (its model initialised with
-    run.seed, as the train state is at step 0): the baseline an evaluation compares with."""
+    run.seed, as the train state is at step 0): the baseline an evaluation compares with.
+    A LoRA run's step (lora.rank > 0) loads as the plain model its adapters merge into
+    (lora_merge.py); its initial parameters are its base, as the run kept it (zero adapters)."""
     step_dir = Path(resolve_step_dir(absolute(path)))
     cfg = saved_config(step_dir, overrides)
     mesh = build_mesh(cfg.mesh, devices)
+    step = 0 if initial or not step_dir.name.isdigit() else int(step_dir.name)
+    if cfg.lora.enabled:  # the adapters folded into their base (Qwix: only when asked for)
+        from maxtrain import lora_merge
+
+        params = lora_merge.merged_params(cfg, None if initial else step_dir, mesh)
+        cfg = lora_merge.plain_config(cfg)
+        with sharding_rules(mesh, cfg.mesh.rules):
+            mdef = model_def(cfg, pipelined=False)
+        return LoadedModel(cfg, mdef, params, mesh, step_dir, step)
     with sharding_rules(mesh, cfg.mesh.rules):
         mdef = model_def(cfg, pipelined=False)
         shardings = param_shardings(mdef, cfg, mesh)
@@ -76,13 +87,13 @@ def load_model(
     from maxtrain.quantization.ptq import load_parameters_dequantized
 
     params = load_parameters_dequantized(step_dir, abstract)
-    step = int(step_dir.name) if step_dir.name.isdigit() else 0
     return LoadedModel(cfg, mdef, params, mesh, step_dir, step)
 
 
-def saved_config(step_dir: Path, overrides: Sequence[str] = ()) -> Config:
+def saved_config(step_dir: Path, overrides: Sequence[str] = (), dropless: bool = True) -> Config:
     """The config a step was saved with, over base.yml's defaults, with `overrides` applied.
-    Mixture-of-experts layers run dropless (no capacity limit): inference drops no token."""
+    dropless: mixture-of-experts layers without a capacity limit, so inference drops no token
+    (False: the run's own capacity, for a config to train with)."""
     saved = yaml.safe_load(read_saved_config(step_dir)) or {}
     if not isinstance(saved.get("model"), dict):
         raise CheckpointError(f"{step_dir}: its saved config names no model")
@@ -93,7 +104,7 @@ def saved_config(step_dir: Path, overrides: Sequence[str] = ()) -> Config:
         tree = deep_merge(
             tree, functools.reduce(lambda inner, key: {key: inner}, keys[::-1], value)
         )
-    if tree["model"].get("moe"):
+    if dropless and tree["model"].get("moe"):
         tree = deep_merge(tree, {"model": {"moe": {"capacity_factor": None}}})
     return validate(tree)
 
@@ -111,7 +122,7 @@ def find_tokenizer(
     """
     if explicit is not None:
         return load_tokenizer(explicit), False
-    for directory in [model.step_dir, *model.step_dir.parents][:_TOKENIZER_SEARCH_DEPTH]:
+    for directory in [model.step_dir, *model.step_dir.parents][:TOKENIZER_SEARCH_DEPTH]:
         if any((directory / name).is_file() for name in TOKENIZER_MODELS):
             return load_tokenizer(directory), True
     path = data_tokenizer_path(model.cfg)
@@ -122,6 +133,8 @@ def data_tokenizer_path(cfg: Config) -> str | None:
     """The tokenizer the run's first data source was made with, or None."""
     if cfg.data.kind != "grain":
         return None
+    if cfg.data.sources[0].format != "tokens":  # chat or preference text, tokenized as read
+        return cfg.data.tokenizer or str(DEFAULT_TOKENIZER)
     source = cfg.data.sources[0].path
     if source.startswith(EMBEDDED_PREFIX):
         return str(DEFAULT_TOKENIZER)
