@@ -14,6 +14,7 @@ directly.
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Sequence
 from pathlib import Path
@@ -36,7 +37,7 @@ from maxtrain.hf.convert import MODEL_YAML, model_yaml
 from maxtrain.inference.loading import TOKENIZER_SEARCH_DEPTH, saved_config
 from maxtrain.mesh import build_mesh, sharding_rules
 from maxtrain.models import model_def
-from maxtrain.state import abstract_base, param_shardings
+from maxtrain.state import abstract_base, kept_base, param_shardings
 from maxtrain.tokenizers import copy_tokenizer_files
 from maxtrain.transforms.initialize import initial_params
 
@@ -66,8 +67,7 @@ def merged_params(cfg: Config, step_dir: str | os.PathLike | None, mesh: Mesh) -
         adapters = jax.jit(zeros, out_shardings=adapter_shardings)()
     else:
         adapters = load_parameters(step_dir, abstract)
-    if cfg.lora.base_quantization != "none":  # as state.py keeps a QLoRA base, in its own program
-        base = jax.jit(lambda b: lora.quantized_kernels(b, mdef.abstract_state, cfg.lora))(base)
+    base = jax.jit(functools.partial(kept_base, cfg, mdef))(base)  # QLoRA's quantized, as trained
 
     def fold(base: Any, adapters: dict) -> dict:
         return lora.merge(lora.combine(base, adapters), cfg.lora, mdef.abstract_state)

@@ -76,7 +76,7 @@ def state_shardings(
         params, _ = lora.split(params)
         abstract_params, abstract_base = lora.split(abstract_params)
         frozen = _leaf_shardings(
-            jax.eval_shape(functools.partial(_frozen, cfg, mdef), abstract_base), mdef, cfg, mesh
+            jax.eval_shape(functools.partial(kept_base, cfg, mdef), abstract_base), mdef, cfg, mesh
         )
     replicated = NamedSharding(mesh, P())
     abstract_opt = jax.eval_shape(tx.init, abstract_params)
@@ -93,7 +93,7 @@ def state_shardings(
     return TrainState(step=replicated, params=params, opt_state=opt, frozen=frozen)
 
 
-def _frozen(cfg: Config, mdef: ModelDef, base: dict) -> dict:
+def kept_base(cfg: Config, mdef: ModelDef, base: dict) -> dict:
     """A LoRA run's frozen base as it is kept: its layer kernels quantized under
     lora.base_quantization (QLoRA), else as it is."""
     if cfg.lora.base_quantization == "none":
@@ -115,7 +115,7 @@ def abstract_base(mdef: ModelDef, cfg: Config, mesh: Mesh) -> dict:
 def frozen_base(cfg: Config, mdef: ModelDef, shardings: TrainState, base: dict) -> Any:
     """The loaded base as the state keeps it (state.frozen): quantized under
     lora.base_quantization, on the frozen part's shardings."""
-    return jax.jit(functools.partial(_frozen, cfg, mdef), out_shardings=shardings.frozen)(base)
+    return jax.jit(functools.partial(kept_base, cfg, mdef), out_shardings=shardings.frozen)(base)
 
 
 def _leaf_shardings(tree: Any, mdef: ModelDef, cfg: Config, mesh: Mesh) -> Any:
@@ -158,7 +158,7 @@ def init_state(
             from maxtrain import lora
 
             params, base = lora.split(params)
-            frozen = _frozen(cfg, mdef, base)
+            frozen = kept_base(cfg, mdef, base)
         return TrainState(
             step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params), frozen=frozen
         )
