@@ -93,6 +93,30 @@ def pipeline_settings(cfg: config_lib.Config) -> dict:
     }
 
 
+def lora_settings(cfg: config_lib.Config, estimate: memory.MemoryEstimate, devices: int) -> dict:
+    """With lora.rank > 0: the adapters (what trains), the frozen base's bytes per device as
+    stored (quantized under lora.base_quantization), and the optimizer state's bytes per device
+    beside full fine-tuning's (the same config with lora.rank 0); none without LoRA."""
+    lora = cfg.lora
+    if not lora.enabled:
+        return {}
+    full_cfg = cfg.model_copy(update={"lora": lora.model_copy(update={"rank": 0})})
+    full = memory.estimate(full_cfg, devices)
+    return {
+        "lora": {
+            "rank": lora.rank,
+            "modules": lora.modules,
+            "base_quantization": lora.base_quantization,
+            "trained_params": models.adapter_count(cfg.model, lora),
+            "frozen_bytes_per_device": estimate.frozen,
+            "optimizer_bytes_per_device": estimate.optimizer,
+            "full_fine_tuning_optimizer_bytes_per_device": full.optimizer,
+            "optimizer_factor": round(full.optimizer / estimate.optimizer, 2),
+            "full_fine_tuning_total_gib_per_device": full.as_gib()["total"],
+        }
+    }
+
+
 def context_settings(cfg: config_lib.Config, context: int) -> dict:
     """The context-parallel exchange and each layout's forward attention FLOPs per device and
     layer for one sequence (causal, one document): max / min over the devices (none at C = 1)."""
@@ -226,7 +250,8 @@ def dry_run(cfg: config_lib.Config, num_devices: int, compile_step: bool, device
         "remat": cfg.model.remat,
         **pipeline_settings(cfg),
         **context_settings(cfg, sizes["context"]),
-        "estimated_gib_per_device": (estimated := memory.estimate(cfg, num_devices).as_gib()),
+        **lora_settings(cfg, estimate := memory.estimate(cfg, num_devices), num_devices),
+        "estimated_gib_per_device": (estimated := estimate.as_gib()),
         "fit": memory.fit(estimated["total"], device_kind),
     }
     if compile_step:
