@@ -1,4 +1,5 @@
-"""What LoRA and QLoRA cost: the dry-run's estimate against the train state a LoRA run builds."""
+"""What LoRA and QLoRA cost and say: the dry-run's estimate against the train state a LoRA run
+builds, the start-up line, and a LoRA run's checkpoint (adapters and their moments only)."""
 
 import json
 import math
@@ -9,7 +10,7 @@ import pytest
 from conftest import BASE
 from test_data_prep import load_tool
 
-from maxtrain import models
+from maxtrain import models, run_summary
 from maxtrain.analysis import memory
 from maxtrain.trainer import build_trainer
 
@@ -84,3 +85,21 @@ def test_dry_run_prints_the_trained_parameters_and_the_frozen_bytes(capsys):
         lora["full_fine_tuning_optimizer_bytes_per_device"] / lora["optimizer_bytes_per_device"],
         abs=0.01,
     )
+
+
+def test_start_line_says_how_many_parameters_train_and_on_what_base(make_cfg):
+    cfg = make_cfg(
+        "lora.rank=4",
+        "lora.modules=[attention]",
+        "lora.base_quantization=nf4",
+        "checkpoint.load_parameters_path=runs/pre/checkpoints/persistent",
+    )
+    line = run_summary.describe_start(cfg)
+    adapters = 2 * 4 * ((64 + 64) + 2 * (64 + 32) + (64 + 64))  # q, k, v, o of both layers
+    total = models.param_count(cfg.model)
+    assert line.startswith(
+        f"maxtrain: {total / 1e3:.3g}K parameters ({total / 1e3:.3g}K active per token), "
+        f"{adapters / 1e3:.3g}K of them trained (LoRA rank 4 on attention; "
+        "base runs/pre/checkpoints/persistent, stored nf4), 4 steps of "
+    )
+    assert "of them trained" not in run_summary.describe_start(make_cfg())
