@@ -6,12 +6,14 @@ import math
 
 import jax
 import jax.numpy as jnp
+import orbax.checkpoint as ocp
 import pytest
 from conftest import BASE
 from test_data_prep import load_tool
 
-from maxtrain import models, run_summary
+from maxtrain import models, run_summary, train
 from maxtrain.analysis import memory
+from maxtrain.checkpointing import integrity
 from maxtrain.trainer import build_trainer
 
 
@@ -103,3 +105,53 @@ def test_start_line_says_how_many_parameters_train_and_on_what_base(make_cfg):
         "base runs/pre/checkpoints/persistent, stored nf4), 4 steps of "
     )
     assert "of them trained" not in run_summary.describe_start(make_cfg())
+
+
+def saved_arrays(run_dir) -> dict[tuple[str, ...], tuple[tuple[int, ...], str]]:
+    """Path -> (shape, dtype) of every array in the run's newest persistent checkpoint, read
+    from Orbax's metadata (no array data)."""
+    _, step_dir = integrity.newest_complete(run_dir / "checkpoints" / "persistent")
+    metadata = ocp.PyTreeCheckpointHandler().metadata(integrity.state_dir(step_dir))
+    tree = getattr(metadata, "tree", metadata)
+    return {
+        tuple(str(getattr(k, "key", getattr(k, "idx", k))) for k in path): (
+            tuple(leaf.shape),
+            str(leaf.dtype),
+        )
+        for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]
+    }
+
+
+def array_bytes(arrays) -> int:
+    return sum(math.prod(shape) * jnp.dtype(dtype).itemsize for shape, dtype in arrays)
+
+
+def test_lora_checkpoint_holds_the_adapters_and_their_two_moments_only(make_cfg):
+    """A base trained one step, then a LoRA run on it: the LoRA run's checkpoint holds the step,
+    the adapters (A and B of tiny's seven matmuls) and Adam's two moments of them, no base;
+    read from Orbax's metadata, each array counted at its shape times its dtype's size."""
+    base = make_cfg("run.name=base", "train.steps=1")
+    train.run(base)
+    lora = make_cfg(
+        "run.name=lora",
+        "train.steps=2",
+        "lora.rank=4",
+        f"checkpoint.load_parameters_path={base.run_dir / 'checkpoints' / 'persistent'}",
+    )
+    train.run(lora)
+    saved = saved_arrays(lora.run_dir)
+    assert {path[0] for path in saved} == {"step", "params", "opt_state"}
+    params = {path: array for path, array in saved.items() if path[0] == "params"}
+    assert {path[-1] for path in params} == {"kernel_lora_a", "kernel_lora_b"}
+    assert len(params) == 2 * 7
+    adapter_bytes = array_bytes(params.values())
+    assert adapter_bytes == 4 * models.adapter_count(lora.model, lora.lora)
+    moments = [a for path, a in saved.items() if path[0] == "opt_state" and a[0] != ()]
+    assert array_bytes(moments) == 2 * adapter_bytes
+
+    # Smaller than a full training checkpoint (every parameter, two moments each) by the
+    # parameters' count over the adapters' (~13 here; the step and Adam's counts aside).
+    full = saved_arrays(base.run_dir)
+    expected = models.param_count(lora.model) / models.adapter_count(lora.model, lora.lora)
+    factor = array_bytes(full.values()) / array_bytes(saved.values())
+    assert factor == pytest.approx(expected, rel=1e-3)
