@@ -83,7 +83,8 @@ def test_dry_run_prints_the_trained_parameters_and_the_frozen_bytes(capsys):
     assert lora["trained_params"] == 4 * 2 * per_layer == 8192
     assert lora["base_quantization"] == "none"
     assert lora["frozen_bytes_per_device"] >= result["total_params"] * 4 // 8
-    assert lora["optimizer_factor"] == pytest.approx(
+    assert lora["whole_model_state_factor"] == round(result["total_params"] / 8192, 2)
+    assert lora["optimizer_factor_per_device"] == pytest.approx(
         lora["full_fine_tuning_optimizer_bytes_per_device"] / lora["optimizer_bytes_per_device"],
         abs=0.01,
     )

@@ -94,12 +94,15 @@ def pipeline_settings(cfg: config_lib.Config) -> dict:
 
 
 def lora_settings(cfg: config_lib.Config, estimate: memory.MemoryEstimate, devices: int) -> dict:
-    """With lora.rank > 0: the adapters (what trains), the frozen base's bytes per device as
-    stored (quantized under lora.base_quantization), and the optimizer state's bytes per device
-    beside full fine-tuning's (the same config with lora.rank 0); none without LoRA."""
+    """With lora.rank > 0: the adapters (what trains); the factor by which the whole model's
+    optimizer state and checkpoint shrink (parameters over adapters); the frozen base's bytes
+    per device as stored (quantized under lora.base_quantization); and the optimizer state per
+    device beside full fine-tuning's (the same config with lora.rank 0), a smaller factor
+    where the mesh splits the adapters less than the kernels. None without LoRA."""
     lora = cfg.lora
     if not lora.enabled:
         return {}
+    trained = models.adapter_count(cfg.model, lora)
     full_cfg = cfg.model_copy(update={"lora": lora.model_copy(update={"rank": 0})})
     full = memory.estimate(full_cfg, devices)
     return {
@@ -107,11 +110,12 @@ def lora_settings(cfg: config_lib.Config, estimate: memory.MemoryEstimate, devic
             "rank": lora.rank,
             "modules": lora.modules,
             "base_quantization": lora.base_quantization,
-            "trained_params": models.adapter_count(cfg.model, lora),
+            "trained_params": trained,
+            "whole_model_state_factor": round(models.param_count(cfg.model) / trained, 2),
             "frozen_bytes_per_device": estimate.frozen,
             "optimizer_bytes_per_device": estimate.optimizer,
             "full_fine_tuning_optimizer_bytes_per_device": full.optimizer,
-            "optimizer_factor": round(full.optimizer / estimate.optimizer, 2),
+            "optimizer_factor_per_device": round(full.optimizer / estimate.optimizer, 2),
             "full_fine_tuning_total_gib_per_device": full.as_gib()["total"],
         }
     }
