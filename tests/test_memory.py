@@ -26,12 +26,6 @@ def compiled_bytes_per_device(cfg) -> int:
         ("mesh.fsdp=1", "mesh.data=8"),  # replicated: the state dominates
         ("mesh.fsdp=8", "model.remat=none", "train.global_batch_size=16"),
         ("mesh.fsdp=8", "model.remat=minimal", "train.global_batch_size=64"),
-        (  # QLoRA: the adapters' state, the frozen base stored 4-bit and dequantized per layer
-            "mesh.fsdp=8",
-            "lora.rank=8",
-            "lora.base_quantization=nf4",
-            "checkpoint.load_parameters_path=unused",
-        ),
         (
             "mesh.fsdp=2",
             "mesh.expert=4",

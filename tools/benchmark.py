@@ -13,7 +13,8 @@ recomputation remat adds. With pipeline stages, the schedule's idle share (bubbl
 
 --dry-run runs nothing: the memory estimate per device (maxtrain/analysis/memory.py), and
 whether it fits the memory of the device named by --device (default: this host's; HBM per
-TPU/GPU generation in memory.py) and by how much (`fit`). With
+TPU/GPU generation in memory.py) and by how much (`fit`); with lora.rank > 0 also what trains
+and what the frozen base costs, beside full fine-tuning (`lora`). With
 --compile it also compiles the step for a state of shapes only (nothing allocated), so a model
 far bigger than this host compiles on simulated CPU devices, and prints what the compiled
 program says: XLA's memory per device and the collective bytes, DCN apart. For 512 devices:
