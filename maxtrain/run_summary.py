@@ -56,13 +56,26 @@ def write(run_dir: Path, summary: dict[str, Any]) -> Path:
 
 
 def describe_start(cfg: Config) -> str:
-    """The start-up line saying what is trained: parameters (total, active per token), steps and
-    the schedule's length."""
+    """The start-up line saying what is trained: parameters (total, active per token; with LoRA,
+    the adapters' count, where they sit and on what base), steps and the schedule's length."""
     return (
         f"maxtrain: {count(models.param_count(cfg.model))} parameters "
         f"({count(models.active_param_count(cfg.model))} active per token), "
+        f"{_adapters(cfg)}"
         f"{cfg.train.steps} steps of {count(cfg.tokens_per_step)} tokens, "
         f"lr schedule {cfg.optim.schedule} over {cfg.schedule_steps} steps"
+    )
+
+
+def _adapters(cfg: Config) -> str:
+    """With lora.rank > 0: how many parameters train (the adapters) and of what base."""
+    lora = cfg.lora
+    if not lora.enabled:
+        return ""
+    stored = "" if lora.base_quantization == "none" else f", stored {lora.base_quantization}"
+    return (
+        f"{count(models.adapter_count(cfg.model, lora))} of them trained (LoRA rank {lora.rank} "
+        f"on {', '.join(lora.modules)}; base {cfg.checkpoint.load_parameters_path}{stored}), "
     )
 
 

@@ -13,7 +13,8 @@ recomputation remat adds. With pipeline stages, the schedule's idle share (bubbl
 
 --dry-run runs nothing: the memory estimate per device (maxtrain/analysis/memory.py), and
 whether it fits the memory of the device named by --device (default: this host's; HBM per
-TPU/GPU generation in memory.py) and by how much (`fit`). With
+TPU/GPU generation in memory.py) and by how much (`fit`); with lora.rank > 0 also what trains
+and what the frozen base costs, beside full fine-tuning (`lora`). With
 --compile it also compiles the step for a state of shapes only (nothing allocated), so a model
 far bigger than this host compiles on simulated CPU devices, and prints what the compiled
 program says: XLA's memory per device and the collective bytes, DCN apart. For 512 devices:
@@ -89,6 +90,34 @@ def pipeline_settings(cfg: config_lib.Config) -> dict:
             "repeats": layout.repeats,
             "microbatches": layout.microbatches,
             "bubble": round(layout.bubble, 4),
+        }
+    }
+
+
+def lora_settings(cfg: config_lib.Config, estimate: memory.MemoryEstimate, devices: int) -> dict:
+    """With lora.rank > 0: the adapters (what trains); the factor by which the whole model's
+    optimizer state and checkpoint shrink (parameters over adapters); the frozen base's bytes
+    per device as stored (quantized under lora.base_quantization); and the optimizer state per
+    device beside full fine-tuning's (the same config with lora.rank 0), a smaller factor
+    where the mesh splits the adapters less than the kernels. None without LoRA."""
+    lora = cfg.lora
+    if not lora.enabled:
+        return {}
+    trained = models.adapter_count(cfg.model, lora)
+    full_cfg = cfg.model_copy(update={"lora": lora.model_copy(update={"rank": 0})})
+    full = memory.estimate(full_cfg, devices)
+    return {
+        "lora": {
+            "rank": lora.rank,
+            "modules": lora.modules,
+            "base_quantization": lora.base_quantization,
+            "trained_params": trained,
+            "whole_model_state_factor": round(models.param_count(cfg.model) / trained, 2),
+            "frozen_bytes_per_device": estimate.frozen,
+            "optimizer_bytes_per_device": estimate.optimizer,
+            "full_fine_tuning_optimizer_bytes_per_device": full.optimizer,
+            "optimizer_factor_per_device": round(full.optimizer / estimate.optimizer, 2),
+            "full_fine_tuning_total_gib_per_device": full.as_gib()["total"],
         }
     }
 
@@ -226,7 +255,8 @@ def dry_run(cfg: config_lib.Config, num_devices: int, compile_step: bool, device
         "remat": cfg.model.remat,
         **pipeline_settings(cfg),
         **context_settings(cfg, sizes["context"]),
-        "estimated_gib_per_device": (estimated := memory.estimate(cfg, num_devices).as_gib()),
+        **lora_settings(cfg, estimate := memory.estimate(cfg, num_devices), num_devices),
+        "estimated_gib_per_device": (estimated := estimate.as_gib()),
         "fit": memory.fit(estimated["total"], device_kind),
     }
     if compile_step:

@@ -16,6 +16,11 @@ for a slice. The parts:
   logits              the [tokens, vocab] logits and their gradient (the loss never makes a
                       float32 copy)
   reference           train.task dpo: the frozen reference, a second copy of the parameters
+  frozen              lora.rank > 0 (maxtrain/lora.py): the frozen base model, as stored: its
+                      parameters in param_dtype, except under lora.base_quantization the layer
+                      kernels it adapts, as quantized values (int8 1 byte, int4/nf4 half a
+                      byte) and float32 scales. `params`, `optimizer` and `gradients` are then
+                      the adapters' alone, and DPO's reference is zero adapters (adapter-sized)
 
 With pipeline stages (models/pipeline.py) a device holds its stage's layers only, and the
 backward pass keeps every iteration's activations: R x M + S - 1 iterations of one group of
@@ -32,6 +37,7 @@ recipes/h100/dense-1.5b.yml, whose measured peak is 39.4 GiB.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import asdict, dataclass
 
@@ -65,6 +71,7 @@ class MemoryEstimate:
     activations: int
     logits: int
     reference: int = 0
+    frozen: int = 0
 
     @property
     def total(self) -> int:
@@ -116,11 +123,11 @@ def estimate(cfg: Config, num_devices: int) -> MemoryEstimate:
     sizes = axis_sizes(cfg.mesh, num_devices)
     mesh = AbstractMesh(tuple(sizes[a] for a in MESH_AXES), MESH_AXES)
     param_bytes = _BYTES[cfg.model.param_dtype]
-    shards = _param_shards(cfg, mesh)
-    params = sum(math.prod(shard) for _, _, shard in shards) * param_bytes
+    trained, frozen = _param_shards(cfg, mesh)
+    params = sum(math.prod(shard) for _, _, shard in trained) * param_bytes
     moments, scratch = 2 * params, 0
     if cfg.optim.name == "muon":
-        moments, scratch = _muon_state_and_scratch(shards, param_bytes)
+        moments, scratch = _muon_state_and_scratch(trained, param_bytes)
     batch_ways = math.prod(sizes[a] for a in cfg.mesh.rules.get("batch", []))
     length_ways = math.prod(sizes[a] for a in cfg.mesh.rules.get("length", []))
     batch = math.ceil(cfg.micro_batch_size / batch_ways)
@@ -145,35 +152,71 @@ def estimate(cfg: Config, num_devices: int) -> MemoryEstimate:
         activations=activations,
         logits=logits,
         reference=params if cfg.train.task == "dpo" else 0,
+        frozen=sum(_shard_bytes(leaf, shard) for _, leaf, shard in frozen),
     )
 
 
-def _param_shards(cfg: Config, mesh: AbstractMesh) -> list[tuple[tuple, tuple, list[int]]]:
-    """(path, shape, the shape one device holds) of every parameter."""
+Shard = tuple[tuple, jax.ShapeDtypeStruct, list[int]]  # (path, leaf, the shape one device holds)
+
+
+def _param_shards(cfg: Config, mesh: AbstractMesh) -> tuple[list[Shard], list[Shard]]:
+    """The trained parameters' shards and the frozen base's (none without LoRA). Exact: each
+    leaf is split by its parameter's logical axes under the run's rules, with the same
+    divisibility fallbacks, as the train state's shardings (state.py) split it; a quantized
+    kernel's values and scales are split like the kernel, wherever their shapes allow."""
+    trained, frozen, axes = _params(cfg)
+
+    def shards(tree: dict) -> list[Shard]:
+        out = []
+        for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+            names = tuple(str(k.key) for k in path if isinstance(k, jax.tree_util.DictKey))
+            leaf_axes = axes[names] or (None,) * leaf.ndim
+            spec = logical_to_spec(leaf_axes, cfg.mesh.rules, mesh, leaf.shape)
+            shard = [
+                dim // math.prod(mesh.shape[a] for a in spec_axes(part))
+                for dim, part in zip(leaf.shape, tuple(spec) + (None,) * leaf.ndim, strict=False)
+            ]
+            out.append((path, leaf, shard))
+        return out
+
+    return shards(trained), shards(frozen)
+
+
+def _params(cfg: Config) -> tuple[dict, dict, dict[tuple, tuple | None]]:
+    """(trained, frozen, logical axes by parameter path): the model's parameters as shapes,
+    split as the train state splits them (state.py): with lora.rank > 0 the adapters train and
+    the base is frozen, its adapted layer kernels quantized under lora.base_quantization."""
     state = model_def(cfg).abstract_state
-    is_var = lambda x: isinstance(x, nnx.Variable)  # noqa: E731
-    out = []
-    for path, var in jax.tree_util.tree_flatten_with_path(state, is_leaf=is_var)[0]:
-        value = var.get_value()
-        axes = var.get_metadata().get("out_sharding") or (None,) * value.ndim
-        spec = logical_to_spec(axes, cfg.mesh.rules, mesh, value.shape)
-        shard = [
-            dim // math.prod(mesh.shape[a] for a in spec_axes(part))
-            for dim, part in zip(value.shape, tuple(spec) + (None,) * value.ndim, strict=False)
-        ]
-        out.append((path, value.shape, shard))
-    return out
+    axes = {
+        tuple(str(k) for k in path): var.get_metadata().get("out_sharding")
+        for path, var in nnx.to_flat_state(state)
+    }
+    params = nnx.to_pure_dict(state)
+    if not cfg.lora.enabled:
+        return params, {}, axes
+    from maxtrain import lora  # Qwix takes seconds to import: only when asked
+
+    adapters, base = lora.split(params)
+    if cfg.lora.base_quantization != "none":
+        quantize = functools.partial(lora.quantized_kernels, abstract_state=state, lcfg=cfg.lora)
+        base = jax.eval_shape(quantize, base)
+    return adapters, base, axes
 
 
-def _muon_state_and_scratch(shards: list, param_bytes: int) -> tuple[int, int]:
+def _shard_bytes(leaf: jax.ShapeDtypeStruct, shard: list[int]) -> int:
+    """Bytes of one device's shard of a leaf: 4-bit values (int4, nf4) packed two per byte."""
+    return math.ceil(math.prod(shard) * jax.dtypes.itemsize_bits(leaf.dtype) / 8)
+
+
+def _muon_state_and_scratch(shards: list[Shard], param_bytes: int) -> tuple[int, int]:
     """Muon's state (one momentum per matrix, AdamW's two moments for the rest) and
     Newton-Schulz's working set for the largest stacked matrix, in bytes."""
     state = scratch = 0
-    for path, shape, shard in shards:
+    for path, leaf, shard in shards:
         dims = muon.matrix_dims(path)
         state += math.prod(shard) * (2 if dims is None else 1)
         if dims is not None:
-            scratch = max(scratch, _newton_schulz_elements(shape, shard, dims))
+            scratch = max(scratch, _newton_schulz_elements(leaf.shape, shard, dims))
     return state * param_bytes, scratch * param_bytes
 
 

@@ -10,6 +10,7 @@ models.mtp                     multi-token prediction modules and their loss (mt
 from maxtrain.models.build import (
     abstract,
     active_param_count,
+    adapter_count,
     build,
     compute_dtype,
     param_count,
@@ -21,6 +22,7 @@ __all__ = [
     "ModelOutput",
     "abstract",
     "active_param_count",
+    "adapter_count",
     "build",
     "compute_dtype",
     "model_def",

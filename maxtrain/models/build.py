@@ -57,6 +57,12 @@ def param_count(cfg: ModelConfig) -> int:
     return sum(int(x.size) for x in jax.tree.leaves(state))
 
 
+def adapter_count(cfg: ModelConfig, lora: LoraConfig) -> int:
+    """The low-rank adapters' parameters (maxtrain/lora.py): what a LoRA run trains."""
+    state = nnx.state(abstract(cfg, lora=lora), nnx.LoRAParam)
+    return sum(int(x.size) for x in jax.tree.leaves(state))
+
+
 def active_param_count(cfg: ModelConfig) -> int:
     """Parameters one token uses: the total less the experts it was not routed to."""
     idle = 0
