@@ -40,6 +40,10 @@ from maxtrain.layers.base import Projection
 from maxtrain.layers.moe import ExpertKernel
 
 A, B = "kernel_lora_a", "kernel_lora_b"  # the names Qwix's provider looks up beside `kernel`
+# The logical axis of the adapters' rank dim (mesh.rules; base.yml splits it over fsdp): where
+# the other dim of A or B is not split over fsdp (B of q, A of o, ...), the rank dim is, so
+# that every adapter is divided over the devices like the weight it adapts.
+RANK_AXIS = "lora_rank"
 
 # Module paths (attribute names joined by '/') of the matmuls each lora.modules entry adapts.
 _MODULES = {
@@ -108,8 +112,8 @@ def _adapter_layout(module: nnx.Module, rank: int):
 
     (a_shape, a_axes), (b_shape, b_axes) = pick(stack + batch + contract), pick(stack + batch)
     keep_shape, keep_axes = pick(keep)
-    a_shape, a_axes = (*a_shape, rank), (*a_axes, None)
-    b_shape, b_axes = (*b_shape, rank, *keep_shape), (*b_axes, None, *keep_axes)
+    a_shape, a_axes = (*a_shape, rank), (*a_axes, RANK_AXIS)
+    b_shape, b_axes = (*b_shape, rank, *keep_shape), (*b_axes, RANK_AXIS, *keep_axes)
     fan_in = math.prod(shape[i] for i in contract)
     return a_shape, a_axes, b_shape, b_axes, fan_in
 
