@@ -124,7 +124,7 @@ def estimate(cfg: Config, num_devices: int) -> MemoryEstimate:
     mesh = AbstractMesh(tuple(sizes[a] for a in MESH_AXES), MESH_AXES)
     param_bytes = _BYTES[cfg.model.param_dtype]
     trained, frozen = _param_shards(cfg, mesh)
-    params = sum(math.prod(shard) for _, _, shard in trained) * param_bytes
+    params = sum(_shard_bytes(leaf, shard) for _, leaf, shard in trained)  # adapters: float32
     moments, scratch = 2 * params, 0
     if cfg.optim.name == "muon":
         moments, scratch = _muon_state_and_scratch(trained, param_bytes)
