@@ -39,6 +39,20 @@ class TrainState:
         return model_params(self.params, self.frozen)
 
 
+@struct.dataclass
+class SavedState:
+    """The train state as checkpoints hold it: step, params, optimizer state; never a LoRA
+    run's frozen base (the checkpoint it started from), so that every checkpoint, from before
+    LoRA existed or after, has this one structure."""
+
+    step: jax.Array
+    params: Any
+    opt_state: Any
+
+    def train_state(self, frozen: Any = None) -> TrainState:
+        return TrainState(self.step, self.params, self.opt_state, frozen)
+
+
 def model_params(params: Any, frozen: Any) -> Any:
     """The trained parameters with the frozen ones (if any) beside them: what ModelDef.apply
     takes."""
@@ -189,13 +203,12 @@ class SavedLayout:
     """
 
     layout: StageLayout | None
-    shardings: TrainState  # of the state in model order
+    shardings: SavedState  # of the state in model order
 
-    def saved(self, state: TrainState) -> TrainState:
-        """The state to save: in model order, without a LoRA run's frozen base (it is the
-        checkpoint the run started from)."""
-        state = state.replace(frozen=None)
-        return state if self.layout is None else self._to_saved(state)
+    def saved(self, state: TrainState) -> SavedState:
+        """The state to save: in model order, without a LoRA run's frozen base."""
+        saved = SavedState(state.step, state.params, state.opt_state)
+        return saved if self.layout is None else self._to_saved(saved)
 
     def abstract(self, state: TrainState) -> Any:
         """The saved state's shapes and shardings: the target a restore reads into."""
@@ -224,5 +237,7 @@ def saved_layout(
     cfg: Config, mesh: Mesh, tx: optax.GradientTransformation, mdef: ModelDef
 ) -> SavedLayout:
     in_model_order = mdef if mdef.layout is None else model_def(cfg, pipelined=False)
-    shardings = state_shardings(in_model_order, cfg, mesh, tx).replace(frozen=None)  # not saved
-    return SavedLayout(mdef.layout, shardings)
+    shardings = state_shardings(in_model_order, cfg, mesh, tx)
+    return SavedLayout(
+        mdef.layout, SavedState(shardings.step, shardings.params, shardings.opt_state)
+    )

@@ -74,8 +74,9 @@ def _resume_or_load(trainer: Trainer, ckpt: TieredCheckpointer | None, train_bat
         restored = ckpt.restore_latest(saved, train_batches)
         if restored is not None:
             state, step = restored
-            frozen = trainer.state.frozen  # checkpoints hold no frozen base (_load_frozen)
-            trainer.state = trainer.saved.restored(state, trainer.shardings).replace(frozen=frozen)
+            # Checkpoints hold no frozen base: the one _load_frozen read is kept.
+            restored_state = trainer.saved.restored(state.train_state(), trainer.shardings)
+            trainer.state = restored_state.replace(frozen=trainer.state.frozen)
             return step
     path = trainer.cfg.checkpoint.load_parameters_path
     if path and not trainer.cfg.lora.enabled:  # with adapters, it is the frozen base

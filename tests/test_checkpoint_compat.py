@@ -37,9 +37,7 @@ def test_the_old_checkpoint_restores_bit_identical_state_and_data_position(tmp_p
     cfg = config_lib.load(config_lib.CONFIGS_DIR / "base.yml", copy_run(tmp_path))
     trainer = build_trainer(cfg, devices=jax.devices()[:1])
     batches, _ = data_streams(cfg)
-    abstract = jax.tree.map(
-        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), trainer.state
-    )
+    abstract = trainer.saved.abstract(trainer.state)  # what the train loop restores into
     ckpt = open_checkpointer(cfg.checkpoint, cfg.run_dir, config_lib.to_yaml(cfg), abstract)
     try:
         state, step = ckpt.restore_latest(abstract, batches)
