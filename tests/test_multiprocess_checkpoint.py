@@ -32,7 +32,7 @@ from maxtrain import config as config_lib
 from maxtrain import optim
 from maxtrain.checkpointing import Checkpointer, integrity, load_parameters, read_saved_config
 from maxtrain.models import model_def
-from maxtrain.state import TrainState
+from maxtrain.state import SavedState
 from maxtrain.train import run
 
 NUM_PROCESSES, STEPS, TIMEOUT_S = 2, 16, 150
@@ -130,12 +130,12 @@ def losses(run_dir: Path) -> dict[int, float]:
     return {r["step"]: r["train/loss"] for r in records if "train/loss" in r}
 
 
-def abstract_state() -> TrainState:
-    """The run's TrainState as shapes, laid out on this (test) process's first device."""
+def abstract_state() -> SavedState:
+    """The run's saved state as shapes, laid out on this (test) process's first device."""
     cfg = config_lib.load(config_lib.CONFIGS_DIR / "base.yml", ARGS)
     params = nnx.to_pure_dict(model_def(cfg).abstract_state)
     tx, _ = optim.build(cfg.optim, cfg.train.steps)
-    shapes = TrainState(
+    shapes = SavedState(
         step=jax.ShapeDtypeStruct((), jnp.int32),
         params=params,
         opt_state=jax.eval_shape(tx.init, params),
