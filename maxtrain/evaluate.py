@@ -48,7 +48,12 @@ def main(argv: list[str] | None = None) -> int:
         model = load_model(args.checkpoint, args.overrides, devices, initial=args.init)
         cfg = model.cfg
         if args.loss:
-            _, streams = data_streams(cfg)  # data mistakes are found before compiling
+            # The held-out streams are built where evaluation is on: a run trained with
+            # train.eval_every=0 still holds its data.eval_fraction of documents out.
+            scored = cfg.model_copy(
+                update={"train": cfg.train.model_copy(update={"eval_every": 1})}
+            )
+            _, streams = data_streams(scored)  # data mistakes are found before compiling
 
             def traced(params, batch):
                 with sharding_rules(model.mesh, cfg.mesh.rules):

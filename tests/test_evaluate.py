@@ -44,6 +44,10 @@ def test_in_training_eval_equals_the_standalone_tool(make_cfg, tmp_path, capsys)
         assert standalone[key] == in_training[f"eval/{key}"], key
     assert math.isclose(standalone["loss"], in_training["eval/loss"], rel_tol=1e-6)
     assert "task/acc" in capsys.readouterr().out
+    # A run trained without evaluation (train.eval_every=0) still has its held-out documents.
+    quiet = [str(cfg.run_dir), "train.eval_every=0", "--no-tasks", "--loss", "--output", str(out)]
+    assert evaluate_cli.main(quiet) == 0
+    assert json.loads(out.read_text())["loss"] == standalone["loss"]
 
 
 @pytest.mark.parametrize(
