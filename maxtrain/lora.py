@@ -118,15 +118,6 @@ def _adapter_layout(module: nnx.Module, rank: int):
     return a_shape, a_axes, b_shape, b_axes, fan_in
 
 
-class _Provider(qwix.LoraProvider):
-    """Qwix's LoRA provider, with each projection's output kept in its compute dtype: the
-    adapters are float32 parameters, whose product would otherwise promote a bf16 output."""
-
-    def einsum(self, einsum_str, *operands, **kwargs):
-        out = super().einsum(einsum_str, *operands, **kwargs)
-        return out.astype(jnp.result_type(*operands))
-
-
 def with_lora(model: nnx.Module, lcfg: LoraConfig) -> nnx.Module:
     """The model (which has its adapters: add_adapters) with Qwix's provider adding (x A) B
     to its adapted projections. Works on an abstract model: the provider creates nothing."""
@@ -136,7 +127,7 @@ def with_lora(model: nnx.Module, lcfg: LoraConfig) -> nnx.Module:
     rule = qwix.LoraRule(
         module_path="|".join(re.escape(p) for p in paths), rank=lcfg.rank, alpha=lcfg.alpha
     )
-    return qwix.quantize_model(model, _Provider([rule]), skip_nnx_init=True)
+    return qwix.quantize_model(model, qwix.LoraProvider([rule]), skip_nnx_init=True)
 
 
 # ---- the two halves of the parameters ---------------------------------------------------------

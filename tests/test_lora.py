@@ -247,3 +247,18 @@ def test_minimal_remat_recomputes_low_rank_products():
     numbers = {"dimension_numbers": (((1,), (0,)), ((), ()))}
     assert policy(jax.lax.dot_general_p, x, w, **numbers)
     assert not policy(jax.lax.dot_general_p, tokens, b, **numbers)
+
+
+def test_adapters_compute_in_the_compute_dtype(make_cfg):
+    """With bfloat16 compute a LoRA step has no more float32 matmuls than the plain model's step
+    (its loss and statistics): the float32 adapters are cast like the kernels
+    (models/definition.py), so the low-rank products multiply bfloat16 operands."""
+    from maxtrain.analysis.program import matmul_dtypes
+
+    def not_bf16(trainer):
+        counts = matmul_dtypes(trainer.step_fn, trainer.state, _batch(trainer))
+        return {key: n for key, n in counts.items() if key[1] != ("bfloat16", "bfloat16")}
+
+    bf16 = ["model.compute_dtype=bfloat16", "mesh.fsdp=8"]
+    plain, adapted = build_trainer(make_cfg(*bf16)), build_trainer(make_cfg(*bf16, *LORA))
+    assert not_bf16(adapted) == not_bf16(plain)

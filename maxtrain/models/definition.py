@@ -20,7 +20,7 @@ from flax import nnx
 from maxtrain.config import Config
 from maxtrain.inference.kv_cache import LayerCache
 from maxtrain.models.auxiliary import AuxiliaryTraining, NoAuxiliary, RouterTraining, Stats
-from maxtrain.models.build import abstract
+from maxtrain.models.build import abstract, compute_dtype
 from maxtrain.models.mtp import MultiTokenTraining
 from maxtrain.models.pipeline import StageLayout, stage_layout
 
@@ -40,6 +40,10 @@ class ModelDef:
     auxiliary: AuxiliaryTraining
     layout: StageLayout | None = None  # pipeline stages (models/pipeline.py), or none
     context_layout: str = "contiguous"  # token order over mesh.context (layers/context_parallel.py)
+    # lora.rank > 0: the dtype the adapters compute in, the model's compute dtype. They are kept
+    # float32 (maxtrain/lora.py) and cast here, as a projection casts its kernel: left float32,
+    # every adapted projection would run its low-rank products in float32.
+    adapter_dtype: Any = None
 
     def apply(
         self, params: Any, tokens, positions, segment_ids, targets=None, loss_mask=None
@@ -47,9 +51,7 @@ class ModelDef:
         """tokens/positions/segment_ids [B, T] int32 -> logits, auxiliary loss, statistics.
         targets/loss_mask [B, T]: for a model with training objectives of its own beyond the
         next token (multi-token prediction, models/mtp.py); without them it has none."""
-        state = jax.tree.map(lambda v: v, self.abstract_state)  # a fresh copy to fill
-        nnx.replace_by_pure_dict(state, params)
-        model = nnx.merge(self.graphdef, state)
+        model = self._module(params)
         logits, stats = model(tokens, positions, segment_ids, targets, loss_mask)
         return ModelOutput(logits, self.auxiliary.aux_loss(stats), stats)
 
@@ -58,9 +60,17 @@ class ModelDef:
     ) -> tuple[jax.Array, dict[str, LayerCache]]:
         """Generation's forward: new tokens [B, T] at positions [B, T] -> their logits and the
         key/value cache with them added (models/decoder.py Decoder.decode)."""
+        return self._module(params).decode(tokens, positions, cache)
+
+    def _module(self, params: Any) -> nnx.Module:
+        """The model holding `params`, rebuilt from a fresh copy of the abstract state."""
+        if self.adapter_dtype is not None:
+            params = jax.tree_util.tree_map_with_path(
+                lambda path, x: x.astype(self.adapter_dtype) if _is_adapter(path) else x, params
+            )
         state = jax.tree.map(lambda v: v, self.abstract_state)
         nnx.replace_by_pure_dict(state, params)
-        return nnx.merge(self.graphdef, state).decode(tokens, positions, cache)
+        return nnx.merge(self.graphdef, state)
 
     def after_update(self, params: Any, old_params: Any, stats: Stats) -> Any:
         """Called by the train step after the optimizer's update (see models/auxiliary.py)."""
@@ -72,6 +82,11 @@ class ModelDef:
         if self.layout is not None:  # the schedule's idle share (models/pipeline.py)
             metrics["pipeline/bubble"] = jnp.asarray(self.layout.bubble, jnp.float32)
         return metrics
+
+
+def _is_adapter(path: tuple) -> bool:
+    """A LoRA adapter's leaf (maxtrain/lora.py names them kernel_lora_a and kernel_lora_b)."""
+    return str(getattr(path[-1], "key", "")).startswith("kernel_lora_")
 
 
 def model_def(cfg: Config, pipelined: bool = True) -> ModelDef:
@@ -95,4 +110,7 @@ def model_def(cfg: Config, pipelined: bool = True) -> ModelDef:
     auxiliary = RouterTraining(moe) if moe is not None else NoAuxiliary()
     if cfg.model.mtp.depth:
         auxiliary = MultiTokenTraining(auxiliary, cfg.model.mtp)
-    return ModelDef(graphdef, abstract_state, auxiliary, layout, cfg.model.context_layout)
+    adapter_dtype = compute_dtype(cfg.model) if cfg.lora.enabled else None
+    return ModelDef(
+        graphdef, abstract_state, auxiliary, layout, cfg.model.context_layout, adapter_dtype
+    )
