@@ -38,6 +38,7 @@ from flax import nnx
 from maxtrain.config import LoraConfig
 from maxtrain.layers.base import Projection
 from maxtrain.layers.moe import ExpertKernel
+from maxtrain.models.stacks import STACKS
 
 A, B = "kernel_lora_a", "kernel_lora_b"  # the names Qwix's provider looks up beside `kernel`
 # The logical axis of the adapters' rank dim (mesh.rules; base.yml splits it over fsdp): where
@@ -192,7 +193,7 @@ def quantized_kernels(params: dict, abstract_state: nnx.State, lcfg: LoraConfig)
     return out
 
 
-_LAYER_STACKS = ("layers", "moe_layers")  # models/stacks.py; run by models/decoder.py run_stack
+_LAYER_STACKS = tuple(STACKS.values())  # run by models/decoder.py run_stack, which dequantizes
 
 
 def quantize_kernel(kernel: jax.Array, axes: tuple, lcfg: LoraConfig) -> qwix.QArray:
