@@ -38,7 +38,7 @@ from flax import nnx
 from maxtrain.config import LoraConfig
 from maxtrain.layers.base import Projection
 from maxtrain.layers.moe import ExpertKernel
-from maxtrain.models.stacks import STACKS
+from maxtrain.models.stacks import STACKS, STAGES
 
 A, B = "kernel_lora_a", "kernel_lora_b"  # the names Qwix's provider looks up beside `kernel`
 # The logical axis of the adapters' rank dim (mesh.rules; base.yml splits it over fsdp): where
@@ -193,7 +193,8 @@ def quantized_kernels(params: dict, abstract_state: nnx.State, lcfg: LoraConfig)
     return out
 
 
-_LAYER_STACKS = tuple(STACKS.values())  # run by models/decoder.py run_stack, which dequantizes
+# Run by models/decoder.py run_stack, which dequantizes; pipelined, the stacks are in STAGES.
+_LAYER_STACKS = (*STACKS.values(), STAGES)
 
 
 def quantize_kernel(kernel: jax.Array, axes: tuple, lcfg: LoraConfig) -> qwix.QArray:

@@ -49,7 +49,7 @@ def merged_params(cfg: Config, step_dir: str | os.PathLike | None, mesh: Mesh) -
     adapters, i.e. the model the run started from. CheckpointError (one line) for a missing
     base or adapters that do not fit the run's model."""
     with sharding_rules(mesh, cfg.mesh.rules):
-        mdef = model_def(cfg, pipelined=False)  # a LoRA run has no stages
+        mdef = model_def(cfg, pipelined=False)  # checkpoints hold layers in model order
         adapter_shardings, base_shardings = lora.split(param_shardings(mdef, cfg, mesh))
     try:
         base = initial_params(cfg, abstract_base(mdef, cfg, mesh))

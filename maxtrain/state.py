@@ -119,17 +119,27 @@ def kept_base(cfg: Config, mdef: ModelDef, base: dict) -> dict:
 
 def abstract_base(mdef: ModelDef, cfg: Config, mesh: Mesh) -> dict:
     """A LoRA run's base model (its parameters without the adapters, unquantized) as shapes and
-    shardings: what checkpoint.load_parameters_path is read into."""
+    shardings, its layers in model order as checkpoints hold them (whatever the pipeline): what
+    checkpoint.load_parameters_path is read into."""
     from maxtrain import lora
 
+    if mdef.layout is not None:
+        mdef = model_def(cfg, pipelined=False)
     shapes = lora.split(nnx.to_pure_dict(mdef.abstract_state))[1]
     return _with_shardings(shapes, lora.split(param_shardings(mdef, cfg, mesh))[1])
 
 
 def frozen_base(cfg: Config, mdef: ModelDef, shardings: TrainState, base: dict) -> Any:
-    """The loaded base as the state keeps it (state.frozen): quantized under
-    lora.base_quantization, on the frozen part's shardings."""
-    return jax.jit(functools.partial(kept_base, cfg, mdef), out_shardings=shardings.frozen)(base)
+    """The loaded base (in model order: abstract_base) as the state keeps it (state.frozen):
+    moved into the run's pipeline stages, if any, quantized under lora.base_quantization, on
+    the frozen part's shardings."""
+
+    def kept(base: dict) -> dict:
+        if mdef.layout is not None:
+            base = pipeline.to_stages(base, mdef.layout)
+        return kept_base(cfg, mdef, base)
+
+    return jax.jit(kept, out_shardings=shardings.frozen)(base)
 
 
 def _leaf_shardings(tree: Any, mdef: ModelDef, cfg: Config, mesh: Mesh) -> Any:

@@ -75,7 +75,8 @@ def _resume_or_load(trainer: Trainer, ckpt: TieredCheckpointer | None, train_bat
         if restored is not None:
             state, step = restored
             # Checkpoints hold no frozen base: the one _load_frozen read is kept.
-            restored_state = trainer.saved.restored(state.train_state(), trainer.shardings)
+            run_shardings = trainer.shardings.replace(frozen=None)
+            restored_state = trainer.saved.restored(state.train_state(), run_shardings)
             trainer.state = restored_state.replace(frozen=trainer.state.frozen)
             return step
     path = trainer.cfg.checkpoint.load_parameters_path

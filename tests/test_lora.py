@@ -19,6 +19,13 @@ from maxtrain.train import build_trainer, run
 from maxtrain.train_step import summed_grads
 
 LORA = ["lora.rank=4", "lora.alpha=8", "checkpoint.load_parameters_path=unused"]
+SMALL = [
+    "model_name=tiny",
+    "data.kind=synthetic",
+    "train.global_batch_size=8",
+    "train.seq_len=32",
+    "optim.warmup_steps=1",  # the rate is 0 at the first step, the peak after it
+]
 
 
 def _batch(trainer):
@@ -35,6 +42,16 @@ def _with_base(trainer, base):
     return trainer
 
 
+def _perturbed(adapters):
+    """The adapters plus noise: B nonzero, so that the gradients of both A and B are."""
+    leaves, treedef = jax.tree.flatten(adapters)
+    keys = jax.random.split(jax.random.key(7), len(leaves))
+    noisy = [
+        x + 0.05 * jax.random.normal(k, x.shape, x.dtype) for x, k in zip(leaves, keys, strict=True)
+    ]
+    return jax.tree.unflatten(treedef, noisy)
+
+
 def _logits(trainer, params, batch):
     apply = lambda p, b: trainer.mdef.apply(p, b["inputs"], b["positions"], b["segment_ids"])[0]  # noqa: E731
     with sharding_rules(trainer.mesh, trainer.cfg.mesh.rules):
@@ -49,16 +66,7 @@ def dense(tmp_path_factory):
     from tests.conftest import BASE
 
     tmp = tmp_path_factory.mktemp("lora")
-    common = [
-        "model_name=tiny",
-        "data.kind=synthetic",
-        f"run.output_dir={tmp}",
-        "train.global_batch_size=8",
-        "train.seq_len=32",
-        "mesh.fsdp=4",
-        "mesh.tensor=2",
-        "optim.warmup_steps=1",  # the rate is 0 at the first step, the peak after it
-    ]
+    common = [*SMALL, f"run.output_dir={tmp}", "mesh.fsdp=4", "mesh.tensor=2"]
     plain = build_trainer(config_lib.load(BASE, common))
     adapted = build_trainer(config_lib.load(BASE, [*common, *LORA, "lora.modules=[attention,mlp]"]))
     return plain, _with_base(adapted, plain.state.params)
@@ -110,15 +118,7 @@ def test_adapter_gradients_are_the_chain_rule_through_the_merged_weight(dense):
     at the merged weights W' = W + s A B: an oracle that never runs Qwix."""
     plain, adapted = dense
     cfg, batch = adapted.cfg, _batch(adapted)
-    keys = jax.random.split(jax.random.key(7), 64)
-    params = jax.tree.map(  # B nonzero, so that both gradients are
-        lambda x, k: x + 0.05 * jax.random.normal(k, x.shape, x.dtype),
-        adapted.state.params,
-        jax.tree.unflatten(
-            jax.tree.structure(adapted.state.params),
-            list(keys[: len(jax.tree.leaves(adapted.state.params))]),
-        ),
-    )
+    params = _perturbed(adapted.state.params)
     frozen = adapted.state.frozen
 
     def grads(trainer, p, f=None):
@@ -215,11 +215,118 @@ def test_lora_run_resumes_bit_exactly(make_cfg, tmp_path):
         np.testing.assert_array_equal(x, y)
 
 
+# ---- pipeline stages (models/pipeline.py) ------------------------------------------------------
+
+STAGED = ["mesh.stage=2", "mesh.fsdp=4"]
+
+
+@pytest.fixture(scope="module")
+def staged(dense, tmp_path_factory):
+    """The dense fixture's plain model and a QLoRA one (nf4 base) in two pipeline stages of 4
+    devices (fsdp), its frozen base the plain model's parameters, read in model order as from
+    a checkpoint."""
+    from maxtrain import config as config_lib
+    from tests.conftest import BASE
+
+    base = dense[0].state.params
+    common = [*SMALL, f"run.output_dir={tmp_path_factory.mktemp('staged')}", *STAGED]
+    plain = build_trainer(config_lib.load(BASE, common))
+    adapted = build_trainer(config_lib.load(BASE, [*common, *LORA, "lora.base_quantization=nf4"]))
+    return plain, _with_base(adapted, base)
+
+
+def _nll(trainer, params, frozen, batch):
+    return float(trainer.eval_fn(params, frozen, batch)["nll_sum"])
+
+
+def _grads(trainer, params, frozen, batch):
+    with sharding_rules(trainer.mesh, trainer.cfg.mesh.rules):
+        fn = jax.jit(lambda p, f: summed_grads(trainer.mdef, p, batch, 0.0, frozen=f)[0])
+        return jax.device_get(fn(params, frozen))
+
+
+def test_qlora_in_stages_computes_what_it_does_without(dense, staged):
+    """In two stages: the base's layer kernels are quantized as without stages (a scale per
+    layer, never shared across stages), zero adapters give the plain pipelined model's loss on
+    the dequantized base, and nonzero ones the gradients of the same adapters without stages
+    on that base (moved into model order)."""
+    from maxtrain.models import pipeline
+
+    base, flat = dense[0].state.params, dense[1]
+    plain, adapted = staged
+    layout, lcfg = adapted.mdef.layout, adapted.cfg.lora
+    assert jax.tree.leaves(adapted.state.params[pipeline.STAGES])  # the adapters are in stages
+    kernel = adapted.state.frozen[pipeline.STAGES]["layers"]["attn"]["q"]["kernel"]
+    assert isinstance(kernel, qwix.QArray) and kernel.qtype == "nf4"
+    dequantized = lora.dequantized(adapted.state.frozen)  # in stages
+    in_model_order = pipeline.to_model_order(jax.device_get(dequantized), layout)
+    quantize = lambda b: lora.quantized_kernels(b, flat.mdef.abstract_state, lcfg)  # noqa: E731
+    want = jax.device_get(lora.dequantized(jax.jit(quantize)(base)))
+    for x, y in zip(jax.tree.leaves(in_model_order), jax.tree.leaves(want), strict=True):
+        np.testing.assert_array_equal(x, y)
+
+    batch = _batch(adapted)
+    np.testing.assert_allclose(
+        _nll(adapted, adapted.state.params, adapted.state.frozen, batch),
+        _nll(plain, dequantized, None, batch),
+        rtol=1e-6,
+    )
+
+    params = _perturbed(flat.state.params)
+    flat_base = frozen_base(flat.cfg, flat.mdef, flat.shardings, in_model_order)
+    want = _grads(flat, params, flat_base, batch)
+    staged_grads = _grads(adapted, pipeline.to_stages(params, layout), adapted.state.frozen, batch)
+    got = pipeline.to_model_order(staged_grads, layout)
+    assert jax.tree.structure(got) == jax.tree.structure(want)
+    for (path, w), g in zip(jax.tree.leaves_with_path(want), jax.tree.leaves(got), strict=True):
+        scale = np.max(np.abs(w))
+        assert scale > 0, jax.tree_util.keystr(path)
+        np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-5 * scale)
+
+
+def test_staged_lora_checkpoints_hold_the_adapters_in_model_order(make_cfg, tmp_path):
+    """A base, then LoRA runs of 2 steps: in two stages straight, and
+    without stages for a step then resumed in stages. Both checkpoints read as a run without
+    stages reads them, and hold the same adapters: saving moved them (and their optimizer
+    moments) out of the stages, restoring into them."""
+    from maxtrain.checkpointing import load_parameters
+
+    run(make_cfg("run.name=base", "train.steps=1"))
+    lora_args = [
+        "lora.rank=4",
+        f"checkpoint.load_parameters_path={tmp_path / 'base' / 'checkpoints' / 'persistent'}",
+        "checkpoint.persistent.every_steps=1",
+        "train.steps=2",
+    ]
+    straight = make_cfg(*lora_args, *STAGED, "run.name=straight")
+    run(straight)
+    run(make_cfg(*lora_args, "run.name=resumed", "train.steps=1"))
+    resumed = make_cfg(*lora_args, *STAGED, "run.name=resumed")
+    run(resumed)
+
+    flat = build_trainer(make_cfg(*lora_args, "run.name=flat"), abstract=True)
+    abstract = flat.saved.abstract(flat.state).params
+    for step in (1, 2):
+        a, b = (
+            jax.device_get(
+                load_parameters(cfg.run_dir / "checkpoints" / "persistent" / str(step), abstract)
+            )
+            for cfg in (straight, resumed)
+        )
+        for (path, x), y in zip(jax.tree.leaves_with_path(a), jax.tree.leaves(b), strict=True):
+            np.testing.assert_allclose(
+                x, y, rtol=1e-5, atol=1e-7, err_msg=jax.tree_util.keystr(path)
+            )
+    moved = [
+        np.any(x != 0) for p, x in jax.tree.leaves_with_path(a) if lora.B in jax.tree_util.keystr(p)
+    ]
+    assert moved and all(moved)  # step 2 trained every B (the first step's rate is 0)
+
+
 @pytest.mark.parametrize(
     "overrides, error",
     [
         (["lora.rank=4"], "lora.rank=4 needs checkpoint.load_parameters_path"),
-        ([*LORA, "mesh.stage=2"], "does not yet run in pipeline stages"),
         ([*LORA, "quantization.preset=int8"], "for a quantized base use lora.base_quantization"),
         (["lora.modules=[mlp,mlp]"], "lora.modules lists a module twice"),
         ([*LORA, "lora.base_quantization=int3"], "lora.base_quantization"),

@@ -91,11 +91,6 @@ class Config(Section):
                 f"lora.rank={self.lora.rank} needs checkpoint.load_parameters_path: the base "
                 "model the adapters are trained on"
             )
-        if self.mesh.stage * self.mesh.dcn.stage > 1:
-            raise ValueError(
-                "lora.rank > 0 does not yet run in pipeline stages; set mesh.stage and "
-                "mesh.dcn.stage to 1"
-            )
         if self.quantization.preset != "none" or self.quantization.rules:
             raise ValueError(
                 "lora.rank > 0 with quantization: set: quantized training and adapters "

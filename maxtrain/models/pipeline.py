@@ -112,19 +112,21 @@ def to_stages(params: dict[str, Any], layout: StageLayout) -> dict[str, Any]:
     their stack, the rest of each stack becomes params["stages"][stack], [R, S, per group, ...].
     The groups are consecutive layers, so this is a reshape (row-major: group r * S + s)."""
     out = {k: v for k, v in params.items() if k not in STACKS.values()}
-    if layout.prologue:
+    if layout.prologue and DENSE_STACK in params:
         out[DENSE_STACK] = jax.tree.map(lambda a: a[: layout.prologue], params[DENSE_STACK])
 
     def grouped(stack: Any, skip: int, count: int) -> Any:
         shape = (layout.repeats, layout.stages, count)
         return jax.tree.map(lambda a: a[skip:].reshape(*shape, *a.shape[1:]), stack)
 
-    out[STAGES] = {
+    # A LoRA run's adapters (maxtrain/lora.py) may sit on one kind of layer only: a stack
+    # without any is absent from their tree.
+    stages = {
         key: grouped(params[key], 0 if is_moe else layout.prologue, layout.per_group(is_moe))
         for is_moe, key in STACKS.items()
-        if layout.per_group(is_moe)
+        if layout.per_group(is_moe) and key in params
     }
-    return out
+    return {**out, STAGES: stages} if stages else out
 
 
 def to_model_order(params: dict[str, Any], layout: StageLayout) -> dict[str, Any]:
@@ -132,9 +134,9 @@ def to_model_order(params: dict[str, Any], layout: StageLayout) -> dict[str, Any
     out = {k: v for k, v in params.items() if k not in (STAGES, *STACKS.values())}
     for is_moe, key in STACKS.items():
         parts = []
-        if not is_moe and layout.prologue:
+        if not is_moe and layout.prologue and DENSE_STACK in params:
             parts.append(params[DENSE_STACK])
-        if key in params[STAGES]:
+        if key in params.get(STAGES, {}):
             parts.append(jax.tree.map(lambda a: a.reshape(-1, *a.shape[3:]), params[STAGES][key]))
         if parts:
             out[key] = jax.tree.map(lambda *p: jnp.concatenate(p), *parts)
@@ -143,10 +145,12 @@ def to_model_order(params: dict[str, Any], layout: StageLayout) -> dict[str, Any
 
 def map_params(tree: Any, convert: Callable[[dict], dict]) -> Any:
     """`convert` applied to every params dict in a train state: the parameters and each
-    optimizer moment shaped like them (recognised by their embedding and final norm)."""
+    optimizer moment shaped like them. They are recognised by their layer stacks (in model
+    order or in stages), the outermost dict holding one: a LoRA run trains only its adapters,
+    whose tree has no embedding or final norm but the stacks of the layers they adapt."""
 
     def is_params(node: Any) -> bool:
-        return isinstance(node, dict) and "embedding" in node and "final_norm" in node
+        return isinstance(node, dict) and any(k in node for k in (STAGES, *STACKS.values()))
 
     return jax.tree.map(lambda n: convert(n) if is_params(n) else n, tree, is_leaf=is_params)
 

@@ -25,10 +25,11 @@ from maxtrain.checkpointing.checkpointer import load_parameters, resolve_step_di
 from maxtrain.checkpointing.common import absolute
 from maxtrain.checkpointing.integrity import CheckpointError
 from maxtrain.errors import first_line
-from maxtrain.models.stacks import is_stacked
+from maxtrain.models.stacks import STAGES, is_stacked
 
-# Logical axes that index whole matmuls (stacked layers, experts), never contracted.
-_STACK_AXES = ("layers", "exp")
+# Logical axes that index whole matmuls (stacked layers, pipeline repeats and stages: see
+# models/decoder.py Stages; experts), never contracted.
+_STACK_AXES = ("layers", "repeats", STAGES, "exp")
 
 
 def contraction_axes(axes: tuple[str | None, ...]) -> tuple[int, ...]:
