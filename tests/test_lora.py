@@ -235,14 +235,21 @@ def staged(dense, tmp_path_factory):
     return plain, _with_base(adapted, base)
 
 
-def _nll(trainer, params, frozen, batch):
-    return float(trainer.eval_fn(params, frozen, batch)["nll_sum"])
+def _loss_and_grads(trainer, batch):
+    """(params, frozen) -> the summed token loss and its gradients, one compile for all calls."""
 
+    def fn(params, frozen):
+        grads, aux = summed_grads(trainer.mdef, params, batch, 0.0, frozen=frozen)
+        return aux[0], grads
 
-def _grads(trainer, params, frozen, batch):
-    with sharding_rules(trainer.mesh, trainer.cfg.mesh.rules):
-        fn = jax.jit(lambda p, f: summed_grads(trainer.mdef, p, batch, 0.0, frozen=f)[0])
-        return jax.device_get(fn(params, frozen))
+    compiled = jax.jit(fn)
+
+    def call(params, frozen):
+        with sharding_rules(trainer.mesh, trainer.cfg.mesh.rules):
+            loss, grads = jax.device_get(compiled(params, frozen))
+        return float(loss), grads
+
+    return call
 
 
 def test_qlora_in_stages_computes_what_it_does_without(dense, staged):
@@ -266,16 +273,16 @@ def test_qlora_in_stages_computes_what_it_does_without(dense, staged):
         np.testing.assert_array_equal(x, y)
 
     batch = _batch(adapted)
+    in_stages = _loss_and_grads(adapted, batch)
+    plain_loss = float(plain.eval_fn(dequantized, None, batch)["nll_sum"])
     np.testing.assert_allclose(
-        _nll(adapted, adapted.state.params, adapted.state.frozen, batch),
-        _nll(plain, dequantized, None, batch),
-        rtol=1e-6,
+        in_stages(adapted.state.params, adapted.state.frozen)[0], plain_loss, rtol=1e-6
     )
 
     params = _perturbed(flat.state.params)
     flat_base = frozen_base(flat.cfg, flat.mdef, flat.shardings, in_model_order)
-    want = _grads(flat, params, flat_base, batch)
-    staged_grads = _grads(adapted, pipeline.to_stages(params, layout), adapted.state.frozen, batch)
+    want = _loss_and_grads(flat, batch)(params, flat_base)[1]
+    staged_grads = in_stages(pipeline.to_stages(params, layout), adapted.state.frozen)[1]
     got = pipeline.to_model_order(staged_grads, layout)
     assert jax.tree.structure(got) == jax.tree.structure(want)
     for (path, w), g in zip(jax.tree.leaves_with_path(want), jax.tree.leaves(got), strict=True):
@@ -284,17 +291,47 @@ def test_qlora_in_stages_computes_what_it_does_without(dense, staged):
         np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-5 * scale)
 
 
-def test_staged_lora_checkpoints_hold_the_adapters_in_model_order(make_cfg, tmp_path):
-    """A base, then LoRA runs of 2 steps: in two stages straight, and
+@pytest.mark.parametrize("stacks", [("layers", "moe_layers"), ("moe_layers",), ("layers",)])
+def test_adapter_trees_move_into_stages_and_back(make_cfg, stacks):
+    """An adapter tree (no embedding, maybe one kind of layer only: experts, or the dense first
+    layer's MLP) and its optimizer moments: map_params moves each stack's layers after the
+    first dense one into the stages, and back, as the layers of full parameters."""
+    import optax
+
+    from maxtrain.models import pipeline
+
+    cfg = make_cfg(
+        "model_name=tiny-moe", "model.num_layers=5", "model.moe.first_dense_layers=1", *STAGED
+    )
+    layout = pipeline.stage_layout(cfg)  # 1 dense layer, then 2 stages of 2 MoE layers
+    counts = {"layers": 1, "moe_layers": 4}
+    adapters = {k: {"a": np.arange(counts[k] * 3.0).reshape(counts[k], 3)} for k in stacks}
+    state = (adapters, optax.adam(1.0).init(adapters))
+    moved = pipeline.map_params(state, lambda p: pipeline.to_stages(p, layout))
+    if "moe_layers" in stacks:
+        stage_a = moved[0][pipeline.STAGES]["moe_layers"]["a"]
+        np.testing.assert_array_equal(stage_a[0, 1], adapters["moe_layers"]["a"][2:])
+        assert moved[1][0].mu[pipeline.STAGES]["moe_layers"]["a"].shape == (1, 2, 2, 3)
+    else:
+        assert pipeline.STAGES not in moved[0]  # the dense first layer stays before the stages
+    back = pipeline.map_params(moved, lambda p: pipeline.to_model_order(p, layout))
+    assert jax.tree.structure(back) == jax.tree.structure(state)
+    for x, y in zip(jax.tree.leaves(back), jax.tree.leaves(state), strict=True):
+        np.testing.assert_array_equal(x, y)
+
+
+def test_staged_lora_checkpoints_hold_the_adapters_in_model_order(dense, make_cfg, tmp_path):
+    """The dense fixture's base, then LoRA runs of 2 steps: in two stages straight, and
     without stages for a step then resumed in stages. Both checkpoints read as a run without
     stages reads them, and hold the same adapters: saving moved them (and their optimizer
     moments) out of the stages, restoring into them."""
     from maxtrain.checkpointing import load_parameters
+    from maxtrain.checkpointing.export import save_parameters
 
-    run(make_cfg("run.name=base", "train.steps=1"))
+    base = save_parameters(tmp_path / "base", dense[0].state.params)
     lora_args = [
         "lora.rank=4",
-        f"checkpoint.load_parameters_path={tmp_path / 'base' / 'checkpoints' / 'persistent'}",
+        f"checkpoint.load_parameters_path={base}",
         "checkpoint.persistent.every_steps=1",
         "train.steps=2",
     ]
