@@ -35,7 +35,7 @@ import jax.numpy as jnp
 import qwix
 from flax import nnx
 
-from maxtrain.config import LoraConfig
+from maxtrain.config import ConfigError, LoraConfig
 from maxtrain.layers.base import Projection
 from maxtrain.layers.moe import ExpertKernel
 from maxtrain.models.stacks import STACKS, STAGES
@@ -72,7 +72,10 @@ def add_adapters(model: nnx.Module, lcfg: LoraConfig, seed: int) -> nnx.Module:
     so that the optimizer's small updates are not lost to rounding."""
     modules = adapted_modules(model, lcfg)
     if not modules:
-        raise ValueError(f"lora.modules {lcfg.modules} matches no matmul of this model")
+        raise ConfigError(
+            f"lora.modules={lcfg.modules} matches no matmul of this model (mlp: the dense "
+            "layers' and shared experts' SwiGLU; experts: the routed experts); name one it has"
+        )
     for path, module in modules.items():
         a_shape, a_axes, b_shape, b_axes, fan_in = _adapter_layout(module, lcfg.rank)
         key = jax.random.fold_in(jax.random.key(seed), zlib.crc32(path.encode()))

@@ -367,14 +367,22 @@ def test_staged_lora_checkpoints_hold_the_adapters_in_model_order(dense, make_cf
         ([*LORA, "quantization.preset=int8"], "for a quantized base use lora.base_quantization"),
         (["lora.modules=[mlp,mlp]"], "lora.modules lists a module twice"),
         ([*LORA, "lora.base_quantization=int3"], "lora.base_quantization"),
+        ([*LORA, "lora.modules=[experts]"], "this model has no routed experts"),
     ],
 )
 def test_bad_lora_configs_are_refused_in_one_line(make_cfg, overrides, error):
     with pytest.raises(ConfigError, match=error):
         make_cfg(*overrides)
-    with pytest.raises(ValueError, match="matches no matmul"):
-        cfg = make_cfg(*LORA, "lora.modules=[experts]")  # tiny is dense: no experts
-        build_trainer(cfg)
+
+
+def test_modules_that_match_no_matmul_are_refused(make_cfg):
+    """Every layer an MoE without shared experts: lora.modules=[mlp] adapts nothing."""
+    cfg = make_cfg(
+        "model_name=tiny-moe", "model.moe.first_dense_layers=0", "model.moe.shared_experts=0",
+        *LORA, "lora.modules=[mlp]",
+    )  # fmt: skip
+    with pytest.raises(ConfigError, match=r"lora.modules=\['mlp'\] matches no matmul"):
+        build_trainer(cfg, abstract=True)
 
 
 def test_minimal_remat_recomputes_low_rank_products():

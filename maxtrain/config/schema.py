@@ -91,6 +91,11 @@ class Config(Section):
                 f"lora.rank={self.lora.rank} needs checkpoint.load_parameters_path: the base "
                 "model the adapters are trained on"
             )
+        if "experts" in self.lora.modules and self.model.moe is None:
+            raise ValueError(
+                "lora.modules lists experts, but this model has no routed experts (model.moe "
+                "is unset); adapt attention and/or mlp"
+            )
         if self.quantization.preset != "none" or self.quantization.rules:
             raise ValueError(
                 "lora.rank > 0 with quantization: set: quantized training and adapters "
