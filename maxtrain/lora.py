@@ -36,11 +36,11 @@ import qwix
 from flax import nnx
 
 from maxtrain.config import ConfigError, LoraConfig
-from maxtrain.layers.base import Projection
+from maxtrain.layers.base import LORA_A, LORA_B, Projection
 from maxtrain.layers.moe import ExpertKernel
 from maxtrain.models.stacks import STACKS, STAGES
 
-A, B = "kernel_lora_a", "kernel_lora_b"  # the names Qwix's provider looks up beside `kernel`
+A, B = LORA_A, LORA_B  # the names Qwix's provider looks up beside `kernel`
 # The logical axis of the adapters' rank dim (mesh.rules; base.yml splits it over fsdp): where
 # the other dim of A or B is not split over fsdp (B of q, A of o, ...), the rank dim is, so
 # that every adapter is divided over the devices like the weight it adapts.

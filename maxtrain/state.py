@@ -143,20 +143,25 @@ def frozen_base(cfg: Config, mdef: ModelDef, shardings: TrainState, base: dict) 
 
 
 def _leaf_shardings(tree: Any, mdef: ModelDef, cfg: Config, mesh: Mesh) -> Any:
-    """A sharding for every leaf of a params-shaped tree, from the logical axes of the parameter
-    it belongs to and its own shape: a quantized kernel's values and scales are split like it,
-    wherever their shape allows."""
+    """A NamedSharding for every leaf of a params-shaped tree (leaf_specs)."""
+    specs = leaf_specs(tree, mdef.abstract_state, cfg.mesh.rules, mesh)
+    return jax.tree.map(lambda spec: NamedSharding(mesh, spec), specs)
+
+
+def leaf_specs(tree: Any, abstract_state: nnx.State, rules: dict, mesh: Any) -> Any:
+    """A PartitionSpec for every leaf of a params-shaped tree, from the logical axes of the
+    parameter it belongs to and its own shape: a quantized kernel's values and scales are split
+    like it, wherever their shape allows. mesh: a Mesh or an AbstractMesh (the dry-run's)."""
     axes = {
         tuple(str(k) for k in path): var.get_metadata().get("out_sharding")
-        for path, var in nnx.to_flat_state(mdef.abstract_state)
+        for path, var in nnx.to_flat_state(abstract_state)
     }
 
-    def sharding(path, leaf) -> NamedSharding:
+    def spec(path, leaf) -> P:
         names = tuple(str(k.key) for k in path if isinstance(k, jax.tree_util.DictKey))
-        leaf_axes = axes[names] or (None,) * leaf.ndim
-        return NamedSharding(mesh, logical_to_spec(leaf_axes, cfg.mesh.rules, mesh, leaf.shape))
+        return logical_to_spec(axes[names] or (None,) * leaf.ndim, rules, mesh, leaf.shape)
 
-    return jax.tree_util.tree_map_with_path(sharding, tree)
+    return jax.tree_util.tree_map_with_path(spec, tree)
 
 
 def init_state(

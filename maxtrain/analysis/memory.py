@@ -45,6 +45,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import AbstractMesh
+from jax.sharding import PartitionSpec as P
 
 from maxtrain import muon
 from maxtrain.config import MESH_AXES, Config
@@ -52,10 +53,11 @@ from maxtrain.kernels.attention import attention_implementation
 from maxtrain.kernels.grouped_matmul import grouped_matmul_implementation
 from maxtrain.layers.attention_types import attention_type
 from maxtrain.layers.expert_parallel import exchange_implementation, routed_capacity
-from maxtrain.mesh import axis_sizes, logical_to_spec, spec_axes
-from maxtrain.models import compute_dtype, model_def
+from maxtrain.mesh import axis_sizes, spec_axes
+from maxtrain.models import ModelDef, compute_dtype, model_def
 from maxtrain.models.pipeline import StageLayout, stage_layout
 from maxtrain.models.stacks import is_moe_per_layer
+from maxtrain.state import kept_base, leaf_specs
 
 _BYTES = {"float32": 4, "bfloat16": 2}
 
@@ -160,18 +162,20 @@ Shard = tuple[tuple, jax.ShapeDtypeStruct, list[int]]  # (path, leaf, the shape 
 
 
 def _param_shards(cfg: Config, mesh: AbstractMesh) -> tuple[list[Shard], list[Shard]]:
-    """The trained parameters' shards and the frozen base's (none without LoRA). Exact: each
-    leaf is split by its parameter's logical axes under the run's rules, with the same
-    divisibility fallbacks, as the train state's shardings (state.py) split it; a quantized
-    kernel's values and scales are split like the kernel, wherever their shapes allow."""
-    trained, frozen, axes = _params(cfg)
+    """The trained parameters' shards and the frozen base's (none without LoRA), split exactly
+    as the train state's shardings split them (state.py leaf_specs)."""
+    mdef = model_def(cfg)
+    trained, frozen = _params(cfg, mdef)
 
     def shards(tree: dict) -> list[Shard]:
+        specs = jax.tree.leaves(
+            leaf_specs(tree, mdef.abstract_state, cfg.mesh.rules, mesh),
+            is_leaf=lambda x: isinstance(x, P),
+        )
         out = []
-        for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
-            names = tuple(str(k.key) for k in path if isinstance(k, jax.tree_util.DictKey))
-            leaf_axes = axes[names] or (None,) * leaf.ndim
-            spec = logical_to_spec(leaf_axes, cfg.mesh.rules, mesh, leaf.shape)
+        for (path, leaf), spec in zip(
+            jax.tree_util.tree_flatten_with_path(tree)[0], specs, strict=True
+        ):
             shard = [
                 dim // math.prod(mesh.shape[a] for a in spec_axes(part))
                 for dim, part in zip(leaf.shape, tuple(spec) + (None,) * leaf.ndim, strict=False)
@@ -182,25 +186,17 @@ def _param_shards(cfg: Config, mesh: AbstractMesh) -> tuple[list[Shard], list[Sh
     return shards(trained), shards(frozen)
 
 
-def _params(cfg: Config) -> tuple[dict, dict, dict[tuple, tuple | None]]:
-    """(trained, frozen, logical axes by parameter path): the model's parameters as shapes,
-    split as the train state splits them (state.py): with lora.rank > 0 the adapters train and
-    the base is frozen, its adapted layer kernels quantized under lora.base_quantization."""
-    state = model_def(cfg).abstract_state
-    axes = {
-        tuple(str(k) for k in path): var.get_metadata().get("out_sharding")
-        for path, var in nnx.to_flat_state(state)
-    }
-    params = nnx.to_pure_dict(state)
+def _params(cfg: Config, mdef: ModelDef) -> tuple[dict, dict]:
+    """(trained, frozen): the model's parameters as shapes, split as the train state splits
+    them (state.py): with lora.rank > 0 the adapters train and the base is frozen, kept as
+    state.kept_base keeps it (its adapted layer kernels quantized under lora.base_quantization)."""
+    params = nnx.to_pure_dict(mdef.abstract_state)
     if not cfg.lora.enabled:
-        return params, {}, axes
+        return params, {}
     from maxtrain import lora  # Qwix takes seconds to import: only when asked
 
     adapters, base = lora.split(params)
-    if cfg.lora.base_quantization != "none":
-        quantize = functools.partial(lora.quantized_kernels, abstract_state=state, lcfg=cfg.lora)
-        base = jax.eval_shape(quantize, base)
-    return adapters, base, axes
+    return adapters, jax.eval_shape(functools.partial(kept_base, cfg, mdef), base)
 
 
 def _shard_bytes(leaf: jax.ShapeDtypeStruct, shard: list[int]) -> int:

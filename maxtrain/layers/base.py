@@ -13,6 +13,10 @@ from flax import nnx
 
 LogicalAxes = tuple[str | None, ...]
 
+# A kernel's low-rank adapters (maxtrain/lora.py) sit beside it under the names Qwix's LoRA
+# provider looks up: `kernel_lora_a` and `kernel_lora_b`.
+LORA_A, LORA_B = "kernel_lora_a", "kernel_lora_b"
+
 
 def make_param(
     rngs: nnx.Rngs,

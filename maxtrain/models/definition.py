@@ -19,6 +19,7 @@ from flax import nnx
 
 from maxtrain.config import Config
 from maxtrain.inference.kv_cache import LayerCache
+from maxtrain.layers.base import LORA_A, LORA_B
 from maxtrain.models.auxiliary import AuxiliaryTraining, NoAuxiliary, RouterTraining, Stats
 from maxtrain.models.build import abstract, compute_dtype
 from maxtrain.models.mtp import MultiTokenTraining
@@ -85,8 +86,8 @@ class ModelDef:
 
 
 def _is_adapter(path: tuple) -> bool:
-    """A LoRA adapter's leaf (maxtrain/lora.py names them kernel_lora_a and kernel_lora_b)."""
-    return str(getattr(path[-1], "key", "")).startswith("kernel_lora_")
+    """A LoRA adapter's leaf, by its key path (maxtrain/lora.py, which imports Qwix)."""
+    return str(getattr(path[-1], "key", "")) in (LORA_A, LORA_B)
 
 
 def model_def(cfg: Config, pipelined: bool = True) -> ModelDef:
