@@ -57,8 +57,16 @@ def compiled_steps(cfg):
         ("model_name=tiny-moe", "mesh.expert=4", "mesh.fsdp=2", "model.tie_embeddings=true"),
         ("mesh.fsdp=8", "train.grad_accum_steps=2", "train.global_batch_size=16"),
         ("mesh.stage=2", "mesh.fsdp=4", "pipeline.microbatches=2", "model.num_layers=4"),
+        # LoRA: the frozen (nf4) base goes through the donated step unchanged, never copied.
+        (
+            "mesh.fsdp=8",
+            "lora.rank=4",
+            "lora.base_quantization=nf4",
+            "lora.block_size=16",
+            "checkpoint.load_parameters_path=unused",
+        ),
     ],
-    ids=["dense", "moe", "grad_accum", "stages"],
+    ids=["dense", "moe", "grad_accum", "stages", "lora"],
 )
 def test_the_nonfinite_guard_copies_no_state_and_adds_no_bytes(make_cfg, overrides):
     guarded, unguarded = compiled_steps(make_cfg(*overrides))
