@@ -1,8 +1,22 @@
 #!/usr/bin/env bash
 # Creates .venv with a Python >= 3.12 and installs maxtrain with its pinned dependencies.
 # Idempotent: reinstalls only when pyproject.toml changed since the last successful install.
+#
+#   ./setup.sh                 maxtrain, its dependencies and the test tools
+#   ./setup.sh tpu-compiler    also the TPU compiler (libtpu, the `tpu-compiler` extra), into
+#                              .venv/tpu-compiler rather than site-packages: maxtrain loads it
+#                              only to compile for a TPU topology (maxtrain/topology.py), and
+#                              other jax processes on this host never see it
 set -euo pipefail
 cd "$(dirname "$0")"
+
+tpu_compiler=0
+for arg in "$@"; do
+  case "$arg" in
+    tpu-compiler) tpu_compiler=1 ;;
+    *) echo "setup.sh: unknown argument '$arg'; expected: tpu-compiler" >&2; exit 2 ;;
+  esac
+done
 
 find_python() {
   # jax 0.11.2 needs Python >= 3.12; a plain `python3` is often older, so look further.
@@ -26,9 +40,29 @@ find_python() {
   return 1
 }
 
+install_tpu_compiler() {
+  # The extra's pinned requirement, read from pyproject.toml (the one place it is written).
+  local req dir=.venv/tpu-compiler
+  req="$(.venv/bin/python -c 'import tomllib; print(" ".join(tomllib.load(open("pyproject.toml",
+    "rb"))["project"]["optional-dependencies"]["tpu-compiler"]))')"
+  if [ -f "$dir/.installed" ] && [ "$(cat "$dir/.installed")" = "$req" ]; then
+    return 0
+  fi
+  rm -rf "$dir"
+  if ! .venv/bin/python -m pip install -q --no-deps --target "$dir" $req >"$log" 2>&1; then
+    cat "$log" >&2
+    echo "setup.sh: installing the TPU compiler ($req) failed (log above, also in $log)" >&2
+    exit 1
+  fi
+  echo "$req" > "$dir/.installed"
+  echo "setup.sh: TPU compiler ready ($req in $dir)"
+}
+
 stamp=.venv/.maxtrain-installed
+log=.venv/install.log
 want="$(sha256sum pyproject.toml | cut -d' ' -f1)"
 if [ -x .venv/bin/python ] && [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
+  if [ "$tpu_compiler" = 1 ]; then install_tpu_compiler; fi
   exit 0
 fi
 
@@ -42,7 +76,6 @@ if [ ! -x .venv/bin/python ]; then
   echo "setup.sh: creating .venv with $py ($("$py" --version))"
   "$py" -m venv .venv
 fi
-log=.venv/install.log
 # pip is noisy (build-backend warnings, mirror notices): keep its output unless it fails.
 if ! { .venv/bin/python -m pip install -q --upgrade pip &&
        .venv/bin/python -m pip install -q -e ".[test]"; } >"$log" 2>&1; then
@@ -52,3 +85,4 @@ if ! { .venv/bin/python -m pip install -q --upgrade pip &&
 fi
 echo "$want" > "$stamp"
 echo "setup.sh: .venv ready"
+if [ "$tpu_compiler" = 1 ]; then install_tpu_compiler; fi

@@ -68,7 +68,9 @@ def _slices(devices: Sequence[jax.Device], num_slices: int) -> list[list[jax.Dev
     if devices[0].platform == "tpu":
         groups: dict[int, list[jax.Device]] = {}
         for d in devices:
-            groups.setdefault(d.slice_index, []).append(d)
+            # Compile-only devices of a one-slice topology (maxtrain/topology.py) have no
+            # slice_index; those of several slices do.
+            groups.setdefault(getattr(d, "slice_index", 0), []).append(d)
         if len(groups) != num_slices:
             raise ConfigError(
                 f"mesh.num_slices={num_slices} but the devices span {len(groups)} slices"
@@ -80,6 +82,13 @@ def _slices(devices: Sequence[jax.Device], num_slices: int) -> list[list[jax.Dev
         )
     per = len(devices) // num_slices
     return [list(devices[i * per : (i + 1) * per]) for i in range(num_slices)]
+
+
+def mesh_platform(mesh: Mesh) -> str:
+    """The platform ("cpu", "gpu", "tpu") of the mesh's devices: what kernels and exchanges are
+    chosen for (models.for_platform), which is not the process's default backend when the
+    devices are a TPU topology compiled for on a CPU host."""
+    return mesh.devices.flat[0].platform
 
 
 def device_slices(mesh: Mesh, num_slices: int) -> list[int]:

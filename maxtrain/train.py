@@ -183,17 +183,17 @@ def run(cfg: Config) -> dict[str, Any]:
     train_batches, eval_streams = data_streams(cfg)
     tasks = _task_evaluator(cfg)
     trainer = build_trainer(cfg)
+    # As the user wrote it, "auto" choices included: a resume on other hardware chooses anew
+    # (trainer.cfg holds this hardware's choices).
+    config_yaml = config_lib.to_yaml(cfg)
     with run_lock.held(cfg.run_dir, take=jax.process_index() == 0):
         ckpt = None
         if cfg.checkpoint.enabled:
             ckpt = open_checkpointer(
-                cfg.checkpoint,
-                cfg.run_dir,
-                config_lib.to_yaml(cfg),
-                trainer.saved.abstract(trainer.state),
+                cfg.checkpoint, cfg.run_dir, config_yaml, trainer.saved.abstract(trainer.state)
             )
         try:
-            return _train(trainer, ckpt, train_batches, eval_streams, started, tasks)
+            return _train(trainer, ckpt, train_batches, eval_streams, started, config_yaml, tasks)
         except NonFiniteLoss as e:
             e.kept = _keep_finite_checkpoints(ckpt, e.first)
             raise
@@ -220,6 +220,7 @@ def _train(
     train_batches,
     eval_streams,
     started: float,
+    config_yaml: str,
     tasks: TaskEvaluator | None = None,
 ) -> dict:
     cfg, run_dir, is_writer = trainer.cfg, trainer.cfg.run_dir, jax.process_index() == 0
@@ -232,7 +233,7 @@ def _train(
         ckpt.prewarm(trainer.saved_state())  # the first save's one-time costs, paid before the loop
     if is_writer:
         run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "config.yml").write_text(config_lib.to_yaml(cfg))
+        (run_dir / "config.yml").write_text(config_yaml)
     num_devices = trainer.mesh.size
     peak = metrics_lib.peak_tflops(jax.devices()[0].device_kind)
     resumed = f", resumed at step {start_step}" if start_step else ""

@@ -5,22 +5,25 @@ it). maxtrain/train.py's loop drives it; tools (benchmark, quantize) build one t
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
+import time
 from dataclasses import dataclass
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
-from maxtrain import losses, optim
+from maxtrain import losses, models, optim
 from maxtrain import metrics as metrics_lib
 from maxtrain.config import Config, ConfigError
-from maxtrain.data import batch_sharding, to_global
+from maxtrain.data import BATCH_KEYS, batch_sharding, to_global
 from maxtrain.layers.context_parallel import check_context
 from maxtrain.layers.expert_parallel import exchange_implementation
-from maxtrain.mesh import batch_degree, build_mesh, sharding_rules
+from maxtrain.mesh import batch_degree, build_mesh, mesh_platform, sharding_rules
 from maxtrain.models import ModelDef
 from maxtrain.state import SavedLayout, TrainState, init_state, model_params, saved_layout
 from maxtrain.train_step import eval_step, train_step
@@ -56,6 +59,16 @@ class Trainer:
             return batch
         logps = self.reference_fn(self.reference, self.state.frozen, batch)
         return {**batch, losses.REFERENCE: logps}
+
+    def abstract_batch(self) -> dict[str, jax.ShapeDtypeStruct]:
+        """The global batch the step takes, as shapes and shardings: what compiling the step
+        needs, without reading data (for devices this host may not have: maxtrain/topology.py)."""
+        shape = (self.cfg.train.global_batch_size, self.cfg.train.seq_len)
+        spec = lambda dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=self.batch_sharding)  # noqa: E731
+        batch = {key: spec(jnp.int32) for key in BATCH_KEYS}
+        if self.cfg.train.task == "dpo":
+            batch[losses.REFERENCE] = spec(jnp.float32)
+        return batch
 
     def global_batch(self, local: dict[str, np.ndarray]) -> dict[str, jax.Array]:
         """This host's rows as the global batch the step takes (with_reference added)."""
@@ -106,8 +119,8 @@ def check_experts(cfg: Config, mesh: Mesh) -> None:
             f"mesh.rules.exp splits experts over {', '.join(missing)}, which mesh.rules.batch "
             f"does not split tokens over; add it to mesh.rules.batch"
         )
-    exchange = exchange_implementation(moe.ep_dispatch)
-    if degree > 1 and exchange == "ragged" and jax.default_backend() == "cpu":
+    exchange = exchange_implementation(moe.ep_dispatch, mesh_platform(mesh))
+    if degree > 1 and exchange == "ragged" and mesh_platform(mesh) == "cpu":
         raise ConfigError(
             "model.moe.ep_dispatch=ragged needs a GPU or TPU (XLA:CPU has no ragged "
             "all-to-all); use all_to_all or all_gather, or auto"
@@ -125,8 +138,12 @@ def build_trainer(
     cfg: Config, devices: list[jax.Device] | None = None, abstract: bool = False
 ) -> Trainer:
     """The run's mesh, state and compiled functions. abstract=True: the state as shapes and
-    shardings only (state.init_state), for compiling the step without memory for it."""
+    shardings only (state.init_state), for compiling the step without memory for it.
+    devices: those of jax.devices() by default, or compile-only ones (maxtrain/topology.py);
+    kernels, exchange and compute dtype are chosen for their platform (models.for_platform),
+    and the returned trainer's cfg holds those choices."""
     mesh = build_mesh(cfg.mesh, devices)
+    cfg = models.for_platform(cfg, mesh_platform(mesh))
     check_batch(cfg, mesh)
     check_experts(cfg, mesh)
     check_context(cfg, mesh.shape["context"])
@@ -192,3 +209,27 @@ def _with_rules(fn, mesh: Mesh, cfg: Config):
             return fn(*args, **kwargs)
 
     return wrapped
+
+
+def compile_step(trainer: Trainer) -> tuple[Any, float, float]:
+    """The train step compiled for the trainer's mesh from shapes alone (build it with
+    abstract=True: nothing is allocated), with the seconds lowering and compiling took.
+
+    The devices may be of another platform than this process's (compile-only TPU devices:
+    maxtrain/topology.py). tokamax refuses to trace a kernel for a device the process cannot
+    run on unless its cross-compile switch is on, so it is turned on for exactly that case.
+    """
+    batch = trainer.abstract_batch()
+    cross = mesh_platform(trainer.mesh) != jax.default_backend()
+    with _tokamax_cross_compile() if cross else contextlib.nullcontext():
+        t0 = time.perf_counter()
+        lowered = trainer.step_fn.lower(trainer.state, batch)
+        t1 = time.perf_counter()
+        compiled = lowered.compile()
+    return compiled, t1 - t0, time.perf_counter() - t1
+
+
+def _tokamax_cross_compile():
+    import tokamax  # seconds to import: only when compiling for other devices
+
+    return tokamax.config.cross_compile(True)

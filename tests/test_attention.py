@@ -1,11 +1,16 @@
-"""Tests for maxtrain.kernels.attention: reference numerics, document isolation, tokamax k_start."""
+"""Tests for maxtrain.kernels.attention: reference numerics, document isolation, tokamax k_start,
+splash attention (in Pallas's interpreter) and the kernels' per-device runs on a mesh."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from maxtrain import config as config_lib
+from maxtrain.config import MeshConfig
 from maxtrain.kernels import attention as attn
+from maxtrain.kernels import splash
+from maxtrain.mesh import build_mesh, constrain, sharding_rules
 
 B, T, N, K, H = 2, 16, 4, 2, 8
 # Several documents per row; the second row ends in padding (id 0), which is its own segment.
@@ -102,6 +107,10 @@ def test_auto_resolves_to_xla_on_cpu_and_unknown_names_raise():
     assert attn.attention_implementation("auto") == "xla"
     assert attn.attention_kernel("auto") is attn.reference_attention
     assert attn.attention_implementation("triton") == "triton"
+    # ... and for the platform of the devices a program is built for, whatever this host is
+    assert attn.attention_implementation("auto", "tpu") == "splash"
+    assert attn.attention_implementation("auto", "gpu") == "mosaic_gpu"
+    assert attn.attention_implementation("mosaic", "tpu") == "mosaic_tpu"
     with pytest.raises(ValueError, match="valid: .*xla.*tokamax_xla"):
         attn.attention_implementation("flash")
     with pytest.raises(ValueError, match="'flash'"):
@@ -118,3 +127,88 @@ def test_segment_starts():
     np.testing.assert_array_equal(got, [[0, 0, 2, 2, 2, 5]])
     got = attn.segment_starts(jnp.asarray(SEGMENT_IDS))
     np.testing.assert_array_equal(got[1], [0, 0, 0, 0, 0, 5, 5, 5, 8, 8, 8, 8, 12, 12, 12, 12])
+
+
+# The TPU kernel tiles the sequence in lanes of 128 tokens: the same documents, 8 tokens a step.
+LONG = 128
+LONG_SEGMENT_IDS = np.repeat(SEGMENT_IDS, LONG // T, axis=1)
+
+
+def _long_qkv(seed: int, heads: int = N, kv_heads: int = K, rows: int = B):
+    kq, kk, kv = jax.random.split(jax.random.key(seed), 3)
+    return (
+        jax.random.normal(kq, (rows, LONG, heads, H), jnp.float32),
+        jax.random.normal(kk, (rows, LONG, kv_heads, H), jnp.float32),
+        jax.random.normal(kv, (rows, LONG, kv_heads, H), jnp.float32),
+    )
+
+
+def _splash(q, k, v, seg):
+    """The TPU kernel in Pallas's interpreter: the same kernel code, run on CPU."""
+    return splash.splash_attention(q, k, v, seg, interpret=True)
+
+
+def test_splash_kernel_matches_reference_forward_and_grad():
+    """Splash attention with packed documents as segment ids, GQA, and value heads smaller
+    than query/key heads (multi-head latent attention's layout), against the reference."""
+    q, k, v = _long_qkv(4)
+    v = v[..., :6]
+    seg = jnp.asarray(LONG_SEGMENT_IDS)
+    cot = jax.random.normal(jax.random.key(5), (B, LONG, N, 6), jnp.float32)
+    loss = lambda fn: lambda q, k, v: jnp.sum(fn(q, k, v, seg) * cot)  # noqa: E731
+    got = jax.jit(_splash)(q, k, v, seg)
+    np.testing.assert_allclose(got, _numpy_attention(q, k, v, LONG_SEGMENT_IDS), rtol=0, atol=1e-5)
+    grads_want = jax.jit(jax.grad(loss(attn.reference_attention), argnums=(0, 1, 2)))(q, k, v)
+    grads_got = jax.jit(jax.grad(loss(_splash), argnums=(0, 1, 2)))(q, k, v)
+    for g, w in zip(grads_got, grads_want, strict=True):
+        np.testing.assert_allclose(g, w, rtol=0, atol=1e-4)
+
+
+def test_splash_refuses_lengths_it_cannot_tile():
+    with pytest.raises(ValueError, match="multiple of 128"):
+        splash.check_length(200)
+    with pytest.raises(ValueError, match="multiple of 128 .and of 512"):
+        splash.check_length(640)
+    splash.check_length(384)  # one tile of the whole sequence
+    splash.check_length(2048)
+
+
+# (query heads, K/V heads, mesh degrees, rules of heads and kv_heads): heads split alike;
+# K/V heads fewer than the tensor degree (each device takes its query heads' K/V head); K/V
+# heads kept whole by the rules while query heads split (each device takes its groups').
+_SHARDED_CASES = {
+    "split_alike": (4, 2, dict(data=2, fsdp=2, tensor=2), {}),
+    "kv_fewer_than_tensor": (8, 2, dict(fsdp=2, tensor=4), {}),
+    "kv_kept_whole": (8, 4, dict(fsdp=4, tensor=2), {"kv_heads": []}),
+}
+
+
+@pytest.mark.parametrize("case", list(_SHARDED_CASES))
+@pytest.mark.parametrize("kernel", ["splash", "tokamax_xla"])
+def test_kernels_run_per_device_on_a_mesh(case, kernel):
+    """A Pallas kernel cannot be partitioned by XLA: on a mesh it runs inside shard_map, each
+    device on its rows and heads. Forward and gradients equal the unsharded reference's."""
+    heads, kv_heads, degrees, rules_update = _SHARDED_CASES[case]
+    cfg = MeshConfig(**{"data": 1, "fsdp": 1, "tensor": 1, **degrees})
+    mesh = build_mesh(cfg)
+    rules = {**config_lib.load(config_lib.CONFIGS_DIR / "base.yml").mesh.rules, **rules_update}
+    fn = attn.per_device(_splash) if kernel == "splash" else attn.attention_kernel(kernel)
+    q, k, v = _long_qkv(6, heads, kv_heads, rows=4)
+    cot = jax.random.normal(jax.random.key(7), q.shape, jnp.float32)
+    seg = jnp.asarray(np.concatenate([LONG_SEGMENT_IDS, LONG_SEGMENT_IDS[::-1]]))
+
+    def loss(fn):
+        def f(q, k, v):
+            with sharding_rules(mesh, rules):
+                q = constrain(q, ("batch", "length", "heads", "head_dim"))
+                return jnp.sum(fn(q, k, v, seg) * cot)
+
+        return jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2)))
+
+    (want, grads_want), (got, grads_got) = (
+        loss(attn.reference_attention)(q, k, v),
+        loss(fn)(q, k, v),
+    )
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+    for g, w in zip(grads_got, grads_want, strict=True):
+        np.testing.assert_allclose(g, w, rtol=0, atol=1e-4)

@@ -38,9 +38,7 @@ from jax.sharding import AbstractMesh  # noqa: E402
 
 from maxtrain import config as config_lib  # noqa: E402
 from maxtrain import metrics, models  # noqa: E402
-from maxtrain.analysis import memory  # noqa: E402
-from maxtrain.analysis.program import collective_bytes, entry_parameter_copies  # noqa: E402
-from maxtrain.analysis.program import matmul_dtypes as traced_matmul_dtypes  # noqa: E402
+from maxtrain.analysis import memory, program  # noqa: E402
 from maxtrain.data import to_global  # noqa: E402
 from maxtrain.errors import (  # noqa: E402
     ArgumentParser,
@@ -55,8 +53,9 @@ from maxtrain.layers.expert_parallel import exchange_implementation  # noqa: E40
 from maxtrain.mesh import axis_sizes, batch_degree, device_slices  # noqa: E402
 from maxtrain.models.pipeline import stage_layout  # noqa: E402
 from maxtrain.models.stacks import is_moe_per_layer  # noqa: E402
+from maxtrain.topology import topology_devices  # noqa: E402
 from maxtrain.train import data_streams  # noqa: E402
-from maxtrain.trainer import build_trainer, check_batch  # noqa: E402
+from maxtrain.trainer import build_trainer, check_batch, compile_step  # noqa: E402
 
 
 def peak_memory_gib() -> float | None:
@@ -150,7 +149,7 @@ def context_settings(cfg: config_lib.Config, context: int) -> dict:
 def program_collectives(cfg: config_lib.Config, trainer, compiled) -> dict[str, int]:
     """Bytes per collective kind per device and step, those crossing slices under "dcn ..."."""
     slices = device_slices(trainer.mesh, cfg.mesh.num_slices) if cfg.mesh.num_slices > 1 else None
-    return collective_bytes(compiled.as_text(), slices)
+    return program.collective_bytes(compiled.as_text(), slices)
 
 
 def routed_bytes(cfg: config_lib.Config, trainer) -> dict:
@@ -170,7 +169,7 @@ def routed_bytes(cfg: config_lib.Config, trainer) -> dict:
 def matmul_dtypes(trainer, batch) -> dict[str, int]:
     """The operand dtypes of the train step's matmuls, forward and backward, with how often
     each occurs in the traced program: what quantization: really changed (and what not)."""
-    counts = traced_matmul_dtypes(trainer.step_fn, trainer.state, batch)
+    counts = program.matmul_dtypes(trainer.step_fn, trainer.state, batch)
     return {f"{op} {' x '.join(dtypes)}": n for (op, dtypes), n in sorted(counts.items())}
 
 
@@ -225,7 +224,7 @@ def benchmark(cfg: config_lib.Config, steps: int, warmup: int, profile_dir: str 
         # state it is handed (donated: a copy is memory traffic the math did not ask for).
         "bytes_accessed_mb": round(step.cost_analysis()["bytes accessed"] / 1e6, 1),
         "state_copied_mb": round(
-            sum(b for _, b in entry_parameter_copies(step.as_text())) / 1e6, 3
+            sum(b for _, b in program.entry_parameter_copies(step.as_text())) / 1e6, 3
         ),
         "compile_s": round(compile_s, 2),
         "first_step_s": round(first_step, 2),
@@ -239,49 +238,91 @@ def benchmark(cfg: config_lib.Config, steps: int, warmup: int, profile_dir: str 
     }
 
 
-def dry_run(cfg: config_lib.Config, num_devices: int, compile_step: bool, device_kind: str) -> dict:
+def dry_run(
+    cfg: config_lib.Config,
+    num_devices: int,
+    compile_step: bool,
+    device_kind: str,
+    devices: tuple[jax.Device, ...] | None = None,
+) -> dict:
     """The memory estimate for `num_devices` devices, in GiB per device, and whether it fits a
     device of `device_kind` (its memory, and the headroom or shortfall); with compile_step,
-    what the step compiled for this host's devices says (see the module docstring)."""
+    what the step compiled for `devices` (default: this host's) says (see the module
+    docstring). Choices that depend on the hardware (kernels, compute dtype) are made for the
+    platform of `device_kind`, as a run there would make them."""
+    cfg = models.for_platform(cfg, memory.device_platform(device_kind))
     sizes = axis_sizes(cfg.mesh, num_devices)
     check_batch(cfg, AbstractMesh(tuple(sizes.values()), tuple(sizes)))  # as the run would
+    estimate = memory.estimate(cfg, num_devices)
+    estimated = estimate.as_gib()
     result = {
         "model": cfg.model_name,
         "devices": num_devices,
         "mesh": {k: v for k, v in sizes.items() if v > 1},
         "total_params": models.param_count(cfg.model),
         "active_params": models.active_param_count(cfg.model),
-        "compute_dtype": str(jnp.dtype(models.compute_dtype(cfg.model))),
+        "compute_dtype": cfg.model.compute_dtype,
+        "attention": cfg.model.attention,
         "remat": cfg.model.remat,
+        **moe_settings(cfg.model),
         **pipeline_settings(cfg),
         **context_settings(cfg, sizes["context"]),
-        **lora_settings(cfg, estimate := memory.estimate(cfg, num_devices), num_devices),
-        "estimated_gib_per_device": (estimated := estimate.as_gib()),
+        **lora_settings(cfg, estimate, num_devices),
+        "estimated_gib_per_device": estimated,
         "fit": memory.fit(estimated["total"], device_kind),
     }
     if compile_step:
-        result["compiled"] = compiled_program(cfg)
+        result["compiled"] = compiled_program(cfg, estimated["total"], devices)
     return result
 
 
-def compiled_program(cfg: config_lib.Config) -> dict:
-    host_batch = next(data_streams(cfg)[0])
-    trainer = build_trainer(cfg, abstract=True)
-    batch = jax.tree.map(
-        lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=trainer.batch_sharding),
-        host_batch,
-    )
-    t0 = time.perf_counter()
-    compiled = trainer.step_fn.lower(trainer.state, batch).compile()
-    compile_s = time.perf_counter() - t0
+def compiled_program(
+    cfg: config_lib.Config, estimated_gib: float, devices: tuple[jax.Device, ...] | None
+) -> dict:
+    """The step compiled for `devices` (this host's by default, or a TPU topology's) from
+    shapes alone, and what the compiler says of it, per device: its memory (arguments,
+    outputs, the part of them aliased by the donated state, temporaries, and the peak they add
+    up to), FLOPs and bytes accessed, the collectives' bytes by mesh axes (ICI and DCN apart),
+    the hand-written kernels in the program, and the estimate's error against the peak."""
+    trainer = build_trainer(cfg, devices=list(devices) if devices else None, abstract=True)
+    compiled, lower_s, compile_s = compile_step(trainer)
+    hlo = compiled.as_text()
+    found = program.kernels(hlo)
+    program.check_kernels(trainer.cfg.model, found, trainer.mesh.shape["context"])
     analysis = compiled.memory_analysis()
+    cost = compiled.cost_analysis()
+    gib = lambda n: round(n / 2**30, 3)  # noqa: E731
+    peak = (
+        analysis.argument_size_in_bytes
+        + analysis.output_size_in_bytes
+        - analysis.alias_size_in_bytes
+        + analysis.temp_size_in_bytes
+    )
+    device = trainer.mesh.devices.flat[0]
+    slices = device_slices(trainer.mesh, cfg.mesh.num_slices) if cfg.mesh.num_slices > 1 else None
     return {
+        "platform": device.platform,
+        "device_kind": device.device_kind,
+        "chips": trainer.mesh.size,
+        "slices": cfg.mesh.num_slices,
+        "lower_s": round(lower_s, 1),
         "compile_s": round(compile_s, 1),
-        "xla_gib_per_device": {
-            "arguments": round(analysis.argument_size_in_bytes / 2**30, 3),
-            "temporaries": round(analysis.temp_size_in_bytes / 2**30, 3),
+        "gib_per_device": {
+            "arguments": gib(analysis.argument_size_in_bytes),
+            "outputs": gib(analysis.output_size_in_bytes),
+            "aliased": gib(analysis.alias_size_in_bytes),
+            "temporaries": gib(analysis.temp_size_in_bytes),
+            "peak": gib(peak),
         },
-        "collective_bytes": program_collectives(cfg, trainer, compiled),
+        # the estimate against the compiler's peak: (estimate - peak) / peak
+        "estimate_error": round(estimated_gib / (peak / 2**30) - 1, 3) if peak else None,
+        "fit": memory.fit(peak / 2**30, device.device_kind),
+        "flops_per_device": cost.get("flops"),
+        "bytes_accessed_per_device": cost.get("bytes accessed"),
+        "collective_bytes": program.collective_bytes_per_axis(
+            hlo, dict(trainer.mesh.shape), slices
+        ),
+        "kernels": found,
     }
 
 
@@ -310,27 +351,54 @@ def main(argv: list[str] | None = None) -> int:
         help="--dry-run: also compile the step on this host's devices (nothing allocated) and "
         "print its memory and collective bytes",
     )
+    parser.add_argument(
+        "--topology",
+        help="--dry-run --compile: compile for this TPU topology instead, as libtpu names it "
+        "(v5e:2x2, v5e:16x16, v6e:16x16, v5p:4x4x4; mesh.num_slices of them), with the TPU "
+        "compiler on this host (./setup.sh tpu-compiler; docs/tpu.md)",
+    )
     args = parser.parse_intermixed_args(argv)
     try:
         cfg = config_lib.load(args.config, args.overrides)
         if args.compile and not args.dry_run:
             raise UserError("--compile goes with --dry-run")
-        if args.compile and args.devices not in (None, jax.device_count()):
+        if args.topology and not args.compile:
+            raise UserError("--topology goes with --dry-run --compile")
+        devices = topology_devices(args.topology, cfg.mesh.num_slices) if args.topology else None
+        count = len(devices) if devices else jax.device_count()
+        if args.compile and args.devices not in (None, count):
+            where = (
+                f"topology {args.topology} x {cfg.mesh.num_slices} slices"
+                if devices
+                else ("this host")
+            )
             raise UserError(
-                f"--dry-run --compile compiles for this host's {jax.device_count()} devices, "
-                f"not --devices {args.devices} (simulate them: XLA_FLAGS="
-                f"--xla_force_host_platform_device_count={args.devices})"
+                f"--dry-run --compile compiles for the {count} devices of {where}, not "
+                f"--devices {args.devices}"
+                + (
+                    ""
+                    if devices
+                    else f" (simulate them: XLA_FLAGS="
+                    f"--xla_force_host_platform_device_count={args.devices})"
+                )
             )
         if args.dry_run:
-            device = args.device or jax.devices()[0].device_kind
-            if memory.device_memory_gib(device) is None and args.device:
-                known = ", ".join(needle for needle, _ in memory.DEVICE_MEMORY_GIB)
-                raise UserError(f"--device {args.device!r}: memory not known; known: {known}")
-            result = dry_run(cfg, args.devices or jax.device_count(), args.compile, device)
+            device = devices[0].device_kind if devices else jax.devices()[0].device_kind
+            if args.device:
+                if memory.device_memory_gib(args.device) is None:
+                    known = ", ".join(needle for needle, _ in memory.DEVICE_MEMORY_GIB)
+                    raise UserError(f"--device {args.device!r}: memory not known; known: {known}")
+                if devices and memory.device_platform(args.device) != "tpu":
+                    raise UserError(f"--device {args.device!r} is no TPU; --topology is")
+                device = device if devices else args.device
+            result = dry_run(cfg, args.devices or count, args.compile, device, devices)
         else:
             result = benchmark(cfg, args.steps, args.warmup, args.profile_dir)
     except UserError as e:
         return refuse("benchmark", e)
+    except program.MissingKernel as e:  # maxtrain's failure, not the user's: exit 1
+        print(f"benchmark: error: {e}", file=sys.stderr)
+        return 1
     print(json.dumps(result))
     return 0
 

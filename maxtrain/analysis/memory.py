@@ -109,6 +109,15 @@ def device_memory_gib(device_kind: str) -> float | None:
     return next((gib for needle, gib in DEVICE_MEMORY_GIB if needle in kind), None)
 
 
+def device_platform(device_kind: str) -> str:
+    """The platform ("tpu", "gpu", "cpu") of a device kind as jax names it: what the kernels
+    and the compute dtype are chosen for (models.for_platform)."""
+    kind = device_kind.lower()
+    if kind.startswith("tpu"):
+        return "tpu"
+    return "gpu" if device_memory_gib(kind) is not None else "cpu"
+
+
 def fit(estimate_gib: float, device_kind: str) -> dict[str, object]:
     """Whether an estimated per-device total fits a device kind, and by how much:
     {device, device_memory_gib, fits, headroom_gib (negative: short by that much)}."""

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import collections
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import jax
@@ -74,6 +74,13 @@ _COMPUTATION = re.compile(r"^(?:ENTRY\s+)?%([\w.\-]+)\s*\(")
 _CALLEE = re.compile(r"\b(?:body|calls|true_computation|false_computation)=%([\w.\-]+)")
 _BRANCHES = re.compile(r"\bbranch_computations=\{([^}]*)\}")
 _TRIP_COUNT = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
+_MEGASCALE = re.compile(r'_xla_megascale_transfer_type="(\w+)"')
+_CONDITION = re.compile(r"\bcondition=%([\w.\-]+)")
+_CONSTANT = re.compile(r"%([\w.\-]+) = s32\[\][^=]* constant\((\d+)\)")
+_LESS_THAN = re.compile(
+    r"^\s*ROOT %[\w.\-]+ = pred\[\][^=]* compare\(%([\w.\-]+), "
+    r"%([\w.\-]+)\), direction=LT"
+)
 
 
 def _shape_bytes(text: str) -> list[int]:
@@ -105,6 +112,77 @@ def collective_bytes(hlo_text: str, device_slices: Sequence[int] | None = None) 
     source-target pairs) join devices of different slices also counts under "dcn <kind>": the
     traffic that crosses the data-center network.
     """
+    totals: dict[str, int] = collections.Counter()
+    for kind, moved, attributes in _collectives(hlo_text):
+        if _MEGASCALE.search(attributes):  # a TPU program's transfer to other slices: DCN only
+            totals[f"dcn {kind}"] += moved
+            continue
+        totals[kind] += moved
+        if device_slices is not None and _crosses_slices(attributes, device_slices):
+            totals[f"dcn {kind}"] += moved
+    return dict(totals)
+
+
+def collective_bytes_per_axis(
+    hlo_text: str, mesh_shape: dict[str, int], device_slices: Sequence[int] | None = None
+) -> dict[str, dict[str, int]]:
+    """`collective_bytes` by the mesh axes each collective runs over, ICI and DCN apart:
+    {"ici": {"all-gather fsdp": bytes, "all-reduce data+fsdp": ...}, "dcn": {...}}.
+
+    The axes of a collective are those along which the devices of one of its groups differ
+    (device i of the program is the mesh's i-th device, flattened: its mesh coordinates are
+    i unravelled over mesh_shape, in the mesh's axis order). A collective joining devices of
+    several slices (device_slices) counts under "dcn", the rest under "ici".
+
+    The TPU compiler builds a multi-slice program per slice: its collectives join the devices
+    of one slice (device i is then the slice's i-th, over the slice's own shape), and what
+    crosses slices is a transfer to the DCN runtime (a `send` marked for "megascale"), counted
+    under "dcn" over the axes that span slices."""
+    names, sizes = list(mesh_shape), list(mesh_shape.values())
+    coords = np.array(np.unravel_index(np.arange(int(np.prod(sizes))), sizes))  # [axes, devices]
+    slices = np.asarray(device_slices) if device_slices else np.zeros(coords.shape[1], int)
+    dcn_axes = [n for a, n in enumerate(names) if _varies_with(coords[a], slices)]
+    partitions = re.search(r"\bnum_partitions=(\d+)", hlo_text)
+    if partitions and int(partitions[1]) < coords.shape[1]:  # one slice's program
+        sizes = [len(set(coords[a][slices == 0])) for a in range(len(names))]
+    totals: dict[str, dict[str, int]] = {"ici": collections.Counter(), "dcn": collections.Counter()}
+    for kind, moved, attributes in _collectives(hlo_text):
+        if _MEGASCALE.search(attributes):
+            totals["dcn"][f"{kind} {'+'.join(dcn_axes)}"] += moved
+            continue
+        groups = device_groups(attributes) or [list(range(int(np.prod(sizes))))]
+        members = [np.array(np.unravel_index(group, sizes)) for group in groups]
+        varying = {names[a] for m in members for a in range(len(names)) if len(set(m[a])) > 1}
+        axes = "+".join(n for n in names if n in varying) or "none"
+        network = "dcn" if device_slices and _crosses_slices(attributes, device_slices) else "ici"
+        totals[network][f"{kind} {axes}"] += moved
+    return {network: dict(counts) for network, counts in totals.items()}
+
+
+def _varies_with(axis_coords: np.ndarray, slices: np.ndarray) -> bool:
+    """Whether devices of different slices differ along this axis (a DCN-spanning axis)."""
+    return any(len(set(axis_coords[slices == s])) < len(set(axis_coords)) for s in set(slices))
+
+
+def _trip_count(attributes: str, computations: dict[str, list[str]]) -> int | None:
+    """How often a while loop runs, if the program says: the trip count XLA records (CPU, GPU),
+    or else a condition `counter < constant` (the TPU compiler's final program drops the
+    record; jax's scans and fori_loops count from 0). None for a loop whose bound is a value
+    only the run knows."""
+    if match := _TRIP_COUNT.search(attributes):
+        return int(match.group(1))
+    condition = _CONDITION.search(attributes)
+    lines = computations.get(condition.group(1), []) if condition else []
+    constants = dict(_CONSTANT.findall("\n".join(lines)))
+    for line in lines:
+        if (compare := _LESS_THAN.search(line)) and compare.group(2) in constants:
+            return int(constants[compare.group(2)])
+    return None
+
+
+def _collectives(hlo_text: str) -> Iterator[tuple[str, int, str]]:
+    """(kind, bytes moved per device and step, HLO attributes) of every collective a compiled
+    program runs, a loop's counted once per trip (see `collective_bytes`)."""
     computations: dict[str, list[str]] = {}
     entry, current = None, None
     for line in hlo_text.splitlines():
@@ -119,9 +197,7 @@ def collective_bytes(hlo_text: str, device_slices: Sequence[int] | None = None) 
     if entry is None:
         raise ValueError("no ENTRY computation in the HLO text")
 
-    totals: dict[str, int] = collections.Counter()
-
-    def visit(name: str, times: int, suffix: str = "") -> None:
+    def visit(name: str, times: int, suffix: str = "") -> Iterator[tuple[str, int, str]]:
         shapes: dict[str, list[int]] = {}
         for line in computations.get(name, []):
             match = _INSTRUCTION.match(line)
@@ -137,20 +213,20 @@ def collective_bytes(hlo_text: str, device_slices: Sequence[int] | None = None) 
                     moved = max([*shapes[result], *operand_bytes])  # input and output buffers
                 else:
                     moved = max(sum(shapes[result]), sum(operand_bytes))
-                totals[kind + suffix] += times * moved
-                if device_slices is not None and _crosses_slices(rest, device_slices):
-                    totals[f"dcn {kind}{suffix}"] += times * moved
-            trips = _TRIP_COUNT.search(rest) if opcode == "while" else None
-            repeat = int(trips.group(1)) if trips else 1
+                yield kind + suffix, times * moved, rest
+            elif opcode == "send" and (transfer := _MEGASCALE.search(rest)):
+                kind = transfer[1].lower().replace("_", "-")
+                yield kind + suffix, times * shapes[result][0], rest
+            trips = _trip_count(rest, computations) if opcode == "while" else None
+            repeat = trips or 1
             inner = " per loop trip" if opcode == "while" and trips is None else suffix
             callees = _CALLEE.findall(rest)
             for branches in _BRANCHES.findall(rest):
                 callees += re.findall(r"%([\w.\-]+)", branches)
             for callee in callees:
-                visit(callee, times * repeat, inner)
+                yield from visit(callee, times * repeat, inner)
 
-    visit(entry, 1)
-    return dict(totals)
+    yield from visit(entry, 1)
 
 
 _GROUPS = re.compile(r"\b(?:replica_groups|source_target_pairs)=(\{\{[\d,{}\s]*\}\}|\{\})")
@@ -215,3 +291,65 @@ def entry_parameter_copies(hlo_text: str) -> list[tuple[str, int]]:
         elif opcode == "copy" and re.match(r"\s*%([\w.\-]+)", rest)[1] in parameters:
             copies.append((result, sum(_shape_bytes(shape))))
     return copies
+
+
+# ---- kernels of a compiled program ------------------------------------------------------------
+
+# custom-call targets of hand-written kernels: Pallas on TPU (Mosaic) and GPU (Mosaic GPU,
+# Triton), and cuDNN's fused attention.
+_KERNEL_TARGETS = re.compile(
+    r'custom_call_target="(tpu_custom_call|mosaic_gpu[\w]*|'
+    r'__gpu\$xla\.gpu\.triton|__cudnn\$[\w]+)"'
+)
+
+
+def kernels(hlo_text: str) -> dict[str, int]:
+    """The hand-written kernels a compiled program calls, by name, with how many call sites
+    each has (a kernel inside a loop counts once): what shows a configured kernel really made
+    it into the program rather than a fallback to plain XLA. A Pallas kernel's call is named
+    after the kernel (`splash_mha_fwd_segmented_residuals.14`: the suffix is dropped)."""
+    counts: collections.Counter = collections.Counter()
+    for line in hlo_text.splitlines():
+        target = _KERNEL_TARGETS.search(line)
+        match = _INSTRUCTION.match(line) if target else None
+        if match is not None:
+            name = re.sub(r"\.\d+$", "", match.group(1))
+            counts[
+                name if target.group(1) == "tpu_custom_call" else f"{target.group(1)} {name}"
+            ] += 1
+    return dict(sorted(counts.items()))
+
+
+class MissingKernel(RuntimeError):
+    """A kernel the config asks for is not in the compiled program (a silent fallback)."""
+
+
+# What each configured kernel's calls are named in a compiled program (`kernels`).
+_ATTENTION_KERNELS = {
+    "splash": r"^splash_mha",
+    "mosaic_tpu": r"^splash_mha",  # tokamax's TPU kernel is splash attention too
+    "mosaic_gpu": r"^mosaic_gpu",
+    "triton": r"triton",
+    "cudnn": r"^__cudnn",
+}
+_GROUPED_MATMUL_KERNELS = {"tokamax": r"ragged[-_]dot|gmm"}
+
+
+def check_kernels(model: Any, found: dict[str, int], context: int = 1) -> None:
+    """Raises MissingKernel if the attention or grouped-matmul kernel `model` (a ModelConfig
+    whose choices are made: models.for_platform) names is missing from `found` (`kernels`).
+
+    context: the mesh's context degree. Above 1 the sequence is split over devices and its
+    attention runs as blocks in plain XLA inside the context exchange
+    (layers/context_parallel.py), whatever model.attention says: no attention kernel is due."""
+    attention = _ATTENTION_KERNELS.get(model.attention) if context == 1 else None
+    wanted = [("model.attention", model.attention, attention)]
+    if model.moe is not None:
+        impl = model.moe.grouped_matmul
+        wanted.append(("model.moe.grouped_matmul", impl, _GROUPED_MATMUL_KERNELS.get(impl)))
+    for key, impl, pattern in wanted:
+        if pattern and not any(re.search(pattern, name) for name in found):
+            raise MissingKernel(
+                f"{key}={impl} but the compiled program calls no such kernel (kernels: "
+                f"{', '.join(found) or 'none'}): it fell back to plain XLA"
+            )

@@ -203,9 +203,20 @@ class ModelConfig(ModelArchitecture):
     compute_dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     scan_layers: bool = True
     remat: Literal["none", "full", "minimal"] = "full"
-    attention: Literal["auto", "xla", "mosaic", "cudnn", "triton", "xla_chunked", "tokamax_xla"] = (
-        "auto"
-    )
+    # auto: splash on TPU, mosaic_gpu on GPU, xla elsewhere, by the platform of the devices the
+    # run is built for; mosaic: tokamax's mosaic_gpu or mosaic_tpu (kernels/attention.py)
+    attention: Literal[
+        "auto",
+        "xla",
+        "splash",
+        "mosaic",
+        "mosaic_gpu",
+        "mosaic_tpu",
+        "cudnn",
+        "triton",
+        "xla_chunked",
+        "tokamax_xla",
+    ] = "auto"
     # With mesh.context > 1 (layers/context_parallel.py): how keys/values reach the queries,
     # and how the sequence is cut over the devices.
     context_exchange: Literal["all_gather", "ring"] = "all_gather"

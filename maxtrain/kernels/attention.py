@@ -17,6 +17,11 @@ zero-padded to the query/key head size and the padding is sliced off the output 
 value dims give zero output dims), because not every one of them accepts differing sizes; this
 costs (H_qk - H_v) / H_qk of the value matmul.
 
+A Pallas kernel is a custom call that XLA's partitioner cannot split: on a mesh, the kernels run
+inside `shard_map` (`per_device`), each device on its own rows and heads, over the mesh axes
+the batch and heads are split on (mesh.rules); the reference is plain jnp and is partitioned
+like any other op.
+
 `block_attention` and `merge_blocks` are the pieces of a sequence split over devices
 (layers/context_parallel.py): a block of queries against any block of keys, masked by original
 token indices, and the online-softmax merge of two such blocks.
@@ -30,6 +35,10 @@ from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from maxtrain.kernels.splash import splash_attention
+from maxtrain.mesh import active_rules, logical_to_spec, spec_axes
 
 if TYPE_CHECKING:
     from tokamax._src.ops.attention import base as tokamax_base
@@ -132,6 +141,65 @@ def _tokamax(kernel: str, make_mask: Callable[[jax.Array], tokamax_base.Mask]) -
     return fn
 
 
+def per_device(kernel: AttentionFn) -> AttentionFn:
+    """The kernel run per device inside `shard_map` when traced for a mesh (mesh.sharding_rules
+    active), else called as it is.
+
+    Every mesh axis is manual: the batch is split as `batch` says, query heads as `heads`, key
+    and value heads as `kv_heads`; the sequence is whole on each device (a sequence split over
+    `context` goes through layers/context_parallel.py instead), and so is head_dim. An axis that
+    splits none of them (e.g. `tensor` over a model whose heads it does not divide) leaves each
+    of its devices computing the same attention.
+
+    Where the query heads are split and the key/value heads are not split alike (fewer K/V
+    heads than the tensor degree: 8 of them over 16 devices), each device takes the K/V heads
+    its own query heads use: query head n reads K/V head n // G. If its query heads are whole
+    groups (a multiple of G), those are their groups' K/V heads; otherwise one K/V head per
+    query head (the kernel then runs as multi-head attention, exact either way).
+
+    The gradient flows through shard_map's transpose: a K/V head several devices read gets the
+    sum of their contributions (shard_map sums the cotangent of an input over the axes its spec
+    does not split).
+    """
+
+    def fn(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array) -> jax.Array:
+        active = active_rules()
+        if active is None:
+            return kernel(q, k, v, segment_ids)
+        mesh, rules = active
+        q_spec = logical_to_spec(("batch", None, "heads", None), rules, mesh, q.shape)
+        kv_spec = logical_to_spec(("batch", None, "kv_heads", None), rules, mesh, k.shape)
+        head_axes = spec_axes(q_spec[2])
+        split_alike = spec_axes(kv_spec[2]) == head_axes
+        if not split_alike:  # K/V heads whole on every device; each takes its own below
+            kv_spec = P(kv_spec[0], None, None, None)
+        rows = P(q_spec[0], None)
+        groups = q.shape[2] // k.shape[2]  # G: query heads per K/V head
+
+        def local(q, k, v, segment_ids):
+            if not split_alike:
+                n_local = q.shape[2]
+                first = jax.lax.axis_index(head_axes) * n_local  # global index of my first head
+                if n_local % groups == 0:
+                    heads = first // groups + jnp.arange(n_local // groups)
+                else:
+                    heads = (first + jnp.arange(n_local)) // groups
+                k, v = jnp.take(k, heads, axis=2), jnp.take(v, heads, axis=2)
+            return kernel(q, k, v, segment_ids)
+
+        return jax.shard_map(
+            local,
+            mesh=mesh,
+            in_specs=(q_spec, kv_spec, kv_spec, rows),
+            out_specs=P(*q_spec[:3], None),
+            # Pallas calls carry no varying-axes types; the transpose's sums above are what
+            # check_vma=False does (jax's shard_map transpose).
+            check_vma=False,
+        )(q, k, v, segment_ids)
+
+    return fn
+
+
 def _unavailable(name: str, backend: str) -> AttentionFn:
     """Stands in for a kernel this backend cannot run. Raising when called rather than when the
     model is built lets a CPU host still build (and dry-run) a GPU/TPU recipe's model."""
@@ -144,27 +212,31 @@ def _unavailable(name: str, backend: str) -> AttentionFn:
 
 IMPLEMENTATIONS: dict[str, AttentionFn] = {
     "xla": reference_attention,
-    "mosaic_gpu": _tokamax("mosaic_gpu", _k_start_mask),
-    "mosaic_tpu": _tokamax("mosaic_tpu", _dense_mask),
-    "cudnn": _tokamax("cudnn", _k_start_mask),
-    "triton": _tokamax("triton", _k_start_mask),
-    "xla_chunked": _tokamax("xla_chunked", _k_start_mask),
-    # tokamax's plain-XLA kernel through the k_start path: runs on CPU, so tests cover the exact
-    # mask construction the GPU kernels receive.
-    "tokamax_xla": _tokamax("xla", _k_start_mask),
+    "splash": per_device(splash_attention),
+    "mosaic_gpu": per_device(_tokamax("mosaic_gpu", _k_start_mask)),
+    "mosaic_tpu": per_device(_tokamax("mosaic_tpu", _dense_mask)),
+    "cudnn": per_device(_tokamax("cudnn", _k_start_mask)),
+    "triton": per_device(_tokamax("triton", _k_start_mask)),
+    "xla_chunked": per_device(_tokamax("xla_chunked", _k_start_mask)),
+    # tokamax's plain-XLA kernel through the k_start path and the per-device wrapper: runs on
+    # CPU, so tests cover the exact mask and sharding the GPU/TPU kernels receive.
+    "tokamax_xla": per_device(_tokamax("xla", _k_start_mask)),
 }
-_AUTO = {"gpu": "mosaic_gpu", "tpu": "mosaic_tpu"}  # on every other backend: the reference
+# on every other platform: the reference
+_AUTO = {"gpu": "mosaic_gpu", "tpu": "splash"}
 
 
-def attention_implementation(name: str) -> str:
-    """The kernel a configured name means on this backend (`jax.default_backend()`): "auto" is
-    tokamax's Mosaic flash kernel on GPU/TPU and the reference ("xla") elsewhere; "mosaic" is
-    "mosaic_<backend>". Raises ValueError for a name that is no kernel."""
-    backend = jax.default_backend()
+def attention_implementation(name: str, platform: str | None = None) -> str:
+    """The kernel a configured name means on `platform`, that of the devices the program is
+    built for (None: this process's default backend): "auto" is splash attention on TPU
+    (kernels/splash.py), tokamax's Mosaic flash kernel on GPU and the reference ("xla")
+    elsewhere; "mosaic" is tokamax's "mosaic_<platform>". Raises ValueError for a name that is
+    no kernel."""
+    platform = platform or jax.default_backend()
     if name == "auto":
-        return _AUTO.get(backend, "xla")
+        return _AUTO.get(platform, "xla")
     if name == "mosaic":
-        return f"mosaic_{backend}"
+        return f"mosaic_{platform}"
     if name not in IMPLEMENTATIONS:
         valid = ", ".join(["auto", "mosaic", *IMPLEMENTATIONS])
         raise ValueError(f"unknown attention implementation {name!r}; valid: {valid}")

@@ -50,10 +50,11 @@ IMPLEMENTATIONS: dict[str, GroupedMatmul] = {
 }
 
 
-def grouped_matmul_implementation(name: str) -> str:
-    """'auto' is tokamax on GPU/TPU and xla on CPU (tokamax's kernels do not run on CPU)."""
+def grouped_matmul_implementation(name: str, platform: str | None = None) -> str:
+    """'auto' is tokamax on GPU/TPU and xla on CPU (tokamax's kernels do not run on CPU), for
+    `platform`, that of the devices the program is built for (None: the default backend)."""
     if name == "auto":
-        return "xla" if jax.default_backend() == "cpu" else "tokamax"
+        return "xla" if (platform or jax.default_backend()) == "cpu" else "tokamax"
     if name not in IMPLEMENTATIONS:
         raise ValueError(f"unknown grouped matmul {name!r}; expected auto or {(*IMPLEMENTATIONS,)}")
     return name

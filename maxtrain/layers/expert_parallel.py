@@ -382,13 +382,14 @@ class AllGather:
 
 
 EXCHANGES = {"all_to_all": AllToAll, "ragged": Ragged, "all_gather": AllGather}
-_AUTO = {"gpu": "ragged", "tpu": "ragged"}  # on every other backend: all_to_all
+_AUTO = {"gpu": "ragged", "tpu": "ragged"}  # on every other platform: all_to_all
 
 
-def exchange_implementation(name: str) -> str:
-    """The exchange `moe.ep_dispatch` names on this backend ("auto": see the module docstring)."""
+def exchange_implementation(name: str, platform: str | None = None) -> str:
+    """The exchange `moe.ep_dispatch` names on `platform`, that of the devices the program is
+    built for (None: the default backend); "auto": see the module docstring."""
     if name == "auto":
-        return _AUTO.get(jax.default_backend(), "all_to_all")
+        return _AUTO.get(platform or jax.default_backend(), "all_to_all")
     if name not in EXCHANGES:
         raise ValueError(f"unknown moe.ep_dispatch {name!r}; expected auto or {(*EXCHANGES,)}")
     return name

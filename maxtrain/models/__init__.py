@@ -13,6 +13,7 @@ from maxtrain.models.build import (
     adapter_count,
     build,
     compute_dtype,
+    for_platform,
     param_count,
 )
 from maxtrain.models.definition import ModelDef, ModelOutput, model_def
@@ -25,6 +26,7 @@ __all__ = [
     "adapter_count",
     "build",
     "compute_dtype",
+    "for_platform",
     "model_def",
     "param_count",
 ]

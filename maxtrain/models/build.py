@@ -6,7 +6,10 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from maxtrain.config import LoraConfig, ModelConfig
+from maxtrain.config import Config, LoraConfig, ModelConfig
+from maxtrain.kernels.attention import attention_implementation
+from maxtrain.kernels.grouped_matmul import grouped_matmul_implementation
+from maxtrain.layers.expert_parallel import exchange_implementation
 from maxtrain.models.decoder import Decoder, PipelinedDecoder
 from maxtrain.models.pipeline import StageLayout
 from maxtrain.models.stacks import is_moe_per_layer
@@ -15,10 +18,40 @@ _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
 
 def compute_dtype(cfg: ModelConfig) -> jnp.dtype:
-    """'auto' is bfloat16 on accelerators and float32 on CPU (where bf16 is emulated, slowly)."""
-    if cfg.compute_dtype == "auto":
-        return jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16
-    return _DTYPES[cfg.compute_dtype]
+    """'auto' is bfloat16 on accelerators and float32 on CPU (where bf16 is emulated, slowly),
+    on this process's default backend; `for_platform` makes the choice for other devices."""
+    return _DTYPES[_compute_dtype_name(cfg.compute_dtype, jax.default_backend())]
+
+
+def _compute_dtype_name(name: str, platform: str) -> str:
+    if name == "auto":
+        return "float32" if platform == "cpu" else "bfloat16"
+    return name
+
+
+def for_platform(cfg: Config, platform: str) -> Config:
+    """The config with every choice that depends on the hardware made for `platform` ("cpu",
+    "gpu", "tpu"): the attention kernel, the grouped matmul, the expert-parallel exchange and
+    the compute dtype, each "auto" (or "mosaic") replaced by what it means there.
+
+    The platform is that of the devices the program is built for, which need not be the
+    process's: a CPU host compiles for compile-only TPU devices (maxtrain/topology.py). Made
+    once, where the mesh is known (trainer.build_trainer), so that every layer, check and
+    estimate downstream reads a concrete choice and none asks `jax.default_backend()`.
+    """
+    model = cfg.model
+    update: dict = {
+        "attention": attention_implementation(model.attention, platform),
+        "compute_dtype": _compute_dtype_name(model.compute_dtype, platform),
+    }
+    if model.moe is not None:
+        update["moe"] = model.moe.model_copy(
+            update={
+                "grouped_matmul": grouped_matmul_implementation(model.moe.grouped_matmul, platform),
+                "ep_dispatch": exchange_implementation(model.moe.ep_dispatch, platform),
+            }
+        )
+    return cfg.model_copy(update={"model": model.model_copy(update=update)})
 
 
 def build(

@@ -1,0 +1,161 @@
+"""Every TPU path, compiled by the TPU compiler (libtpu) for compile-only devices on this CPU
+host (maxtrain/topology.py): what a v5e slice would run, without one.
+
+Each case builds the run's trainer over a topology's devices from shapes alone, compiles the
+train step, and asserts what the compiler's program shows: the configured Pallas kernels are
+in it (no silent fallback to plain XLA), and the exchange the path is about moves its bytes
+over the mesh axes it should.
+"""
+
+import pytest
+
+from maxtrain import models
+from maxtrain.analysis import program
+from maxtrain.mesh import mesh_platform
+from maxtrain.topology import topology_devices
+from maxtrain.trainer import build_trainer, compile_step
+
+TOPOLOGY = "v5e:2x2"  # 4 chips; the MoE and context cases fill them with one axis
+ATTENTION = ["splash_mha_fwd_segmented_residuals", "splash_mha_dq_segmented_no_residuals"]
+GROUPED_MATMUL = ["ragged-dot-none"]
+# TPU kernels tile 128 tokens a lane: sequences of 256 keep the compiles small.
+SMALL = ("train.seq_len=256", "train.global_batch_size=8")
+
+
+def _compile(make_cfg, *overrides: str, slices: int = 1) -> tuple:
+    """(trainer, compiled program's text, its kernels) for the run's config on TOPOLOGY."""
+    cfg = make_cfg(*SMALL, *overrides)
+    trainer = build_trainer(cfg, devices=list(topology_devices(TOPOLOGY, slices)), abstract=True)
+    compiled, _, _ = compile_step(trainer)
+    hlo = compiled.as_text()
+    found = program.kernels(hlo)
+    program.check_kernels(trainer.cfg.model, found, trainer.mesh.shape["context"])
+    return trainer, hlo, found
+
+
+def _collectives(trainer, hlo: str) -> dict[str, int]:
+    slices = None
+    if trainer.cfg.mesh.num_slices > 1:
+        from maxtrain.mesh import device_slices
+
+        slices = device_slices(trainer.mesh, trainer.cfg.mesh.num_slices)
+    per_axis = program.collective_bytes_per_axis(hlo, dict(trainer.mesh.shape), slices)
+    return {f"{net} {key}": moved for net, kinds in per_axis.items() for key, moved in kinds.items()}
+
+
+def _has(found: dict[str, int], names: list[str]) -> None:
+    missing = [name for name in names if name not in found]
+    assert not missing, f"kernels {missing} not in the program: {found}"
+
+
+def test_choices_follow_the_devices_not_the_host(make_cfg):
+    """On this CPU host a TPU topology's devices get the TPU's kernels and bf16 compute."""
+    devices = topology_devices(TOPOLOGY)
+    assert devices[0].platform == "tpu" and devices[0].device_kind == "TPU v5 lite"
+    trainer = build_trainer(
+        make_cfg(*SMALL, "model_name=tiny-moe", "mesh.fsdp=4"), devices=list(devices), abstract=True
+    )
+    assert mesh_platform(trainer.mesh) == "tpu"
+    model = trainer.cfg.model
+    assert (model.attention, model.compute_dtype) == ("splash", "bfloat16")
+    assert (model.moe.grouped_matmul, model.moe.ep_dispatch) == ("tokamax", "ragged")
+    host = models.for_platform(make_cfg(*SMALL, "model_name=tiny-moe"), "cpu").model
+    assert (host.attention, host.compute_dtype, host.moe.grouped_matmul) == ("xla", "float32", "xla")
+
+
+def test_dense_splash_under_fsdp_and_tensor(make_cfg):
+    trainer, hlo, found = _compile(make_cfg, "mesh.fsdp=2", "mesh.tensor=2")
+    _has(found, ATTENTION)
+    moved = _collectives(trainer, hlo)
+    assert moved.get("ici all-gather fsdp", 0) > 0  # FSDP gathers the layers' weights
+    assert not [k for k in moved if k.startswith("dcn")]
+
+
+def test_configured_kernel_missing_is_an_error(make_cfg):
+    """A program without the kernel a config names is refused, not passed off as that kernel."""
+    trainer, hlo, found = _compile(make_cfg, "mesh.fsdp=4", "model.attention=xla")
+    assert found == {}
+    with pytest.raises(program.MissingKernel, match="model.attention=splash"):
+        program.check_kernels(trainer.cfg.model.model_copy(update={"attention": "splash"}), found)
+
+
+@pytest.mark.parametrize(
+    "dispatch, overflow, collective",
+    [
+        ("ragged", "rounds", "ragged-all-to-all"),
+        ("all_to_all", "rounds", "all-to-all"),
+        ("all_gather", "drop", "all-gather"),
+    ],
+)
+def test_moe_exchanges(make_cfg, dispatch, overflow, collective):
+    trainer, hlo, found = _compile(
+        make_cfg,
+        "model_name=tiny-moe",
+        "mesh.fsdp=1",
+        "mesh.expert=4",
+        f"model.moe.ep_dispatch={dispatch}",
+        f"model.moe.ep_overflow={overflow}",
+    )
+    _has(found, ATTENTION + GROUPED_MATMUL)
+    moved = _collectives(trainer, hlo)
+    assert moved.get(f"ici {collective} expert", 0) > 0, moved
+    if overflow == "rounds":  # the further rounds run in a loop only the routing bounds
+        assert any("per loop trip" in key for key in moved), moved
+
+
+@pytest.mark.parametrize("exchange", ["ring", "all_gather"])
+def test_context_parallel(make_cfg, exchange):
+    trainer, hlo, _ = _compile(
+        make_cfg, "mesh.fsdp=1", "mesh.context=4", f"model.context_exchange={exchange}"
+    )
+    moved = _collectives(trainer, hlo)
+    kind = "collective-permute" if exchange == "ring" else "all-gather"
+    assert moved.get(f"ici {kind} context", 0) > 0, moved
+
+
+def test_pipeline_stages(make_cfg):
+    trainer, hlo, found = _compile(
+        make_cfg, "mesh.stage=2", "mesh.fsdp=2", "model.num_layers=4", "pipeline.microbatches=4"
+    )
+    _has(found, ATTENTION)
+    assert _collectives(trainer, hlo).get("ici collective-permute stage", 0) > 0
+
+
+def test_mla_with_multi_token_prediction(make_cfg):
+    _, _, found = _compile(
+        make_cfg, "model_name=tiny-mla", "mesh.fsdp=4", "model.mtp.depth=1", "model.moe=null"
+    )
+    _has(found, ATTENTION)
+
+
+def test_int8_training(make_cfg):
+    _, hlo, found = _compile(make_cfg, "model_name=tiny-moe", "mesh.fsdp=4", "quantization.preset=int8")
+    _has(found, ATTENTION)
+    assert "s8[" in hlo  # int8 operands reach the TPU's matmuls
+
+
+def test_lora_on_an_nf4_base(make_cfg, tmp_path):
+    _, _, found = _compile(
+        make_cfg,
+        "mesh.fsdp=4",
+        "lora.rank=4",
+        "lora.base_quantization=nf4",
+        f"checkpoint.load_parameters_path={tmp_path / 'base'}",
+    )
+    _has(found, ATTENTION)
+
+
+def test_muon(make_cfg):
+    trainer, hlo, found = _compile(make_cfg, "mesh.fsdp=2", "mesh.tensor=2", "optim.name=muon")
+    _has(found, ATTENTION)
+
+
+def test_two_slices(make_cfg):
+    """Two v5e:2x2 slices joined over DCN: data parallel across them, FSDP within."""
+    trainer, hlo, found = _compile(
+        make_cfg, "mesh.num_slices=2", "mesh.dcn.data=2", "mesh.fsdp=4", slices=2
+    )
+    _has(found, ATTENTION)
+    moved = _collectives(trainer, hlo)
+    assert moved.get("dcn all-reduce data", 0) > 0, moved  # gradients summed across slices
+    assert not [k for k in moved if k.startswith("dcn") and "fsdp" in k], moved
