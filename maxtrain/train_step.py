@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
@@ -79,7 +79,7 @@ def train_step(
     grad_accum_steps: int,
     z_loss: float,
     objective: Callable = token_losses,
-    guard_nonfinite: bool = True,
+    guard_nonfinite: Literal["cond", "select", "off"] = "cond",
 ) -> tuple[TrainState, dict[str, jax.Array]]:
     """One optimizer step over the global batch, split into `grad_accum_steps` micro-batches.
 
@@ -90,9 +90,11 @@ def train_step(
     A step whose loss or gradient is NaN/inf (metrics["finite"] false) leaves the parameters and
     optimizer state as they were (only the step count moves on): the state is never poisoned,
     whatever train.on_nonfinite then decides (skip: go on; stop: end the run), and a save can
-    only ever hold finite values. The guard costs nothing on a finite step: the update runs
-    under a conditional. guard_nonfinite=False drops it; only the test that holds the guarded
-    step's compiled program to the unguarded one's uses that.
+    only ever hold finite values. How the guard is written is the compiler's business, chosen
+    by platform (trainer.NONFINITE_GUARD) so that it costs no state copy and no pass over
+    memory where it runs: "cond" runs the update under a conditional; "select" computes it and
+    keeps the old values where the step was not finite. "off" drops the guard; only the tests
+    that hold the guarded step's compiled program to the unguarded one's use that.
     """
 
     def split(x: jax.Array) -> jax.Array:
@@ -129,14 +131,15 @@ def train_step(
         new_params = optax.apply_updates(params, updates)
         return mdef.after_update(new_params, params, stats), new_opt_state
 
-    if guard_nonfinite:
-        # The whole update is skipped, not computed and then discarded by a select: with the
-        # state donated, a select needs the old moments after the new ones are written, so XLA
-        # copies every optimizer-state leaf at the start of the step. A conditional leaves the
-        # state's buffers in place on both branches (tests/test_step_program.py reads it).
+    if guard_nonfinite == "cond":
         params, opt_state = jax.lax.cond(
             finite, update, lambda p, o: (p, o), state.params, state.opt_state
         )
+    elif guard_nonfinite == "select":
+        new_params, new_opt_state = update(state.params, state.opt_state)
+        keep = lambda new, old: jnp.where(finite, new, old)  # noqa: E731
+        params = jax.tree.map(keep, new_params, state.params)
+        opt_state = jax.tree.map(keep, new_opt_state, state.opt_state)
     else:
         params, opt_state = update(state.params, state.opt_state)
     metrics = {

@@ -11,19 +11,16 @@ import pytest
 
 from maxtrain import optim
 from maxtrain.analysis.program import entry_parameter_copies
-from maxtrain.data import to_global
-from maxtrain.train import data_streams
+from maxtrain.topology import topology_devices
 from maxtrain.train_step import train_step
-from maxtrain.trainer import _with_rules, build_trainer
+from maxtrain.trainer import NONFINITE_GUARD, _with_rules, build_trainer, compile_step
 
 
-def compiled_steps(cfg):
-    """The trainer's compiled step (guarded) and the same step without the guard."""
-    trainer = build_trainer(cfg, abstract=True)
-    batch = jax.tree.map(
-        lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=trainer.batch_sharding),
-        to_global(next(data_streams(cfg)[0]), trainer.batch_sharding),
-    )
+def compiled_steps(cfg, devices=None):
+    """The trainer's compiled step (guarded) and the same step without the guard, for this
+    host's devices or compile-only ones (maxtrain/topology.py)."""
+    trainer = build_trainer(cfg, devices=devices, abstract=True)
+    batch = trainer.abstract_batch()
     tx, lr_schedule = optim.build(cfg.optim, cfg.train.steps)
     unguarded = functools.partial(
         train_step,
@@ -32,7 +29,7 @@ def compiled_steps(cfg):
         lr_schedule=lr_schedule,
         grad_accum_steps=cfg.train.grad_accum_steps,
         z_loss=cfg.train.z_loss,
-        guard_nonfinite=False,
+        guard_nonfinite="off",
     )
     unguarded_fn = jax.jit(
         _with_rules(unguarded, trainer.mesh, cfg),
@@ -40,10 +37,8 @@ def compiled_steps(cfg):
         out_shardings=(trainer.shardings, None),
         donate_argnums=0,
     )
-    return (
-        trainer.step_fn.lower(trainer.state, batch).compile(),
-        unguarded_fn.lower(trainer.state, batch).compile(),
-    )
+    guarded, _, _ = compile_step(trainer)
+    return guarded, unguarded_fn.lower(trainer.state, batch).compile()
 
 
 @pytest.mark.parametrize(
@@ -71,6 +66,19 @@ def compiled_steps(cfg):
 def test_the_nonfinite_guard_copies_no_state_and_adds_no_bytes(make_cfg, overrides):
     guarded, unguarded = compiled_steps(make_cfg(*overrides))
     # Scalars (the step count, the optimizer's counter) may be copied; no array of the state is.
+    copied = [(name, size) for name, size in entry_parameter_copies(guarded.as_text()) if size > 8]
+    assert not copied, copied
+    with_guard = guarded.cost_analysis()["bytes accessed"]
+    without = unguarded.cost_analysis()["bytes accessed"]
+    assert with_guard <= 1.01 * without, (with_guard, without)
+
+
+def test_the_guard_on_tpu_costs_no_copy_and_no_bytes(make_cfg):
+    """The TPU compiler fuses a select into the update (trainer.NONFINITE_GUARD): no state
+    copy, and no more bytes than the unguarded step, in the program a v5e slice would run."""
+    assert NONFINITE_GUARD["tpu"] == "select"
+    cfg = make_cfg("mesh.fsdp=4", "train.seq_len=128")
+    guarded, unguarded = compiled_steps(cfg, list(topology_devices("v5e:2x2")))
     copied = [(name, size) for name, size in entry_parameter_copies(guarded.as_text()) if size > 8]
     assert not copied, copied
     with_guard = guarded.cost_analysis()["bytes accessed"]

@@ -40,7 +40,9 @@ def _collectives(trainer, hlo: str) -> dict[str, int]:
 
         slices = device_slices(trainer.mesh, trainer.cfg.mesh.num_slices)
     per_axis = program.collective_bytes_per_axis(hlo, dict(trainer.mesh.shape), slices)
-    return {f"{net} {key}": moved for net, kinds in per_axis.items() for key, moved in kinds.items()}
+    return {
+        f"{net} {key}": moved for net, kinds in per_axis.items() for key, moved in kinds.items()
+    }
 
 
 def _has(found: dict[str, int], names: list[str]) -> None:
@@ -60,7 +62,11 @@ def test_choices_follow_the_devices_not_the_host(make_cfg):
     assert (model.attention, model.compute_dtype) == ("splash", "bfloat16")
     assert (model.moe.grouped_matmul, model.moe.ep_dispatch) == ("tokamax", "ragged")
     host = models.for_platform(make_cfg(*SMALL, "model_name=tiny-moe"), "cpu").model
-    assert (host.attention, host.compute_dtype, host.moe.grouped_matmul) == ("xla", "float32", "xla")
+    assert (host.attention, host.compute_dtype, host.moe.grouped_matmul) == (
+        "xla",
+        "float32",
+        "xla",
+    )
 
 
 def test_dense_splash_under_fsdp_and_tensor(make_cfg):
@@ -129,7 +135,9 @@ def test_mla_with_multi_token_prediction(make_cfg):
 
 
 def test_int8_training(make_cfg):
-    _, hlo, found = _compile(make_cfg, "model_name=tiny-moe", "mesh.fsdp=4", "quantization.preset=int8")
+    _, hlo, found = _compile(
+        make_cfg, "model_name=tiny-moe", "mesh.fsdp=4", "quantization.preset=int8"
+    )
     _has(found, ATTENTION)
     assert "s8[" in hlo  # int8 operands reach the TPU's matmuls
 

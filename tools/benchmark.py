@@ -37,7 +37,7 @@ import jax.numpy as jnp  # noqa: E402
 from jax.sharding import AbstractMesh  # noqa: E402
 
 from maxtrain import config as config_lib  # noqa: E402
-from maxtrain import metrics, models  # noqa: E402
+from maxtrain import files, metrics, models  # noqa: E402
 from maxtrain.analysis import memory, program  # noqa: E402
 from maxtrain.data import to_global  # noqa: E402
 from maxtrain.errors import (  # noqa: E402
@@ -244,6 +244,7 @@ def dry_run(
     compile_step: bool,
     device_kind: str,
     devices: tuple[jax.Device, ...] | None = None,
+    hlo_path: str | None = None,
 ) -> dict:
     """The memory estimate for `num_devices` devices, in GiB per device, and whether it fits a
     device of `device_kind` (its memory, and the headroom or shortfall); with compile_step,
@@ -272,12 +273,15 @@ def dry_run(
         "fit": memory.fit(estimated["total"], device_kind),
     }
     if compile_step:
-        result["compiled"] = compiled_program(cfg, estimated["total"], devices)
+        result["compiled"] = compiled_program(cfg, estimated["total"], devices, hlo_path)
     return result
 
 
 def compiled_program(
-    cfg: config_lib.Config, estimated_gib: float, devices: tuple[jax.Device, ...] | None
+    cfg: config_lib.Config,
+    estimated_gib: float,
+    devices: tuple[jax.Device, ...] | None,
+    hlo_path: str | None = None,
 ) -> dict:
     """The step compiled for `devices` (this host's by default, or a TPU topology's) from
     shapes alone, and what the compiler says of it, per device: its memory (arguments,
@@ -287,6 +291,8 @@ def compiled_program(
     trainer = build_trainer(cfg, devices=list(devices) if devices else None, abstract=True)
     compiled, lower_s, compile_s = compile_step(trainer)
     hlo = compiled.as_text()
+    if hlo_path:
+        files.write_atomic(hlo_path, hlo)
     found = program.kernels(hlo)
     program.check_kernels(trainer.cfg.model, found, trainer.mesh.shape["context"])
     analysis = compiled.memory_analysis()
@@ -357,13 +363,19 @@ def main(argv: list[str] | None = None) -> int:
         "(v5e:2x2, v5e:16x16, v6e:16x16, v5p:4x4x4; mesh.num_slices of them), with the TPU "
         "compiler on this host (./setup.sh tpu-compiler; docs/tpu.md)",
     )
+    parser.add_argument(
+        "--save-hlo",
+        metavar="FILE",
+        help="--dry-run --compile: also write the compiled program's text (HLO) to FILE",
+    )
     args = parser.parse_intermixed_args(argv)
     try:
         cfg = config_lib.load(args.config, args.overrides)
         if args.compile and not args.dry_run:
             raise UserError("--compile goes with --dry-run")
-        if args.topology and not args.compile:
-            raise UserError("--topology goes with --dry-run --compile")
+        if (args.topology or args.save_hlo) and not args.compile:
+            flag = "--topology" if args.topology else "--save-hlo"
+            raise UserError(f"{flag} goes with --dry-run --compile")
         devices = topology_devices(args.topology, cfg.mesh.num_slices) if args.topology else None
         count = len(devices) if devices else jax.device_count()
         if args.compile and args.devices not in (None, count):
@@ -391,7 +403,9 @@ def main(argv: list[str] | None = None) -> int:
                 if devices and memory.device_platform(args.device) != "tpu":
                     raise UserError(f"--device {args.device!r} is no TPU; --topology is")
                 device = device if devices else args.device
-            result = dry_run(cfg, args.devices or count, args.compile, device, devices)
+            result = dry_run(
+                cfg, args.devices or count, args.compile, device, devices, args.save_hlo
+            )
         else:
             result = benchmark(cfg, args.steps, args.warmup, args.profile_dir)
     except UserError as e:

@@ -19,6 +19,7 @@ from flax import nnx
 
 from maxtrain.config import ModelConfig
 from maxtrain.inference.kv_cache import LayerCache
+from maxtrain.layers import embedding
 from maxtrain.layers.attention_types import attention_type
 from maxtrain.layers.base import Projection, make_param
 from maxtrain.layers.mlp import MLP
@@ -297,12 +298,7 @@ class Decoder(nnx.Module):
         return self._head(self.final_norm(x)), cache
 
     def _embed(self, tokens: jax.Array) -> jax.Array:
-        table = self.embedding[...].astype(self.compute_dtype)
-        # The lookup reads a table gathered whole, like every FSDP weight: rows looked up in a
-        # sharded table make XLA reshard the activations instead (a full rematerialisation when
-        # the batch is split over several mesh axes).
-        whole = constrain(table, (None, None))
-        return constrain(jnp.take(whole, tokens, axis=0), ("batch", "length", "act_embed"))
+        return embedding.lookup(self.embedding[...], tokens, self.compute_dtype)
 
     def _head(self, x: jax.Array) -> jax.Array:
         """Normalised states [B, T, D] -> logits [B, T, V]."""
