@@ -72,8 +72,9 @@ def masked_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) 
     layer is stored once, in the compute dtype. The forward keeps only the output and the
     softmax's log-sum-exp (per query) for the backward, which recomputes the probabilities from
     q and k (the standard attention gradient: dS = P * (dP - rowsum(dO * O)), dP = dO v^T).
-    Autodiff of the plain formula would store the float32 scores and probabilities and their
-    gradients instead: for a 1.5B model at 2048 tokens on v5e, X GB more traffic per chip.
+    Autodiff of the plain formula stores the float32 scores and probabilities and their
+    gradients instead: the compiled v5e:4x4 step of a 1.5B model at 2048 tokens accessed
+    26.79 GB per chip that way, 24.80 GB this way (docs/tpu.md).
     """
     out, _ = _attention_forward(q, k, v, mask)
     return out
