@@ -17,7 +17,9 @@ from maxtrain.trainer import build_trainer, compile_step
 
 TOPOLOGY = "v5e:2x2"  # 4 chips; the MoE and context cases fill them with one axis
 ATTENTION = ["splash_mha_fwd_segmented_residuals", "splash_mha_dq_segmented_no_residuals"]
-GROUPED_MATMUL = ["ragged-dot-none"]
+GROUPED_MATMUL = ["pallas_tpu_ragged_dot_gmm", "pallas_tpu_ragged_dot_tgmm"]
+# tokamax's TPU grouped matmul takes matrices at least 128 wide (narrower ones fall back to XLA)
+MOE = ("model_name=tiny-moe", "model.emb_dim=128", "model.moe.expert_mlp_dim=128")
 # TPU kernels tile 128 tokens a lane: sequences of 256 keep the compiles small.
 SMALL = ("train.seq_len=256", "train.global_batch_size=8")
 
@@ -96,9 +98,9 @@ def test_configured_kernel_missing_is_an_error(make_cfg):
 def test_moe_exchanges(make_cfg, dispatch, overflow, collective):
     trainer, hlo, found = _compile(
         make_cfg,
-        "model_name=tiny-moe",
-        "mesh.fsdp=1",
-        "mesh.expert=4",
+        *MOE,
+        "mesh.fsdp=2",  # tokens split over fsdp x expert, the weights shared over fsdp
+        "mesh.expert=2",
         f"model.moe.ep_dispatch={dispatch}",
         f"model.moe.ep_overflow={overflow}",
     )
@@ -135,9 +137,7 @@ def test_mla_with_multi_token_prediction(make_cfg):
 
 
 def test_int8_training(make_cfg):
-    _, hlo, found = _compile(
-        make_cfg, "model_name=tiny-moe", "mesh.fsdp=4", "quantization.preset=int8"
-    )
+    _, hlo, found = _compile(make_cfg, *MOE, "mesh.fsdp=4", "quantization.preset=int8")
     _has(found, ATTENTION)
     assert "s8[" in hlo  # int8 operands reach the TPU's matmuls
 
@@ -167,3 +167,14 @@ def test_two_slices(make_cfg):
     moved = _collectives(trainer, hlo)
     assert moved.get("dcn all-reduce data", 0) > 0, moved  # gradients summed across slices
     assert not [k for k in moved if k.startswith("dcn") and "fsdp" in k], moved
+
+
+def test_a_mesh_axis_may_split_a_physical_axis():
+    """expert 8 on a 4x4 slice is no product of its physical axes (4, 4): the mesh splits one
+    (kanana-moe's fsdp 32 x expert 8 on v5e:16x16 failed to build before)."""
+    from maxtrain.config import MeshConfig
+    from maxtrain.mesh import build_mesh
+
+    mesh = build_mesh(MeshConfig(fsdp=2, expert=8), list(topology_devices("v5e:4x4")))
+    assert (mesh.shape["fsdp"], mesh.shape["expert"]) == (2, 8)
+    assert len({d.id for d in mesh.devices.flat}) == 16

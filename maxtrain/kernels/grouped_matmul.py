@@ -41,7 +41,19 @@ def tokamax_grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array) -
     # Output in x.dtype straight from the kernel, which accumulates in float32 anyway: a float32
     # output would hand tokamax's backward a float32 cotangent to multiply with the bf16
     # weights, and its GPU kernels take only operands of one dtype.
-    return tokamax.ragged_dot(x, w, group_sizes.astype(jnp.int32))
+    return tokamax.ragged_dot(
+        x, w, group_sizes.astype(jnp.int32), manual_axis_type=manual_axis_type(x, w)
+    )
+
+
+def manual_axis_type(*operands: jax.Array) -> jax.sharding.ManualAxisType | None:
+    """Inside `shard_map` (the MoE's experts run there), a Pallas kernel's output must say which
+    mesh axes it varies over, or tracing refuses it: those any operand varies over. None
+    outside shard_map, where there is nothing to say."""
+    if not jax.sharding.get_abstract_mesh().manual_axes:
+        return None
+    varying = frozenset().union(*(jax.typeof(x).manual_axis_type.varying for x in operands))
+    return jax.sharding.ManualAxisType(varying=varying)
 
 
 IMPLEMENTATIONS: dict[str, GroupedMatmul] = {

@@ -30,6 +30,8 @@ import jax
 import qwix
 import tokamax
 
+from maxtrain.kernels.grouped_matmul import manual_axis_type
+
 # Bound at import, before Qwix's interception can patch `tokamax.ragged_dot` (quantization/
 # training.py routes that name here): the calls below must reach the kernel itself, never the
 # interceptor.
@@ -94,8 +96,9 @@ def _forward(lhs, rhs, group_sizes, quant, preferred_element_type):
     qlhs = _quantize(lhs, quant.act_qtype, (0,), quant.act_calibration)
     qrhs = _quantize(rhs, quant.weight_qtype, (0, 2), quant.weight_calibration)
     out = _RAGGED_DOT_GENERAL(
-        qlhs, qrhs, group_sizes, _FORWARD, preferred_element_type=preferred_element_type
-    )
+        qlhs, qrhs, group_sizes, _FORWARD, preferred_element_type=preferred_element_type,
+        manual_axis_type=manual_axis_type(lhs, rhs),
+    )  # fmt: skip
     return out, (qlhs, qrhs, group_sizes)
 
 
@@ -104,13 +107,14 @@ def _backward(quant, preferred_element_type, residuals, g):
     qlhs, qrhs, group_sizes = residuals
     lhs, rhs = _as_float(qlhs), _as_float(qrhs)
     g = g.astype(lhs.dtype)
+    varying = manual_axis_type(g, lhs, rhs)
     dlhs = _RAGGED_DOT_GENERAL(
         _round_to_grid(g, quant.bwd_qtype, (0,)), rhs.astype(lhs.dtype), group_sizes,
-        _INPUT_GRAD, preferred_element_type=lhs.dtype,
+        _INPUT_GRAD, preferred_element_type=lhs.dtype, manual_axis_type=varying,
     )  # fmt: skip
     drhs = _RAGGED_DOT_GENERAL(
         lhs, _round_to_grid(g, quant.bwd_qtype, (1,)), group_sizes,
-        _WEIGHT_GRAD, preferred_element_type=rhs.dtype,
+        _WEIGHT_GRAD, preferred_element_type=rhs.dtype, manual_axis_type=varying,
     )  # fmt: skip
     return dlhs, drhs, None
 

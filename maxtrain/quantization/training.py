@@ -123,11 +123,17 @@ class _QtProvider(qwix.QtProvider):
             return jax.lax.ragged_dot(lhs, rhs, group_sizes, *args, **kwargs)
         return super().ragged_dot(*_same_varying_axes(lhs, rhs), group_sizes, *args, **kwargs)
 
-    def tokamax_ragged_dot(self, lhs, rhs, group_sizes, *, preferred_element_type=None):
+    def tokamax_ragged_dot(
+        self, lhs, rhs, group_sizes, *, preferred_element_type=None, manual_axis_type=None
+    ):
         rule, _ = self._get_current_rule_and_op_id("ragged_dot", only_rule=True)
         if rule is None or rule.weight_qtype is None:
             return tokamax.ragged_dot(
-                lhs, rhs, group_sizes, preferred_element_type=preferred_element_type
+                lhs,
+                rhs,
+                group_sizes,
+                preferred_element_type=preferred_element_type,
+                manual_axis_type=manual_axis_type,
             )
         quant = GroupedMatmulQuant(
             weight_qtype=rule.weight_qtype,
