@@ -228,11 +228,16 @@ def compile_step(trainer: Trainer) -> tuple[Any, float, float]:
 
     The devices may be of another platform than this process's (compile-only TPU devices:
     maxtrain/topology.py). tokamax refuses to trace a kernel for a device the process cannot
-    run on unless its cross-compile switch is on, so it is turned on for exactly that case.
+    run on unless its cross-compile switch is on, and reads the hardware generation a kernel
+    is built for from the default device: for exactly that case, the switch is on and the
+    default device is one of the mesh's.
     """
     batch = trainer.abstract_batch()
     cross = mesh_platform(trainer.mesh) != jax.default_backend()
-    with _tokamax_cross_compile() if cross else contextlib.nullcontext():
+    with contextlib.ExitStack() as stack:
+        if cross:
+            stack.enter_context(_tokamax_cross_compile())
+            stack.enter_context(jax.default_device(trainer.mesh.devices.flat[0]))
         t0 = time.perf_counter()
         lowered = trainer.step_fn.lower(trainer.state, batch)
         t1 = time.perf_counter()

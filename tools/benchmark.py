@@ -289,7 +289,22 @@ def compiled_program(
     up to), FLOPs and bytes accessed, the collectives' bytes by mesh axes (ICI and DCN apart),
     the hand-written kernels in the program, and the estimate's error against the peak."""
     trainer = build_trainer(cfg, devices=list(devices) if devices else None, abstract=True)
-    compiled, lower_s, compile_s = compile_step(trainer)
+    device = trainer.mesh.devices.flat[0]
+    try:
+        compiled, lower_s, compile_s = compile_step(trainer)
+    except jax.errors.JaxRuntimeError as e:
+        if "RESOURCE_EXHAUSTED" not in str(e):
+            raise
+        # The TPU compiler refuses a program whose buffers exceed the chip's memory: that is
+        # the verdict, with what it needed.
+        return {
+            "platform": device.platform,
+            "device_kind": device.device_kind,
+            "chips": trainer.mesh.size,
+            "slices": cfg.mesh.num_slices,
+            "fit": {"device": device.device_kind, "fits": False},
+            "compiler_refused": str(e).splitlines()[0],
+        }
     hlo = compiled.as_text()
     if hlo_path:
         files.write_atomic(hlo_path, hlo)
@@ -304,7 +319,6 @@ def compiled_program(
         - analysis.alias_size_in_bytes
         + analysis.temp_size_in_bytes
     )
-    device = trainer.mesh.devices.flat[0]
     slices = device_slices(trainer.mesh, cfg.mesh.num_slices) if cfg.mesh.num_slices > 1 else None
     return {
         "platform": device.platform,
