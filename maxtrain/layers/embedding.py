@@ -7,20 +7,23 @@ into a whole [V, D] table on every device, summed over the data-parallel devices
 all-reduce of the whole table: for Llama 3's 128256 x 2048 float32 table, 1 GiB written and
 1 GiB reduced per device and step, though each device keeps only 1/fsdp of it.
 
-The backward here moves the tokens' cotangents instead: [B, T, D] re-split from the batch to
-the table's `embed` axis (an all-to-all of one device's activations), then each device adds
-every token's cotangent into its own [V, D / fsdp] shard. Nothing table-sized is communicated,
-and the sum runs in float32 whatever the compute dtype (thousands of tokens may hit one row).
+The backward here moves the tokens' cotangents instead: [B, T, D] re-split from the batch's
+FSDP axes to the table's `embed` axes (an all-to-all of one device's activations), then each
+device adds its tokens' cotangents into its own [V, D / fsdp] shard. Nothing table-sized
+crosses FSDP's devices (over pure data-parallel axes, where the table is replicated, its
+gradient is summed like any replicated parameter's), and the sum runs in float32 whatever the
+compute dtype (thousands of tokens may hit one row).
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import jax
 import jax.numpy as jnp
 
-from maxtrain.mesh import constrain
+from maxtrain.mesh import active_rules, constrain, sharding_rules
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
@@ -36,12 +39,27 @@ def _lookup_forward(table, tokens, dtype):
 
 def _lookup_backward(dtype, residuals, cotangent):
     table, tokens = residuals
-    # Every token's row, each device holding the table's columns it keeps ([B, T, D / fsdp]).
-    cotangent = constrain(cotangent, (None, None, "embed"))
-    tokens = constrain(tokens, (None, None))
+    with _split_like_the_table():
+        # Each device: the tokens of its data-parallel share, with the table's columns it keeps.
+        cotangent = constrain(cotangent, ("batch", "length", "embed"))
+        tokens = constrain(tokens, ("batch", "length"))
     grad = constrain(jnp.zeros(table.shape, jnp.float32), ("vocab", "embed"))
     grad = grad.at[tokens].add(cotangent.astype(jnp.float32))
     return constrain(grad, ("vocab", "embed")).astype(table.dtype), None
+
+
+def _split_like_the_table():
+    """The active sharding rules with the table's `embed` axes taken off the batch and length:
+    the cotangent moves from those axes to the columns, and stays split over the rest (data,
+    context), over which the table is replicated and its gradient is summed as any replicated
+    parameter's is."""
+    active = active_rules()
+    if active is None:
+        return contextlib.nullcontext()
+    mesh, rules = active
+    columns = set(rules.get("embed", []))
+    rest = lambda name: [a for a in rules.get(name, []) if a not in columns]  # noqa: E731
+    return sharding_rules(mesh, {**rules, "batch": rest("batch"), "length": rest("length")})
 
 
 lookup.defvjp(_lookup_forward, _lookup_backward)
