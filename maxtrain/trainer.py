@@ -22,7 +22,7 @@ from maxtrain import metrics as metrics_lib
 from maxtrain.config import Config, ConfigError
 from maxtrain.data import BATCH_KEYS, batch_sharding, to_global
 from maxtrain.layers.context_parallel import check_context
-from maxtrain.layers.expert_parallel import exchange_implementation
+from maxtrain.layers.expert_parallel import exchange_implementation, ragged_supported
 from maxtrain.mesh import batch_degree, build_mesh, mesh_platform, sharding_rules
 from maxtrain.models import ModelDef
 from maxtrain.state import SavedLayout, TrainState, init_state, model_params, saved_layout
@@ -135,6 +135,17 @@ def check_experts(cfg: Config, mesh: Mesh) -> None:
             "model.moe.ep_dispatch=ragged needs a GPU or TPU (XLA:CPU has no ragged "
             "all-to-all); use all_to_all or all_gather, or auto"
         )
+    chips = mesh.size // cfg.mesh.num_slices
+    if (
+        degree > 1
+        and exchange == "ragged"
+        and not ragged_supported(mesh.devices.flat[0].device_kind, chips)
+    ):
+        raise ConfigError(
+            f"model.moe.ep_dispatch=ragged does not compile on a {chips}-chip v5e slice (the TPU "
+            "compiler has no ragged all-to-all under its limited ICI routing beyond 16 chips); "
+            "use all_to_all or all_gather, or auto"
+        )
     rounds = moe.capacity_factor is None and moe.ep_overflow == "rounds"
     if degree > 1 and mesh.shape["stage"] > 1 and rounds and moe.ep_capacity_factor < degree:
         raise ConfigError(
@@ -153,7 +164,10 @@ def build_trainer(
     kernels, exchange and compute dtype are chosen for their platform (models.for_platform),
     and the returned trainer's cfg holds those choices."""
     mesh = build_mesh(cfg.mesh, devices)
-    cfg = models.for_platform(cfg, mesh_platform(mesh))
+    device = mesh.devices.flat[0]
+    cfg = models.for_platform(
+        cfg, device.platform, device.device_kind, mesh.size // cfg.mesh.num_slices
+    )
     check_batch(cfg, mesh)
     check_experts(cfg, mesh)
     check_context(cfg, mesh.shape["context"])

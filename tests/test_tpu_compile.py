@@ -178,3 +178,28 @@ def test_a_mesh_axis_may_split_a_physical_axis():
     mesh = build_mesh(MeshConfig(fsdp=2, expert=8), list(topology_devices("v5e:4x4")))
     assert (mesh.shape["fsdp"], mesh.shape["expert"]) == (2, 8)
     assert len({d.id for d in mesh.devices.flat}) == 16
+
+
+def test_ragged_exchange_where_the_tpu_compiler_has_it(make_cfg):
+    """The TPU compiler has no ragged all-to-all on a v5e slice beyond 16 chips (its limited
+    ICI routing; compiled for v5e:8x8 it stops): "auto" takes all_to_all there, and an explicit
+    ragged is refused in one line before anything compiles."""
+    from maxtrain.config import ConfigError
+
+    def exchange(topology):
+        devices = topology_devices(topology)
+        cfg = models.for_platform(make_cfg(*MOE), "tpu", devices[0].device_kind, len(devices))
+        return cfg.model.moe.ep_dispatch
+
+    assert exchange("v5e:4x4") == "ragged"
+    assert exchange("v5e:8x8") == "all_to_all"
+    assert exchange("v6e:8x8") == "ragged"
+    cfg = make_cfg(
+        *MOE,
+        "mesh.fsdp=-1",
+        "mesh.expert=4",
+        "model.moe.ep_dispatch=ragged",
+        "train.global_batch_size=64",
+    )
+    with pytest.raises(ConfigError, match="ragged does not compile on a 64-chip v5e slice"):
+        build_trainer(cfg, devices=list(topology_devices("v5e:8x8")), abstract=True)

@@ -251,7 +251,9 @@ def dry_run(
     what the step compiled for `devices` (default: this host's) says (see the module
     docstring). Choices that depend on the hardware (kernels, compute dtype) are made for the
     platform of `device_kind`, as a run there would make them."""
-    cfg = models.for_platform(cfg, memory.device_platform(device_kind))
+    cfg = models.for_platform(
+        cfg, memory.device_platform(device_kind), device_kind, num_devices // cfg.mesh.num_slices
+    )
     sizes = axis_sizes(cfg.mesh, num_devices)
     check_batch(cfg, AbstractMesh(tuple(sizes.values()), tuple(sizes)))  # as the run would
     estimate = memory.estimate(cfg, num_devices)

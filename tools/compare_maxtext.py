@@ -85,7 +85,9 @@ def maxtrain_side(shape: str, topology: str, attention: str, unrolled: bool) -> 
     ]
     compiled = json.loads(_run(command, "maxtrain").splitlines()[-1])["compiled"]
     return {
-        "command": " ".join(command[1:]),
+        "command": " ".join(
+            str(Path(c).relative_to(ROOT)) if c.startswith(str(ROOT)) else c for c in command[1:]
+        ),
         "bytes_accessed_per_chip": compiled["bytes_accessed_per_device"],
         "flops_per_chip": compiled["flops_per_device"],
         "gib_per_chip": {

@@ -385,11 +385,23 @@ EXCHANGES = {"all_to_all": AllToAll, "ragged": Ragged, "all_gather": AllGather}
 _AUTO = {"gpu": "ragged", "tpu": "ragged"}  # on every other platform: all_to_all
 
 
-def exchange_implementation(name: str, platform: str | None = None) -> str:
-    """The exchange `moe.ep_dispatch` names on `platform`, that of the devices the program is
-    built for (None: the default backend); "auto": see the module docstring."""
+def ragged_supported(device_kind: str, chips_per_slice: int) -> bool:
+    """Whether XLA compiles the ragged all-to-all for these devices. The TPU compiler needs full
+    ICI routing for it, which a v5e slice beyond 16 chips lacks: compiled for v5e:8x8 or
+    v5e:16x16 it stops with "Ragged all-to-all is currently not supported in limited ICI
+    routing settings" (v5e:4x4 compiles; docs/tpu.md)."""
+    return not (device_kind.lower().startswith("tpu v5 lite") and chips_per_slice > 16)
+
+
+def exchange_implementation(
+    name: str, platform: str | None = None, device_kind: str = "", chips_per_slice: int = 1
+) -> str:
+    """The exchange `moe.ep_dispatch` names on the devices the program is built for (platform
+    None: the default backend); "auto": see the module docstring, all_to_all where the ragged
+    exchange does not compile (`ragged_supported`)."""
     if name == "auto":
-        return _AUTO.get(platform or jax.default_backend(), "all_to_all")
+        auto = _AUTO.get(platform or jax.default_backend(), "all_to_all")
+        return auto if ragged_supported(device_kind, chips_per_slice) else "all_to_all"
     if name not in EXCHANGES:
         raise ValueError(f"unknown moe.ep_dispatch {name!r}; expected auto or {(*EXCHANGES,)}")
     return name

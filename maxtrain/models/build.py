@@ -29,10 +29,13 @@ def _compute_dtype_name(name: str, platform: str) -> str:
     return name
 
 
-def for_platform(cfg: Config, platform: str) -> Config:
+def for_platform(
+    cfg: Config, platform: str, device_kind: str = "", chips_per_slice: int = 1
+) -> Config:
     """The config with every choice that depends on the hardware made for `platform` ("cpu",
-    "gpu", "tpu"): the attention kernel, the grouped matmul, the expert-parallel exchange and
-    the compute dtype, each "auto" (or "mosaic") replaced by what it means there.
+    "gpu", "tpu") and, where it matters, the device kind and slice size: the attention kernel,
+    the grouped matmul, the expert-parallel exchange and the compute dtype, each "auto" (or
+    "mosaic") replaced by what it means there.
 
     The platform is that of the devices the program is built for, which need not be the
     process's: a CPU host compiles for compile-only TPU devices (maxtrain/topology.py). Made
@@ -48,7 +51,9 @@ def for_platform(cfg: Config, platform: str) -> Config:
         update["moe"] = model.moe.model_copy(
             update={
                 "grouped_matmul": grouped_matmul_implementation(model.moe.grouped_matmul, platform),
-                "ep_dispatch": exchange_implementation(model.moe.ep_dispatch, platform),
+                "ep_dispatch": exchange_implementation(
+                    model.moe.ep_dispatch, platform, device_kind, chips_per_slice
+                ),
             }
         )
     return cfg.model_copy(update={"model": model.model_copy(update=update)})
