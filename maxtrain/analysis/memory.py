@@ -258,10 +258,10 @@ def _activation_bytes(
         split = length < cfg.train.seq_len
         keys = length if split and model.context_exchange == "ring" else cfg.train.seq_len
         if split or attention_implementation(model.attention) == "xla":
-            # The reference attention, and every block of a split sequence, materialise float32
-            # scores and probabilities: one layer's while recomputing under remat, every
-            # layer's without it.
-            count = passes * len(layers) if model.remat == "none" else 1
+            # The reference attention materialises float32 scores and probabilities of one
+            # layer at a time (its custom VJP keeps neither for the backward); every block of a
+            # split sequence keeps them, every layer's without remat.
+            count = passes * len(layers) if split and model.remat == "none" else 1
             scores += count * 2 * 4 * rows * model.num_heads * length * keys
         if split:  # the exchanged K and V (all_gather: the whole sequence)
             kv = 2 * rows * keys * model.num_kv_heads * model.resolved_head_dim * c
@@ -270,7 +270,9 @@ def _activation_bytes(
             dispatch = max(dispatch, _moe_dispatch_bytes(cfg, sizes, tokens, c))
     if layout is not None:  # the micro-batches between repeats, and their gradient
         kept += 2 * batch * length * model.emb_dim * c
-    return kept + working + scores + dispatch
+    # The score arrays live inside attention and the dispatch buffers inside the MoE layer:
+    # never at once, each beside the recomputed layer's working set.
+    return kept + working + max(scores, dispatch)
 
 
 def _moe_dispatch_bytes(cfg: Config, sizes: dict[str, int], tokens: int, c: int) -> int:
