@@ -5,7 +5,7 @@
 #   ./setup.sh                 maxtrain, its dependencies and the test tools
 #   ./setup.sh tpu-compiler    also the TPU compiler (libtpu, the `tpu-compiler` extra), into
 #                              .venv/tpu-compiler rather than site-packages: maxtrain loads it
-#                              only to compile for a TPU topology (maxtrain/topology.py), and
+#                              only to compile for a TPU topology (maxtrain/parallel/topology.py), and
 #                              other jax processes on this host never see it
 set -euo pipefail
 cd "$(dirname "$0")"

@@ -12,7 +12,7 @@ Shape letters, one meaning each across the package (shape comments, einsum strin
     n  tokens on one device           k  experts per token (top-k)
     R  routed assignments, n * k      Q  rows sent to one peer (expert-parallel dispatch)
 
-The pipeline schedule (models/pipeline.py, its docs and the bubble formula) counts in the
+The pipeline schedule (parallel/pipeline.py, its docs and the bubble formula) counts in the
 letters its literature uses, which name nothing else there: S stages, R repeats (blocks of
 layers per stage), M micro-batches through the stages.
 """

@@ -19,8 +19,8 @@ import json
 import sys
 from pathlib import Path
 
-from maxtrain.errors import ArgumentParser, UserError, non_negative_int, positive_int, refuse
-from maxtrain.files import write_atomic
+from maxtrain.common.errors import ArgumentParser, UserError, non_negative_int, positive_int, refuse
+from maxtrain.common.files import write_atomic
 
 PROG = "evaluate"
 
@@ -31,13 +31,13 @@ def main(argv: list[str] | None = None) -> int:
     import jax
 
     from maxtrain.data import batch_sharding
+    from maxtrain.data.streams import data_streams
     from maxtrain.evaluation.harness import chance, task_evaluator
     from maxtrain.evaluation.loss import held_out_loss
     from maxtrain.evaluation.tasks import committed_tasks, load_task
     from maxtrain.inference.loading import find_tokenizer, load_model
-    from maxtrain.mesh import sharding_rules
-    from maxtrain.train import data_streams
-    from maxtrain.train_step import eval_step
+    from maxtrain.parallel.mesh import sharding_rules
+    from maxtrain.training.step import eval_step
 
     results: dict[str, float] = {}
     try:

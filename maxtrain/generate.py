@@ -20,7 +20,7 @@ import json
 import sys
 from pathlib import Path
 
-from maxtrain.errors import (
+from maxtrain.common.errors import (
     ArgumentParser,
     UserError,
     non_negative_int,
@@ -28,7 +28,7 @@ from maxtrain.errors import (
     positive_int,
     refuse,
 )
-from maxtrain.files import write_atomic
+from maxtrain.common.files import write_atomic
 
 PROG = "generate"
 

@@ -1,5 +1,6 @@
 """CPU with 8 simulated devices for every test, compiling fast (xla_env.py), set before jax is
-imported anywhere; and the compilation cache the runs use (maxtrain/cache.py) for the tests' own
+imported anywhere; and the compilation cache the runs use (maxtrain/training/compile_cache.py) for
+the tests' own
 compilations too, so a program one test compiled loads in the next (tests build the same tiny
 models again and again).
 """
@@ -15,10 +16,10 @@ from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
 
-from maxtrain import cache  # noqa: E402
 from maxtrain import config as config_lib  # noqa: E402
+from maxtrain.training import compile_cache  # noqa: E402
 
-cache.enable_compilation_cache(None)
+compile_cache.enable_compilation_cache(None)
 
 BASE = config_lib.CONFIGS_DIR / "base.yml"
 
@@ -41,3 +42,24 @@ def make_cfg(tmp_path: Path):
         return config_lib.load(BASE, [*defaults, *overrides])
 
     return make
+
+
+# The slow tier: modules that train whole runs, start processes or compile for a TPU. The rest
+# (unit tests of the parts: config, layers, kernels, data, optimizers, analysis) is the fast
+# tier, `python -m pytest -m "not slow"`, a couple of minutes on two cores.
+SLOW_MODULES = {
+    "test_bad_inputs", "test_checkpoint_compat", "test_checkpointing", "test_cli",
+    "test_context_parallel", "test_convert_hf", "test_dcn_bytes", "test_depth_upscale",
+    "test_evaluate", "test_faults", "test_fine_tuning", "test_generate", "test_lora",
+    "test_lora_costs", "test_lora_merge", "test_megatron_data", "test_memory", "test_moe",
+    "test_mtp", "test_multiprocess_checkpoint", "test_muon", "test_pipeline",
+    "test_pipeline_multiprocess", "test_pipeline_parallel", "test_pipeline_runs",
+    "test_quantization", "test_resume", "test_run_edges", "test_signals", "test_step_program",
+    "test_tpu_compile", "test_training", "test_upcycle",
+}  # fmt: skip
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        if item.module.__name__ in SLOW_MODULES:
+            item.add_marker(pytest.mark.slow)

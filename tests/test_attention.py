@@ -1,4 +1,5 @@
-"""Tests for maxtrain.kernels.attention: reference numerics, document isolation, tokamax k_start,
+"""Tests for maxtrain.model.kernels.attention: reference numerics, document isolation, tokamax
+k_start,
 splash attention (in Pallas's interpreter) and the kernels' per-device runs on a mesh."""
 
 import jax
@@ -8,9 +9,9 @@ import pytest
 
 from maxtrain import config as config_lib
 from maxtrain.config import MeshConfig
-from maxtrain.kernels import attention as attn
-from maxtrain.kernels import splash
-from maxtrain.mesh import build_mesh, constrain, sharding_rules
+from maxtrain.model.kernels import attention as attn
+from maxtrain.model.kernels import splash
+from maxtrain.parallel.mesh import build_mesh, constrain, sharding_rules
 
 B, T, N, K, H = 2, 16, 4, 2, 8
 # Several documents per row; the second row ends in padding (id 0), which is its own segment.

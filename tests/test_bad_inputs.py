@@ -22,14 +22,14 @@ from xla_env import xla_flags
 
 from maxtrain import config as config_lib
 from maxtrain import quantization
-from maxtrain import train as train_lib
 from maxtrain.checkpointing.export import save_parameters
+from maxtrain.common.errors import DEBUG_ENV
 from maxtrain.config import ConfigError
-from maxtrain.corpora.embedded import DEFAULT_TOKENIZER
-from maxtrain.errors import DEBUG_ENV
 from maxtrain.hf import cli as hf_cli
-from maxtrain.models import model_def
-from maxtrain.transforms import cli as transforms_cli
+from maxtrain.surgery import cli as transforms_cli
+from maxtrain.tokenizers import DEFAULT_TOKENIZER
+from maxtrain.training import loop as train_lib
+from maxtrain.training.run_model import model_def
 
 BASE = str(config_lib.CONFIGS_DIR / "base.yml")
 TOKENIZER = str(DEFAULT_TOKENIZER)
@@ -184,7 +184,7 @@ ROWS = [
      "argument --max-shard-gb: must be a finite number above 0, not 0"),
     ("export of a quantized checkpoint", "convert_hf",
      ["export", "--checkpoint", "{in}/ptq", "--output", "{out}/hf"],
-     "checkpoint {in}/ptq/0 holds int8 post-training-quantized weights (tools/quantize.py), "
+     "checkpoint {in}/ptq/0 holds int8 post-training-quantized weights (maxtrain.tools.quantize), "
      "which export does not write"),
     ("upcycle without --source", "upcycle", [BASE, "--output", "{out}/moe"],
      "the following arguments are required: --source"),
@@ -308,7 +308,7 @@ def test_at_the_process_boundary_exit_2_one_line_no_traceback(tmp_path):
     (tmp_path / "latin1.yml").write_bytes(b"model_name: tiny\n# caf\xe9\n")
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": xla_flags()}
     env.pop(DEBUG_ENV, None)
-    tool = str(config_lib.REPO_ROOT / "tools" / "benchmark.py")
+    tool = str(config_lib.REPO_ROOT / "maxtrain" / "tools" / "benchmark.py")
     commands = {
         "maxtrain": ([sys.executable, "-m", "maxtrain.train", str(tmp_path / "latin1.yml")], env),
         "benchmark": ([sys.executable, tool, BASE, "--steps", "0"], env),

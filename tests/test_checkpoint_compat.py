@@ -21,7 +21,8 @@ import numpy as np
 
 from maxtrain import config as config_lib
 from maxtrain.checkpointing import open_checkpointer
-from maxtrain.train import build_trainer, data_streams
+from maxtrain.data.streams import data_streams
+from maxtrain.training.trainer import build_trainer
 
 FIXTURE = Path(__file__).parent / "fixtures" / "pre_refactor"
 ARGS = (FIXTURE / "args.txt").read_text().split()

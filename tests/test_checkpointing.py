@@ -31,9 +31,9 @@ from maxtrain.checkpointing import (
     sidecar,
 )
 from maxtrain.checkpointing.emergency import choose
-from maxtrain.mesh import build_mesh, sharding_rules
-from maxtrain.models import model_def
-from maxtrain.state import TrainState, state_shardings
+from maxtrain.parallel.mesh import build_mesh, sharding_rules
+from maxtrain.training.run_model import model_def
+from maxtrain.training.state import TrainState, state_shardings
 
 
 def random_state(cfg, devices=None, seed=0) -> TrainState:

@@ -1,6 +1,7 @@
 """Config: merge order, parents, CLI overrides, derived values and one-line errors."""
 
 import pytest
+import yaml
 
 from maxtrain import config as config_lib
 from maxtrain.config import ConfigError
@@ -82,21 +83,53 @@ def test_base_config_cycle_is_reported(tmp_path):
         config_lib.load(tmp_path / "a.yml")
 
 
-def test_every_schema_key_is_documented_in_base_yml():
-    """configs/base.yml is the reference a user reads: every key must appear there."""
-    text = BASE.read_text()
-    sections = {
-        "optim": config_lib.OptimConfig,
-        "train": config_lib.TrainConfig,
-        "data": config_lib.DataConfig,
-        "profile": config_lib.ProfileConfig,
-        "run": config_lib.RunConfig,
-        "mesh": config_lib.MeshConfig,
-        "checkpoint": config_lib.CheckpointConfig,
-    }
-    for section, schema in sections.items():
-        for key in schema.model_fields:
-            assert f"\n  {key}:" in text, f"{section}.{key} missing from configs/base.yml"
+def _walk(given: dict, validated: dict, defaults: dict, prefix: str):
+    """(dotted key, validated value, default) for every leaf of `given`; a mapping is walked
+    where the schema has a section (its value validated is a dict of the same keys)."""
+    for key, value in given.items():
+        if isinstance(value, dict) and key != "rules" and isinstance(defaults.get(key), dict):
+            yield from _walk(value, validated[key], defaults[key], f"{prefix}{key}.")
+        else:
+            yield f"{prefix}{key}", validated[key], defaults[key]
+
+
+def _leaves(name: str) -> list[tuple[str, object, object]]:
+    """A config file's keys, each with its value as validated (shorthands such as `sources:
+    embedded` expanded) and the schema's default. The model section's shape keys have no
+    default: its run-time keys are compared as given."""
+    tree = yaml.safe_load((config_lib.CONFIGS_DIR / name).read_text())
+    out = []
+    for section, given in tree.items():
+        if section == "model_name":
+            continue
+        schema = config_lib.Config.model_fields[section].annotation
+        if schema is config_lib.ModelConfig:
+            fields = schema.model_fields
+            defaults = {k: fields[k].get_default(call_default_factory=True) for k in given}
+            defaults["mtp"] = fields["mtp"].get_default(call_default_factory=True).model_dump()
+            out += _walk(given, given, defaults, "model.")
+        else:
+            validated = schema.model_validate(given).model_dump()
+            out += _walk(given, validated, schema().model_dump(), f"{section}.")
+    return out
+
+
+def test_the_reference_lists_every_key_at_the_schemas_default():
+    """configs/reference.yml is what a user reads: every key there, each at its default."""
+    leaves = _leaves("reference.yml")
+    assert [(k, v, d) for k, v, d in leaves if v != d] == []
+    listed = {k for k, _, _ in leaves}
+    for section, field in config_lib.Config.model_fields.items():
+        if section in ("base_config", "model_name", "model"):
+            continue
+        for key in field.annotation.model_fields:
+            assert f"{section}.{key}" in listed or any(
+                k.startswith(f"{section}.{key}.") for k in listed
+            ), f"{section}.{key} missing from configs/reference.yml"
     runtime_model_keys = ("param_dtype", "compute_dtype", "scan_layers", "remat", "attention")
-    for key in runtime_model_keys:
-        assert f"\n  {key}:" in text
+    assert {f"model.{k}" for k in runtime_model_keys} <= listed
+
+
+def test_base_yml_restates_no_default():
+    """configs/base.yml sets only what the default run changes: one source for every default."""
+    assert [k for k, v, d in _leaves("base.yml") if v == d] == []

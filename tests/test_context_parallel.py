@@ -1,4 +1,4 @@
-"""Context parallelism (layers/context_parallel.py): a sequence split over mesh.context devices
+"""Context parallelism (parallel/context.py): a sequence split over mesh.context devices
 attends exactly as the whole sequence does, trains to the unsplit run's loss and parameters,
 moves the bytes its exchange should, and the balanced layout evens out the causal work."""
 
@@ -13,14 +13,15 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from maxtrain import train as train_lib
 from maxtrain.analysis.program import collective_bytes
 from maxtrain.config import MeshConfig
 from maxtrain.data import to_global
-from maxtrain.kernels.attention import reference_attention
-from maxtrain.layers.context_parallel import attention_pairs, context_attention, layout_order
-from maxtrain.mesh import build_mesh, sharding_rules
-from maxtrain.models.pipeline import to_model_order
+from maxtrain.data.streams import data_streams
+from maxtrain.model.kernels.attention import reference_attention
+from maxtrain.parallel.context import attention_pairs, context_attention, layout_order
+from maxtrain.parallel.mesh import build_mesh, sharding_rules
+from maxtrain.parallel.pipeline import to_model_order
+from maxtrain.training import loop as train_lib
 
 RULES = {"batch": ["fsdp"], "length": ["context"], "heads": ["tensor"], "kv_heads": ["tensor"]}
 B, T, N, K, H = 2, 32, 4, 2, 8  # GQA: two query heads per key/value head
@@ -108,7 +109,7 @@ def test_exchange_bytes_and_per_device_activations(exchange):
 
 def _train(cfg, steps: int = 2):
     trainer = train_lib.build_trainer(cfg)
-    batches, _ = train_lib.data_streams(cfg)
+    batches, _ = data_streams(cfg)
     state, losses = trainer.state, []
     for _ in range(steps):
         state, metrics = trainer.step_fn(state, to_global(next(batches), trainer.batch_sharding))

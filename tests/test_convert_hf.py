@@ -1,7 +1,8 @@
 """Hugging Face checkpoints in and out, with transformers as the oracle.
 
 The fixtures in tests/fixtures/hf/ are small random transformers models, the token ids they were
-run on and transformers' float32 logits (tools/make_hf_fixtures.py). Every family and option
+run on and transformers' float32 logits (maxtrain.tools.make_hf_fixtures). Every family and
+option
 we support is imported and run by our model here, with no torch needed. The last test
 regenerates the fixtures and checks that our exports load back into transformers with the same
 logits; it needs a Python with torch and transformers (MAXTRAIN_HF_PYTHON).
@@ -28,21 +29,21 @@ from safetensors import safe_open
 from safetensors.numpy import save_file
 
 from maxtrain import config as config_lib
-from maxtrain import models
+from maxtrain import model as model_lib
 from maxtrain.checkpointing import load_parameters
 from maxtrain.config import MlaConfig, ModelConfig, MoeConfig
-from maxtrain.corpora.embedded import DEFAULT_TOKENIZER
 from maxtrain.hf import ConversionError, cli, read_hf_model, write_hf_model
 from maxtrain.hf import convert as convert_lib
 from maxtrain.hf.config_map import hf_config, model_config
 from maxtrain.hf.families import FAMILIES, family_for
 from maxtrain.hf.layout import slots
 from maxtrain.hf.tokenizer_files import run_tokenizer
-from maxtrain.transforms import upcycle
+from maxtrain.surgery import upcycle
+from maxtrain.tokenizers import DEFAULT_TOKENIZER
 
 REPO = Path(__file__).resolve().parent.parent
 FIXTURES = REPO / "tests" / "fixtures" / "hf"
-MAKE_FIXTURES = REPO / "tools" / "make_hf_fixtures.py"
+MAKE_FIXTURES = REPO / "maxtrain" / "tools" / "make_hf_fixtures.py"
 CASES = sorted(runpy.run_path(str(MAKE_FIXTURES))["CASES"])
 TOLERANCE = 1e-4  # max |logits difference| in float32
 
@@ -50,7 +51,7 @@ TOLERANCE = 1e-4  # max |logits difference| in float32
 def logits(cfg: ModelConfig, params: dict, tokens: np.ndarray) -> np.ndarray:
     """Our model's float32 logits for tokens [B, T], one document per row."""
     cfg = cfg.model_copy(update={"compute_dtype": "float32", "param_dtype": "float32"})
-    graphdef, state = nnx.split(models.abstract(cfg))
+    graphdef, state = nnx.split(model_lib.abstract(cfg))
     nnx.replace_by_pure_dict(state, jax.tree.map(lambda a: jnp.asarray(a, jnp.float32), params))
     b, t = tokens.shape
     positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
@@ -63,7 +64,7 @@ def logits(cfg: ModelConfig, params: dict, tokens: np.ndarray) -> np.ndarray:
 
 
 def abstract_params(cfg: ModelConfig) -> dict:
-    return nnx.to_pure_dict(nnx.state(models.abstract(cfg), nnx.Param))
+    return nnx.to_pure_dict(nnx.state(model_lib.abstract(cfg), nnx.Param))
 
 
 def max_diff(a: np.ndarray, b: np.ndarray) -> float:
@@ -290,7 +291,7 @@ def test_tool_script_runs(tmp_path):
     result = subprocess.run(
         [
             sys.executable,
-            str(REPO / "tools" / "convert_hf.py"),
+            str(REPO / "maxtrain" / "tools" / "convert_hf.py"),
             "import",
             "--hf-dir",
             str(FIXTURES / "llama3_mqa_tied_rope_scaling"),
@@ -459,7 +460,7 @@ def hf_python() -> str:
     probe = subprocess.run([python, "-c", "import torch, transformers"], capture_output=True)
     if probe.returncode != 0:
         pytest.skip(
-            "needs torch + transformers: set MAXTRAIN_HF_PYTHON (tools/make_hf_fixtures.py)"
+            "needs torch + transformers: set MAXTRAIN_HF_PYTHON (maxtrain.tools.make_hf_fixtures)"
         )
     return python
 
@@ -481,7 +482,7 @@ def test_transformers_loads_our_exports_with_the_same_logits(tmp_path):
         committed, fresh = FIXTURES / case, regenerated / case
         assert json.loads((fresh / "config.json").read_text()) == json.loads(
             (committed / "config.json").read_text()
-        ), f"{case}: committed fixture is stale; rerun tools/make_hf_fixtures.py build"
+        ), f"{case}: committed fixture is stale; rerun maxtrain.tools.make_hf_fixtures build"
         cfg, params = read_hf_model(fresh)
         tokens = np.load(fresh / "tokens.npy")
         ours = logits(cfg, params, tokens)

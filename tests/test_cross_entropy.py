@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from maxtrain.kernels.cross_entropy import cross_entropy, reference_cross_entropy
+from maxtrain.model.kernels.cross_entropy import cross_entropy, reference_cross_entropy
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])

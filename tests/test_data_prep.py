@@ -20,7 +20,7 @@ import pytest
 from array_record.python.array_record_module import ArrayRecordWriter
 
 from maxtrain.config import REPO_ROOT
-from maxtrain.corpora import embedded
+from maxtrain.data.corpora import embedded
 from maxtrain.data.errors import DataError
 from maxtrain.data.readers import DocumentReader
 from maxtrain.data.shards import (
@@ -61,7 +61,9 @@ def mixed_jsonl(path: Path) -> Path:
 
 
 def load_tool(name: str) -> ModuleType:
-    spec = importlib.util.spec_from_file_location(name, REPO_ROOT / "tools" / f"{name}.py")
+    spec = importlib.util.spec_from_file_location(
+        name, REPO_ROOT / "maxtrain" / "tools" / f"{name}.py"
+    )
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -69,7 +71,7 @@ def load_tool(name: str) -> ModuleType:
 
 def run_tool(tool: str, *args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, str(REPO_ROOT / "tools" / tool), *map(str, args)],
+        [sys.executable, str(REPO_ROOT / "maxtrain" / "tools" / tool), *map(str, args)],
         capture_output=True,
         text=True,
         timeout=120,

@@ -10,9 +10,10 @@ import jax
 
 from maxtrain import config as config_lib
 from maxtrain.analysis.program import collective_bytes, device_groups
-from maxtrain.mesh import device_slices
-from maxtrain.models import param_count
-from maxtrain.train import build_trainer, data_streams
+from maxtrain.data.streams import data_streams
+from maxtrain.model import param_count
+from maxtrain.parallel.mesh import device_slices
+from maxtrain.training.trainer import build_trainer
 
 SLICES = [0, 0, 0, 0, 1, 1, 1, 1]
 

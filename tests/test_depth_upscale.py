@@ -11,13 +11,13 @@ import pytest
 from flax import nnx
 
 from maxtrain import config as config_lib
-from maxtrain import models
+from maxtrain import model as model_lib
 from maxtrain.checkpointing import Checkpointer, CheckpointError, load_parameters
 from maxtrain.checkpointing.export import save_parameters
 from maxtrain.config import ConfigError
-from maxtrain.mesh import build_mesh
-from maxtrain.transforms import cli, depth_upscale, solar_layer_map
-from maxtrain.transforms.initialize import abstract_params, check_fits, source_config, transform
+from maxtrain.parallel.mesh import build_mesh
+from maxtrain.surgery import cli, depth_upscale, solar_layer_map
+from maxtrain.surgery.initialize import abstract_params, check_fits, source_config, transform
 
 # 4 layers, MoE every second one (layers 1 and 3), with a balancing bias in the MoE stack.
 MOE_EVERY_SECOND = (
@@ -27,7 +27,7 @@ MOE_EVERY_SECOND = (
 
 
 def init_params(cfg: config_lib.Config) -> dict:
-    return jax.jit(lambda: nnx.to_pure_dict(nnx.state(models.build(cfg.model, 1), nnx.Param)))()
+    return jax.jit(lambda: nnx.to_pure_dict(nnx.state(model_lib.build(cfg.model, 1), nnx.Param)))()
 
 
 def layer(params: dict, cfg: config_lib.Config, i: int) -> dict:
@@ -50,7 +50,7 @@ def test_copied_layers_are_bit_identical_to_their_sources(make_cfg, source_overr
     params = init_params(source)
     deep = jax.jit(functools.partial(depth_upscale, cfg=source.model, layer_map=layer_map))(params)
 
-    assert sum(x.size for x in jax.tree.leaves(deep)) == models.param_count(target.model)
+    assert sum(x.size for x in jax.tree.leaves(deep)) == model_lib.param_count(target.model)
     for i, copied in enumerate(layer_map):
         original = layer(params, source, copied)
         copy = layer(deep, target, i)
@@ -81,7 +81,7 @@ def test_kanana_9_1b_config_upscales_kanana_8b(make_cfg):
     path = config_lib.CONFIGS_DIR / "kanana-9.1b-dus.yml"
     cfg = config_lib.load(path, ["checkpoint.load_parameters_path=unused"])
     source = source_config(cfg)
-    total, base = models.param_count(cfg.model), models.param_count(source.model)
+    total, base = model_lib.param_count(cfg.model), model_lib.param_count(source.model)
     assert (total, base) == (9_120_821_248, 8_030_261_248)
     per_layer = (total - base) // 5
     closest = min(range(32, 48), key=lambda n: abs(9.1e9 - (base + (n - 32) * per_layer)))
@@ -148,9 +148,9 @@ def test_tool_writes_exact_copies_atomically_or_nothing(make_cfg, tmp_path, caps
             "model.num_layers=3", "init.source_model=tiny", "init.layer_map=[0, 1, 1]"]  # fmt: skip
     args = [*base, "--source", str(source), "--output", str(out)]
 
-    with mock.patch.object(sys, "argv", ["tools/depth_upscale.py", *args]):
+    with mock.patch.object(sys, "argv", ["maxtrain.tools.depth_upscale", *args]):
         with pytest.raises(SystemExit) as exit_status:
-            tool = str(config_lib.REPO_ROOT / "tools" / "depth_upscale.py")
+            tool = str(config_lib.REPO_ROOT / "maxtrain" / "tools" / "depth_upscale.py")
             runpy.run_path(tool, run_name="__main__")
     assert exit_status.value.code == 0
     target = make_cfg("model.num_layers=3")
@@ -160,7 +160,7 @@ def test_tool_writes_exact_copies_atomically_or_nothing(make_cfg, tmp_path, caps
         np.testing.assert_array_equal(a, b)
     by_path = config_lib.load(config_lib.CONFIGS_DIR / "base.yml", [f"model_name={out}/model.yml"])
     assert by_path.model.num_layers == 3
-    assert models.param_count(by_path.model) == models.param_count(target.model)
+    assert model_lib.param_count(by_path.model) == model_lib.param_count(target.model)
     assert f"model_name={out}/model.yml" in capsys.readouterr().out
 
     assert cli.main("depth_upscale", args, "") == 2  # the output exists: refused, untouched

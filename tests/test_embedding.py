@@ -1,4 +1,5 @@
-"""The token embedding's lookup (maxtrain/layers/embedding.py): its gradient equals autodiff's,
+"""The token embedding's lookup (maxtrain/model/layers/embedding.py): its gradient equals
+autodiff's,
 and computing it moves no table-sized buffer between FSDP's devices."""
 
 import jax
@@ -9,8 +10,8 @@ import pytest
 from maxtrain import config as config_lib
 from maxtrain.analysis.program import collective_bytes_per_axis
 from maxtrain.config import MeshConfig
-from maxtrain.layers.embedding import lookup
-from maxtrain.mesh import build_mesh, constrain, logical_to_spec, sharding_rules
+from maxtrain.model.layers.embedding import lookup
+from maxtrain.parallel.mesh import build_mesh, constrain, logical_to_spec, sharding_rules
 
 V, D, B, T = 4096, 64, 8, 16  # a table far larger than the batch's activations
 RULES = config_lib.load(config_lib.CONFIGS_DIR / "base.yml").mesh.rules

@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 
 from maxtrain import evaluate as evaluate_cli
-from maxtrain import train
-from maxtrain.errors import UserError
+from maxtrain.common.errors import UserError
 from maxtrain.evaluation.tasks import COMMITTED, load_task
+from maxtrain.training import loop as train
 
 TASK = COMMITTED / "code_next_line" / "test.jsonl"
 

@@ -15,10 +15,10 @@ from flax import nnx
 from xla_env import xla_flags
 
 from maxtrain import config as config_lib
-from maxtrain import run_lock
 from maxtrain.checkpointing import load_parameters
-from maxtrain.models import model_def
-from maxtrain.train import main
+from maxtrain.training import run_lock
+from maxtrain.training.loop import main
+from maxtrain.training.run_model import model_def
 
 TINY = [
     "model_name=tiny",

@@ -9,12 +9,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from maxtrain import losses
 from maxtrain.config import ConfigError
 from maxtrain.data import chat, to_global
-from maxtrain.data.pipeline import Pipeline
-from maxtrain.train import build_trainer
-from maxtrain.train_step import summed_grads, token_losses
+from maxtrain.data.grain_pipeline import Pipeline
+from maxtrain.training import objectives
+from maxtrain.training.loop import build_trainer
+from maxtrain.training.step import summed_grads, token_losses
 
 CONVERSATION = [
     {"role": "system", "content": "Be brief."},
@@ -219,8 +219,11 @@ def _direct_dpo(trainer, params, reference, batch, beta):
 def test_dpo_step_loss_and_gradients_are_the_formula(dpo_case):
     trainer, batch, params, reference = dpo_case
     beta = 0.5
-    batch = {**batch, losses.REFERENCE: losses.reference_logps(trainer.mdef, reference, batch)}
-    objective = lambda *a: losses.dpo_losses(*a, beta=beta, kind="sigmoid")  # noqa: E731
+    batch = {
+        **batch,
+        objectives.REFERENCE: objectives.reference_logps(trainer.mdef, reference, batch),
+    }
+    objective = lambda *a: objectives.dpo_losses(*a, beta=beta, kind="sigmoid")  # noqa: E731
     both = jax.jit(  # one program: one compilation
         lambda p, r, b: (
             summed_grads(trainer.mdef, p, b, 0.0, objective),
@@ -240,8 +243,8 @@ def test_dpo_step_loss_and_gradients_are_the_formula(dpo_case):
 
 def test_dpo_loss_is_log_2_when_the_policy_is_the_reference(dpo_case):
     trainer, batch, params, _ = dpo_case
-    batch = {**batch, losses.REFERENCE: losses.reference_logps(trainer.mdef, params, batch)}
-    loss, pairs, *_rest, sums = losses.dpo_losses(
+    batch = {**batch, objectives.REFERENCE: objectives.reference_logps(trainer.mdef, params, batch)}
+    loss, pairs, *_rest, sums = objectives.dpo_losses(
         trainer.mdef, params, batch, 0.0, beta=0.1, kind="sigmoid"
     )
     np.testing.assert_allclose(loss / pairs, math.log(2), rtol=1e-6)

@@ -1,7 +1,7 @@
 """Generation: the cached decode equals the full forward pass, and greedy generation from
 imported Hugging Face models is token-identical to transformers' generate().
 
-The oracle for the second is tests/fixtures/hf/*/generate.json (tools/make_hf_fixtures.py
+The oracle for the second is tests/fixtures/hf/*/generate.json (maxtrain.tools.make_hf_fixtures
 generate): the tokens transformers' greedy generate() appended to each prompt, one prompt at a
 time; here all prompts run in one batch, of different lengths.
 """
@@ -18,10 +18,11 @@ import pytest
 from flax import nnx
 
 from maxtrain import generate as generate_cli
-from maxtrain import models
+from maxtrain import model as model_lib
 from maxtrain.hf.convert import import_checkpoint
 from maxtrain.inference.decode import cache_stacks
-from maxtrain.inference.kv_cache import init_cache
+from maxtrain.model.kv_cache import init_cache
+from maxtrain.training import run_model
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "hf"
 TOLERANCE = 2e-5  # float32 rounding: the cache path sums attention over more (masked) keys
@@ -40,8 +41,8 @@ def test_cached_decode_equals_the_full_forward(make_cfg, overrides):
     one token per step at each row's own position gives, at every real position, the logits
     the uncached model computes for the whole sequence."""
     cfg = make_cfg(*overrides)
-    mdef = models.model_def(cfg, pipelined=False)
-    params = nnx.to_pure_dict(nnx.state(models.build(cfg.model, seed=3), nnx.Param))
+    mdef = run_model.model_def(cfg, pipelined=False)
+    params = nnx.to_pure_dict(nnx.state(model_lib.build(cfg.model, seed=3), nnx.Param))
     T, lengths = 12, np.array([5, 3])
     tokens = jax.random.randint(jax.random.key(0), (2, T), 0, cfg.model.vocab_size)
     positions = jnp.broadcast_to(jnp.arange(T), (2, T))
@@ -79,7 +80,7 @@ def test_cached_decode_equals_the_full_forward(make_cfg, overrides):
     ],
 )
 def test_greedy_generation_from_an_import_equals_transformers(case, mesh, tmp_path, capsys):
-    """The tools' path: tools/convert_hf.py's import (which keeps the tokenizer), then
+    """The tools' path: maxtrain.tools.convert_hf's import (which keeps the tokenizer), then
     `python -m maxtrain.generate` with text prompts of different lengths in one batch, on one
     device and on 8 with the weights and cache split over fsdp and tensor."""
     oracle = json.loads((FIXTURES / case / "generate.json").read_text())

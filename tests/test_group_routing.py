@@ -9,7 +9,7 @@ from flax import nnx
 
 from maxtrain import config as config_lib
 from maxtrain.config import ConfigError
-from maxtrain.layers.moe import MoE
+from maxtrain.model.layers.moe import MoE
 
 D, E, GROUPS, KEEP, K = 8, 16, 4, 2, 3
 

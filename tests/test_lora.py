@@ -1,4 +1,5 @@
-"""LoRA and QLoRA (maxtrain/lora.py): zero adapters leave the model as it was, only the adapters
+"""LoRA and QLoRA (maxtrain/posttrain/lora.py): zero adapters leave the model as it was, only the
+adapters
 train, their gradients are the chain rule through the merged weight, QLoRA runs on the
 dequantized base, the experts' adapters work under expert parallelism, and a run resumes
 bit-exactly from checkpoints that hold the adapters alone."""
@@ -9,14 +10,15 @@ import numpy as np
 import pytest
 import qwix
 
-from maxtrain import lora
 from maxtrain.config import ConfigError
 from maxtrain.data import to_global
 from maxtrain.data.synthetic import SyntheticText
-from maxtrain.mesh import sharding_rules
-from maxtrain.state import frozen_base, model_params
-from maxtrain.train import build_trainer, run
-from maxtrain.train_step import summed_grads
+from maxtrain.parallel.mesh import sharding_rules
+from maxtrain.posttrain import lora
+from maxtrain.training import run_model
+from maxtrain.training.loop import build_trainer, run
+from maxtrain.training.state import frozen_base, model_params
+from maxtrain.training.step import summed_grads
 
 LORA = ["lora.rank=4", "lora.alpha=8", "checkpoint.load_parameters_path=unused"]
 SMALL = [
@@ -215,7 +217,7 @@ def test_lora_run_resumes_bit_exactly(make_cfg, tmp_path):
         np.testing.assert_array_equal(x, y)
 
 
-# ---- pipeline stages (models/pipeline.py) ------------------------------------------------------
+# ---- pipeline stages (parallel/pipeline.py) ------------------------------------------------------
 
 STAGED = ["mesh.stage=2", "mesh.fsdp=4"]
 
@@ -257,7 +259,7 @@ def test_qlora_in_stages_computes_what_it_does_without(dense, staged):
     layer, never shared across stages), zero adapters give the plain pipelined model's loss on
     the dequantized base, and nonzero ones the gradients of the same adapters without stages
     on that base (moved into model order)."""
-    from maxtrain.models import pipeline
+    from maxtrain.parallel import pipeline
 
     base, flat = dense[0].state.params, dense[1]
     plain, adapted = staged
@@ -298,12 +300,12 @@ def test_adapter_trees_move_into_stages_and_back(make_cfg, stacks):
     first dense one into the stages, and back, as the layers of full parameters."""
     import optax
 
-    from maxtrain.models import pipeline
+    from maxtrain.parallel import pipeline
 
     cfg = make_cfg(
         "model_name=tiny-moe", "model.num_layers=5", "model.moe.first_dense_layers=1", *STAGED
     )
-    layout = pipeline.stage_layout(cfg)  # 1 dense layer, then 2 stages of 2 MoE layers
+    layout = run_model.stage_layout(cfg)  # 1 dense layer, then 2 stages of 2 MoE layers
     counts = {"layers": 1, "moe_layers": 4}
     adapters = {k: {"a": np.arange(counts[k] * 3.0).reshape(counts[k], 3)} for k in stacks}
     state = (adapters, optax.adam(1.0).init(adapters))
@@ -389,7 +391,7 @@ def test_minimal_remat_recomputes_low_rank_products():
     """remat=minimal keeps a projection's output but not a low-rank product's ((x A) B sums
     over the adapter rank): kept, LoRA's products doubled the activations (H100: 44.8 GiB for
     the dense-1.5b recipe at rank 16, 27.6 GiB recomputed)."""
-    from maxtrain.models.decoder import REMAT_POLICIES
+    from maxtrain.model.decoder import REMAT_POLICIES
 
     policy = REMAT_POLICIES["minimal"]
     tokens = jax.core.ShapedArray((4096, 16), jnp.float32)  # x A: [tokens, rank]
@@ -404,7 +406,7 @@ def test_minimal_remat_recomputes_low_rank_products():
 def test_adapters_compute_in_the_compute_dtype(make_cfg):
     """With bfloat16 compute a LoRA step has no more float32 matmuls than the plain model's step
     (its loss and statistics): the float32 adapters are cast like the kernels
-    (models/definition.py), so the low-rank products multiply bfloat16 operands."""
+    (model/definition.py), so the low-rank products multiply bfloat16 operands."""
     from maxtrain.analysis.program import matmul_dtypes
 
     def not_bf16(trainer):

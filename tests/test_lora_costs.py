@@ -12,11 +12,13 @@ import pytest
 from conftest import BASE
 from test_data_prep import load_tool
 
-from maxtrain import models, run_summary, train
+from maxtrain import model as model_lib
 from maxtrain.analysis import memory
 from maxtrain.checkpointing import integrity
 from maxtrain.hf.convert import import_checkpoint
-from maxtrain.trainer import build_trainer
+from maxtrain.training import loop as train
+from maxtrain.training import run_model, run_summary
+from maxtrain.training.trainer import build_trainer
 
 HF_FIXTURES = Path(__file__).parent / "fixtures" / "hf"
 
@@ -46,7 +48,7 @@ def test_estimate_counts_adapter_state_and_the_frozen_base_as_the_train_state_ho
     cfg = make_cfg(
         "mesh.fsdp=8",
         "lora.rank=4",
-        "checkpoint.load_parameters_path=unused",  # the base is read only by train.py
+        "checkpoint.load_parameters_path=unused",  # the base is read only by training/loop.py
         f"lora.base_quantization={quantization}",
     )
     estimate = memory.estimate(cfg, num_devices=8)
@@ -54,9 +56,7 @@ def test_estimate_counts_adapter_state_and_the_frozen_base_as_the_train_state_ho
 
     names = {str(path[-1].key) for path, _ in jax.tree_util.tree_flatten_with_path(state.params)[0]}
     assert names == {"kernel_lora_a", "kernel_lora_b"}
-    assert sum(x.size for x in jax.tree.leaves(state.params)) == models.adapter_count(
-        cfg.model, cfg.lora
-    )
+    assert sum(x.size for x in jax.tree.leaves(state.params)) == run_model.adapter_count(cfg)
     adapters = device_bytes(state.params)
     moments = [x for x in jax.tree.leaves(state.opt_state) if jnp.issubdtype(x.dtype, jnp.floating)]
     assert estimate.params == adapters == estimate.gradients
@@ -103,7 +103,7 @@ def test_start_line_says_how_many_parameters_train_and_on_what_base(make_cfg):
     )
     line = run_summary.describe_start(cfg)
     adapters = 2 * 4 * ((64 + 64) + 2 * (64 + 32) + (64 + 64))  # q, k, v, o of both layers
-    total = models.param_count(cfg.model)
+    total = model_lib.param_count(cfg.model)
     assert line.startswith(
         f"maxtrain: {total / 1e3:.3g}K parameters ({total / 1e3:.3g}K active per token), "
         f"{adapters / 1e3:.3g}K of them trained (LoRA rank 4 on attention; "
@@ -152,8 +152,8 @@ def test_lora_checkpoint_of_an_imported_hf_model_holds_the_adapters_and_two_mome
     params = {path: array for path, array in saved.items() if path[0] == "params"}
     assert {path[-1] for path in params} == {"kernel_lora_a", "kernel_lora_b"}
     assert len(params) == 2 * 7
-    adapters = models.adapter_count(cfg.model, cfg.lora)
+    adapters = run_model.adapter_count(cfg)
     assert array_bytes(params.values()) == 4 * adapters
     moments = [a for path, a in saved.items() if path[0] == "opt_state" and a[0] != ()]
     assert array_bytes(moments) == 2 * 4 * adapters
-    assert models.param_count(cfg.model) > 3 * adapters
+    assert model_lib.param_count(cfg.model) > 3 * adapters

@@ -1,4 +1,5 @@
-"""Merging a LoRA run's adapters into its base (maxtrain/lora_merge.py, tools/merge_lora.py):
+"""Merging a LoRA run's adapters into its base (maxtrain/posttrain/lora_merge.py,
+maxtrain.tools.merge_lora):
 the merged checkpoint computes the adapted model's function (QLoRA: on the dequantized base),
 exports to Hugging Face with the merged weights, and loads wherever a model checkpoint does;
 a LoRA run's own checkpoint loads as that merged model."""
@@ -20,21 +21,26 @@ from jax.sharding import PartitionSpec as P
 from safetensors.numpy import load_file
 
 from maxtrain import config as config_lib
-from maxtrain import lora, models, optim
+from maxtrain import model as model_lib
+from maxtrain import optim
 from maxtrain.checkpointing import read_saved_config
 from maxtrain.checkpointing.export import save_parameters
-from maxtrain.corpora.embedded import DEFAULT_TOKENIZER
 from maxtrain.data.shards import data_tokenizer
 from maxtrain.hf import ConversionError
 from maxtrain.hf.convert import export_checkpoint
 from maxtrain.inference.loading import data_tokenizer_path, load_model
-from maxtrain.mesh import build_mesh, sharding_rules
-from maxtrain.models import model_def
-from maxtrain.state import abstract_base, frozen_base, state_shardings
-from maxtrain.transforms.initialize import initial_params
+from maxtrain.parallel.mesh import build_mesh, sharding_rules
+from maxtrain.posttrain import lora
+from maxtrain.surgery.initialize import initial_params
+from maxtrain.tokenizers import DEFAULT_TOKENIZER
+from maxtrain.training import run_model
+from maxtrain.training.run_model import model_def
+from maxtrain.training.state import abstract_base, frozen_base, state_shardings
 
 BASE = config_lib.CONFIGS_DIR / "base.yml"
-MERGE_LORA = runpy.run_path(str(config_lib.REPO_ROOT / "tools" / "merge_lora.py"))["main"]
+MERGE_LORA = runpy.run_path(str(config_lib.REPO_ROOT / "maxtrain" / "tools" / "merge_lora.py"))[
+    "main"
+]
 T = 16  # sequence length of the logits compared
 
 
@@ -55,11 +61,11 @@ def config(tmp: Path, model: str, *overrides: str) -> config_lib.Config:
 def lora_run(tmp: Path, model: str, *lora_keys: str):
     """A base checkpoint and a LoRA run's checkpoint on it, whose adapters have B set by hand
     (nonzero: the adapted model differs from the base). Returns (the run's config, the
-    adapted model's logits as the run computes them: its frozen base as state.py keeps it,
+    adapted model's logits as the run computes them: its frozen base as training/state.py keeps it,
     with the adapters beside it, run by the LoRA model: Qwix's provider on the projections,
     the experts' own adapter path)."""
     base_cfg = config(tmp, model)
-    init = lambda: nnx.to_pure_dict(nnx.state(models.build(base_cfg.model, 1), nnx.Param))  # noqa: E731
+    init = lambda: nnx.to_pure_dict(nnx.state(model_lib.build(base_cfg.model, 1), nnx.Param))  # noqa: E731
     save_parameters(tmp / "base", jax.jit(init)(), config_yaml=config_lib.to_yaml(base_cfg))
     cfg = config(tmp, model, f"checkpoint.load_parameters_path={tmp / 'base'}", *lora_keys)
 
@@ -68,7 +74,7 @@ def lora_run(tmp: Path, model: str, *lora_keys: str):
         mdef = model_def(cfg, pipelined=False)
         shardings = state_shardings(mdef, cfg, mesh, optim.build(cfg.optim, 4)[0])
     frozen = frozen_base(cfg, mdef, shardings, initial_params(cfg, abstract_base(mdef, cfg, mesh)))
-    built = jax.jit(lambda: nnx.state(models.build(cfg.model, 2, lora=cfg.lora), nnx.Param))()
+    built = jax.jit(lambda: nnx.state(run_model.build_model(cfg, 2), nnx.Param))()
     adapters = lora.split(nnx.to_pure_dict(built))[0]
     keys = iter(jax.random.split(jax.random.key(3), 64))
     adapters = jax.tree_util.tree_map_with_path(

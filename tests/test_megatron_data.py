@@ -1,6 +1,7 @@
 """data.kind megatron against Megatron itself: the samples, blends, splits and token handling
 megatron-core 0.16.1 produced for the committed corpora (tests/fixtures/megatron, written by
-tools/make_megatron_fixtures.py), the format checks, per-host reading and resume, and the tools.
+maxtrain.tools.make_megatron_fixtures), the format checks, per-host reading and resume, and the
+tools.
 """
 
 from __future__ import annotations
@@ -21,14 +22,14 @@ from test_resume import env, interrupt, logged_step_at_least, losses, run_to_end
 from maxtrain import config as config_lib
 from maxtrain.checkpointing.data_state import JsonIteratorState, adapter_for
 from maxtrain.config import ConfigError
-from maxtrain.corpora.embedded import DEFAULT_TOKENIZER
 from maxtrain.data import BATCH_KEYS
+from maxtrain.data.corpora.embedded import DEFAULT_TOKENIZER
 from maxtrain.data.errors import DataError
 from maxtrain.data.megatron import gpt_indices
 from maxtrain.data.megatron.indexed import DTYPES, IndexedWriter, open_corpus
 from maxtrain.data.megatron.stream import GlobalBatches, MegatronData, StepIterator
-from maxtrain.train import data_streams
-from maxtrain.train import main as train_main
+from maxtrain.data.streams import data_streams
+from maxtrain.training.loop import main as train_main
 
 FIXTURES = Path(__file__).parent / "fixtures" / "megatron"
 META = json.loads((FIXTURES / "configs.json").read_text())
@@ -297,7 +298,7 @@ def load_tool(name: str):
     import importlib.util
 
     spec = importlib.util.spec_from_file_location(
-        name, config_lib.REPO_ROOT / "tools" / f"{name}.py"
+        name, config_lib.REPO_ROOT / "maxtrain" / "tools" / f"{name}.py"
     )
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

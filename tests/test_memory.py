@@ -8,7 +8,8 @@ from test_data_prep import load_tool
 from maxtrain.analysis import memory
 from maxtrain.config import CONFIGS_DIR
 from maxtrain.data import to_global
-from maxtrain.train import build_trainer, data_streams
+from maxtrain.data.streams import data_streams
+from maxtrain.training.trainer import build_trainer
 
 
 def compiled_bytes_per_device(cfg) -> int:

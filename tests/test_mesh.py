@@ -6,7 +6,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from maxtrain.config import ConfigError, MeshConfig
-from maxtrain.mesh import build_mesh, logical_to_spec
+from maxtrain.parallel.mesh import build_mesh, logical_to_spec
 
 
 def test_minus_one_fills_remaining_devices():

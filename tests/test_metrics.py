@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from maxtrain.config import ModelConfig
-from maxtrain.metrics import (
+from maxtrain.training.metrics import (
     MetricsWriter,
     drop_warning,
     format_console_line,

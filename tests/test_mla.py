@@ -6,10 +6,10 @@ import numpy as np
 import pytest
 from test_train_numerics import _batch, assert_trees_close, loss_and_grads
 
-from maxtrain import metrics
 from maxtrain.config import CONFIGS_DIR, RopeScaling, load
-from maxtrain.layers.rope import Rope
-from maxtrain.train import build_trainer
+from maxtrain.model.layers.rope import Rope
+from maxtrain.training import metrics
+from maxtrain.training.loop import build_trainer
 
 BASE = CONFIGS_DIR / "base.yml"
 

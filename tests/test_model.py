@@ -5,9 +5,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from maxtrain import models
+from maxtrain import model as model_lib
 from maxtrain.config import CONFIGS_DIR, RopeScaling, load
-from maxtrain.layers.rope import Rope
+from maxtrain.model.layers.rope import Rope
 
 
 def _model_cfg(*overrides):
@@ -15,7 +15,7 @@ def _model_cfg(*overrides):
 
 
 def _forward_jaxpr_size(cfg) -> int:
-    model = models.build(cfg)
+    model = model_lib.build(cfg)
     tokens = jnp.zeros((1, 8), jnp.int32)
     return len(jax.make_jaxpr(lambda: model(tokens, tokens, tokens + 1))().eqns)
 
@@ -30,7 +30,7 @@ def test_scanned_program_size_does_not_grow_with_depth():
 
 def test_layer_parameters_are_stacked_with_a_layers_axis():
     cfg = _model_cfg("model.num_layers=3")
-    state = nnx.state(models.abstract(cfg), nnx.Param)
+    state = nnx.state(model_lib.abstract(cfg), nnx.Param)
     kernel = state["layers"]["mlp"]["up"]["kernel"]
     assert kernel.get_value().shape == (3, cfg.emb_dim, cfg.mlp_dim)
     assert kernel.get_metadata()["out_sharding"] == ("layers", "embed", "mlp")
@@ -70,7 +70,7 @@ def test_rope_rotates_pairs_by_position_and_restarts_per_document():
 
 def test_qk_norm_tied_preset_builds_and_uses_the_embedding_as_head():
     cfg = load(CONFIGS_DIR / "base.yml", ["model_name=tiny-qk"]).model
-    model = models.build(cfg)
+    model = model_lib.build(cfg)
     assert model.lm_head is None
     tokens = jnp.arange(8, dtype=jnp.int32)[None]
     logits, _ = model(tokens, tokens, jnp.ones_like(tokens))

@@ -11,18 +11,20 @@ from flax import nnx
 from ragged_all_to_all_reference import emulated_ragged_all_to_all
 
 from maxtrain import config as config_lib
-from maxtrain import metrics, models
+from maxtrain import model as model_lib
 from maxtrain.config import ConfigError
 from maxtrain.data import to_global
-from maxtrain.kernels.grouped_matmul import xla_grouped_matmul
-from maxtrain.layers import moe_dispatch
-from maxtrain.layers.expert_parallel import Ragged
-from maxtrain.layers.moe import MoE, router_stats
-from maxtrain.mesh import build_mesh, sharding_rules
-from maxtrain.models.auxiliary import RouterTraining
-from maxtrain.models.stacks import is_moe_per_layer, layer_runs
-from maxtrain.train import data_streams, run
-from maxtrain.trainer import build_trainer, check_experts
+from maxtrain.data.streams import data_streams
+from maxtrain.model.kernels.grouped_matmul import xla_grouped_matmul
+from maxtrain.model.layers import moe_dispatch
+from maxtrain.model.layers.moe import MoE, router_stats
+from maxtrain.model.router_training import RouterTraining
+from maxtrain.model.stacks import is_moe_per_layer, layer_runs
+from maxtrain.parallel.experts import Ragged
+from maxtrain.parallel.mesh import build_mesh, sharding_rules
+from maxtrain.training import metrics
+from maxtrain.training.loop import run
+from maxtrain.training.trainer import build_trainer, check_experts
 
 D, E, K, F = 16, 8, 2, 12
 
@@ -291,7 +293,7 @@ def test_layer_schedule_first_dense_then_every_second_layer():
         (False, 3, 1),
         (True, 1, 1),
     ]
-    params = nnx.to_pure_dict(nnx.state(models.abstract(cfg), nnx.Param))
+    params = nnx.to_pure_dict(nnx.state(model_lib.abstract(cfg), nnx.Param))
     assert params["layers"]["mlp"]["gate"]["kernel"].shape == (4, D, 32)
     assert params["moe_layers"]["moe"]["gate"]["kernel"].shape == (2, E, D, F)
 
@@ -326,7 +328,7 @@ def test_flops_count_active_parameters_only():
     attention = 64 * 4 * 16 * 2 + 2 * 64 * 2 * 16  # q, o and k, v
     active_ffn = 64 * m.num_experts + m.top_k * 3 * 64 * m.expert_mlp_dim
     assert metrics.matmul_params(cfg) == 2 * (attention + active_ffn) + cfg.vocab_size * 64
-    total = models.param_count(cfg)
+    total = model_lib.param_count(cfg)
     all_experts = 2 * (64 * m.num_experts + m.num_experts * 3 * 64 * m.expert_mlp_dim)
     norms = 2 * 2 * 64 + 64
     assert total == 2 * attention + all_experts + norms + 2 * cfg.vocab_size * 64

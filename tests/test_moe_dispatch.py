@@ -1,6 +1,6 @@
 """The expert-parallel exchanges: exact against one device, drops as reported, bytes bounded.
 
-Every exchange of maxtrain/layers/expert_parallel.py runs in shard_map over P of the 8 simulated
+Every exchange of maxtrain/parallel/experts.py runs in shard_map over P of the 8 simulated
 CPU devices, on routing built to stress it, and is compared with the dropless grouped matmul
 on one device holding every token and expert, values and gradients. The ragged exchange runs
 with an emulation of jax.lax.ragged_all_to_all (tests/ragged_all_to_all_reference.py), since
@@ -20,15 +20,15 @@ from jax.sharding import PartitionSpec as P
 from ragged_all_to_all_reference import emulated_ragged_all_to_all
 
 from maxtrain.analysis.program import collective_bytes
-from maxtrain.kernels.grouped_matmul import xla_grouped_matmul
-from maxtrain.layers.expert_parallel import AllGather, AllToAll, Ragged
-from maxtrain.layers.moe_dispatch import (
+from maxtrain.model.kernels.grouped_matmul import xla_grouped_matmul
+from maxtrain.model.layers.moe_dispatch import (
     ExpertBlocks,
     ExpertWeights,
     Parallelism,
     capacity,
     dropless_local,
 )
+from maxtrain.parallel.experts import AllGather, AllToAll, Ragged
 
 D, F, E = 8, 12, 16  # model width, expert width, experts
 N = 16  # tokens per device

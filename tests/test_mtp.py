@@ -1,4 +1,4 @@
-"""Multi-token prediction (models/mtp.py): its loss against a computation by hand from the same
+"""Multi-token prediction (model/mtp.py): its loss against a computation by hand from the same
 parameters, its masking at row ends, document boundaries and the data's loss mask, a run in which
 it learns, and the sharded and pipelined runs (with group-limited routing) against one device."""
 
@@ -9,10 +9,12 @@ import pytest
 from flax import nnx
 
 from maxtrain import config as config_lib
-from maxtrain import metrics, models
+from maxtrain import model as model_lib
 from maxtrain.data import to_global
-from maxtrain.models import pipeline
-from maxtrain.train import build_trainer, data_streams
+from maxtrain.data.streams import data_streams
+from maxtrain.parallel import pipeline
+from maxtrain.training import metrics, run_model
+from maxtrain.training.trainer import build_trainer
 
 T = 16
 
@@ -41,7 +43,7 @@ def rms_norm(x, scale, eps=1e-5):
     return x / np.sqrt(np.mean(x * x, -1, keepdims=True) + eps) * np.asarray(scale)
 
 
-def bound(mdef: models.ModelDef, params) -> nnx.Module:
+def bound(mdef: model_lib.ModelDef, params) -> nnx.Module:
     """The model object holding `params` (to call its parts)."""
     state = jax.tree.map(lambda v: v, mdef.abstract_state)
     nnx.replace_by_pure_dict(state, params)
@@ -50,8 +52,8 @@ def bound(mdef: models.ModelDef, params) -> nnx.Module:
 
 def test_mtp_loss_equals_the_computation_by_hand(make_cfg):
     cfg = make_cfg("model.mtp.depth=2", "model.mtp.loss_weight=0.5")  # tiny, dense, float32
-    mdef = models.model_def(cfg)
-    params = jax.jit(lambda: nnx.to_pure_dict(nnx.state(models.build(cfg.model), nnx.Param)))()
+    mdef = run_model.model_def(cfg)
+    params = jax.jit(lambda: nnx.to_pure_dict(nnx.state(model_lib.build(cfg.model), nnx.Param)))()
     b = packed_batch()
     pos, seg = b["positions"], b["segment_ids"]
     out = jax.jit(mdef.apply)(params, b["inputs"], pos, seg, b["targets"], b["loss_mask"])
@@ -99,7 +101,7 @@ def test_mtp_loss_equals_the_computation_by_hand(make_cfg):
     want_aux = 0.5 * np.mean([t / c for t, c in losses])
     np.testing.assert_allclose(out.aux_loss, want_aux, rtol=1e-5)
     # The next-token logits are the model's without MTP: the modules only add a loss.
-    plain = models.model_def(make_cfg()).apply(
+    plain = run_model.model_def(make_cfg()).apply(
         {k: v for k, v in params.items() if k != "mtp"},
         b["inputs"],
         b["positions"],
@@ -186,13 +188,13 @@ def test_flops_and_active_parameters_count_the_modules_as_built(make_cfg, model)
         make_cfg(f"model_name={model}").model,
         make_cfg(f"model_name={model}", "model.mtp.depth=2").model,
     )
-    tree = nnx.to_pure_dict(nnx.state(models.abstract(with_mtp), nnx.Param))["mtp"]
+    tree = nnx.to_pure_dict(nnx.state(model_lib.abstract(with_mtp), nnx.Param))["mtp"]
     built = sum(int(np.prod(a.shape)) for a in jax.tree.leaves(tree))
     m, D = with_mtp.moe, with_mtp.emb_dim
     idle = 2 * (m.num_experts - m.top_k) * 3 * D * m.expert_mlp_dim if m else 0
     active = built - idle
-    assert models.param_count(with_mtp) - models.param_count(plain) == built
-    assert models.active_param_count(with_mtp) - models.active_param_count(plain) == active
+    assert model_lib.param_count(with_mtp) - model_lib.param_count(plain) == built
+    assert model_lib.active_param_count(with_mtp) - model_lib.active_param_count(plain) == active
     head = with_mtp.vocab_size * D
     grown = metrics.matmul_params(with_mtp) - metrics.matmul_params(plain)
     assert grown == active - 2 * 5 * D + 2 * head

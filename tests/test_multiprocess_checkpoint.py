@@ -31,9 +31,9 @@ from xla_env import xla_flags
 from maxtrain import config as config_lib
 from maxtrain import optim
 from maxtrain.checkpointing import Checkpointer, integrity, load_parameters, read_saved_config
-from maxtrain.models import model_def
-from maxtrain.state import SavedState
-from maxtrain.train import run
+from maxtrain.training.loop import run
+from maxtrain.training.run_model import model_def
+from maxtrain.training.state import SavedState
 
 NUM_PROCESSES, STEPS, TIMEOUT_S = 2, 16, 150
 ARGS = [

@@ -1,4 +1,4 @@
-"""Muon (maxtrain/muon.py) against a NumPy implementation of the published algorithm, sharded
+"""Muon (maxtrain/optim/muon.py) against a NumPy implementation of the published algorithm, sharded
 against single-device, and a run with it resumed bit-exactly."""
 
 import json
@@ -15,9 +15,9 @@ from maxtrain import optim
 from maxtrain.analysis.program import collective_bytes
 from maxtrain.checkpointing import load_parameters
 from maxtrain.config import OptimConfig
-from maxtrain.mesh import sharding_rules
-from maxtrain.models import model_def
-from maxtrain.train import run
+from maxtrain.parallel.mesh import sharding_rules
+from maxtrain.training.loop import run
+from maxtrain.training.run_model import model_def
 
 COEFFS = (3.4445, -4.7750, 2.0315)
 

@@ -13,16 +13,18 @@ from array_record.python.array_record_module import ArrayRecordWriter
 from maxtrain.config import ConfigError
 from maxtrain.data import BATCH_KEYS, shards
 from maxtrain.data.errors import DataError
+from maxtrain.data.grain_pipeline import Pipeline, held_out
 from maxtrain.data.packing import SplitLongDocuments
-from maxtrain.data.pipeline import Pipeline, held_out
-from maxtrain.train import data_streams, run
+from maxtrain.data.streams import data_streams
+from maxtrain.training.loop import run
 
 EOS = 1  # token 0 is what the packers pad with; documents never hold it
 BIG_VOCAB = 1 << 20  # pipeline-only tests use unique token ids; no model is built
 
 
 def write_source(out: Path, docs: list[list[int]], vocab_size: int, docs_per_shard: int = 40):
-    """A prepared source as tools/prepare_data.py writes it: shards of int32 + EOS, metadata."""
+    """A prepared source as maxtrain.tools.prepare_data writes it: shards of int32 + EOS,
+    metadata."""
     out.mkdir(parents=True, exist_ok=True)
     listed = []
     for start in range(0, len(docs), docs_per_shard):

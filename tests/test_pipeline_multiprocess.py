@@ -17,7 +17,7 @@ from xla_env import xla_flags
 
 from maxtrain import config as config_lib
 from maxtrain.data import BATCH_KEYS
-from maxtrain.data.pipeline import Pipeline
+from maxtrain.data.grain_pipeline import Pipeline
 
 NUM_PROCESSES, STEPS, TIMEOUT_S = 2, 3, 180
 
@@ -30,9 +30,9 @@ import numpy as np
 from jax.experimental import multihost_utils
 from maxtrain import config as config_lib
 from maxtrain.data import BATCH_KEYS, batch_sharding, host_rows, to_global
-from maxtrain.data.pipeline import Pipeline
-from maxtrain.mesh import build_mesh
-from maxtrain.train import data_streams
+from maxtrain.data.grain_pipeline import Pipeline
+from maxtrain.parallel.mesh import build_mesh
+from maxtrain.data.streams import data_streams
 
 port, pid, nproc, steps, out, overrides = sys.argv[1:7]
 pid, nproc, steps = int(pid), int(nproc), int(steps)

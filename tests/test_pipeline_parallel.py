@@ -13,8 +13,9 @@ import pytest
 
 from maxtrain import config as config_lib
 from maxtrain.data import to_global
-from maxtrain.models import pipeline
-from maxtrain.train import build_trainer, data_streams
+from maxtrain.data.streams import data_streams
+from maxtrain.parallel import pipeline
+from maxtrain.training.trainer import build_trainer
 
 DENSE = [
     "model_name=tiny",

@@ -16,9 +16,9 @@ import pytest
 from maxtrain import config as config_lib
 from maxtrain.checkpointing import load_parameters
 from maxtrain.hf import cli as hf_cli
-from maxtrain.mesh import build_mesh
-from maxtrain.train import run
-from maxtrain.transforms.initialize import abstract_params
+from maxtrain.parallel.mesh import build_mesh
+from maxtrain.surgery.initialize import abstract_params
+from maxtrain.training.loop import run
 
 PIPELINED = [
     "model_name=small",  # 4 layers, and a preset: the source model of the transforms below

@@ -1,4 +1,5 @@
-"""tools/plot_metrics.py: two runs -> one PNG with a panel per quantity; a bad run directory
+"""maxtrain.tools.plot_metrics: two runs -> one PNG with a panel per quantity; a bad run
+directory
 is one line, exit 2, and no file."""
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from pathlib import Path
 import matplotlib.image
 import yaml
 
-TOOL = Path(__file__).resolve().parent.parent / "tools" / "plot_metrics.py"
+TOOL = Path(__file__).resolve().parent.parent / "maxtrain" / "tools" / "plot_metrics.py"
 
 
 def load_tool():

@@ -4,7 +4,7 @@ Each preset's parameter count is computed two independent ways and both are chec
 
 * closed form from the preset's shape keys (``closed_form_params`` below), which catches a typo
   in a preset file (a wrong width, a missed ``tie_embeddings``) against the published count;
-* ``maxtrain.models.param_count``, which counts the parameters of the model the code actually
+* ``maxtrain.model.param_count``, which counts the parameters of the model the code actually
   builds, which catches a model bug (a missing norm, a head that ignores tying, a wrong
   projection shape) against the closed form, exactly.
 
@@ -92,7 +92,7 @@ def load_preset(name: str, tmp_path: Path) -> ModelConfig:
 
 
 def model_params(m: ModelConfig) -> int:
-    from maxtrain.models import param_count
+    from maxtrain.model import param_count
 
     return param_count(m)
 
@@ -216,7 +216,7 @@ PUBLISHED_MLA = [
 
 @pytest.mark.parametrize("case", PUBLISHED_MLA, ids=[p[0] for p in PUBLISHED_MLA])
 def test_mla_presets_match_published_counts(case, tmp_path: Path) -> None:
-    from maxtrain.models import active_param_count
+    from maxtrain.model import active_param_count
 
     name, total, active, with_mtp, rel_tol, active_tol = case
     m = load_preset(name, tmp_path)

@@ -1,10 +1,10 @@
-"""tools/profile_kernels.py: kernel time per step, grouped by what the kernels do."""
+"""maxtrain.tools.profile_kernels: kernel time per step, grouped by what the kernels do."""
 
 import importlib.util
 import json
 from pathlib import Path
 
-TOOL = Path(__file__).resolve().parent.parent / "tools" / "profile_kernels.py"
+TOOL = Path(__file__).resolve().parent.parent / "maxtrain" / "tools" / "profile_kernels.py"
 spec = importlib.util.spec_from_file_location("profile_kernels", TOOL)
 profile_kernels = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(profile_kernels)

@@ -15,16 +15,18 @@ import tensorstore as ts
 from flax import nnx
 from jax.experimental import pallas as pl
 
-from maxtrain import models, quantization
+from maxtrain import model as model_lib
+from maxtrain import quantization
 from maxtrain.analysis.program import matmul_dtypes
 from maxtrain.checkpointing import integrity
 from maxtrain.checkpointing.export import save_parameters
 from maxtrain.config import CONFIGS_DIR, to_yaml
+from maxtrain.data.streams import data_streams
 from maxtrain.inference.loading import load_model
-from maxtrain.models import model_def
-from maxtrain.train import data_streams, main, run
-from maxtrain.train_step import summed_grads
-from maxtrain.trainer import _with_rules, build_trainer
+from maxtrain.training.loop import main, run
+from maxtrain.training.run_model import model_def
+from maxtrain.training.step import summed_grads
+from maxtrain.training.trainer import _with_rules, build_trainer
 
 BASE = CONFIGS_DIR / "base.yml"
 EXPERTS_INT8 = (
@@ -56,7 +58,7 @@ def test_quantized_forward_is_close_to_float(make_cfg, model):
     tiny / tiny-moe: int8 0.65% / 0.73%, fp8 2.9% / 2.9%, w4a16-serving (int4 weights, experts
     included) 7.9% / 7.7%. Bounds: 1.5%, 5%, 12%; above 0.1%, or nothing was quantized."""
     float_cfg = make_cfg(f"model_name={model}")
-    params = nnx.to_pure_dict(nnx.state(models.build(float_cfg.model), nnx.Param))
+    params = nnx.to_pure_dict(nnx.state(model_lib.build(float_cfg.model), nnx.Param))
     batch = _batch(float_cfg)
     ref = _logits(float_cfg, params, batch)
     for preset, bound in (("int8", 0.015), ("fp8", 0.05), ("w4a16-serving", 0.12)):
@@ -75,7 +77,7 @@ def test_weight_only_int4_quantizes_the_experts(make_cfg):
         "weight_qtype: int4}]"
     )
     float_cfg, cfg = make_cfg("model_name=tiny-moe"), make_cfg("model_name=tiny-moe", rule)
-    params = nnx.to_pure_dict(nnx.state(models.build(float_cfg.model), nnx.Param))
+    params = nnx.to_pure_dict(nnx.state(model_lib.build(float_cfg.model), nnx.Param))
     batch = _batch(cfg)
     ref, got = _logits(float_cfg, params, batch), _logits(cfg, params, batch)
     assert 1e-3 < float(jnp.linalg.norm(got - ref) / jnp.linalg.norm(ref)) < 0.05
@@ -88,7 +90,7 @@ def test_experts_multiply_int8_operands_forward_and_backward(make_cfg):
     for the experts alone, every ragged dot of the training step, forward and backward, takes
     int8 operands, while the projections stay float32."""
     cfg = make_cfg("model_name=tiny-moe", EXPERTS_INT8)
-    params = nnx.to_pure_dict(nnx.state(models.build(cfg.model), nnx.Param))
+    params = nnx.to_pure_dict(nnx.state(model_lib.build(cfg.model), nnx.Param))
     batch = _batch(cfg)
 
     def grads(mdef):
@@ -156,7 +158,7 @@ def test_quantized_expert_gradients_match_float_on_an_8_device_mesh(make_cfg):
 def test_tokamax_and_xla_paths_quantize_weight_only_experts_identically(make_cfg):
     """A weight-only rule takes the same numbers through both grouped-matmul paths (int8
     weights per expert and output channel, straight-through gradient), so the tokamax path's
-    custom VJP (kernels/quantized_grouped_matmul.py), run per device under shard_map, must
+    custom VJP (model/kernels/quantized_grouped_matmul.py), run per device under shard_map, must
     reproduce the xla path's gradients, their sum over the data-parallel devices included."""
     rule = EXPERTS_INT8.replace(", act_qtype: int8, bwd_qtype: int8", "")
     xla = _expert_grads(make_cfg, "model.moe.grouped_matmul=xla", rule)
@@ -203,7 +205,7 @@ def test_quantized_run_starts_from_a_float_checkpoint_and_resumes_exactly(make_c
     """Params stay float, so float parameters load into an int8 run, and an int8 run stopped
     at step 2 and restarted ends bit-identical to one that ran 4 steps straight."""
     float_cfg = make_cfg()
-    params = nnx.to_pure_dict(nnx.state(models.build(float_cfg.model), nnx.Param))
+    params = nnx.to_pure_dict(nnx.state(model_lib.build(float_cfg.model), nnx.Param))
     save_parameters(tmp_path / "float", params, config_yaml=to_yaml(float_cfg))
     quantized = (
         "quantization.preset=int8",
@@ -254,7 +256,8 @@ def test_bad_quantization_config_exits_2_with_one_line(tmp_path, capsys, overrid
 
 
 def test_ptq_stores_quantized_kernels_and_scales_experts_included(make_cfg, tmp_path):
-    """tools/quantize.py on a trained tiny-moe checkpoint: every attention, expert and lm_head
+    """maxtrain.tools.quantize on a trained tiny-moe checkpoint: every attention, expert and
+    lm_head
     kernel is stored as int8/int4 values with float32 scales (one per layer, expert and output
     channel); router, embedding and norms stay float. The held-out loss moves by under 0.05
     (measured after 20 steps, loss 4.026: int8 -0.0004, int4 +0.006; per-kernel relative
@@ -263,11 +266,13 @@ def test_ptq_stores_quantized_kernels_and_scales_experts_included(make_cfg, tmp_
     disk_bytes = {}
     for qtype in ("int8", "int4"):
         out = tmp_path / qtype
-        argv = ["tools/quantize.py", str(BASE), "model_name=tiny-moe", "data.kind=synthetic"]
+        argv = ["maxtrain.tools.quantize", str(BASE), "model_name=tiny-moe", "data.kind=synthetic"]
         argv += ["train.seq_len=32", "train.global_batch_size=8", "--eval-batches=2"]
         argv += ["--source", str(tmp_path / "float"), "--output", str(out), f"--qtype={qtype}"]
         with mock.patch.object(sys, "argv", argv), pytest.raises(SystemExit) as exit_status:
-            runpy.run_path(str(CONFIGS_DIR.parent / "tools" / "quantize.py"), run_name="__main__")
+            runpy.run_path(
+                str(CONFIGS_DIR.parent / "maxtrain" / "tools" / "quantize.py"), run_name="__main__"
+            )
         assert exit_status.value.code == 0
         disk_bytes[qtype] = _check_ptq_output(out, qtype)
         _check_ptq_loads_dequantized(out, make_cfg("model_name=tiny-moe"))

@@ -22,7 +22,7 @@ from xla_env import xla_flags
 
 from maxtrain import config as config_lib
 from maxtrain.checkpointing import load_parameters
-from maxtrain.models import model_def
+from maxtrain.training.run_model import model_def
 
 STEPS = 60
 ARGS = [

@@ -11,9 +11,11 @@ import types
 
 import pytest
 
-from maxtrain import models, optim, run_lock
-from maxtrain import train as train_lib
-from maxtrain.train import run
+from maxtrain import model as model_lib
+from maxtrain import optim
+from maxtrain.training import loop as train_lib
+from maxtrain.training import run_lock
+from maxtrain.training.loop import run
 
 RUN = ("train.log_every=1", "checkpoint.local.every_steps=2", "optim.lr=1e-2")
 
@@ -29,7 +31,7 @@ def test_a_run_says_what_it_trains_saves_and_did_and_an_extension_keeps_or_names
     cfg = make_cfg(*RUN, "train.eval_every=4")
     summary = run(cfg)
     out = capsys.readouterr().out
-    total, active = models.param_count(cfg.model), models.active_param_count(cfg.model)
+    total, active = model_lib.param_count(cfg.model), model_lib.active_param_count(cfg.model)
     # Start-up: parameters (total, active), steps, the schedule's length.
     assert f"parameters ({active / 1e3:.3g}K active per token)" in out and total == active
     assert "lr schedule cosine over 4 steps" in out

@@ -11,14 +11,14 @@ import pytest
 
 from maxtrain import optim
 from maxtrain.analysis.program import entry_parameter_copies
-from maxtrain.topology import topology_devices
-from maxtrain.train_step import train_step
-from maxtrain.trainer import NONFINITE_GUARD, _with_rules, build_trainer, compile_step
+from maxtrain.parallel.topology import topology_devices
+from maxtrain.training.step import train_step
+from maxtrain.training.trainer import NONFINITE_GUARD, _with_rules, build_trainer, compile_step
 
 
 def compiled_steps(cfg, devices=None):
     """The trainer's compiled step (guarded) and the same step without the guard, for this
-    host's devices or compile-only ones (maxtrain/topology.py)."""
+    host's devices or compile-only ones (maxtrain/parallel/topology.py)."""
     trainer = build_trainer(cfg, devices=devices, abstract=True)
     batch = trainer.abstract_batch()
     tx, lr_schedule = optim.build(cfg.optim, cfg.train.steps)

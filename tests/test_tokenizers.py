@@ -2,7 +2,7 @@
 reads either kind through maxtrain.tokenizers.
 
 The oracle is tests/fixtures/hf/*/generate.json: the ids transformers' AutoTokenizer gave each
-prompt (tools/make_hf_fixtures.py generate), with the model's special tokens applied.
+prompt (maxtrain.tools.make_hf_fixtures generate), with the model's special tokens applied.
 """
 
 from __future__ import annotations
@@ -13,9 +13,13 @@ from pathlib import Path
 
 import pytest
 
-from maxtrain.corpora import embedded
 from maxtrain.data.shards import read_shard, write_shards
-from maxtrain.tokenizers import TokenizerError, copy_tokenizer_files, load_tokenizer
+from maxtrain.tokenizers import (
+    DEFAULT_TOKENIZER,
+    TokenizerError,
+    copy_tokenizer_files,
+    load_tokenizer,
+)
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "hf"
 WITH_TOKENIZER = ["llama_gqa_untied_sharded", "qwen3_gqa4_untied_v5"]
@@ -67,14 +71,15 @@ def test_a_directory_picks_the_kind_and_a_copy_keeps_it(tmp_path):
     assert copied == ["tokenizer.json", "tokenizer_config.json", "generation_config.json"]
     assert type(load_tokenizer(tmp_path)).__name__ == "HuggingFaceTokenizer"
     (tmp_path / "sp").mkdir()
-    shutil.copyfile(embedded.DEFAULT_TOKENIZER, tmp_path / "sp" / "tokenizer.model")
+    shutil.copyfile(DEFAULT_TOKENIZER, tmp_path / "sp" / "tokenizer.model")
     sentencepiece = load_tokenizer(tmp_path / "sp")
     assert type(sentencepiece).__name__ == "SentencePieceTokenizer"
     assert sentencepiece.encode(["x = 1"], add_special_tokens=True)[0][0] == sentencepiece.bos_id
 
 
 def test_prepared_data_from_a_tokenizer_json(tmp_path):
-    """tools/prepare_data.py's writer takes a Hugging Face tokenizer like a sentencepiece one:
+    """maxtrain.tools.prepare_data's writer takes a Hugging Face tokenizer like a sentencepiece
+    one:
     each record is the document's ids and the tokenizer's EOS."""
     tokenizer = load_tokenizer(FIXTURES / WITH_TOKENIZER[1])
     docs = ["the cat sat on the mat.", "hello world"]

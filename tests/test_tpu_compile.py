@@ -1,5 +1,5 @@
 """Every TPU path, compiled by the TPU compiler (libtpu) for compile-only devices on this CPU
-host (maxtrain/topology.py): what a v5e slice would run, without one.
+host (maxtrain/parallel/topology.py): what a v5e slice would run, without one.
 
 Each case builds the run's trainer over a topology's devices from shapes alone, compiles the
 train step, and asserts what the compiler's program shows: the configured Pallas kernels are
@@ -9,11 +9,11 @@ over the mesh axes it should.
 
 import pytest
 
-from maxtrain import models
 from maxtrain.analysis import program
-from maxtrain.mesh import mesh_platform
-from maxtrain.topology import topology_devices
-from maxtrain.trainer import build_trainer, compile_step
+from maxtrain.parallel.mesh import mesh_platform
+from maxtrain.parallel.topology import topology_devices
+from maxtrain.training import run_model
+from maxtrain.training.trainer import build_trainer, compile_step
 
 TOPOLOGY = "v5e:2x2"  # 4 chips; the MoE and context cases fill them with one axis
 ATTENTION = ["splash_mha_fwd_segmented_residuals", "splash_mha_dq_segmented_no_residuals"]
@@ -38,7 +38,7 @@ def _compile(make_cfg, *overrides: str, slices: int = 1) -> tuple:
 def _collectives(trainer, hlo: str) -> dict[str, int]:
     slices = None
     if trainer.cfg.mesh.num_slices > 1:
-        from maxtrain.mesh import device_slices
+        from maxtrain.parallel.mesh import device_slices
 
         slices = device_slices(trainer.mesh, trainer.cfg.mesh.num_slices)
     per_axis = program.collective_bytes_per_axis(hlo, dict(trainer.mesh.shape), slices)
@@ -63,7 +63,7 @@ def test_choices_follow_the_devices_not_the_host(make_cfg):
     model = trainer.cfg.model
     assert (model.attention, model.compute_dtype) == ("splash", "bfloat16")
     assert (model.moe.grouped_matmul, model.moe.ep_dispatch) == ("tokamax", "ragged")
-    host = models.for_platform(make_cfg(*SMALL, "model_name=tiny-moe"), "cpu").model
+    host = run_model.for_platform(make_cfg(*SMALL, "model_name=tiny-moe"), "cpu").model
     assert (host.attention, host.compute_dtype, host.moe.grouped_matmul) == (
         "xla",
         "float32",
@@ -173,7 +173,7 @@ def test_a_mesh_axis_may_split_a_physical_axis():
     """expert 8 on a 4x4 slice is no product of its physical axes (4, 4): the mesh splits one
     (kanana-moe's fsdp 32 x expert 8 on v5e:16x16 failed to build before)."""
     from maxtrain.config import MeshConfig
-    from maxtrain.mesh import build_mesh
+    from maxtrain.parallel.mesh import build_mesh
 
     mesh = build_mesh(MeshConfig(fsdp=2, expert=8), list(topology_devices("v5e:4x4")))
     assert (mesh.shape["fsdp"], mesh.shape["expert"]) == (2, 8)
@@ -188,7 +188,7 @@ def test_ragged_exchange_where_the_tpu_compiler_has_it(make_cfg):
 
     def exchange(topology):
         devices = topology_devices(topology)
-        cfg = models.for_platform(make_cfg(*MOE), "tpu", devices[0].device_kind, len(devices))
+        cfg = run_model.for_platform(make_cfg(*MOE), "tpu", devices[0].device_kind, len(devices))
         return cfg.model.moe.ep_dispatch
 
     assert exchange("v5e:4x4") == "ragged"

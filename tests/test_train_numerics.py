@@ -6,9 +6,9 @@ import pytest
 
 from maxtrain.data import to_global
 from maxtrain.data.synthetic import SyntheticText
-from maxtrain.mesh import sharding_rules
-from maxtrain.train import build_trainer
-from maxtrain.train_step import summed_grads
+from maxtrain.parallel.mesh import sharding_rules
+from maxtrain.training.loop import build_trainer
+from maxtrain.training.step import summed_grads
 
 
 def _batch(cfg, step=0):

@@ -2,7 +2,7 @@
 
 import json
 
-from maxtrain.train import run
+from maxtrain.training.loop import run
 
 
 def test_loss_falls_on_a_tiny_run(make_cfg):

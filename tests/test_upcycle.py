@@ -1,5 +1,5 @@
 """Sparse upcycling: the MoE model starts as exactly the dense model, through the library, the
-train loop's init.mode=upcycle and tools/upcycle.py on real checkpoints."""
+train loop's init.mode=upcycle and maxtrain.tools.upcycle on real checkpoints."""
 
 import functools
 import json
@@ -14,17 +14,19 @@ import pytest
 from flax import nnx
 
 from maxtrain import config as config_lib
-from maxtrain import metrics, models
+from maxtrain import model as model_lib
 from maxtrain.checkpointing import load_parameters
 from maxtrain.checkpointing.export import save_parameters
 from maxtrain.config import ConfigError
-from maxtrain.mesh import build_mesh
-from maxtrain.models import model_def
-from maxtrain.train import data_streams, run
-from maxtrain.train_step import eval_step
-from maxtrain.transforms import cli, upcycle
-from maxtrain.transforms.initialize import abstract_params, check_fits, source_config, transform
-from maxtrain.transforms.upcycle import check_upcycle
+from maxtrain.data.streams import data_streams
+from maxtrain.parallel.mesh import build_mesh
+from maxtrain.surgery import cli, upcycle
+from maxtrain.surgery.initialize import abstract_params, check_fits, source_config, transform
+from maxtrain.surgery.upcycle import check_upcycle
+from maxtrain.training import metrics
+from maxtrain.training.loop import run
+from maxtrain.training.run_model import model_def
+from maxtrain.training.step import eval_step
 
 FP32 = "model.compute_dtype=float32"
 # tiny's dense MLP is 128 wide: top_k slices of 128 / top_k, copied num_experts / top_k times.
@@ -33,7 +35,9 @@ MOE_2_OF_8 = "model.moe={num_experts: 8, top_k: 2, expert_mlp_dim: 64}"
 
 
 def init_params(cfg: config_lib.Config, seed: int = 1) -> dict:
-    return jax.jit(lambda: nnx.to_pure_dict(nnx.state(models.build(cfg.model, seed), nnx.Param)))()
+    return jax.jit(
+        lambda: nnx.to_pure_dict(nnx.state(model_lib.build(cfg.model, seed), nnx.Param))
+    )()
 
 
 def upcycled(params: dict, dense: config_lib.Config, moe: config_lib.Config, **options) -> dict:
@@ -86,7 +90,7 @@ def test_upcycled_model_computes_the_dense_function_at_step_0(make_cfg, variant)
     assert jax.tree.map(shape, upcycled_params) == jax.tree.map(
         shape, nnx.to_pure_dict(model_def(moe).abstract_state)
     )
-    assert sum(x.size for x in jax.tree.leaves(upcycled_params)) == models.param_count(moe.model)
+    assert sum(x.size for x in jax.tree.leaves(upcycled_params)) == model_lib.param_count(moe.model)
     want, *_ = forward(dense)(params)
     got, _, stats = forward(moe)(upcycled_params)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
@@ -148,7 +152,7 @@ def test_kanana_moe_preset_is_the_nano_model_upcycled(make_cfg):
         "init.source_model=kanana-nano-2.1b",
         "checkpoint.load_parameters_path=unused",
     )
-    assert models.param_count(cfg.model) == 11_801_511_680
+    assert model_lib.param_count(cfg.model) == 11_801_511_680
     assert metrics.matmul_params(cfg.model) == 2_090_532_864  # active per token
     mesh = build_mesh(cfg.mesh)
     source = source_config(cfg)
@@ -163,7 +167,8 @@ def read_params(cfg: config_lib.Config, path) -> dict:
 
 
 def test_tool_and_train_loop_start_the_moe_from_a_dense_checkpoint(make_cfg, tmp_path):
-    """A dense checkpoint on disk -> tools/upcycle.py -> the upcycled parameters on disk; and a
+    """A dense checkpoint on disk -> maxtrain.tools.upcycle -> the upcycled parameters on disk;
+    and a
     run with init.mode=upcycle starts at the dense model's loss and trains on."""
     dense = make_cfg(FP32)
     params = init_params(dense)
@@ -173,9 +178,19 @@ def test_tool_and_train_loop_start_the_moe_from_a_dense_checkpoint(make_cfg, tmp
 
     out = tmp_path / "upcycled"
     base = [str(config_lib.CONFIGS_DIR / "base.yml"), "model_name=tiny", "data.kind=synthetic"]
-    argv = ["tools/upcycle.py", *base, *moe_args, "--source", str(source), "--output", str(out)]
+    argv = [
+        "maxtrain.tools.upcycle",
+        *base,
+        *moe_args,
+        "--source",
+        str(source),
+        "--output",
+        str(out),
+    ]
     with mock.patch.object(sys, "argv", argv), pytest.raises(SystemExit) as exit_status:
-        runpy.run_path(str(config_lib.REPO_ROOT / "tools" / "upcycle.py"), run_name="__main__")
+        runpy.run_path(
+            str(config_lib.REPO_ROOT / "maxtrain" / "tools" / "upcycle.py"), run_name="__main__"
+        )
     assert exit_status.value.code == 0
     expected = upcycled(params, dense, moe)
     for a, b in zip(jax.tree.leaves(read_params(moe, out)), jax.tree.leaves(expected), strict=True):
@@ -183,7 +198,7 @@ def test_tool_and_train_loop_start_the_moe_from_a_dense_checkpoint(make_cfg, tmp
     # Its model file names the MoE by path: no copy into configs/models/, no long overrides.
     by_path = config_lib.load(config_lib.CONFIGS_DIR / "base.yml", [f"model_name={out}/model.yml"])
     assert by_path.model.moe == moe.model.moe and by_path.model.emb_dim == moe.model.emb_dim
-    assert models.param_count(by_path.model) == models.param_count(moe.model)
+    assert model_lib.param_count(by_path.model) == model_lib.param_count(moe.model)
 
     # The train loop, from the dense checkpoint: step 1's loss (before its update) is the
     # dense model's on the same first batch, and training goes on from there.

@@ -1,12 +1,14 @@
 """Per-device memory of a training step, estimated from the config alone (no devices needed).
 
-`tools/benchmark.py --dry-run` prints it so a user can see whether a recipe fits before paying
+`maxtrain.tools.benchmark --dry-run` prints it so a user can see whether a recipe fits before
+paying
 for a slice. The parts:
 
   params, optimizer   each parameter's shard on one device (exact: the same logical-axis
                       rules and divisibility fallbacks the real run uses), and AdamW's two
                       moments, stored in the parameter dtype; with optim.name muon one
-                      momentum per weight matrix (maxtrain/muon.py) and AdamW's two for the rest
+                      momentum per weight matrix (maxtrain/optim/muon.py) and AdamW's two for the
+                      rest
   optimizer_scratch   muon: Newton-Schulz's working set for the largest stacked matrix, its
                       matrices gathered whole (stacked axes still split) with two Gram matrices
   gradients           one parameter-shaped buffer (two with gradient accumulation: the running
@@ -16,13 +18,14 @@ for a slice. The parts:
   logits              the [tokens, vocab] logits and their gradient (the loss never makes a
                       float32 copy)
   reference           train.task dpo: the frozen reference, a second copy of the parameters
-  frozen              lora.rank > 0 (maxtrain/lora.py): the frozen base model, as stored: its
+  frozen              lora.rank > 0 (maxtrain/posttrain/lora.py): the frozen base model, as stored:
+  its
                       parameters in param_dtype, except under lora.base_quantization the layer
                       kernels it adapts, as quantized values (int8 1 byte, int4/nf4 half a
                       byte) and float32 scales. `params`, `optimizer` and `gradients` are then
                       the adapters' alone, and DPO's reference is zero adapters (adapter-sized)
 
-With pipeline stages (models/pipeline.py) a device holds its stage's layers only, and the
+With pipeline stages (parallel/pipeline.py) a device holds its stage's layers only, and the
 backward pass keeps every iteration's activations: R x M + S - 1 iterations of one group of
 layers on one micro-batch (1/M of the tokens), about 1/S of the layers' activations plus the
 bubble's share. The buffer of micro-batches waiting for their next repeat holds the whole
@@ -47,17 +50,18 @@ from flax import nnx
 from jax.sharding import AbstractMesh
 from jax.sharding import PartitionSpec as P
 
-from maxtrain import muon
 from maxtrain.config import MESH_AXES, Config
-from maxtrain.kernels.attention import attention_implementation
-from maxtrain.kernels.grouped_matmul import grouped_matmul_implementation
-from maxtrain.layers.attention_types import attention_type
-from maxtrain.layers.expert_parallel import exchange_implementation, routed_capacity
-from maxtrain.mesh import axis_sizes, spec_axes
-from maxtrain.models import ModelDef, compute_dtype, model_def
-from maxtrain.models.pipeline import StageLayout, stage_layout
-from maxtrain.models.stacks import is_moe_per_layer
-from maxtrain.state import kept_base, leaf_specs
+from maxtrain.model import ModelDef, compute_dtype
+from maxtrain.model.kernels.attention import attention_implementation
+from maxtrain.model.kernels.grouped_matmul import grouped_matmul_implementation
+from maxtrain.model.layers.attention_types import attention_type
+from maxtrain.model.stacks import is_moe_per_layer
+from maxtrain.optim import muon
+from maxtrain.parallel.experts import exchange_implementation, routed_capacity
+from maxtrain.parallel.mesh import axis_sizes, spec_axes
+from maxtrain.parallel.pipeline import StageLayout
+from maxtrain.training.run_model import model_def, stage_layout
+from maxtrain.training.state import kept_base, leaf_specs
 
 _BYTES = {"float32": 4, "bfloat16": 2}
 
@@ -111,7 +115,7 @@ def device_memory_gib(device_kind: str) -> float | None:
 
 def device_platform(device_kind: str) -> str:
     """The platform ("tpu", "gpu", "cpu") of a device kind as jax names it: what the kernels
-    and the compute dtype are chosen for (models.for_platform)."""
+    and the compute dtype are chosen for (training/run_model.py for_platform)."""
     kind = device_kind.lower()
     if kind.startswith("tpu"):
         return "tpu"
@@ -148,8 +152,9 @@ def estimate(cfg: Config, num_devices: int) -> MemoryEstimate:
     layout = stage_layout(cfg)
     activations = _activation_bytes(cfg, sizes, batch, length, c, layout)
     head_tokens = tokens // (layout.stages if layout else 1)
-    logits = 2 * head_tokens * cfg.model.vocab_size * c  # no float32 copy: kernels/cross_entropy.py
-    # Multi-token prediction (models/mtp.py): per module, its logits and its block, not remat'd.
+    # no float32 copy: model/kernels/cross_entropy.py
+    logits = 2 * head_tokens * cfg.model.vocab_size * c
+    # Multi-token prediction (model/mtp.py): per module, its logits and its block, not remat'd.
     depth = cfg.model.mtp.depth
     if depth:
         logits *= 1 + depth
@@ -172,7 +177,7 @@ Shard = tuple[tuple, jax.ShapeDtypeStruct, list[int]]  # (path, leaf, the shape 
 
 def _param_shards(cfg: Config, mesh: AbstractMesh) -> tuple[list[Shard], list[Shard]]:
     """The trained parameters' shards and the frozen base's (none without LoRA), split exactly
-    as the train state's shardings split them (state.py leaf_specs)."""
+    as the train state's shardings split them (training/state.py leaf_specs)."""
     mdef = model_def(cfg)
     trained, frozen = _params(cfg, mdef)
 
@@ -197,12 +202,12 @@ def _param_shards(cfg: Config, mesh: AbstractMesh) -> tuple[list[Shard], list[Sh
 
 def _params(cfg: Config, mdef: ModelDef) -> tuple[dict, dict]:
     """(trained, frozen): the model's parameters as shapes, split as the train state splits
-    them (state.py): with lora.rank > 0 the adapters train and the base is frozen, kept as
+    them (training/state.py): with lora.rank > 0 the adapters train and the base is frozen, kept as
     state.kept_base keeps it (its adapted layer kernels quantized under lora.base_quantization)."""
     params = nnx.to_pure_dict(mdef.abstract_state)
     if not cfg.lora.enabled:
         return params, {}
-    from maxtrain import lora  # Qwix takes seconds to import: only when asked
+    from maxtrain.posttrain import lora  # Qwix takes seconds to import: only when asked
 
     adapters, base = lora.split(params)
     return adapters, jax.eval_shape(functools.partial(kept_base, cfg, mdef), base)
@@ -254,7 +259,7 @@ def _activation_bytes(
         per_token = max(_saved_per_token(cfg, is_moe, c, policy="none") for is_moe in layers)
         working = max(working, tokens * per_token)
         # Keys a device's queries meet at once: the whole sequence, or under context
-        # parallelism with the ring exchange one block (layers/context_parallel.py).
+        # parallelism with the ring exchange one block (parallel/context.py).
         split = length < cfg.train.seq_len
         keys = length if split and model.context_exchange == "ring" else cfg.train.seq_len
         if split or attention_implementation(model.attention) == "xla":
@@ -283,7 +288,7 @@ def _moe_dispatch_bytes(cfg: Config, sizes: dict[str, int], tokens: int, c: int)
     D, Fe, routed = cfg.model.emb_dim, m.expert_mlp_dim, tokens * m.top_k
     ways = math.prod(sizes[a] for a in cfg.mesh.rules.get("exp", []))
     computed = routed  # rows through the experts on this device
-    # Expert-parallel buffers of routed rows (layers/expert_parallel.py), those of one round:
+    # Expert-parallel buffers of routed rows (parallel/experts.py), those of one round:
     # further rounds (moe.ep_overflow: rounds) run one after another and reuse them.
     exchange = 0
     if m.capacity_factor is None and ways > 1:

@@ -1,7 +1,8 @@
 """What a traced or compiled training step really does: the operand dtypes of its matmuls, the
 bytes its collectives move, the copies it makes of its inputs.
 
-`tools/benchmark.py` prints it beside the step time, and the quantization tests assert it, so a
+`maxtrain.tools.benchmark` prints it beside the step time, and the quantization tests assert it,
+so a
 quantization rule that silently matches nothing shows up as float matmuls.
 """
 
@@ -102,7 +103,7 @@ def collective_bytes(hlo_text: str, device_slices: Sequence[int] | None = None) 
     operands and its result: an all-gather's output, a reduce-scatter's input), times how often
     it runs: a collective inside a loop (a scan over layers) counts once per iteration, by the
     trip count XLA records. A loop whose trip count only the run decides (the expert-parallel
-    exchange's overflow rounds, layers/expert_parallel.py) is apart: its collectives count once
+    exchange's overflow rounds, parallel/experts.py) is apart: its collectives count once
     per trip under "<kind> per loop trip", not in the kind's total. Read from
     `jax.jit(f).lower(...).compile().as_text()`, so it sees the collectives the SPMD
     partitioner inserted as well as those written by hand.
@@ -340,11 +341,11 @@ _GROUPED_MATMUL_KERNELS = {"tokamax": r"ragged_dot|gmm"}
 
 def check_kernels(model: Any, found: dict[str, int], context: int = 1) -> None:
     """Raises MissingKernel if the attention or grouped-matmul kernel `model` (a ModelConfig
-    whose choices are made: models.for_platform) names is missing from `found` (`kernels`).
+    whose choices are made: training/run_model.py) names is missing from `found` (`kernels`).
 
     context: the mesh's context degree. Above 1 the sequence is split over devices and its
     attention runs as blocks in plain XLA inside the context exchange
-    (layers/context_parallel.py), whatever model.attention says: no attention kernel is due."""
+    (parallel/context.py), whatever model.attention says: no attention kernel is due."""
     attention = _ATTENTION_KERNELS.get(model.attention) if context == 1 else None
     wanted = [("model.attention", model.attention, attention)]
     if model.moe is not None:

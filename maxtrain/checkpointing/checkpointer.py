@@ -25,7 +25,6 @@ import jax
 import orbax.checkpoint as ocp
 from etils import epath
 
-from maxtrain import absl_flags
 from maxtrain.checkpointing import checksums, integrity
 from maxtrain.checkpointing.common import (
     absolute,
@@ -40,8 +39,9 @@ from maxtrain.checkpointing.data_state import adapter_for
 from maxtrain.checkpointing.integrity import CONFIG_ITEM, STATE_ITEM, CheckpointError, Corrupt
 from maxtrain.checkpointing.lifecycle import Restored, TieredCheckpointer
 from maxtrain.checkpointing.restore import read_step
+from maxtrain.common import absl_flags
+from maxtrain.common.errors import cause, first_line
 from maxtrain.config import CheckpointConfig, CheckpointTier
-from maxtrain.errors import cause, first_line
 
 
 @dataclass

@@ -16,8 +16,8 @@ from etils import epath
 
 from maxtrain.checkpointing import integrity
 from maxtrain.checkpointing.integrity import CheckpointError
+from maxtrain.common.errors import first_line
 from maxtrain.config import CheckpointConfig
-from maxtrain.errors import first_line
 
 TIERS = ("local", "persistent")
 

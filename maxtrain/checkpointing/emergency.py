@@ -16,7 +16,7 @@ The replica axis is mesh axis 0, `data`. Orbax slices the mesh along `replica_ax
 needs every slice to hold a complete copy of the state. Of our axes only `data` is pure
 replication: fsdp, tensor and expert (and stage, context) shard the parameters, the optimizer
 state or the activations, and mesh.rules map no parameter axis to `data` by default. It is
-also MESH_AXES[0], Orbax's default index. Across slices (mesh.py) DCN is the outer part of
+also MESH_AXES[0], Orbax's default index. Across slices (parallel/mesh.py) DCN is the outer part of
 each axis, so with the usual multi-slice layout (mesh.dcn.data = num_slices, ICI data 1) the
 replicas are exactly the TPU slices and a lost slice is restored from a healthy one; with ICI
 data > 1 there are several replicas per slice, equally correct, with more local copies.
@@ -79,8 +79,8 @@ from maxtrain.checkpointing.integrity import EMERGENCY_STATE_ITEM as EMERGENCY_I
 from maxtrain.checkpointing.integrity import CheckpointError, Corrupt
 from maxtrain.checkpointing.lifecycle import Restored, TieredCheckpointer
 from maxtrain.checkpointing.restore import check_state, read_step
+from maxtrain.common.errors import cause, first_line
 from maxtrain.config import CheckpointConfig
-from maxtrain.errors import cause, first_line
 
 REPLICA_AXIS = 0  # mesh axis `data`; see the module docstring
 PRIMARY_REPLICA = 0  # Orbax: replica 0 writes the persistent tier, the others the local one

@@ -1,12 +1,13 @@
-"""Parameters-only checkpoints written outside a train run: what tools/upcycle.py and
-tools/depth_upscale.py produce, for `checkpoint.load_parameters_path` (or load_parameters) to
+"""Parameters-only checkpoints written outside a train run: what maxtrain.tools.upcycle and
+maxtrain.tools.depth_upscale produce, for `checkpoint.load_parameters_path` (or load_parameters)
+to
 read.
 
 The Checkpointer itself writes them, as step 0 of a one-tier checkpoint directory, so the format
 is the train loop's (Orbax state item, config, meta, integrity manifest, Orbax's commit
 markers); the state item holds {"params": ...} alone, written in one OCDBT transaction, so
 its bytes on disk are a function of the parameters (checkpointer.py _one_transaction_registry;
-PTQ exists to shrink them, and tools/quantize.py reports them). One process.
+PTQ exists to shrink them, and maxtrain.tools.quantize reports them). One process.
 """
 
 from __future__ import annotations
@@ -18,8 +19,8 @@ from etils import epath
 
 from maxtrain.checkpointing.checkpointer import Checkpointer
 from maxtrain.checkpointing.integrity import CheckpointError
+from maxtrain.common.files import atomic_directory
 from maxtrain.config import CheckpointConfig, CheckpointTier
-from maxtrain.files import atomic_directory
 
 
 def save_parameters(

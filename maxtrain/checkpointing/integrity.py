@@ -28,8 +28,8 @@ from typing import Any
 import jax
 from etils import epath
 
-from maxtrain.errors import UserError, first_line
-from maxtrain.files import write_atomic
+from maxtrain.common.errors import UserError, first_line
+from maxtrain.common.files import write_atomic
 
 MANIFEST = "maxtrain_manifest.json"
 COMMIT_FILE = "commit_success.txt"  # orbax atomicity_types.COMMIT_SUCCESS_FILE

@@ -26,7 +26,6 @@ from typing import Any, Self
 import yaml
 from etils import epath
 
-from maxtrain import absl_flags
 from maxtrain.checkpointing import integrity
 from maxtrain.checkpointing.common import (
     TIERS,
@@ -36,8 +35,9 @@ from maxtrain.checkpointing.common import (
     tier_dirs,
 )
 from maxtrain.checkpointing.integrity import CheckpointError
+from maxtrain.common import absl_flags
+from maxtrain.common.errors import first_line
 from maxtrain.config import CheckpointConfig
-from maxtrain.errors import first_line
 
 
 @dataclass(frozen=True)
@@ -192,7 +192,7 @@ class TieredCheckpointer(abc.ABC):
         paths and the newest step left (None: none).
 
         For checkpoints a restart must not resume from, although they are complete: the state
-        saved just before a non-finite loss gave that loss (train.py), and resume takes the
+        saved just before a non-finite loss gave that loss (training/loop.py), and resume takes the
         newest step. Moved, never deleted.
         """
         self.close()

@@ -31,7 +31,7 @@ from maxtrain.checkpointing.integrity import (
     CheckpointError,
     Corrupt,
 )
-from maxtrain.errors import first_line
+from maxtrain.common.errors import first_line
 
 
 def read_step(

@@ -23,7 +23,7 @@ from typing import Any
 from etils import epath
 
 from maxtrain.checkpointing.data_state import DataStateAdapter
-from maxtrain.files import write_atomic
+from maxtrain.common.files import write_atomic
 
 SIDECAR = "sidecar"
 META = "meta.json"

@@ -25,7 +25,7 @@ class CheckpointConfig(Section):
 
 class InitConfig(Section):
     """How a new run turns checkpoint.load_parameters_path into its parameters
-    (maxtrain/transforms/). A run resuming from its own checkpoint ignores it: resume wins."""
+    (maxtrain/surgery/). A run resuming from its own checkpoint ignores it: resume wins."""
 
     # none: the checkpoint holds this model; upcycle: a dense checkpoint becomes this MoE
     # model; depth_upscale: this model's layers are copies of the checkpoint's layers

@@ -24,7 +24,8 @@ class DataSource(Section):
     weight: NonNegativeFloat = 1.0
 
 
-# `sources: embedded` expands to this: the corpus built offline on first use (corpora/embedded.py).
+# `sources: embedded` expands to this: the corpus built offline on first use
+# (data/corpora/embedded.py).
 EMBEDDED_SOURCES = (
     {"name": "prose", "path": "embedded:prose", "weight": 0.5},
     {"name": "code", "path": "embedded:code", "weight": 0.3},
@@ -66,7 +67,7 @@ class MegatronConfig(Section):
 
 
 class DataConfig(Section):
-    kind: Literal["synthetic", "grain", "megatron"] = "synthetic"
+    kind: Literal["synthetic", "grain", "megatron"] = "grain"
     # Synthetic text: each token has this many likely successors, so the loss floor is ~log(it).
     synthetic_branching: int = Field(default=4, gt=0)
     # grain: the weighted mixture of prepared sources; the string "embedded" = EMBEDDED_SOURCES.

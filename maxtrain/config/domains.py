@@ -6,9 +6,9 @@ section forbids unknown keys, is frozen, and validates its defaults.
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Any
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
 PositiveFloat = Annotated[float, Field(gt=0, allow_inf_nan=False)]
 NonNegativeFloat = Annotated[float, Field(ge=0, allow_inf_nan=False)]
@@ -29,3 +29,16 @@ PositiveOrMinusOne = Annotated[int, Field(ge=-1), AfterValidator(_not_zero)]
 
 class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _over_nested_defaults(cls, data: Any) -> Any:
+        """A nested section given in part keeps the rest of its default: `checkpoint.local:
+        {every_steps: 2}` keeps local's keep of 2, as one source of defaults requires."""
+        if not isinstance(data, dict):
+            return data
+        merged = dict(data)
+        for name, field in cls.model_fields.items():
+            if isinstance(field.default, BaseModel) and isinstance(merged.get(name), dict):
+                merged[name] = {**field.default.model_dump(exclude_unset=True), **merged[name]}
+        return merged

@@ -11,8 +11,8 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ValidationError
 
+from maxtrain.common.errors import UserError, first_line
 from maxtrain.config.schema import Config
-from maxtrain.errors import UserError, first_line
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 CONFIGS_DIR = REPO_ROOT / "configs"

@@ -1,5 +1,5 @@
 """The `lora:` section: low-rank adapters on a frozen base model (LoRA), optionally with the
-base stored quantized (QLoRA). maxtrain/lora.py builds and applies them."""
+base stored quantized (QLoRA). maxtrain/posttrain/lora.py builds and applies them."""
 
 from __future__ import annotations
 

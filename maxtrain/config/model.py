@@ -13,7 +13,7 @@ from maxtrain.config.domains import NonNegativeFloat, PositiveFloat, PositiveInt
 
 class RopeScaling(Section):
     """RoPE frequency scaling for a longer context (absent = no scaling); `type` picks the
-    method, and with it which of the other keys apply (layers/rope.py)."""
+    method, and with it which of the other keys apply (model/layers/rope.py)."""
 
     type: Literal["llama3", "yarn"] = "llama3"
     factor: PositiveFloat = 8.0  # both: how much longer than original_max_position
@@ -68,7 +68,7 @@ class MoeConfig(Section):
     capacity_factor: PositiveFloat | None = None
     grouped_matmul: Literal["auto", "xla", "tokamax"] = "auto"  # auto: tokamax on GPU/TPU
     # Dropless with experts split over devices (mesh.expert > 1): how rows reach their experts
-    # (layers/expert_parallel.py). auto: ragged on GPU/TPU, all_to_all elsewhere.
+    # (parallel/experts.py). auto: ragged on GPU/TPU, all_to_all elsewhere.
     ep_dispatch: Literal["auto", "all_to_all", "ragged", "all_gather"] = "auto"
     # Its buffers hold this many times the routed rows per round (>= mesh.expert: one round,
     # worst-case buffers, P times the traffic).
@@ -111,7 +111,7 @@ class MoeConfig(Section):
 
 
 class MtpConfig(Section):
-    """Multi-token prediction (DeepSeek-V3, models/mtp.py): `depth` extra modules, module j
+    """Multi-token prediction (DeepSeek-V3, model/mtp.py): `depth` extra modules, module j
     predicting the token j + 1 places after the next; their mean loss, times `loss_weight`, is
     added to the training loss."""
 
@@ -120,7 +120,7 @@ class MtpConfig(Section):
 
 
 class MlaConfig(Section):
-    """Multi-head latent attention (DeepSeek-V2/V3; layers/mla.py): queries and keys/values
+    """Multi-head latent attention (DeepSeek-V2/V3; model/layers/mla.py): queries and keys/values
     through low-rank latents; each head's query/key is a per-head part without position plus a
     rotary part whose key is shared by all heads."""
 
@@ -137,7 +137,7 @@ class MlaConfig(Section):
 
 class ModelArchitecture(Section):
     """The model itself: what its parameters' shapes and its function depend on. A model file
-    (configs/models/<name>.yml) holds these keys; tools/convert_hf.py writes them."""
+    (configs/models/<name>.yml) holds these keys; maxtrain.tools.convert_hf writes them."""
 
     vocab_size: int = Field(gt=0)
     emb_dim: int = Field(gt=0)
@@ -151,8 +151,9 @@ class ModelArchitecture(Section):
     # Which dims rotate together: false pairs dim i with i + H/2 (Llama, Qwen); true pairs
     # 2i with 2i + 1 (DeepSeek checkpoints).
     rope_interleaved: bool = False
-    # gqa: grouped-query attention (layers/attention.py); mla: multi-head latent attention
-    # (layers/mla.py), shaped by the `mla` section (num_kv_heads and head_dim are then unused).
+    # gqa: grouped-query attention (model/layers/attention.py); mla: multi-head latent attention
+    # (model/layers/mla.py), shaped by the `mla` section (num_kv_heads and head_dim are then
+    # unused).
     attention_type: Literal["gqa", "mla"] = "gqa"
     mla: MlaConfig | None = None
     qk_norm: bool = False
@@ -196,7 +197,7 @@ class ModelArchitecture(Section):
 
 class ModelConfig(ModelArchitecture):
     """The `model:` section of a run: the architecture, and how this run initialises, stores
-    and computes it (configs/base.yml sets these run-time keys)."""
+    and computes it (the schema holds their defaults: configs/reference.yml)."""
 
     init_std: NonNegativeFloat = 0.02
     param_dtype: Literal["float32", "bfloat16"] = "float32"
@@ -204,7 +205,7 @@ class ModelConfig(ModelArchitecture):
     scan_layers: bool = True
     remat: Literal["none", "full", "minimal"] = "full"
     # auto: splash on TPU, mosaic_gpu on GPU, xla elsewhere, by the platform of the devices the
-    # run is built for; mosaic: tokamax's mosaic_gpu or mosaic_tpu (kernels/attention.py)
+    # run is built for; mosaic: tokamax's mosaic_gpu or mosaic_tpu (model/kernels/attention.py)
     attention: Literal[
         "auto",
         "xla",
@@ -217,7 +218,7 @@ class ModelConfig(ModelArchitecture):
         "xla_chunked",
         "tokamax_xla",
     ] = "auto"
-    # With mesh.context > 1 (layers/context_parallel.py): how keys/values reach the queries,
+    # With mesh.context > 1 (parallel/context.py): how keys/values reach the queries,
     # and how the sequence is cut over the devices.
     context_exchange: Literal["all_gather", "ring"] = "all_gather"
     context_layout: Literal["balanced", "contiguous"] = "balanced"

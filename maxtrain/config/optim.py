@@ -1,4 +1,4 @@
-"""The `optim:` section: the optimizer, its schedule and clipping (maxtrain/optim.py)."""
+"""The `optim:` section: the optimizer, its schedule and clipping (maxtrain/optim/factory.py)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ FiniteFloat = Annotated[float, Field(allow_inf_nan=False)]
 
 
 class MuonConfig(Section):
-    """optim.name muon: the weight matrices' hyper-parameters (maxtrain/muon.py); everything
+    """optim.name muon: the weight matrices' hyper-parameters (maxtrain/optim/muon.py); everything
     else (embeddings, output head, router, norms) takes the AdamW keys of optim."""
 
     momentum: float = Field(default=0.95, ge=0, lt=1, allow_inf_nan=False)
@@ -28,9 +28,9 @@ class MuonConfig(Section):
 
 class OptimConfig(Section):
     name: Literal["adamw", "muon"] = "adamw"
-    lr: NonNegativeFloat = 3e-4
+    lr: NonNegativeFloat = 3e-3
     schedule: Literal["cosine", "wsd", "constant"] = "cosine"
-    warmup_steps: int = Field(default=100, ge=0)
+    warmup_steps: int = Field(default=30, ge=0)
     # Steps the schedule spans (warmup included); None: train.steps. Its own key so that a run
     # extended by raising train.steps keeps its schedule (Config.schedule_steps resolves it).
     schedule_steps: int | None = Field(default=None, ge=1)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from maxtrain.config.domains import PositiveInt, PositiveOrMinusOne, Section
 
@@ -34,15 +34,42 @@ class DcnAxes(Section):
     expert: PositiveInt = 1
 
 
+# Logical axis name -> the mesh axes it is sharded over. Layer code names only logical axes.
+DEFAULT_RULES: dict[str, list[str]] = {
+    "batch": ["data", "fsdp", "expert"],  # activation batch dim: every data-parallel axis
+    "stage_batch": ["data", "stage", "fsdp", "expert"],  # the head's batch: stages split it too
+    "length": ["context"],  # activation sequence dim
+    "act_embed": [],  # activation embedding dim (replicated)
+    "embed": ["fsdp"],  # parameter embedding dim: FSDP shards it
+    "latent": ["fsdp"],  # multi-head latent attention's low-rank dims
+    "lora_rank": ["fsdp"],  # adapters' rank dim, where the adapter's other dim is not split
+    "vocab": ["tensor"],
+    "heads": ["tensor"],
+    "kv_heads": ["tensor"],
+    "head_dim": [],
+    "mlp": ["tensor"],  # MLP hidden dim, dense and expert
+    "exp": ["expert"],  # MoE expert dim (also in batch: tokens move by all-to-all)
+    "norm": [],
+    "layers": ["stage"],  # the stacked-layers axis: pipeline stages hold their layers
+    "stages": ["stage"],  # the stage axis of pipelined parameters
+    "repeats": [],  # a pipeline stage's blocks of layers (circular schedule)
+}
+
+
 class MeshConfig(MeshAxes):
     num_slices: int = Field(default=1, gt=0)
     dcn: DcnAxes = DcnAxes()
-    # Logical axis name -> mesh axes it is sharded over. Layer code names only logical axes.
-    rules: dict[str, list[MeshAxis]] = Field(default_factory=dict)
+    rules: dict[str, list[MeshAxis]] = Field(default_factory=lambda: dict(DEFAULT_RULES))
+
+    @field_validator("rules", mode="before")
+    @classmethod
+    def _over_the_defaults(cls, rules: object) -> object:
+        """A config names the rules it changes; the others keep their defaults."""
+        return {**DEFAULT_RULES, **rules} if isinstance(rules, dict) else rules
 
 
 class PipelineConfig(Section):
-    """Pipeline parallelism over mesh.stage x mesh.dcn.stage stages (models/pipeline.py)."""
+    """Pipeline parallelism over mesh.stage x mesh.dcn.stage stages (parallel/pipeline.py)."""
 
     # gpipe: each stage holds one block of consecutive layers; circular: `repeats` blocks
     # spread over the depth, so the idle bubble (S - 1) / (R * M + S - 1) shrinks with R.

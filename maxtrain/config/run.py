@@ -26,7 +26,7 @@ class DPOConfig(Section):
 
 class TrainConfig(Section):
     # pretrain and sft: next-token loss on loss_mask (sft data masks all but the assistant);
-    # dpo: preference pairs against a frozen reference (maxtrain/losses.py)
+    # dpo: preference pairs against a frozen reference (maxtrain/training/objectives.py)
     task: Literal["pretrain", "sft", "dpo"] = "pretrain"
     dpo: DPOConfig = DPOConfig()
     steps: int = Field(default=300, gt=0)
@@ -56,13 +56,14 @@ class RunConfig(Section):
     name: str = Field(default="default", min_length=1)
     output_dir: str = "runs"
     seed: NonNegativeInt = 0
-    # JAX's persistent compilation cache (maxtrain/cache.py): None = $MAXTRAIN_CACHE or
+    # JAX's persistent compilation cache (maxtrain/training/compile_cache.py): None =
+    # $MAXTRAIN_CACHE or
     # ~/.cache/maxtrain, under compilation/; "" = off.
     compilation_cache_dir: str | None = None
 
 
 class DistributedConfig(Section):
-    """How this process joins a multi-process run (maxtrain/distributed.py).
+    """How this process joins a multi-process run (maxtrain/parallel/distributed.py).
 
     All null: jax detects the cluster (Cloud TPU, SLURM, Open MPI, Kubernetes) when it runs in
     one, else the run is a single process. Any key set is passed on; jax fills in the rest.

@@ -1,7 +1,8 @@
 """The config schema: every key a run config may hold, its type, default and checks, and the
 values derived from others (head_dim, global batch in tokens, parallel degrees), computed once,
 here, and nowhere else. Each section lives in a module of its own (model.py, parallel.py,
-optim.py, data.py, run.py, checkpoint.py, quantization.py); this module composes them into the
+optim/factory.py, data.py, run.py, checkpoint.py, quantization.py); this module composes them into
+the
 one Config. How a config is assembled from files and overrides is loading.py.
 
 Every key declares its domain where it is declared: its type, its bounds (`Field(gt=...)` or

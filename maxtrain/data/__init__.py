@@ -11,7 +11,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
 from maxtrain.config import Config, ConfigError
-from maxtrain.mesh import build_mesh, logical_to_spec
+from maxtrain.parallel.mesh import build_mesh, logical_to_spec
 
 BATCH_KEYS = ("inputs", "targets", "loss_mask", "segment_ids", "positions")
 

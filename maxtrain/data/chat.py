@@ -39,7 +39,6 @@ from maxtrain import tokenizers
 from maxtrain.data import packing
 from maxtrain.data.errors import DataError
 
-DEFAULT_TOKENIZER = Path(__file__).parent / "assets" / "default.model"
 BUILTIN_TEMPLATES = {
     # ChatML (Qwen and others): <|im_start|>role\ncontent<|im_end|>\n
     "chatml": (
@@ -59,7 +58,7 @@ Messages = list[dict[str, str]]
 def load_tokenizer(path: str | None) -> tokenizers.Tokenizer:
     """The tokenizer chat data is encoded with: data.tokenizer (a sentencepiece model, a
     tokenizer.json, or a directory holding one), or the committed default."""
-    return tokenizers.load_tokenizer(path or DEFAULT_TOKENIZER)
+    return tokenizers.load_tokenizer(path or tokenizers.DEFAULT_TOKENIZER)
 
 
 class ChatTemplate:

@@ -6,7 +6,7 @@ exits with status 2, no traceback. Bad records inside a corpus are not errors; r
 as skips instead, so one broken line never stops a large job but is never silently lost either.
 """
 
-from maxtrain.errors import UserError
+from maxtrain.common.errors import UserError
 
 
 class DataError(UserError):

@@ -112,7 +112,7 @@ def pack(
 
 
 def rows_to_batch(rows: tuple[dict[str, np.ndarray], ...]) -> dict[str, np.ndarray]:
-    """Packed rows of seq_len + 1 -> the [R, seq_len] int32 batch of maxtrain/train_step.py.
+    """Packed rows of seq_len + 1 -> the [R, seq_len] int32 batch of maxtrain/training/step.py.
 
     loss_mask is 1 only where the target is a real token of the same segment as its input, so a
     row never asks the model to predict across a document (or chunk) edge or into padding; with

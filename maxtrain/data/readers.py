@@ -29,8 +29,8 @@ from typing import Literal
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from maxtrain.common.errors import first_line
 from maxtrain.data.errors import DataError
-from maxtrain.errors import first_line
 
 Format = Literal["auto", "txt", "jsonl", "parquet"]
 TxtSplit = Literal["file", "paragraph"]

@@ -1,6 +1,6 @@
 """Prepared sources: tokenized ArrayRecord shards plus metadata.json, written and checked.
 
-The format ("maxtrain-tokens-v1") is the contract between tools/prepare_data.py and the
+The format ("maxtrain-tokens-v1") is the contract between maxtrain.tools.prepare_data and the
 training pipeline. A prepared source is a directory of `shard-NNNNN.arrayrecord` files and a
 `metadata.json`. Each record is one document: its token ids as little-endian int32 with the
 tokenizer's EOS id appended, so documents stay delimited after the pipeline concatenates them.
@@ -26,10 +26,10 @@ from typing import Any
 import numpy as np
 from array_record.python.array_record_module import ArrayRecordReader, ArrayRecordWriter
 
+from maxtrain.common.errors import first_line
+from maxtrain.common.files import write_atomic
 from maxtrain.data.errors import DataError
-from maxtrain.errors import first_line
-from maxtrain.files import write_atomic
-from maxtrain.tokenizers import Tokenizer
+from maxtrain.tokenizers import DEFAULT_TOKENIZER, Tokenizer
 
 FORMAT = "maxtrain-tokens-v1"
 METADATA = "metadata.json"
@@ -198,7 +198,7 @@ def read_metadata(source_dir: str | Path) -> dict[str, Any]:
     if not path.is_file():
         raise DataError(
             f"{source_dir} has no {METADATA}: not a prepared source (or an interrupted "
-            "tools/prepare_data.py run)"
+            "maxtrain.tools.prepare_data run)"
         )
     try:
         metadata = json.loads(path.read_text())
@@ -289,8 +289,6 @@ def data_tokenizer(data: Any) -> Path | None:
     is gone). data: a DataConfig."""
     if data.kind != "grain" or not data.sources:
         return None
-    from maxtrain.corpora.embedded import DEFAULT_TOKENIZER
-
     if data.sources[0].format != "tokens":  # chat or preference text, tokenized as it is read
         return Path(data.tokenizer) if data.tokenizer else DEFAULT_TOKENIZER
     path = data.sources[0].path

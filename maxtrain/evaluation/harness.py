@@ -21,12 +21,12 @@ from typing import Any
 import numpy as np
 from jax.sharding import Mesh
 
+from maxtrain.common.errors import UserError
 from maxtrain.config import Config, ConfigError
-from maxtrain.errors import UserError
 from maxtrain.evaluation.scoring import Request, Scorer
 from maxtrain.evaluation.tasks import Task, load_task
 from maxtrain.inference.loading import data_tokenizer_path
-from maxtrain.models import ModelDef
+from maxtrain.model import ModelDef
 from maxtrain.tokenizers import Tokenizer, load_tokenizer
 
 

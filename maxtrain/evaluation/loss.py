@@ -10,7 +10,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 
 from maxtrain.data import to_global
-from maxtrain.data.pipeline import EvalStream
+from maxtrain.data.grain_pipeline import EvalStream
 
 
 def held_out_loss(

@@ -21,10 +21,10 @@ import numpy as np
 from jax.sharding import Mesh
 from tqdm import tqdm
 
+from maxtrain.common.errors import UserError
 from maxtrain.data import batch_sharding
-from maxtrain.errors import UserError
-from maxtrain.mesh import sharding_rules
-from maxtrain.models import ModelDef
+from maxtrain.model import ModelDef
+from maxtrain.parallel.mesh import sharding_rules
 
 type Request = tuple[Sequence[int], Sequence[int]]
 

@@ -10,7 +10,7 @@ examples). One example per line:
                                                           greedy decoding gives, and how likely
 
 A name without a path separator is one of the committed tasks (maxtrain/evaluation/tasks/,
-made by tools/make_eval_tasks.py from the embedded corpus's held-out documents).
+made by maxtrain.tools.make_eval_tasks from the embedded corpus's held-out documents).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import random
 from dataclasses import dataclass
 from pathlib import Path
 
-from maxtrain.errors import UserError
+from maxtrain.common.errors import UserError
 
 COMMITTED = Path(__file__).parent / "tasks"
 SHOT_SEPARATOR = "\n\n"

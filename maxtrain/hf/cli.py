@@ -1,7 +1,7 @@
-"""The command line of tools/convert_hf.py.
+"""The command line of maxtrain.tools.convert_hf.
 
-    python tools/convert_hf.py import --hf-dir DIR --output CKPT [--param-dtype bfloat16]
-    python tools/convert_hf.py export --checkpoint CKPT --output DIR [--dtype bfloat16]
+    python -m maxtrain.tools.convert_hf import --hf-dir DIR --output CKPT [--param-dtype bfloat16]
+    python -m maxtrain.tools.convert_hf export --checkpoint CKPT --output DIR [--dtype bfloat16]
                                       [--max-shard-gb 5]
 
 Bad or unsupported input (a missing config.json or tensor, a shape the config does not imply,
@@ -11,8 +11,8 @@ leaving no output directory behind.
 
 from __future__ import annotations
 
-from maxtrain import models
-from maxtrain.errors import ArgumentParser, UserError, positive_float, refuse
+from maxtrain import model as model_lib
+from maxtrain.common.errors import ArgumentParser, UserError, positive_float, refuse
 from maxtrain.hf.convert import DTYPES, MODEL_YAML, export_checkpoint, import_checkpoint
 
 PROG = "convert_hf"
@@ -24,7 +24,7 @@ def main(argv: list[str]) -> int:
         if args.command == "import":
             cfg = import_checkpoint(args.hf_dir, args.output, args.param_dtype)
             print(
-                f"{PROG}: wrote {args.output} ({models.param_count(cfg):,} parameters, "
+                f"{PROG}: wrote {args.output} ({model_lib.param_count(cfg):,} parameters, "
                 f"{args.param_dtype}) and its model file {args.output}/{MODEL_YAML}. To train "
                 f"from it: model_name={args.output}/{MODEL_YAML} "
                 f"checkpoint.load_parameters_path={args.output}"
@@ -39,7 +39,7 @@ def main(argv: list[str]) -> int:
             )
             print(
                 f"{PROG}: wrote {args.output} from step {step_dir.name} ({step_dir}): "
-                f"{family.architecture}, {models.param_count(cfg):,} parameters, "
+                f"{family.architecture}, {model_lib.param_count(cfg):,} parameters, "
                 f"{args.dtype or cfg.param_dtype}, "
                 + (
                     f"tokenizer {tokenizer} with generation_config.json"

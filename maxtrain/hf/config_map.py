@@ -23,7 +23,7 @@ from pydantic import ValidationError
 from maxtrain.config import ModelConfig
 from maxtrain.hf.errors import ConversionError
 from maxtrain.hf.families import FAMILIES, Family
-from maxtrain.models.stacks import is_moe_per_layer
+from maxtrain.model.stacks import is_moe_per_layer
 
 CONFIG_JSON = "config.json"
 _NO_DEFAULT = object()

@@ -11,7 +11,8 @@ tensor being converted; export holds the restored parameters plus the tensor bei
 Neither holds the model twice while converting. (Orbax's asynchronous save of the imported
 checkpoint takes its own host copy of part of the state on top: see the README's numbers.)
 
-Outputs appear whole or not at all (maxtrain/files.py atomic_directory): each is written as the
+Outputs appear whole or not at all (maxtrain/common/files.py atomic_directory): each is written as
+the
 sibling `<output>.partial-<pid>` and renamed when complete; on any failure the partial directory
 is removed. All input checks (config, tensor names, shapes, dtypes) run before anything is
 written.
@@ -35,13 +36,13 @@ from flax import nnx
 from jax.sharding import SingleDeviceSharding
 from pydantic import ValidationError
 
-from maxtrain import models
+from maxtrain import model as model_lib
 from maxtrain.checkpointing import CheckpointError, load_parameters, read_saved_config
 from maxtrain.checkpointing.checkpointer import resolve_step_dir
 from maxtrain.checkpointing.common import absolute
 from maxtrain.checkpointing.export import save_parameters
+from maxtrain.common.files import atomic_directory
 from maxtrain.config import ModelArchitecture, ModelConfig
-from maxtrain.files import atomic_directory
 from maxtrain.hf.config_map import CONFIG_JSON, hf_config, model_config, read_config_json
 from maxtrain.hf.errors import ConversionError
 from maxtrain.hf.families import Family, family_for
@@ -104,7 +105,7 @@ def import_checkpoint(
     if any((Path(hf_dir) / name).is_file() for name in TOKENIZER_MODELS):
         load_tokenizer(hf_dir)  # a broken tokenizer is refused before anything is written
     cfg, params = read_hf_model(hf_dir, param_dtype)
-    source = f"Imported from {Path(hf_dir).resolve()} by tools/convert_hf.py."
+    source = f"Imported from {Path(hf_dir).resolve()} by maxtrain.tools.convert_hf."
     meta = {"source": {"hugging_face": str(Path(hf_dir).resolve())}}
     with atomic_directory(output) as staging:
         save_parameters(staging, params, config_yaml=model_config_yaml(cfg, output.name), meta=meta)
@@ -174,16 +175,16 @@ def export_checkpoint(
     if qtype := quantized_kind(step_dir):
         raise ConversionError(
             f"checkpoint {step_dir} holds {qtype} post-training-quantized weights "
-            "(tools/quantize.py), which export does not write; export the float checkpoint it "
-            "was quantized from"
+            "(maxtrain.tools.quantize), which export does not write; export the float checkpoint "
+            "it was quantized from"
         )
     cfg = checkpoint_model_config(step_dir)
     rank = ((yaml.safe_load(read_saved_config(step_dir)) or {}).get("lora") or {}).get("rank")
     if rank:
         raise ConversionError(
             f"checkpoint {step_dir} holds a LoRA run's adapters (lora.rank={rank}), not a whole "
-            f"model; merge them into their base first (tools/merge_lora.py {step_dir} MERGED) "
-            "and export MERGED"
+            "model; merge them into their base first (python -m maxtrain.tools.merge_lora "
+            f"{step_dir} MERGED) and export MERGED"
         )
     hf_config(cfg, family_for(cfg), dtype or cfg.param_dtype)  # unsupported: fail before reading
     device = SingleDeviceSharding(jax.devices("cpu")[0])
@@ -220,7 +221,7 @@ def checkpoint_model_config(step_dir: Path) -> ModelConfig:
 
 def model_yaml(cfg: ModelConfig, comment: str) -> str:
     """cfg as a model file (configs/models/<name>.yml): its architecture keys, not the run-time
-    ones (dtypes, remat, attention kernel, init) that configs/base.yml sets."""
+    ones (dtypes, remat, attention kernel, init) that a run sets."""
     keys = cfg.model_dump(mode="json", include=set(ModelArchitecture.model_fields))
     return f"# {comment}\n" + yaml.safe_dump(keys, sort_keys=False)
 
@@ -228,14 +229,14 @@ def model_yaml(cfg: ModelConfig, comment: str) -> str:
 def model_config_yaml(cfg: ModelConfig, model_name: str) -> str:
     """The config saved with an imported checkpoint: its model alone (what export reads back).
     No run settings: importing must not depend on them (a model whose max_seq_len is below
-    base.yml's train.seq_len imports all the same)."""
+    the default train.seq_len imports all the same)."""
     return yaml.safe_dump(
         {"model_name": model_name, "model": cfg.model_dump(mode="json")}, sort_keys=False
     )
 
 
 def _abstract_params(cfg: ModelConfig) -> dict[str, Any]:
-    return nnx.to_pure_dict(nnx.state(models.abstract(cfg), nnx.Param))
+    return nnx.to_pure_dict(nnx.state(model_lib.abstract(cfg), nnx.Param))
 
 
 def _at(tree: dict[str, Any], path: tuple[str, ...]) -> Any:

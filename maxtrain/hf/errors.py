@@ -1,6 +1,6 @@
 """The one error the converters raise for a user's input."""
 
-from maxtrain.errors import UserError
+from maxtrain.common.errors import UserError
 
 
 class ConversionError(UserError):

@@ -9,7 +9,7 @@ q/k permutation is needed: our RoPE pairs dim i with i + H/2 ("rotate half"), as
 does. Embedding and norm scales have the same layout on both sides.
 
 Our per-layer parameters are stacked: model layer i is row stack_positions(...)[i] of its
-kind's stack (models/stacks.py), and a MoE layer's experts add one more axis. A Slot names one
+kind's stack (model/stacks.py), and a MoE layer's experts add one more axis. A Slot names one
 Hugging Face tensor and that position.
 """
 
@@ -22,7 +22,7 @@ import numpy as np
 
 from maxtrain.config import ModelConfig
 from maxtrain.hf.families import Family
-from maxtrain.models.stacks import STACKS, is_moe_per_layer, stack_positions
+from maxtrain.model.stacks import STACKS, is_moe_per_layer, stack_positions
 
 # (our path inside a layer, Hugging Face name inside `model.layers.<i>.`, input axes of a
 # linear weight or None)
@@ -36,7 +36,7 @@ _ATTENTION = (
     (("attn", "v", "kernel"), "self_attn.v_proj.weight", 1),
     (("attn", "o", "kernel"), "self_attn.o_proj.weight", 2),
 )
-# Multi-head latent attention (layers/mla.py): the query's two layouts, then the rest.
+# Multi-head latent attention (model/layers/mla.py): the query's two layouts, then the rest.
 _MLA_Q = ((("attn", "q", "kernel"), "self_attn.q_proj.weight", 1),)
 _MLA_Q_LORA = (
     (("attn", "q_a", "kernel"), "self_attn.q_a_proj.weight", 1),

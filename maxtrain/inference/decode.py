@@ -25,14 +25,14 @@ import numpy as np
 from jax.sharding import NamedSharding
 from tqdm import tqdm
 
+from maxtrain.common.errors import UserError
 from maxtrain.config import ModelConfig
-from maxtrain.errors import UserError
-from maxtrain.inference.kv_cache import cache_shardings, init_cache
 from maxtrain.inference.loading import LoadedModel
 from maxtrain.inference.sampling import Sampling, next_tokens
-from maxtrain.mesh import batch_degree, logical_to_spec, sharding_rules
-from maxtrain.models import compute_dtype
-from maxtrain.models.stacks import DENSE_STACK, MOE_STACK, is_moe_per_layer
+from maxtrain.model import compute_dtype
+from maxtrain.model.kv_cache import cache_shardings, init_cache
+from maxtrain.model.stacks import DENSE_STACK, MOE_STACK, is_moe_per_layer
+from maxtrain.parallel.mesh import batch_degree, logical_to_spec, sharding_rules
 
 GREEDY = Sampling()
 # row, its new tokens so far -> whether it is done (a stop string appeared)

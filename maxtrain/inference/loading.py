@@ -3,8 +3,9 @@
     model = load_model("runs/base", ["mesh.fsdp=4", "mesh.tensor=2"])
 
 The path is anything `checkpoint.load_parameters_path` takes (a step, a tier or a run
-directory: the newest complete step), an imported checkpoint (tools/convert_hf.py) or a
-post-training-quantized one (tools/quantize.py: its kernels dequantized as they are read). Which
+directory: the newest complete step), an imported checkpoint (maxtrain.tools.convert_hf) or a
+post-training-quantized one (maxtrain.tools.quantize: its kernels dequantized as they are read).
+Which
 model it holds is the config saved with the step: a training run's resolved config, or an
 import's model section on top of configs/base.yml's defaults. Overrides (`mesh.*`, ...) apply
 on top. Generation and evaluation load through here, so both read a checkpoint the same way.
@@ -12,30 +13,26 @@ on top. Generation and evaluation load through here, so both read a checkpoint t
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import jax
-import yaml
 from flax import nnx
 from jax.sharding import Mesh
 
-from maxtrain.checkpointing import CheckpointError, read_saved_config
 from maxtrain.checkpointing.checkpointer import resolve_step_dir
 from maxtrain.checkpointing.common import absolute
-from maxtrain.config import CONFIGS_DIR, Config, deep_merge, parse_override, validate
-from maxtrain.corpora.embedded import DEFAULT_TOKENIZER
-from maxtrain.data.pipeline import EMBEDDED_PREFIX
+from maxtrain.checkpointing.saved_config import TOKENIZER_SEARCH_DEPTH, saved_config
+from maxtrain.config import Config
+from maxtrain.data.grain_pipeline import EMBEDDED_PREFIX
 from maxtrain.data.shards import read_metadata
-from maxtrain.mesh import build_mesh, sharding_rules
-from maxtrain.models import ModelDef, build, model_def
-from maxtrain.state import param_shardings
-from maxtrain.tokenizers import TOKENIZER_MODELS, Tokenizer, load_tokenizer
-
-TOKENIZER_SEARCH_DEPTH = 4  # step, tier, checkpoints, run directory
+from maxtrain.model import ModelDef, build
+from maxtrain.parallel.mesh import build_mesh, sharding_rules
+from maxtrain.tokenizers import DEFAULT_TOKENIZER, TOKENIZER_MODELS, Tokenizer, load_tokenizer
+from maxtrain.training.run_model import model_def
+from maxtrain.training.state import param_shardings
 
 
 @dataclass(frozen=True)
@@ -59,13 +56,14 @@ def load_model(
     initial: the parameters the run started from instead (its model initialised with
     run.seed, as the train state is at step 0): the baseline an evaluation compares with.
     A LoRA run's step (lora.rank > 0) loads as the plain model its adapters merge into
-    (lora_merge.py); its initial parameters are its base, as the run kept it (zero adapters)."""
+    (posttrain/lora_merge.py); its initial parameters are its base, as the run kept it (zero
+    adapters)."""
     step_dir = Path(resolve_step_dir(absolute(path)))
     cfg = saved_config(step_dir, overrides)
     mesh = build_mesh(cfg.mesh, devices)
     step = 0 if initial or not step_dir.name.isdigit() else int(step_dir.name)
     if cfg.lora.enabled:  # the adapters folded into their base (Qwix: only when asked for)
-        from maxtrain import lora_merge
+        from maxtrain.posttrain import lora_merge
 
         params = lora_merge.merged_params(cfg, None if initial else step_dir, mesh)
         cfg = lora_merge.plain_config(cfg)
@@ -83,30 +81,11 @@ def load_model(
     if initial:
         init = lambda: nnx.to_pure_dict(nnx.state(build(cfg.model, seed=cfg.run.seed), nnx.Param))
         return LoadedModel(cfg, mdef, jax.jit(init, out_shardings=shardings)(), mesh, step_dir, 0)
-    # float, or tools/quantize.py's (the package imports Qwix: only when a model is loaded)
+    # float, or maxtrain.tools.quantize's (the package imports Qwix: only when a model is loaded)
     from maxtrain.quantization.ptq import load_parameters_dequantized
 
     params = load_parameters_dequantized(step_dir, abstract)
     return LoadedModel(cfg, mdef, params, mesh, step_dir, step)
-
-
-def saved_config(step_dir: Path, overrides: Sequence[str] = (), dropless: bool = True) -> Config:
-    """The config a step was saved with, over base.yml's defaults, with `overrides` applied.
-    dropless: mixture-of-experts layers without a capacity limit, so inference drops no token
-    (False: the run's own capacity, for a config to train with)."""
-    saved = yaml.safe_load(read_saved_config(step_dir)) or {}
-    if not isinstance(saved.get("model"), dict):
-        raise CheckpointError(f"{step_dir}: its saved config names no model")
-    base = yaml.safe_load((CONFIGS_DIR / "base.yml").read_text())
-    tree = deep_merge(base, saved)
-    for text in overrides:
-        keys, value = parse_override(text)
-        tree = deep_merge(
-            tree, functools.reduce(lambda inner, key: {key: inner}, keys[::-1], value)
-        )
-    if dropless and tree["model"].get("moe"):
-        tree = deep_merge(tree, {"model": {"moe": {"capacity_factor": None}}})
-    return validate(tree)
 
 
 def find_tokenizer(

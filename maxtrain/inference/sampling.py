@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 
-from maxtrain.errors import UserError
+from maxtrain.common.errors import UserError
 
 
 @dataclass(frozen=True)

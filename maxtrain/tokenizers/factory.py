@@ -15,6 +15,11 @@ TOKENIZER_MODELS = (TOKENIZER_JSON, SENTENCEPIECE_MODEL)  # in the order a direc
 TOKENIZER_FILES = (*TOKENIZER_MODELS, *TOKEN_FILES, ID_FILES[0])
 
 
+# The sentencepiece model maxtrain ships (BPE, 1024 pieces, byte fallback): the embedded
+# corpus and the committed chat sets are tokenized with it.
+DEFAULT_TOKENIZER = Path(__file__).parents[1] / "data" / "assets" / "default.model"
+
+
 def load_tokenizer(path: str | Path) -> Tokenizer:
     """The tokenizer at `path`: a sentencepiece `.model` file, a `tokenizer.json`, or a
     directory holding either (tokenizer.json preferred, as transformers prefers it). Every

@@ -18,7 +18,7 @@ from typing import Any
 
 import tokenizers
 
-from maxtrain.errors import first_line
+from maxtrain.common.errors import first_line
 from maxtrain.tokenizers.base import TokenizerError
 
 TOKENIZER_JSON = "tokenizer.json"

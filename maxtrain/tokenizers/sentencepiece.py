@@ -1,4 +1,5 @@
-"""A sentencepiece model (`.model` file): the default tokenizer and tools/train_tokenizer.py's."""
+"""A sentencepiece model (`.model` file): the default tokenizer and
+maxtrain.tools.train_tokenizer's."""
 
 from __future__ import annotations
 

@@ -22,8 +22,8 @@ from typing import Any
 
 import numpy as np
 
+from maxtrain.common.files import write_atomic
 from maxtrain.data.errors import DataError
-from maxtrain.files import write_atomic
 
 VERSION = 1  # bump when the arrays a description maps to change
 

@@ -1,4 +1,5 @@
-"""Text -> a Megatron `PREFIX.bin` / `PREFIX.idx` pair (`tools/prepare_data.py --output-format
+"""Text -> a Megatron `PREFIX.bin` / `PREFIX.idx` pair (`maxtrain.tools.prepare_data
+--output-format
 megatron`), so a corpus prepared on maxtrain's side feeds Megatron-LM too.
 
 It writes what Megatron's `preprocess_data.py --append-eod` would for the same token ids: one

@@ -32,16 +32,16 @@ from pathlib import Path
 import grain
 import numpy as np
 
-from maxtrain import cache
 from maxtrain.config import Config
 from maxtrain.data import host_rows
 from maxtrain.data.errors import DataError
+from maxtrain.data.grain_pipeline import Batch, EvalStream, prefetch
 from maxtrain.data.megatron import blend, checks, gpt_indices
 from maxtrain.data.megatron.batches import TokenHandling, to_batch
 from maxtrain.data.megatron.cache import cached, file_identity
 from maxtrain.data.megatron.indexed import IndexedCorpus, bin_path, idx_path, open_corpus
 from maxtrain.data.megatron.samples import BlendedSamples, GptSamples
-from maxtrain.data.pipeline import Batch, EvalStream, prefetch
+from maxtrain.training import compile_cache
 
 Samples = GptSamples | BlendedSamples
 # Batches are read in the iterating thread; parallelism comes from prefetch()'s thread or workers.
@@ -71,7 +71,7 @@ class MegatronData:
                 f"seed {self.seed} (run.seed, or data.shuffle_seed) is not one Megatron can use: "
                 "numpy.random.RandomState takes 0 <= seed < 2**32"
             )
-        root = Path(data.cache_dir) if data.cache_dir else cache.root()
+        root = Path(data.cache_dir) if data.cache_dir else compile_cache.root()
         self.cache_dir = root / "megatron"
         m = data.megatron
         self.handling = TokenHandling(

@@ -1,0 +1,390 @@
+"""The decoder: embed -> L x (attention, SwiGLU or MoE) pre-norm blocks -> norm -> logits.
+
+Layer parameters are stored stacked, with a leading `layers` axis, whether the layers run under
+`jax.lax.scan` (compile time independent of depth) or in an unrolled Python loop. One
+parameter layout for both means checkpoints, converters and the upcycling/depth-upscaling tools
+see the same tree either way.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from maxtrain.config import ModelConfig
+from maxtrain.model.kv_cache import LayerCache
+from maxtrain.model.layers import embedding
+from maxtrain.model.layers.attention_types import attention_type
+from maxtrain.model.layers.base import Projection, make_param
+from maxtrain.model.layers.mlp import MLP
+from maxtrain.model.layers.moe import MoE
+from maxtrain.model.layers.norms import RMSNorm
+from maxtrain.model.mtp import MultiTokenPrediction
+from maxtrain.model.stacks import (
+    DENSE_STACK,
+    MOE_STACK,
+    STAGES,
+    is_moe_per_layer,
+    layer_runs,
+)
+from maxtrain.parallel import pipeline
+from maxtrain.parallel.mesh import constrain
+from maxtrain.parallel.pipeline import StageLayout
+
+# Primitives of the fused attention kernels. Their outputs (attention output plus the small
+# softmax statistics the kernel's backward needs) are cheap to keep and costly to recompute.
+_KERNEL_PRIMITIVES = frozenset({"pallas_call", "remat_opt"})
+
+
+# A matmul summing fewer values than this is recomputed rather than kept: LoRA's (x A) B
+# (maxtrain/posttrain/lora.py) contracts over the adapter rank, costs a rank/width share of its
+# projection to recompute, and its output is as large as the projection's.
+_RECOMPUTED_CONTRACTION = 128
+
+
+def _save_matmuls_and_kernels(prim, *args, **params) -> bool:
+    if prim.name in _KERNEL_PRIMITIVES:
+        return True
+    if not jax.checkpoint_policies.dots_with_no_batch_dims_saveable(prim, *args, **params):
+        return False
+    (contracting, _), _ = params["dimension_numbers"]
+    return math.prod(args[0].shape[d] for d in contracting) >= _RECOMPUTED_CONTRACTION
+
+
+# What the backward pass may keep instead of recomputing, by config name.
+REMAT_POLICIES: dict[str, Callable | None] = {
+    "none": None,  # no rematerialisation: keep every activation
+    "full": jax.checkpoint_policies.nothing_saveable,  # keep only each layer's input
+    "minimal": _save_matmuls_and_kernels,  # keep projection outputs and attention kernel outputs
+}
+
+
+@dataclass(frozen=True)
+class BlockKind:
+    """A kind of decoder layer: the params key of its stack (model/stacks.py) and its
+    feed-forward block, kept under the attribute `ffn_name` (a key of the checkpoint format)."""
+
+    stack: str
+    ffn_name: str
+    make_ffn: Callable[..., nnx.Module]  # (cfg, *, param_dtype, compute_dtype, rngs)
+
+
+DENSE = BlockKind(DENSE_STACK, "mlp", MLP)
+MOE = BlockKind(MOE_STACK, "moe", MoE)
+BLOCK_KINDS = {False: DENSE, True: MOE}  # is_moe -> kind
+
+
+class DecoderBlock(nnx.Module):
+    """Pre-norm attention then the feed-forward block this kind of layer was built with."""
+
+    def __init__(self, cfg: ModelConfig, kind: BlockKind, *, param_dtype, compute_dtype, rngs):
+        norm_kw = dict(eps=cfg.norm_eps, param_dtype=param_dtype, rngs=rngs)
+        dtypes = dict(param_dtype=param_dtype, compute_dtype=compute_dtype)
+        self.attn_norm = RMSNorm(cfg.emb_dim, **norm_kw)
+        self.attn = attention_type(cfg)(cfg, **dtypes, rngs=rngs)
+        self.mlp_norm = RMSNorm(cfg.emb_dim, **norm_kw)
+        self.ffn_name = kind.ffn_name
+        setattr(self, kind.ffn_name, kind.make_ffn(cfg, **dtypes, rngs=rngs))
+
+    def __call__(
+        self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array
+    ) -> tuple[jax.Array, dict[str, jax.Array]]:
+        """Returns the new residual stream [B, T, D] and the feed-forward's statistics."""
+        x = x + self.attn(self.attn_norm(x), positions, segment_ids)
+        ffn_out, stats = getattr(self, self.ffn_name)(self.mlp_norm(x))
+        x = x + ffn_out
+        return constrain(x, ("batch", "length", "act_embed")), stats
+
+    def cached(
+        self, x: jax.Array, positions: jax.Array, cache: LayerCache
+    ) -> tuple[jax.Array, LayerCache]:
+        """The block on new tokens with the layer's key/value cache (generation); the
+        feed-forward's statistics are of no use there."""
+        attn_out, cache = self.attn.cached(self.attn_norm(x), positions, cache)
+        x = x + attn_out
+        ffn_out, _ = getattr(self, self.ffn_name)(self.mlp_norm(x))
+        return constrain(x + ffn_out, ("batch", "length", "act_embed")), cache
+
+
+def stacked_blocks(
+    cfg: ModelConfig, kind: BlockKind, counts: tuple[tuple[str, int], ...], *, dtypes, rngs
+) -> DecoderBlock | None:
+    """`kind` blocks stacked on leading axes: counts [(logical axis name, size), ...], outermost
+    first; None when any size is 0. Each axis prepends its name to the parameters' logical
+    axes (e.g. ("layers", "embed", "heads", ...))."""
+    if any(size == 0 for _, size in counts):
+        return None
+    (name, size), inner = counts[0], counts[1:]
+
+    @nnx.split_rngs(splits=size)
+    @nnx.vmap(in_axes=0, out_axes=0, transform_metadata={nnx.PARTITION_NAME: name})
+    def stack(rngs: nnx.Rngs) -> DecoderBlock:
+        if inner:
+            return stacked_blocks(cfg, kind, inner, dtypes=dtypes, rngs=rngs)
+        return DecoderBlock(cfg, kind, **dtypes, rngs=rngs)
+
+    return stack(rngs)
+
+
+def dequantized(layer_state: nnx.State) -> nnx.State:
+    """One layer's parameters with any Qwix QArray (QLoRA's quantized base,
+    maxtrain/posttrain/lora.py)
+    multiplied out in float32. Called per layer inside the layer loop, so that one layer's float
+    copy exists at a time. Without Qwix loaded no parameter can be quantized: nothing to do."""
+    qwix = sys.modules.get("qwix")
+    if qwix is None:
+        return layer_state
+    for _, var in nnx.to_flat_state(layer_state):
+        value = var.get_value()
+        if isinstance(value, qwix.QArray):
+            var.set_value(qwix.dequantize(value).astype(jnp.float32))
+    return layer_state
+
+
+def run_stack(
+    graphdef: nnx.GraphDef,
+    stacked: nnx.State,
+    start: int,
+    length: int,
+    x: jax.Array,
+    positions: jax.Array,
+    segment_ids: jax.Array,
+    *,
+    remat: str,
+    scan: bool,
+) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """Runs layers [start, start + length) of a stack (its graphdef and state, leading layer
+    axis); per-layer statistics come back stacked along a leading layer axis."""
+    if start != 0 or length != jax.tree.leaves(stacked)[0].shape[0]:
+        stacked = jax.tree.map(lambda a: a[start : start + length], stacked)
+
+    def apply_one(x, layer_state):
+        return nnx.merge(graphdef, dequantized(layer_state))(x, positions, segment_ids)
+
+    if remat != "none":
+        apply_one = jax.checkpoint(apply_one, policy=REMAT_POLICIES[remat], prevent_cse=not scan)
+    if scan:
+        return jax.lax.scan(apply_one, x, stacked)
+    per_layer = []
+    for i in range(length):
+        x, stats = apply_one(x, jax.tree.map(lambda a, i=i: a[i], stacked))
+        per_layer.append(stats)
+    return x, jax.tree.map(lambda *layers: jnp.stack(layers), *per_layer)
+
+
+def run_stack_cached(
+    graphdef: nnx.GraphDef,
+    stacked: nnx.State,
+    start: int,
+    length: int,
+    x: jax.Array,
+    positions: jax.Array,
+    cache: LayerCache,
+) -> tuple[jax.Array, LayerCache]:
+    """Layers [start, start + length) of a stack on new tokens, scanned over the layers'
+    parameters and their slices of the stack's cache ([L, ...]); returns the updated cache."""
+    whole = length == jax.tree.leaves(stacked)[0].shape[0]
+    layers = lambda tree: tree if whole else jax.tree.map(lambda a: a[start : start + length], tree)
+
+    def apply_one(x, layer):
+        layer_state, layer_cache = layer
+        return nnx.merge(graphdef, dequantized(layer_state)).cached(x, positions, layer_cache)
+
+    x, updated = jax.lax.scan(apply_one, x, (layers(stacked), layers(cache)))
+    if not whole:
+        updated = jax.tree.map(
+            lambda c, u: jax.lax.dynamic_update_slice_in_dim(c, u, start, axis=0), cache, updated
+        )
+    return x, updated
+
+
+def concatenate_runs(per_run: list[dict[str, jax.Array]]) -> dict[str, jax.Array]:
+    """Statistics of consecutive runs of layers, joined along the layer axis ({} if none)."""
+    per_run = [stats for stats in per_run if stats]
+    return jax.tree.map(lambda *runs: jnp.concatenate(runs), *per_run) if per_run else {}
+
+
+class Decoder(nnx.Module):
+    def __init__(
+        self, cfg: ModelConfig, *, param_dtype: jnp.dtype, compute_dtype: jnp.dtype, rngs: nnx.Rngs
+    ):
+        D, V = cfg.emb_dim, cfg.vocab_size
+        self.compute_dtype = compute_dtype
+        self.scan_layers = cfg.scan_layers
+        self.remat = cfg.remat
+        self.embedding = make_param(
+            rngs, (V, D), ("vocab", "embed"), std=cfg.init_std, dtype=param_dtype
+        )
+        dtypes = dict(param_dtype=param_dtype, compute_dtype=compute_dtype)
+        self._build_layers(cfg, dtypes, rngs)
+        self.final_norm = RMSNorm(D, eps=cfg.norm_eps, param_dtype=param_dtype, rngs=rngs)
+        self.lm_head = (
+            None
+            if cfg.tie_embeddings
+            else Projection(
+                "btd,dv->btv",
+                (D, V),
+                ("embed", "vocab"),
+                init_std=cfg.init_std,
+                param_dtype=param_dtype,
+                compute_dtype=compute_dtype,
+                rngs=rngs,
+            )
+        )
+        # Created last, so that the decoder initialises the same with or without it.
+        self.mtp = (
+            MultiTokenPrediction(
+                cfg,
+                # A block of the kind of the last layer (DeepSeek-V3's is MoE).
+                lambda: DecoderBlock(
+                    cfg, BLOCK_KINDS[is_moe_per_layer(cfg)[-1]], **dtypes, rngs=rngs
+                ),
+                **dtypes,
+                rngs=rngs,
+            )
+            if cfg.mtp.depth
+            else None
+        )
+
+    def _build_layers(self, cfg: ModelConfig, dtypes: dict, rngs: nnx.Rngs) -> None:
+        """One stack per kind of layer (model/stacks.py), run as consecutive runs."""
+        kinds = is_moe_per_layer(cfg)
+        self.runs = tuple(
+            (BLOCK_KINDS[is_moe].stack, start, n) for is_moe, start, n in layer_runs(kinds)
+        )
+        # Created in this order (dense stack first) so the random initialisation stays the same.
+        for is_moe, kind in BLOCK_KINDS.items():
+            counts = (("layers", kinds.count(is_moe)),)
+            setattr(self, kind.stack, stacked_blocks(cfg, kind, counts, dtypes=dtypes, rngs=rngs))
+
+    def __call__(
+        self,
+        tokens: jax.Array,
+        positions: jax.Array,
+        segment_ids: jax.Array,
+        targets: jax.Array | None = None,
+        loss_mask: jax.Array | None = None,
+    ) -> tuple[jax.Array, dict[str, jax.Array]]:
+        """tokens/positions/segment_ids: [B, T] int32 -> (logits [B, T, V] in compute dtype,
+        statistics of the blocks that return any (MoE: the router's), stacked in layer order).
+        Given the targets and loss mask, the multi-token prediction modules (model/mtp.py), if
+        any, add their loss statistics."""
+        embedded = self._embed(tokens)
+        hidden, stats = self._layers(embedded, positions, segment_ids)
+        if self.mtp is not None and targets is not None:
+            mtp_stats = self.mtp(
+                hidden, embedded, self._head, positions, segment_ids, targets, loss_mask
+            )
+            stats = {**stats, **mtp_stats}
+        return self._head(self.final_norm(hidden)), stats
+
+    def decode(
+        self, tokens: jax.Array, positions: jax.Array, cache: dict[str, LayerCache]
+    ) -> tuple[jax.Array, dict[str, LayerCache]]:
+        """Generation: new tokens [B, T] at positions [B, T] (consecutive per row) -> their
+        logits [B, T, V] and the cache (maxtrain/model/kv_cache.py) with their keys and
+        values added. A token sees every cached position before its own."""
+        x, cache = self._embed(tokens), dict(cache)
+        for stack, start, length in self.runs:
+            graphdef, stacked = nnx.split(getattr(self, stack))
+            x, cache[stack] = run_stack_cached(
+                graphdef, stacked, start, length, x, positions, cache[stack]
+            )
+        return self._head(self.final_norm(x)), cache
+
+    def _embed(self, tokens: jax.Array) -> jax.Array:
+        return embedding.lookup(self.embedding[...], tokens, self.compute_dtype)
+
+    def _head(self, x: jax.Array) -> jax.Array:
+        """Normalised states [B, T, D] -> logits [B, T, V]."""
+        x = constrain(x, (self.head_batch, "length", "act_embed"))
+        if self.lm_head is None:  # tied: the embedding table, still sharded
+            table = self.embedding[...].astype(self.compute_dtype)
+            logits = jnp.einsum("btd,vd->btv", x, table)
+        else:
+            logits = self.lm_head(x)
+        return constrain(logits, (self.head_batch, "length", "vocab"))
+
+    head_batch = "batch"  # the logical axis the head's batch dim is split over
+
+    def _layers(self, x, positions, segment_ids) -> tuple[jax.Array, dict[str, jax.Array]]:
+        per_run = []
+        for stack, start, length in self.runs:
+            graphdef, stacked = nnx.split(getattr(self, stack))
+            x, stats = run_stack(
+                graphdef, stacked, start, length, x, positions, segment_ids, **self._run_options
+            )
+            per_run.append(stats)
+        return x, concatenate_runs(per_run)
+
+    @property
+    def _run_options(self) -> dict:
+        return {"remat": self.remat, "scan": self.scan_layers}
+
+
+class Stages(nnx.Module):
+    """The pipelined stacks (parallel/pipeline.py): per kind of layer, [R, S, per group] blocks."""
+
+    def __init__(self, cfg: ModelConfig, layout: StageLayout, dtypes: dict, rngs: nnx.Rngs):
+        for is_moe, kind in BLOCK_KINDS.items():
+            counts = (
+                ("repeats", layout.repeats),
+                (STAGES, layout.stages),
+                ("layers", layout.per_group(is_moe)),
+            )
+            setattr(self, kind.stack, stacked_blocks(cfg, kind, counts, dtypes=dtypes, rngs=rngs))
+
+
+class PipelinedDecoder(Decoder):
+    """The decoder with its layers in pipeline stages: the leading dense layers (prologue) as a
+    stack run on every stage, the rest in `stages` (parallel/pipeline.py). Its parameters are
+    parallel/pipeline.py to_stages of the Decoder's; it is never initialised itself."""
+
+    # After the pipeline the batch is split over the stages too: each computes the logits of
+    # its share instead of all of them.
+    head_batch = "stage_batch"
+
+    def __init__(self, cfg: ModelConfig, layout: StageLayout, **kwargs):
+        self.layout = layout
+        super().__init__(cfg, **kwargs)
+
+    def _build_layers(self, cfg: ModelConfig, dtypes: dict, rngs: nnx.Rngs) -> None:
+        prologue = (("layers", self.layout.prologue),)
+        setattr(self, DENSE_STACK, stacked_blocks(cfg, DENSE, prologue, dtypes=dtypes, rngs=rngs))
+        self.stages = Stages(cfg, self.layout, dtypes, rngs)
+        self.group_runs = tuple(
+            (BLOCK_KINDS[is_moe].stack, start, n)
+            for is_moe, start, n in layer_runs(self.layout.group)
+        )
+
+    def _layers(self, x, positions, segment_ids) -> tuple[jax.Array, dict[str, jax.Array]]:
+        prologue = getattr(self, DENSE_STACK)
+        if prologue is not None:  # dense layers: no statistics
+            graphdef, stacked = nnx.split(prologue)
+            x, _ = run_stack(
+                graphdef, stacked, 0, self.layout.prologue, x, positions, segment_ids,
+                **self._run_options,
+            )  # fmt: skip
+        stacks = {
+            kind.stack: getattr(self.stages, kind.stack)
+            for kind in BLOCK_KINDS.values()
+            if getattr(self.stages, kind.stack) is not None
+        }
+        return pipeline.run(stacks, self.layout, x, positions, segment_ids, self._run_group)
+
+    def _run_group(self, graphdefs, group, x, positions, segment_ids):
+        """One group's layers (per stack [per group, ...]) in model order."""
+        per_run = []
+        for stack, start, length in self.group_runs:
+            x, stats = run_stack(
+                graphdefs[stack], group[stack], start, length, x, positions, segment_ids,
+                **self._run_options,
+            )  # fmt: skip
+            per_run.append(stats)
+        return x, concatenate_runs(per_run)

@@ -1,0 +1,359 @@
+"""Causal self-attention over packed sequences: the reference and tokamax's kernels, picked once.
+
+Pre-training rows pack several documents back to back; `segment_ids` names each token's document,
+and a query may only see earlier keys of its own document. `reference_attention` ("xla") spells
+that out in plain jnp: it is the CPU path and the yardstick the fast kernels are tested against.
+On GPU/TPU the tokamax kernels do the work. tokamax has no segment-id argument, but because packed
+documents are contiguous, "same document and causal" equals "causal and key index >= the first
+index of the query's document" -- a per-query `k_start`, which tokamax's Mask takes natively and
+lets the flash kernels skip whole key blocks instead of reading a [T, T] mask from memory.
+
+`attention_kernel(name)` returns the function for a configured name; the attention layer calls
+it at construction and keeps the function, so nothing is looked up by name while tracing.
+
+Value heads may be smaller than query/key heads (multi-head latent attention: 128 against 192
+in DeepSeek-V3). The reference takes any value head size. The tokamax kernels are given V
+zero-padded to the query/key head size and the padding is sliced off the output (exact: zero
+value dims give zero output dims), because not every one of them accepts differing sizes; this
+costs (H_qk - H_v) / H_qk of the value matmul.
+
+A Pallas kernel is a custom call that XLA's partitioner cannot split: on a mesh, the kernels run
+inside `shard_map` (`per_device`), each device on its own rows and heads, over the mesh axes
+the batch and heads are split on (mesh.rules); the reference is plain jnp and is partitioned
+like any other op.
+
+`block_attention` and `merge_blocks` are the pieces of a sequence split over devices
+(parallel/context.py): a block of queries against any block of keys, masked by original
+token indices, and the online-softmax merge of two such blocks.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from maxtrain.model.kernels.splash import splash_attention
+from maxtrain.parallel.mesh import active_rules, logical_to_spec, spec_axes
+
+if TYPE_CHECKING:
+    from tokamax._src.ops.attention import base as tokamax_base
+
+type AttentionFn = Callable[[jax.Array, jax.Array, jax.Array, jax.Array], jax.Array]
+
+
+def reference_attention(
+    q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array
+) -> jax.Array:
+    """Plain-jnp causal, segment-masked attention; float32 scores, GQA without repeating K/V."""
+    t = q.shape[1]
+    causal = jnp.tril(jnp.ones((t, t), dtype=bool))  # [T, S]
+    same_doc = segment_ids[:, :, None] == segment_ids[:, None, :]  # [B, T, S]
+    return masked_attention(q, k, v, causal & same_doc)
+
+
+def cached_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_positions: jax.Array) -> jax.Array:
+    """Attention of new queries [B, T, N, H] over a key/value cache [B, S, K, H] whose entry s
+    holds position s: a query at position p sees the entries 0..p (generation's cache path,
+    maxtrain/inference/). Entries beyond p may hold anything; they are masked out exactly."""
+    key_positions = jnp.arange(k.shape[1], dtype=q_positions.dtype)
+    return masked_attention(q, k, v, key_positions[None, None, :] <= q_positions[:, :, None])
+
+
+def masked_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
+    """q [B, T, N, H], k/v [B, S, K, H], mask [B, T, S] (True: may attend) -> [B, T, N, Hv]:
+    softmax(q k^T / sqrt(H), masked) v, with float32 scores and softmax statistics.
+
+    What it writes to memory is what a flash kernel keeps in registers: each [T, S] array of a
+    layer is stored once, in the compute dtype. The forward keeps only the output and the
+    softmax's log-sum-exp (per query) for the backward, which recomputes the probabilities from
+    q and k (the standard attention gradient: dS = P * (dP - rowsum(dO * O)), dP = dO v^T).
+    Autodiff of the plain formula stores the float32 scores and probabilities and their
+    gradients instead: the compiled v5e:4x4 step of a 1.5B model at 2048 tokens accessed
+    26.79 GB per chip that way, 24.80 GB this way (docs/tpu.md).
+    """
+    out, _ = _attention_forward(q, k, v, mask)
+    return out
+
+
+def _grouped(q: jax.Array, num_kv: int) -> jax.Array:
+    b, t, n, h = q.shape
+    return q.reshape(b, t, num_kv, n // num_kv, h)  # [B, T, K, G, H]; q head n -> kv head n // G
+
+
+def _probabilities(q, k, mask, lse=None):
+    """(P [B, K, G, T, S] in q's dtype, log-sum-exp [B, K, G, T] float32) of grouped q."""
+    scores = jnp.einsum("btkgh,bskh->bkgts", q, k, preferred_element_type=jnp.float32)
+    scores = scores / math.sqrt(q.shape[-1])
+    # finfo.min rather than -inf: never NaN, and every row keeps at least its own key anyway.
+    scores = jnp.where(mask[:, None, None], scores, jnp.finfo(jnp.float32).min)
+    if lse is None:
+        lse = jax.nn.logsumexp(scores, axis=-1)
+    return jnp.exp(scores - lse[..., None]).astype(q.dtype), lse
+
+
+@jax.custom_vjp
+def _attention_forward(q, k, v, mask):
+    b, t, n, _ = q.shape
+    probs, lse = _probabilities(_grouped(q, k.shape[2]), k, mask)
+    out = jnp.einsum(
+        "bkgts,bskh->btkgh", probs.astype(v.dtype), v, preferred_element_type=jnp.float32
+    )
+    return out.reshape(b, t, n, v.shape[-1]).astype(q.dtype), lse
+
+
+def _attention_fwd_rule(q, k, v, mask):
+    out, lse = _attention_forward(q, k, v, mask)
+    return (out, lse), (q, k, v, mask, out, lse)
+
+
+def _attention_bwd_rule(residuals, cotangents):
+    q, k, v, mask, out, lse = residuals
+    d_out = cotangents[0]  # the log-sum-exp is a statistic: nothing differentiates it
+    b, t, n, h = q.shape
+    num_kv = k.shape[2]
+    gq = _grouped(q, num_kv)
+    g_out = _grouped(d_out, num_kv)  # [B, T, K, G, Hv]
+    probs, _ = _probabilities(gq, k, mask, lse)  # recomputed: P [B, K, G, T, S]
+    # rowsum(dO * O) per query: the softmax's own term in dS
+    delta = jnp.einsum(
+        "btkgh,btkgh->bkgt", g_out.astype(jnp.float32), _grouped(out, num_kv).astype(jnp.float32)
+    )
+    d_probs = jnp.einsum("btkgh,bskh->bkgts", g_out, v, preferred_element_type=jnp.float32)
+    d_scores = (probs.astype(jnp.float32) * (d_probs - delta[..., None])).astype(q.dtype)
+    d_scores = d_scores / math.sqrt(h)
+    dq = jnp.einsum("bkgts,bskh->btkgh", d_scores, k, preferred_element_type=jnp.float32)
+    dk = jnp.einsum("bkgts,btkgh->bskh", d_scores, gq, preferred_element_type=jnp.float32)
+    dv = jnp.einsum(
+        "bkgts,btkgh->bskh", probs.astype(v.dtype), g_out, preferred_element_type=jnp.float32
+    )
+    return (dq.reshape(b, t, n, h).astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None)
+
+
+_attention_forward.defvjp(_attention_fwd_rule, _attention_bwd_rule)
+
+
+def segment_starts(segment_ids: jax.Array) -> jax.Array:
+    """[B, T] -> [B, T]: index of the first token of each token's (contiguous) segment.
+
+    A boundary is where the id changes; the running max of boundary positions is the start of the
+    current run. Non-contiguous reuse of an id (1,1,2,1) counts as a new document here.
+    """
+    t = segment_ids.shape[1]
+    pos = jnp.arange(t, dtype=jnp.int32)  # [T]
+    # [B, T]; token 0 needs no flag: a row's first run starts at 0, the cummax's floor anyway.
+    changed = jnp.pad(segment_ids[:, 1:] != segment_ids[:, :-1], ((0, 0), (1, 0)))
+    return jax.lax.cummax(jnp.where(changed, pos, 0), axis=1)
+
+
+def _k_start_mask(segment_ids: jax.Array) -> tokamax_base.Mask:
+    from tokamax._src.ops.attention import base as tokamax_base
+
+    # k_start is typed "*#B #h #T" (h = K/V heads, T = query positions); broadcast over heads.
+    return tokamax_base.Mask(k_start=segment_starts(segment_ids)[:, None, :], is_causal=True)
+
+
+def _dense_mask(segment_ids: jax.Array) -> tokamax_base.Mask:
+    # Mosaic TPU (splash) raises NotImplementedError on k_start; it does take a [B, 1, T, S] bool
+    # mask (as a dynamic splash mask), at the cost of materialising it.
+    from tokamax._src.ops.attention import base as tokamax_base
+
+    same_doc = segment_ids[:, None, :, None] == segment_ids[:, None, None, :]  # [B, 1, T, S]
+    return tokamax_base.Mask(same_doc, is_causal=True)
+
+
+def _tokamax(kernel: str, make_mask: Callable[[jax.Array], tokamax_base.Mask]) -> AttentionFn:
+    """Wraps tokamax kernel `kernel` (a key of tokamax's IMPLEMENTATIONS) with a segment mask.
+
+    tokamax's public `dot_product_attention` only exposes a dense mask or sequence lengths, not
+    `k_start`, so this builds the Mask and calls the kernel objects through the private modules
+    (the same objects and call the public API makes: tokamax/_src/ops/attention/api.py). tokamax
+    is imported when a kernel is first traced: its import takes seconds, and CPU runs never
+    need it.
+    """
+
+    def fn(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array) -> jax.Array:
+        from tokamax._src.ops.attention import api as tokamax_api
+
+        impl = tokamax_api.IMPLEMENTATIONS[kernel]  # looked up at call time: not all exist on CPU
+        value_dim = v.shape[-1]
+        if value_dim > q.shape[-1]:
+            raise ValueError(f"value head size {value_dim} exceeds the query/key's {q.shape[-1]}")
+        v = jnp.pad(v, [(0, 0)] * (v.ndim - 1) + [(0, q.shape[-1] - value_dim)])
+        out = impl(
+            q,
+            k,
+            v,
+            bias=None,
+            mask=make_mask(segment_ids),
+            logits_scale=1.0 / math.sqrt(q.shape[-1]),
+            precision=None,
+            logits_soft_cap=None,
+            q_sharding=None,
+        )
+        return out[..., :value_dim]
+
+    return fn
+
+
+def per_device(kernel: AttentionFn) -> AttentionFn:
+    """The kernel run per device inside `shard_map` when traced for a mesh (mesh.sharding_rules
+    active), else called as it is.
+
+    Every mesh axis is manual: the batch is split as `batch` says, query heads as `heads`, key
+    and value heads as `kv_heads`; the sequence is whole on each device (a sequence split over
+    `context` goes through parallel/context.py instead), and so is head_dim. An axis that
+    splits none of them (e.g. `tensor` over a model whose heads it does not divide) leaves each
+    of its devices computing the same attention.
+
+    Where the query heads are split and the key/value heads are not split alike (fewer K/V
+    heads than the tensor degree: 8 of them over 16 devices), each device takes the K/V heads
+    its own query heads use: query head n reads K/V head n // G. If its query heads are whole
+    groups (a multiple of G), those are their groups' K/V heads; otherwise one K/V head per
+    query head (the kernel then runs as multi-head attention, exact either way).
+
+    The gradient flows through shard_map's transpose: a K/V head several devices read gets the
+    sum of their contributions (shard_map sums the cotangent of an input over the axes its spec
+    does not split).
+    """
+
+    def fn(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array) -> jax.Array:
+        active = active_rules()
+        if active is None:
+            return kernel(q, k, v, segment_ids)
+        mesh, rules = active
+        q_spec = logical_to_spec(("batch", None, "heads", None), rules, mesh, q.shape)
+        kv_spec = logical_to_spec(("batch", None, "kv_heads", None), rules, mesh, k.shape)
+        head_axes = spec_axes(q_spec[2])
+        split_alike = spec_axes(kv_spec[2]) == head_axes
+        if not split_alike:  # K/V heads whole on every device; each takes its own below
+            kv_spec = P(kv_spec[0], None, None, None)
+        rows = P(q_spec[0], None)
+        groups = q.shape[2] // k.shape[2]  # G: query heads per K/V head
+
+        def local(q, k, v, segment_ids):
+            if not split_alike:
+                n_local = q.shape[2]
+                first = jax.lax.axis_index(head_axes) * n_local  # global index of my first head
+                if n_local % groups == 0:
+                    heads = first // groups + jnp.arange(n_local // groups)
+                else:
+                    heads = (first + jnp.arange(n_local)) // groups
+                k, v = jnp.take(k, heads, axis=2), jnp.take(v, heads, axis=2)
+            return kernel(q, k, v, segment_ids)
+
+        return jax.shard_map(
+            local,
+            mesh=mesh,
+            in_specs=(q_spec, kv_spec, kv_spec, rows),
+            out_specs=P(*q_spec[:3], None),
+            # Pallas calls carry no varying-axes types; the transpose's sums above are what
+            # check_vma=False does (jax's shard_map transpose).
+            check_vma=False,
+        )(q, k, v, segment_ids)
+
+    return fn
+
+
+def _unavailable(name: str, backend: str) -> AttentionFn:
+    """Stands in for a kernel this backend cannot run. Raising when called rather than when the
+    model is built lets a CPU host still build (and dry-run) a GPU/TPU recipe's model."""
+
+    def fn(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array) -> jax.Array:
+        raise NotImplementedError(f"{name!r} attention needs a gpu or tpu backend, not {backend}")
+
+    return fn
+
+
+IMPLEMENTATIONS: dict[str, AttentionFn] = {
+    "xla": reference_attention,
+    "splash": per_device(splash_attention),
+    "mosaic_gpu": per_device(_tokamax("mosaic_gpu", _k_start_mask)),
+    "mosaic_tpu": per_device(_tokamax("mosaic_tpu", _dense_mask)),
+    "cudnn": per_device(_tokamax("cudnn", _k_start_mask)),
+    "triton": per_device(_tokamax("triton", _k_start_mask)),
+    "xla_chunked": per_device(_tokamax("xla_chunked", _k_start_mask)),
+    # tokamax's plain-XLA kernel through the k_start path and the per-device wrapper: runs on
+    # CPU, so tests cover the exact mask and sharding the GPU/TPU kernels receive.
+    "tokamax_xla": per_device(_tokamax("xla", _k_start_mask)),
+}
+# on every other platform: the reference
+_AUTO = {"gpu": "mosaic_gpu", "tpu": "splash"}
+
+
+def attention_implementation(name: str, platform: str | None = None) -> str:
+    """The kernel a configured name means on `platform`, that of the devices the program is
+    built for (None: this process's default backend): "auto" is splash attention on TPU
+    (model/kernels/splash.py), tokamax's Mosaic flash kernel on GPU and the reference ("xla")
+    elsewhere; "mosaic" is tokamax's "mosaic_<platform>". Raises ValueError for a name that is
+    no kernel."""
+    platform = platform or jax.default_backend()
+    if name == "auto":
+        return _AUTO.get(platform, "xla")
+    if name == "mosaic":
+        return f"mosaic_{platform}"
+    if name not in IMPLEMENTATIONS:
+        valid = ", ".join(["auto", "mosaic", *IMPLEMENTATIONS])
+        raise ValueError(f"unknown attention implementation {name!r}; valid: {valid}")
+    return name
+
+
+def attention_kernel(name: str) -> AttentionFn:
+    """The attention function a configured name picks, chosen once (layers store it):
+    (q, k [B, T, N|K, H], v [B, T, K, Hv], segment_ids [B, T]) -> [B, T, N, Hv] in q.dtype,
+    causal within packed documents, scale 1/sqrt(H); N % K == 0, query head n uses kv head
+    n // G; Hv <= H."""
+    resolved = attention_implementation(name)
+    if resolved in IMPLEMENTATIONS:
+        return IMPLEMENTATIONS[resolved]
+    return _unavailable(name, jax.default_backend())
+
+
+def block_attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    q_segment_ids: jax.Array,
+    k_segment_ids: jax.Array,
+    q_index: jax.Array,
+    k_index: jax.Array,
+) -> tuple[jax.Array, jax.Array]:
+    """One block of a split attention: queries [B, Tq, N, H] against keys/values [B, S, K, H]
+    that may be any part of the sequence, in any order.
+
+    The mask comes from each token's index in the original sequence (q_index [Tq], k_index [S])
+    and its document (segment ids [B, Tq], [B, S]), not from where it sits in the block, so a
+    load-balanced or rotated split masks exactly as the whole sequence does. Returns the
+    normalised output [B, Tq, N, H] and the log-sum-exp of the scores [B, Tq, N] (both float32):
+    blocks of the same queries merge exactly with `merge_blocks`. The plain-XLA path of the
+    context-parallel exchanges (parallel/context.py); its math is `reference_attention`'s.
+    """
+    b, t, n, h = q.shape
+    num_kv = k.shape[2]
+    q = q.reshape(b, t, num_kv, n // num_kv, h)  # [B, Tq, K, G, H]
+    scores = jnp.einsum("btkgh,bskh->bkgts", q, k, preferred_element_type=jnp.float32)
+    scores = scores.astype(jnp.float32) / math.sqrt(h)  # [B, K, G, Tq, S]
+    causal = k_index[None, :] <= q_index[:, None]  # [Tq, S]
+    same_doc = q_segment_ids[:, :, None] == k_segment_ids[:, None, :]  # [B, Tq, S]
+    mask = (causal & same_doc)[:, None, None]
+    # A query may see no key of this block: finfo.min keeps it finite, and its log-sum-exp
+    # (about finfo.min) gives the block zero weight when merged with the block holding its key.
+    scores = jnp.where(mask, scores, jnp.finfo(jnp.float32).min)
+    lse = jax.nn.logsumexp(scores, axis=-1)  # [B, K, G, Tq]
+    probs = jnp.exp(scores - lse[..., None])
+    out = jnp.einsum("bkgts,bskh->btkgh", probs, v.astype(jnp.float32)).reshape(b, t, n, h)
+    return out, lse.transpose(0, 3, 1, 2).reshape(b, t, n)
+
+
+def merge_blocks(
+    out_a: jax.Array, lse_a: jax.Array, out_b: jax.Array, lse_b: jax.Array
+) -> tuple[jax.Array, jax.Array]:
+    """Two `block_attention` results of the same queries over disjoint keys -> the result over
+    both (online softmax): each output weighted by its share of the total exp-score mass."""
+    lse = jnp.logaddexp(lse_a, lse_b)
+    weight_a, weight_b = jnp.exp(lse_a - lse)[..., None], jnp.exp(lse_b - lse)[..., None]
+    return out_a * weight_a + out_b * weight_b, lse

@@ -1,0 +1,63 @@
+"""Parameter creation with logical axis names, and the einsum projection every layer uses.
+
+Shape letters are the package's (maxtrain/__init__.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+LogicalAxes = tuple[str | None, ...]
+
+# A kernel's low-rank adapters (maxtrain/posttrain/lora.py) sit beside it under the names Qwix's
+# LoRA
+# provider looks up: `kernel_lora_a` and `kernel_lora_b`.
+LORA_A, LORA_B = "kernel_lora_a", "kernel_lora_b"
+
+
+def make_param(
+    rngs: nnx.Rngs,
+    shape: Sequence[int],
+    axes: LogicalAxes,
+    *,
+    std: float | None,
+    dtype: jnp.dtype,
+) -> nnx.Param:
+    """A Param with logical axis names in its `sharding` metadata (std=None: ones).
+
+    Eager sharding is off: the mesh is applied from outside (maxtrain/parallel/mesh.py) when the
+    whole
+    parameter tree is materialised under jit, so layers never need a mesh in scope.
+    """
+    if std is None:
+        value = jnp.ones(shape, dtype)
+    else:
+        value = (std * jax.random.truncated_normal(rngs.params(), -2.0, 2.0, shape)).astype(dtype)
+    return nnx.Param(value, out_sharding=tuple(axes), eager_sharding=False)
+
+
+class Projection(nnx.Module):
+    """y = einsum(spec, x, W): a linear map between named dims, computed in compute dtype."""
+
+    def __init__(
+        self,
+        spec: str,
+        shape: Sequence[int],
+        axes: LogicalAxes,
+        *,
+        init_std: float,
+        param_dtype: jnp.dtype,
+        compute_dtype: jnp.dtype,
+        rngs: nnx.Rngs,
+    ):
+        self.spec = spec
+        self.compute_dtype = compute_dtype
+        self.kernel = make_param(rngs, shape, axes, std=init_std, dtype=param_dtype)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        kernel = self.kernel[...].astype(self.compute_dtype)
+        return jnp.einsum(self.spec, x.astype(self.compute_dtype), kernel)

@@ -1,0 +1,190 @@
+"""Sending tokens to their experts and back: the per-device half of a mixture-of-experts layer.
+
+Everything here runs on one device's tokens (inside `shard_map` when there is a mesh). Each
+token was routed to k experts, giving R = n * k (token, expert, weight) assignments. Two ways to
+compute them, `moe.capacity_factor` picks:
+
+* **Dropless** (null, the default): sort the assignments by expert and run each expert on
+  exactly its rows with one grouped matmul. On one device nothing is dropped and the work is
+  exactly the routed rows'. Split over devices (expert parallelism), the rows travel to their
+  experts by one of the exchanges of expert_parallel.py.
+* **Capacity** (a number): every expert takes at most C rows per device; the rest are dropped
+  (their contribution is zero, the residual connection carries the token on). Buffers are
+  fixed [E, C, D] blocks and the experts run as one batched matmul -- the GShard layout, which
+  an all-to-all moves as it is (E * C rows each way) and TPUs like.
+
+Shape letters are the package's (maxtrain/__init__.py).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import NamedTuple, Protocol
+
+import jax
+import jax.numpy as jnp
+
+from maxtrain.model.kernels.grouped_matmul import GroupedMatmul
+
+
+class ExpertWeights(NamedTuple):
+    """One device's share of the experts' SwiGLU weights: [EL, D, F], [EL, D, F], [EL, F, D]."""
+
+    gate: jax.Array
+    up: jax.Array
+    down: jax.Array
+
+
+@dataclass(frozen=True)
+class Parallelism:
+    """Mesh axes the experts are split over (empty: all experts on every device)."""
+
+    expert_axes: tuple[str, ...] = ()
+    degree: int = 1
+
+
+class DispatchCounts(NamedTuple):
+    """What a dispatch reports besides its output: assignments it dropped (capacity mode, or an
+    exchange set to drop), and the exchange rounds it ran (expert_parallel.py; 1 otherwise)."""
+
+    dropped: jax.Array
+    rounds: jax.Array
+
+
+class Dispatch(Protocol):
+    """How one device's assignments reach their experts and come back (one per MoE layer,
+    picked at construction: dispatch.py)."""
+
+    def __call__(
+        self,
+        x: jax.Array,
+        expert_ids: jax.Array,
+        weights: jax.Array,
+        w: ExpertWeights,
+        *,
+        num_experts: int,
+        par: Parallelism,
+        gmm: GroupedMatmul,
+    ) -> tuple[jax.Array, DispatchCounts]:
+        """x [n, D], expert_ids/weights [n, k] -> (y [n, D], assignments dropped, rounds)."""
+        ...
+
+
+def keep_local_experts(
+    expert_ids: jax.Array, weights: jax.Array, num_experts: int, par: Parallelism
+) -> tuple[jax.Array, jax.Array]:
+    """For tokens replicated over the expert axes: re-number this device's experts 0..EL-1 and
+    mark the rest EL with weight 0. Each device then computes its experts' share of every
+    token, and a sum over the expert axes completes the output (no exchange needed)."""
+    local = num_experts // par.degree
+    ids = expert_ids - jax.lax.axis_index(par.expert_axes) * local
+    mine = (ids >= 0) & (ids < local)
+    return jnp.where(mine, ids, local), jnp.where(mine, weights, 0)
+
+
+def swiglu_grouped(rows: jax.Array, group_sizes: jax.Array, w: ExpertWeights, gmm: GroupedMatmul):
+    """Each row through its expert's SwiGLU; rows past sum(group_sizes) come out zero."""
+    gate = gmm(rows, w.gate, group_sizes)
+    up = gmm(rows, w.up, group_sizes)
+    return gmm(jax.nn.silu(gate) * up, w.down, group_sizes)
+
+
+def _swiglu_batched(blocks: jax.Array, w: ExpertWeights) -> jax.Array:
+    """[..., EL, C, D] blocks through their experts' SwiGLU as one batched matmul."""
+    gate = jnp.einsum("...ecd,edf->...ecf", blocks, w.gate)
+    up = jnp.einsum("...ecd,edf->...ecf", blocks, w.up)
+    return jnp.einsum("...ecf,efd->...ecd", jax.nn.silu(gate) * up, w.down)
+
+
+def sort_by_expert(
+    expert_ids: jax.Array, num_experts: int
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """[R] expert ids (< num_experts, or num_experts for experts held elsewhere) -> (order,
+    sorted ids, rank of each sorted assignment within its expert)."""
+    order = jnp.argsort(expert_ids, stable=True)
+    sorted_ids = expert_ids[order]
+    return order, sorted_ids, rank_in_group(sorted_ids, num_experts + 1)
+
+
+def rank_in_group(sorted_keys: jax.Array, num_keys: int) -> jax.Array:
+    """[R] keys in 0..num_keys-1, ascending -> each one's position among equal keys.
+
+    Counting (a group starts after all smaller keys) rather than a search: jnp.searchsorted is a
+    loop, which jax cannot yet batch inside shard_map under a pipeline's stage map."""
+    counts = jnp.bincount(sorted_keys, length=num_keys)
+    starts = jnp.cumsum(counts) - counts
+    return jnp.arange(sorted_keys.shape[0]) - starts[sorted_keys]
+
+
+def combine(sorted_out: jax.Array, order: jax.Array, weights: jax.Array) -> jax.Array:
+    """Outputs in expert-sorted order [R, D] -> weighted sum per token [n, D].
+
+    Un-sorting with a gather (inverse permutation) and summing the k copies avoids a
+    scatter-add, which is slow on GPUs.
+    """
+    n, k = weights.shape
+    per_assignment = sorted_out[jnp.argsort(order)].reshape(n, k, -1)
+    return jnp.einsum("nkd,nk->nd", per_assignment, weights.astype(per_assignment.dtype))
+
+
+def dropless_local(
+    x: jax.Array,
+    expert_ids: jax.Array,
+    weights: jax.Array,
+    w: ExpertWeights,
+    *,
+    num_experts: int,
+    gmm: GroupedMatmul,
+) -> tuple[jax.Array, DispatchCounts]:
+    """Every assignment computed on this device. Ids equal to num_experts (experts held
+    elsewhere, see keep_local_experts) sort last and stay outside every group."""
+    k = expert_ids.shape[1]
+    order, sorted_ids, _ = sort_by_expert(expert_ids.reshape(-1), num_experts)
+    group_sizes = jnp.bincount(sorted_ids, length=num_experts + 1)[:num_experts]
+    out = swiglu_grouped(x[order // k], group_sizes, w, gmm)  # assignment a is token a // k
+    return combine(out, order, weights), DispatchCounts(
+        jnp.zeros((), jnp.int32), jnp.ones((), jnp.int32)
+    )
+
+
+def capacity(num_tokens: int, top_k: int, num_experts: int, factor: float) -> int:
+    """Rows each expert takes per device: factor x its fair share of the assignments."""
+    return max(1, math.ceil(factor * num_tokens * top_k / num_experts))
+
+
+@dataclass(frozen=True)
+class ExpertBlocks:
+    """The capacity (GShard) mode: fixed [E, C, D] blocks; earlier tokens win a full expert."""
+
+    capacity_factor: float
+
+    def __call__(
+        self,
+        x: jax.Array,
+        expert_ids: jax.Array,
+        weights: jax.Array,
+        w: ExpertWeights,
+        *,
+        num_experts: int,
+        par: Parallelism,
+        gmm: GroupedMatmul,
+    ) -> tuple[jax.Array, DispatchCounts]:
+        n, k = expert_ids.shape
+        cap = capacity(n, k, num_experts, self.capacity_factor)
+        order, sorted_ids, rank = sort_by_expert(expert_ids.reshape(-1), num_experts)
+        kept = rank < cap
+        slot = jnp.where(kept, rank, cap)  # out of bounds: the scatter below drops it
+        blocks = jnp.zeros((num_experts, cap, x.shape[-1]), x.dtype)
+        blocks = blocks.at[sorted_ids, slot].set(x[order // k], mode="drop")
+        if par.degree == 1:
+            out_blocks = _swiglu_batched(blocks, w)
+        else:
+            local = blocks.reshape(par.degree, num_experts // par.degree, cap, -1)
+            received = jax.lax.all_to_all(local, par.expert_axes, 0, 0, tiled=True)
+            computed = _swiglu_batched(received, w)
+            out_blocks = jax.lax.all_to_all(computed, par.expert_axes, 0, 0, tiled=True)
+            out_blocks = out_blocks.reshape(num_experts, cap, -1)
+        out = out_blocks.at[sorted_ids, slot].get(mode="fill", fill_value=0)
+        dropped = jnp.sum(~kept & (sorted_ids < num_experts))  # ids >= num_experts: not ours
+        return combine(out, order, weights), DispatchCounts(dropped, jnp.ones((), jnp.int32))

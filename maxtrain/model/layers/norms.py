@@ -1,0 +1,20 @@
+"""RMSNorm, computed in float32 whatever the compute dtype (variance of bf16 is too coarse)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from maxtrain.model.layers.base import make_param
+
+
+class RMSNorm(nnx.Module):
+    def __init__(self, dim: int, *, eps: float, param_dtype: jnp.dtype, rngs: nnx.Rngs):
+        self.eps = eps
+        self.scale = make_param(rngs, (dim,), ("norm",), std=None, dtype=param_dtype)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x32 = x.astype(jnp.float32)
+        normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return (normed * self.scale[...].astype(jnp.float32)).astype(x.dtype)

@@ -1,0 +1,220 @@
+"""Pipeline parallelism: the decoder's layers split into stages that micro-batches flow through.
+
+`mesh.stage` (within a slice) times `mesh.dcn.stage` (across slices) is S, the number of
+stages. The layers after the leading dense ones are cut into S x R groups of consecutive layers
+(R = `pipeline.repeats`), and stage s holds groups s, S + s, 2S + s, ...: with R = 1 one block
+of consecutive layers (GPipe), with R > 1 several blocks spread over the depth (the circular,
+or interleaved, schedule). Each stage's parameters and optimizer state live only on its devices
+and are still split by fsdp, tensor and expert inside the stage. The leading dense layers of an
+MoE model (`model.moe.first_dense_layers`) run before the pipeline on every stage: the groups
+must all hold the same kinds of layers, so `model.moe.interval` must divide a group's size.
+
+The schedule. The batch is cut into M micro-batches (`pipeline.microbatches`). At iteration t,
+stage s runs unit u = t - s: micro-batch u mod M through its group of repeat u div M. Every
+stage works at once (the stages are one computation mapped over the `stage` mesh axis), and
+after each iteration the outputs shift one stage on, stage S-1's back to stage 0 (one
+collective-permute of a micro-batch's activations). Stage 0 keeps the activations that come
+back in a buffer of M slots until their next repeat, which needs M >= S. R * M + S - 1
+iterations run R * M units per stage, so a stage is idle for a fraction
+
+    bubble = (S - 1) / (R * M + S - 1)
+
+of the step: more micro-batches or more repeats shrink it (a repeat costs one more pass of
+activations around the ring, and R * M units of backward activations stay in flight as with
+GPipe). The backward pass is the automatic derivative of the forward loop: all forward
+iterations, then all backward ones (GPipe order), each stage's gradients landing on its devices.
+
+Checkpoints keep the layers in model order ([layers, ...] per stack, as without a pipeline), so
+a run resumes with another S or R, or none, and every tool reads a pipelined run's checkpoint
+as any other: `to_stages` / `to_model_order` convert at the boundary.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from maxtrain.model.stacks import DENSE_STACK, STACKS, STAGES
+from maxtrain.parallel.mesh import active_rules, constrain, logical_to_spec
+
+
+@dataclass(frozen=True)
+class StageLayout:
+    """How a model's layers are spread over pipeline stages and the schedule that runs them."""
+
+    stages: int  # S
+    repeats: int  # R: groups per stage
+    microbatches: int  # M
+    prologue: int  # leading dense layers, run before the pipeline
+    group: tuple[bool, ...]  # whether each layer of a group is MoE, in order
+
+    def per_group(self, is_moe: bool) -> int:
+        return self.group.count(is_moe)
+
+    @property
+    def iterations(self) -> int:
+        return self.repeats * self.microbatches + self.stages - 1
+
+    @property
+    def bubble(self) -> float:
+        """The fraction of the step each stage waits (see the module docstring)."""
+        return (self.stages - 1) / self.iterations
+
+
+# ---- parameters: model order <-> stages ----------------------------------------------------
+
+
+def to_stages(params: dict[str, Any], layout: StageLayout) -> dict[str, Any]:
+    """A params dict in model order -> the pipelined one: the prologue's dense layers stay in
+    their stack, the rest of each stack becomes params["stages"][stack], [R, S, per group, ...].
+    The groups are consecutive layers, so this is a reshape (row-major: group r * S + s)."""
+    out = {k: v for k, v in params.items() if k not in STACKS.values()}
+    if layout.prologue and DENSE_STACK in params:
+        out[DENSE_STACK] = jax.tree.map(lambda a: a[: layout.prologue], params[DENSE_STACK])
+
+    def grouped(stack: Any, skip: int, count: int) -> Any:
+        shape = (layout.repeats, layout.stages, count)
+        return jax.tree.map(lambda a: a[skip:].reshape(*shape, *a.shape[1:]), stack)
+
+    # A LoRA run's adapters (maxtrain/posttrain/lora.py) may sit on one kind of layer only: a stack
+    # without any is absent from their tree.
+    stages = {
+        key: grouped(params[key], 0 if is_moe else layout.prologue, layout.per_group(is_moe))
+        for is_moe, key in STACKS.items()
+        if layout.per_group(is_moe) and key in params
+    }
+    return {**out, STAGES: stages} if stages else out
+
+
+def to_model_order(params: dict[str, Any], layout: StageLayout) -> dict[str, Any]:
+    """The inverse of to_stages."""
+    out = {k: v for k, v in params.items() if k not in (STAGES, *STACKS.values())}
+    for is_moe, key in STACKS.items():
+        parts = []
+        if not is_moe and layout.prologue and DENSE_STACK in params:
+            parts.append(params[DENSE_STACK])
+        if key in params.get(STAGES, {}):
+            parts.append(jax.tree.map(lambda a: a.reshape(-1, *a.shape[3:]), params[STAGES][key]))
+        if parts:
+            out[key] = jax.tree.map(lambda *p: jnp.concatenate(p), *parts)
+    return out
+
+
+def map_params(tree: Any, convert: Callable[[dict], dict]) -> Any:
+    """`convert` applied to every params dict in a train state: the parameters and each
+    optimizer moment shaped like them. They are recognised by their layer stacks (in model
+    order or in stages), the outermost dict holding one: a LoRA run trains only its adapters,
+    whose tree has no embedding or final norm but the stacks of the layers they adapt."""
+
+    def is_params(node: Any) -> bool:
+        return isinstance(node, dict) and any(k in node for k in (STAGES, *STACKS.values()))
+
+    return jax.tree.map(lambda n: convert(n) if is_params(n) else n, tree, is_leaf=is_params)
+
+
+# ---- the schedule -----------------------------------------------------------------------------
+
+# (the states of one group's stacks {stack: [per group, ...]}, x [mb, T, D], positions,
+# segment_ids [mb, T]) -> (x, statistics of the group's layers)
+GroupFn = Callable[..., tuple[jax.Array, dict[str, jax.Array]]]
+
+
+def run(
+    stacks: dict[str, nnx.Module],
+    layout: StageLayout,
+    x: jax.Array,
+    positions: jax.Array,
+    segment_ids: jax.Array,
+    run_group: GroupFn,
+) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """x [B, T, D] through every group of every stage, in the schedule of the module docstring.
+
+    stacks: the pipelined stacks, parameters [R, S, per group, ...]. Returns the output [B, T, D]
+    and the statistics of the MoE layers, [layers, ...] in model order (sums over tokens).
+    """
+    S, R, M = layout.stages, layout.repeats, layout.microbatches
+    split = {key: nnx.split(module) for key, module in stacks.items()}
+    graphdefs = {key: g for key, (g, _) in split.items()}
+    states = {key: s for key, (_, s) in split.items()}
+    mb = x.shape[0] // M
+
+    def micro(a: jax.Array) -> jax.Array:
+        # [B, ...] -> [M, B/M, ...] taking every M-th row: each device keeps its own rows.
+        return a.reshape(mb, M, *a.shape[1:]).swapaxes(0, 1)
+
+    xs, pos, seg = micro(x), micro(positions), micro(segment_ids)
+    # Every stage holds a buffer of M slots (only stage 0's is used: the micro-batches before
+    # their first repeat, then each one back from stage S-1 until its next), so that all the
+    # bookkeeping below is local to a stage and the one exchange per iteration is the shift.
+    slots = constrain(jnp.broadcast_to(xs, (S, *xs.shape)), (STAGES, None, *_TOKENS))
+    out = constrain(jnp.zeros((S, *xs.shape[1:]), x.dtype), (STAGES, *_TOKENS))
+
+    def one_stage(state, slots, arriving, stage, t, totals):
+        first = stage == 0
+        back = t - S  # the unit stage S-1 finished last iteration, arriving at stage 0 now
+        returned = first & (back >= 0) & (back < R * M)
+        slots = slots.at[back % M].set(jnp.where(returned, arriving, slots[back % M]))
+        x = jnp.where(first, slots[t % M], arriving)
+        unit = t - stage  # micro-batch unit % M of repeat unit // M, if 0 <= unit < R * M
+        valid = (unit >= 0) & (unit < R * M)
+        m, repeat = unit % M, jnp.clip(unit // M, 0, R - 1)
+        group = jax.tree.map(lambda a: a[repeat], state)  # this stage's group of the repeat
+        y, stats = run_group(graphdefs, group, x, pos[m], seg[m])
+        totals = jax.tree.map(lambda t, s: t.at[repeat].add(jnp.where(valid, s, 0)), totals, stats)
+        return y, slots, totals
+
+    per_stage = jax.vmap(one_stage, in_axes=(1, 0, 0, 0, None, 0), spmd_axis_name="stage")
+    shapes = jax.eval_shape(
+        lambda: run_group(graphdefs, _group_state(states), xs[0], pos[0], seg[0])[1]
+    )
+    totals = jax.tree.map(lambda s: jnp.zeros((S, R, *s.shape), s.dtype), shapes)
+    stage_ids = jnp.arange(S)
+
+    def iteration(carry, t):
+        out, slots, totals = carry
+        arriving = _shift(out)  # stage s gets stage s-1's output, 0 gets S-1's
+        out, slots, totals = per_stage(states, slots, arriving, stage_ids, t, totals)
+        slots = constrain(slots, (STAGES, None, *_TOKENS))
+        return (constrain(out, (STAGES, *_TOKENS)), slots, totals), None
+
+    (out, slots, totals), _ = jax.lax.scan(
+        iteration, (out, slots, totals), jnp.arange(layout.iterations)
+    )
+    # The last unit (micro-batch M - 1 of repeat R - 1) is still on stage S - 1.
+    final = slots[0].at[(R * M - 1) % M].set(out[S - 1])  # [M, mb, T, D]
+    y = final.swapaxes(0, 1).reshape(x.shape)
+    # [S, R, per group, ...] -> [R * S * per group, ...]: model order
+    stats = jax.tree.map(lambda a: a.swapaxes(0, 1).reshape(-1, *a.shape[3:]), totals)
+    return y, stats
+
+
+_TOKENS = ("batch", "length", "act_embed")
+
+
+def _shift(out: jax.Array) -> jax.Array:
+    """[S, ...] stage outputs moved one stage on around the ring: one collective-permute in
+    which every device sends its block once (jnp.roll over the sharded stage axis compiles to
+    two permutes, each declaring the whole block)."""
+    active = active_rules()
+    if active is None:  # no mesh: nothing to exchange
+        return jnp.roll(out, 1, axis=0)
+    mesh, rules = active
+    spec = logical_to_spec((STAGES, *_TOKENS), rules, mesh, out.shape)
+    stages = mesh.shape["stage"]
+    ring = [(i, (i + 1) % stages) for i in range(stages)]
+    return jax.shard_map(
+        lambda block: jax.lax.ppermute(block, "stage", ring),
+        mesh=mesh,
+        in_specs=spec,
+        out_specs=spec,
+    )(out)
+
+
+def _group_state(states: dict[str, Any]) -> dict[str, Any]:
+    """One group's parameter state (shapes only), for eval_shape."""
+    return jax.tree.map(lambda a: a[0, 0], states)

@@ -1,0 +1,106 @@
+"""The run's model: the model package's decoder as this run's config asks for it.
+
+The model package builds a decoder from its own ModelConfig and knows nothing of the run. What
+a run wraps around it is decided here, once: the kernels and compute dtype of the platform the
+program is built for, the pipeline's stage layout, LoRA adapters (posttrain/lora.py) and
+quantized matmuls (quantization/training.py). Training, evaluation, inference, the tools and
+the memory estimate all take the model from `model_def(cfg)`, so they run the same one.
+"""
+
+from __future__ import annotations
+
+import jax
+from flax import nnx
+
+from maxtrain import model as model_lib
+from maxtrain.config import Config, ConfigError
+from maxtrain.model import ModelDef
+from maxtrain.model.decoder import Decoder
+from maxtrain.model.stacks import is_moe_per_layer
+from maxtrain.parallel.pipeline import StageLayout
+
+
+def for_platform(
+    cfg: Config, platform: str, device_kind: str = "", chips_per_slice: int = 1
+) -> Config:
+    """The config with the hardware's choices made (model.platform_choices): for the devices
+    the program is built for, which need not be this process's (a CPU host compiles for
+    compile-only TPU devices, parallel/topology.py)."""
+    model = model_lib.platform_choices(cfg.model, platform, device_kind, chips_per_slice)
+    return cfg.model_copy(update={"model": model})
+
+
+def stage_layout(cfg: Config) -> StageLayout | None:
+    """The run's pipeline layout (None without stages); ConfigError if the model does not
+    split into mesh.stage x pipeline.repeats equal groups of layers."""
+    stages = cfg.mesh.stage * cfg.mesh.dcn.stage
+    pipe = cfg.pipeline
+    if stages == 1:
+        return None
+    kinds = is_moe_per_layer(cfg.model)
+    prologue = cfg.model.moe.first_dense_layers if cfg.model.moe is not None else 0
+    pipelined = len(kinds) - prologue
+    groups = stages * pipe.repeats
+    if pipelined <= 0 or pipelined % groups:
+        after = f" after the {prologue} first dense layers" if prologue else ""
+        raise ConfigError(
+            f"model.num_layers={cfg.model.num_layers} leaves {pipelined} layers{after}, not "
+            f"divisible into {stages} stages x pipeline.repeats={pipe.repeats}"
+        )
+    size = pipelined // groups
+    group = kinds[prologue : prologue + size]
+    if any(kinds[prologue + g * size : prologue + (g + 1) * size] != group for g in range(groups)):
+        raise ConfigError(
+            f"pipeline groups of {size} layers hold different kinds of layers: "
+            f"model.moe.interval ({cfg.model.moe.interval}) must divide {size}"
+        )
+    microbatches = pipe.microbatches or stages
+    if microbatches < stages:
+        raise ConfigError(
+            f"pipeline.microbatches={microbatches} is fewer than the {stages} stages; the "
+            "circulating activations need at least one micro-batch per stage"
+        )
+    if cfg.micro_batch_size % microbatches:
+        raise ConfigError(
+            f"the micro-batch of {cfg.micro_batch_size} sequences (train.global_batch_size / "
+            f"train.grad_accum_steps) does not split into pipeline.microbatches={microbatches}"
+        )
+    return StageLayout(stages, pipe.repeats, microbatches, prologue, group)
+
+
+def build_model(cfg: Config, seed: int = 0, layout: StageLayout | None = None) -> Decoder:
+    """A freshly initialised model; with lora.rank > 0 with its adapters, created after the
+    model so that the base initialises the same with and without them."""
+    module = model_lib.build(cfg.model, seed, layout)
+    if cfg.lora.enabled:
+        from maxtrain.posttrain import lora  # Qwix takes seconds to import: only when asked
+
+        lora.add_adapters(module, cfg.lora, seed)
+    return module
+
+
+def model_def(cfg: Config, pipelined: bool = True) -> ModelDef:
+    """The model to run: pipelined if the mesh has stages (unless pipelined=False: the model
+    in layer order, as checkpoints hold it); with lora.rank > 0, with low-rank adapters; with
+    `quantization:` set, its matmuls quantized. Quantization changes only the graph
+    definition: the params are the float model's."""
+    layout = stage_layout(cfg) if pipelined else None
+    module = nnx.eval_shape(lambda: build_model(cfg, layout=layout))
+    adapter_dtype = None
+    if cfg.lora.enabled:
+        from maxtrain.posttrain import lora
+
+        module = lora.with_lora(module, cfg.lora)
+        adapter_dtype = model_lib.compute_dtype(cfg.model)
+    if cfg.quantization.preset != "none" or cfg.quantization.rules:
+        # Imported only when asked for: Qwix and tokamax take seconds to import.
+        from maxtrain.quantization import training as quantized_training
+
+        module = quantized_training.quantize(module, cfg.quantization)
+    return model_lib.define(module, cfg.model, layout, adapter_dtype)
+
+
+def adapter_count(cfg: Config) -> int:
+    """The low-rank adapters' parameters: what a LoRA run trains."""
+    state = nnx.state(nnx.eval_shape(lambda: build_model(cfg)), nnx.LoRAParam)
+    return sum(int(x.size) for x in jax.tree.leaves(state))

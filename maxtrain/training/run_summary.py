@@ -1,0 +1,99 @@
+"""`<run_dir>/summary.json`: what a run did, in one small file, for scripts that compare runs.
+
+Its keys are metrics.jsonl's (`train/loss`, `eval/loss`, `eval/prose/loss`, ...: the newest
+value of each), plus what only the whole run knows: `step`, `tokens_seen` (step x tokens per
+step, across resumes), `params_total` and `params_active` (per token; they differ for MoE),
+`wall_time_s` (of the invocation that wrote it) and `stopped_by` when a signal ended it.
+
+A run killed after its final checkpoint but before this file is written is complete, and the
+next start says so instead of training; it then writes the summary from metrics.jsonl
+(`from_metrics`), without a wall time, which that start cannot know.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from maxtrain import model as model_lib
+from maxtrain.common.files import write_atomic
+from maxtrain.config import Config
+from maxtrain.training import run_model
+
+FILE = "summary.json"
+
+
+def basics(cfg: Config, step: int) -> dict[str, Any]:
+    """The keys every summary has, whatever wrote it."""
+    return {
+        "step": step,
+        "tokens_seen": step * cfg.tokens_per_step,
+        "params_total": model_lib.param_count(cfg.model),
+        "params_active": model_lib.active_param_count(cfg.model),
+    }
+
+
+def from_metrics(cfg: Config, step: int) -> dict[str, Any]:
+    """The summary of a run that ended at `step` without writing one: basics plus the newest
+    value of each key metrics.jsonl logged up to that step (non-numbers, i.e. histograms, left
+    out)."""
+    newest: dict[str, Any] = {}
+    path = cfg.run_dir / "metrics.jsonl"
+    lines = path.read_text().splitlines() if path.is_file() else []
+    for record in map(json.loads, lines):
+        if record.get("step", 0) <= step:
+            newest.update({k: v for k, v in record.items() if isinstance(v, int | float)})
+    newest.pop("step", None)
+    return {**basics(cfg, step), **newest}
+
+
+def write(run_dir: Path, summary: dict[str, Any]) -> Path:
+    """Writes it whole or not at all (a kill mid-write leaves none, and the next start
+    writes it)."""
+    path = Path(run_dir) / FILE
+    write_atomic(path, json.dumps(summary, indent=2))
+    return path
+
+
+def describe_start(cfg: Config) -> str:
+    """The start-up line saying what is trained: parameters (total, active per token; with LoRA,
+    the adapters' count, where they sit and on what base), steps and the schedule's length."""
+    return (
+        f"maxtrain: {count(model_lib.param_count(cfg.model))} parameters "
+        f"({count(model_lib.active_param_count(cfg.model))} active per token), "
+        f"{_adapters(cfg)}"
+        f"{cfg.train.steps} steps of {count(cfg.tokens_per_step)} tokens, "
+        f"lr schedule {cfg.optim.schedule} over {cfg.schedule_steps} steps"
+    )
+
+
+def _adapters(cfg: Config) -> str:
+    """With lora.rank > 0: how many parameters train (the adapters) and of what base."""
+    lora = cfg.lora
+    if not lora.enabled:
+        return ""
+    stored = "" if lora.base_quantization == "none" else f", stored {lora.base_quantization}"
+    return (
+        f"{count(run_model.adapter_count(cfg))} of them trained (LoRA rank {lora.rank} "
+        f"on {', '.join(lora.modules)}; base {cfg.checkpoint.load_parameters_path}{stored}), "
+    )
+
+
+def describe_end(summary: dict[str, Any], path: Path) -> str:
+    """The last line of a run: its step, wall time, tokens and final loss, and where the
+    summary is."""
+    which = "eval/loss" if "eval/loss" in summary else "train/loss"
+    loss = f", {which} {summary[which]:.4f}" if which in summary else ""
+    return (
+        f"maxtrain: done at step {summary['step']} in {summary['wall_time_s']:.0f} s, "
+        f"{count(summary['tokens_seen'])} tokens seen{loss}; summary in {path}"
+    )
+
+
+def count(n: float) -> str:
+    """1234567 -> '1.23M'."""
+    for unit, size in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= size:
+            return f"{n / size:.3g}{unit}"
+    return str(int(n))

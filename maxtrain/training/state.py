@@ -1,0 +1,261 @@
+"""The train state (step, params, optimizer state), created directly in its sharded layout.
+
+Parameters are a plain nested dict of arrays (see model/definition.py); their shardings come
+from each parameter's logical axes and the config's mesh rules.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx, struct
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from maxtrain.config import Config
+from maxtrain.model import ModelDef
+from maxtrain.parallel import pipeline
+from maxtrain.parallel.mesh import logical_to_spec
+from maxtrain.parallel.pipeline import StageLayout
+from maxtrain.training import run_model
+from maxtrain.training.run_model import model_def
+
+
+@struct.dataclass
+class TrainState:
+    step: jax.Array
+    # what the optimizer trains: the whole model, or its adapters (maxtrain/posttrain/lora.py)
+    params: Any
+    opt_state: Any
+    # With lora.rank > 0: the frozen base model the adapters sit on (its layer kernels Qwix
+    # QArrays under lora.base_quantization). Read from checkpoint.load_parameters_path at every
+    # start and resume, never saved (SavedLayout drops it). None otherwise.
+    frozen: Any = None
+
+    def model_params(self) -> Any:
+        """The parameters the model runs on."""
+        return model_params(self.params, self.frozen)
+
+
+@struct.dataclass
+class SavedState:
+    """The train state as checkpoints hold it: step, params, optimizer state; never a LoRA
+    run's frozen base (the checkpoint it started from), so that every checkpoint, from before
+    LoRA existed or after, has this one structure."""
+
+    step: jax.Array
+    params: Any
+    opt_state: Any
+
+    def train_state(self, frozen: Any = None) -> TrainState:
+        return TrainState(self.step, self.params, self.opt_state, frozen)
+
+
+def model_params(params: Any, frozen: Any) -> Any:
+    """The trained parameters with the frozen ones (if any) beside them: what ModelDef.apply
+    takes."""
+    if frozen is None:
+        return params
+    from maxtrain.posttrain import lora
+
+    return lora.combine(frozen, params)
+
+
+def param_shardings(mdef: ModelDef, cfg: Config, mesh: Mesh) -> Any:
+    """NamedSharding per parameter, from its logical axes and the config's rules."""
+
+    def sharding(var: nnx.Variable) -> NamedSharding:
+        axes = var.get_metadata().get("out_sharding") or (None,) * var.get_value().ndim
+        return NamedSharding(
+            mesh, logical_to_spec(axes, cfg.mesh.rules, mesh, var.get_value().shape)
+        )
+
+    shardings = jax.tree.map(
+        sharding, mdef.abstract_state, is_leaf=lambda x: isinstance(x, nnx.Variable)
+    )
+    return nnx.to_pure_dict(shardings)
+
+
+def state_shardings(
+    mdef: ModelDef, cfg: Config, mesh: Mesh, tx: optax.GradientTransformation
+) -> TrainState:
+    params = param_shardings(mdef, cfg, mesh)
+    abstract_params = nnx.to_pure_dict(mdef.abstract_state)
+    frozen = None
+    if cfg.lora.enabled:
+        from maxtrain.posttrain import lora
+
+        params, _ = lora.split(params)
+        abstract_params, abstract_base = lora.split(abstract_params)
+        frozen = _leaf_shardings(
+            jax.eval_shape(functools.partial(kept_base, cfg, mdef), abstract_base), mdef, cfg, mesh
+        )
+    replicated = NamedSharding(mesh, P())
+    abstract_opt = jax.eval_shape(tx.init, abstract_params)
+    # Optimizer moments mirror the params they belong to; counters and the like replicate.
+    # A partitioned optimizer (optim.name muon) holds MaskedNode where another part owns a leaf.
+    opt = optax.tree_map_params(
+        tx,
+        lambda v, s: v if isinstance(v, optax.MaskedNode) else s,
+        abstract_opt,
+        params,
+        transform_non_params=lambda _: replicated,
+        is_leaf=lambda v: isinstance(v, optax.MaskedNode),
+    )
+    return TrainState(step=replicated, params=params, opt_state=opt, frozen=frozen)
+
+
+def kept_base(cfg: Config, mdef: ModelDef, base: dict) -> dict:
+    """A LoRA run's frozen base as it is kept: its layer kernels quantized under
+    lora.base_quantization (QLoRA), else as it is."""
+    if cfg.lora.base_quantization == "none":
+        return base
+    from maxtrain.posttrain import lora
+
+    return lora.quantized_kernels(base, mdef.abstract_state, cfg.lora)
+
+
+def abstract_base(mdef: ModelDef, cfg: Config, mesh: Mesh) -> dict:
+    """A LoRA run's base model (its parameters without the adapters, unquantized) as shapes and
+    shardings, its layers in model order as checkpoints hold them (whatever the pipeline): what
+    checkpoint.load_parameters_path is read into."""
+    from maxtrain.posttrain import lora
+
+    if mdef.layout is not None:
+        mdef = model_def(cfg, pipelined=False)
+    shapes = lora.split(nnx.to_pure_dict(mdef.abstract_state))[1]
+    return _with_shardings(shapes, lora.split(param_shardings(mdef, cfg, mesh))[1])
+
+
+def frozen_base(cfg: Config, mdef: ModelDef, shardings: TrainState, base: dict) -> Any:
+    """The loaded base (in model order: abstract_base) as the state keeps it (state.frozen):
+    moved into the run's pipeline stages, if any, quantized under lora.base_quantization, on
+    the frozen part's shardings."""
+
+    def kept(base: dict) -> dict:
+        if mdef.layout is not None:
+            base = pipeline.to_stages(base, mdef.layout)
+        return kept_base(cfg, mdef, base)
+
+    return jax.jit(kept, out_shardings=shardings.frozen)(base)
+
+
+def _leaf_shardings(tree: Any, mdef: ModelDef, cfg: Config, mesh: Mesh) -> Any:
+    """A NamedSharding for every leaf of a params-shaped tree (leaf_specs)."""
+    specs = leaf_specs(tree, mdef.abstract_state, cfg.mesh.rules, mesh)
+    return jax.tree.map(lambda spec: NamedSharding(mesh, spec), specs)
+
+
+def leaf_specs(tree: Any, abstract_state: nnx.State, rules: dict, mesh: Any) -> Any:
+    """A PartitionSpec for every leaf of a params-shaped tree, from the logical axes of the
+    parameter it belongs to and its own shape: a quantized kernel's values and scales are split
+    like it, wherever their shape allows. mesh: a Mesh or an AbstractMesh (the dry-run's)."""
+    axes = {
+        tuple(str(k) for k in path): var.get_metadata().get("out_sharding")
+        for path, var in nnx.to_flat_state(abstract_state)
+    }
+
+    def spec(path, leaf) -> P:
+        names = tuple(str(k.key) for k in path if isinstance(k, jax.tree_util.DictKey))
+        return logical_to_spec(axes[names] or (None,) * leaf.ndim, rules, mesh, leaf.shape)
+
+    return jax.tree_util.tree_map_with_path(spec, tree)
+
+
+def init_state(
+    cfg: Config, mesh: Mesh, tx: optax.GradientTransformation, abstract: bool = False
+) -> tuple[TrainState, ModelDef, TrainState]:
+    """Returns (state, model definition, shardings of the state), parameters born sharded.
+
+    A pipelined model starts from the parameters the plain one is initialised with, moved into
+    its stages: the same run with or without stages starts from the same model. abstract=True:
+    the state's shapes and shardings only, nothing allocated (to compile a step for a model
+    bigger than this host: maxtrain.tools.benchmark --dry-run --compile).
+    """
+    mdef = model_def(cfg)
+    shardings = state_shardings(mdef, cfg, mesh, tx)
+
+    def create() -> TrainState:
+        model = run_model.build_model(cfg, seed=cfg.run.seed)
+        params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+        if mdef.layout is not None:
+            params = pipeline.to_stages(params, mdef.layout)
+        frozen = None
+        if cfg.lora.enabled:  # the base is replaced by the loaded one (training/loop.py)
+            from maxtrain.posttrain import lora
+
+            params, base = lora.split(params)
+            frozen = kept_base(cfg, mdef, base)
+        return TrainState(
+            step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params), frozen=frozen
+        )
+
+    if abstract:
+        state = _with_shardings(jax.eval_shape(create), shardings)
+    else:
+        state = jax.jit(create, out_shardings=shardings)()
+    return state, mdef, shardings
+
+
+def _with_shardings(shapes: Any, shardings: Any) -> Any:
+    return jax.tree.map(
+        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), shapes, shardings
+    )
+
+
+@dataclass(frozen=True)
+class SavedLayout:
+    """The train state as checkpoints hold it, and the conversions to and from the run's.
+
+    Checkpoints keep the layers in model order whatever the pipeline (parallel/pipeline.py), so
+    any run, pipelined or not, resumes from them and every tool reads them. Without a pipeline
+    the two layouts are the same and nothing is converted; with one, a save first copies the
+    state into model order on the devices (a transient second copy of the layer parameters and
+    optimizer moments, and for repeats > 1 an exchange between stages), and a restore moves it
+    back into the stages.
+    """
+
+    layout: StageLayout | None
+    shardings: SavedState  # of the state in model order
+
+    def saved(self, state: TrainState) -> SavedState:
+        """The state to save: in model order, without a LoRA run's frozen base."""
+        saved = SavedState(state.step, state.params, state.opt_state)
+        return saved if self.layout is None else self._to_saved(saved)
+
+    def abstract(self, state: TrainState) -> Any:
+        """The saved state's shapes and shardings: the target a restore reads into."""
+        return _with_shardings(jax.eval_shape(self.saved, state), self.shardings)
+
+    def restored(self, state: Any, run_shardings: Any) -> Any:
+        """A state (or params) read from a checkpoint, laid out as the run's."""
+        if self.layout is None:
+            return state
+        convert = functools.partial(pipeline.map_params, convert=self._to_stages)
+        return jax.jit(convert, out_shardings=run_shardings)(state)
+
+    @functools.cached_property
+    def _to_saved(self):
+        convert = functools.partial(pipeline.map_params, convert=self._to_model_order)
+        return jax.jit(convert, out_shardings=self.shardings)
+
+    def _to_model_order(self, params: dict) -> dict:
+        return pipeline.to_model_order(params, self.layout)
+
+    def _to_stages(self, params: dict) -> dict:
+        return pipeline.to_stages(params, self.layout)
+
+
+def saved_layout(
+    cfg: Config, mesh: Mesh, tx: optax.GradientTransformation, mdef: ModelDef
+) -> SavedLayout:
+    in_model_order = mdef if mdef.layout is None else model_def(cfg, pipelined=False)
+    shardings = state_shardings(in_model_order, cfg, mesh, tx)
+    return SavedLayout(
+        mdef.layout, SavedState(shardings.step, shardings.params, shardings.opt_state)
+    )

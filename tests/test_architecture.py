@@ -1,0 +1,152 @@
+"""The tree matches docs/architecture.md: only entry points at the package root, imports that
+point downward (none from model code into training, post-training, inference, evaluation or
+the run's config; no cycle, imports inside functions included), and every repository path
+the docs name exists. Read from the source (AST), nothing imported."""
+
+import ast
+import re
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+PACKAGE = REPO / "maxtrain"
+ENTRY_POINTS = {"__init__.py", "train.py", "generate.py", "evaluate.py"}
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(REPO).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+MODULES = {_module_name(p): p for p in PACKAGE.rglob("*.py")}
+
+
+def _imports(path: Path) -> set[str]:
+    """The maxtrain modules a file imports, anywhere in it (functions included): `from a.b
+    import c` counts a.b.c when c is a module, else a.b (a package's own re-exports from its
+    submodules are how a package presents itself, not a cycle)."""
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        names: list[str] = []
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            modules = [f"{node.module}.{a.name}" for a in node.names]
+            names = [m for m in modules if m in MODULES]
+            if len(names) < len(modules):  # names defined in node.module itself
+                names.append(node.module)
+        for name in names:
+            if name.split(".")[0] != "maxtrain":
+                continue
+            found.add(name)
+    return {m for m in found if m in MODULES}
+
+
+GRAPH = {name: _imports(path) - {name} for name, path in MODULES.items()}
+
+
+def test_the_package_root_holds_only_entry_points():
+    modules = {p.name for p in PACKAGE.glob("*.py")}
+    assert modules <= ENTRY_POINTS, sorted(modules - ENTRY_POINTS)
+
+
+def _cycles() -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan)."""
+    index, low, stack, on_stack, out = {}, {}, [], set(), []
+
+    def visit(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in GRAPH[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                out.append(sorted(component))
+
+    for v in sorted(GRAPH):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_no_import_cycle_lazy_imports_included():
+    assert _cycles() == []
+
+
+FORBIDDEN_FOR_MODEL = (
+    "maxtrain.training",
+    "maxtrain.posttrain",
+    "maxtrain.inference",
+    "maxtrain.evaluation",
+    "maxtrain.tools",
+)
+
+
+@pytest.mark.parametrize("package", ["maxtrain.model", "maxtrain.parallel"])
+def test_model_code_imports_downward_only(package):
+    wrong = {
+        module: sorted(i for i in imports if i.startswith(FORBIDDEN_FOR_MODEL))
+        for module, imports in GRAPH.items()
+        if module.startswith(package)
+    }
+    assert {m: i for m, i in wrong.items() if i} == {}
+
+
+@pytest.mark.parametrize("package", ["model", "parallel"])
+def test_model_code_takes_its_own_config_not_the_runs(package):
+    """Layers, kernels and parallel building blocks take ModelConfig, MeshConfig, ...: never
+    the run's whole Config (training/run_model.py composes the run's model from them)."""
+    takers = [
+        str(path.relative_to(REPO))
+        for path in (PACKAGE / package).rglob("*.py")
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.ImportFrom)
+        and (node.module or "").startswith("maxtrain.config")
+        and any(alias.name == "Config" for alias in node.names)
+    ]
+    assert takers == []
+
+
+_PATH = re.compile(r"(?<![\w/.-])((?:maxtrain|tests|configs|recipes|docs|\.ci)/[\w./*-]*[\w/*])")
+
+
+def _named_paths(text: str) -> set[str]:
+    return {m.rstrip("/.") for m in _PATH.findall(text) if "*" not in m}
+
+
+@pytest.mark.parametrize(
+    "doc",
+    sorted(
+        str(p.relative_to(REPO))
+        for p in [
+            REPO / "README.md",
+            *(REPO / "docs").glob("*.md"),
+            *(REPO / "recipes").rglob("*.md"),
+        ]
+    ),
+)
+def test_every_path_the_docs_name_exists(doc):
+    missing = sorted(p for p in _named_paths((REPO / doc).read_text()) if not (REPO / p).exists())
+    assert missing == []
+
+
+def test_the_tree_in_docs_architecture_is_the_packages():
+    """docs/architecture.md's tree names every package under maxtrain/, and only those."""
+    text = (REPO / "docs" / "architecture.md").read_text()
+    tree = text.split("```")[1]
+    named = set(re.findall(r"^  (\w+)/", tree, re.MULTILINE))
+    packages = {p.parent.name for p in PACKAGE.glob("*/__init__.py")}
+    assert named == packages

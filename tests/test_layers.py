@@ -1,0 +1,136 @@
+"""Attention (GQA with RoPE and qk-norm, MLA), the SwiGLU MLP and RMSNorm against NumPy
+written from the papers' formulas, on random parameters and a batch of two packed documents
+(positions restart and attention stops at the boundary)."""
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from maxtrain.model.layers.attention import Attention
+from maxtrain.model.layers.mla import LATENT_NORM_EPS, MLA
+from maxtrain.model.layers.mlp import MLP
+from maxtrain.model.layers.norms import RMSNorm
+
+B, T = 2, 12
+RNG = np.random.default_rng(0)
+# Two documents per row: 7 tokens then 5 (positions restart at the second one).
+SEGMENTS = np.array([[1] * 7 + [2] * 5] * B, np.int32)
+POSITIONS = np.array([list(range(7)) + list(range(5))] * B, np.int32)
+
+
+def _randomised(module: nnx.Module) -> dict:
+    """Every parameter of `module` set to a random normal (norm scales around 1), as NumPy."""
+    state = nnx.state(module, nnx.Param)
+    params = jax.tree_util.tree_map_with_path(
+        lambda path, p: (
+            1 + 0.3 * RNG.standard_normal(p.shape) if "scale" in str(path[-1])
+            else 0.2 * RNG.standard_normal(p.shape)
+        ).astype(np.float32),
+        nnx.to_pure_dict(state),
+    )  # fmt: skip
+    nnx.replace_by_pure_dict(state, params)
+    nnx.update(module, state)
+    return params
+
+
+def _layer(cls, model_cfg):
+    return cls(model_cfg, param_dtype=np.float32, compute_dtype=np.float32, rngs=nnx.Rngs(0))
+
+
+def rms_norm(x, scale, eps):
+    return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * scale
+
+
+def rope(x, positions, theta):
+    """Rotate-half RoPE (Su et al. 2021, Llama's pairing): dims i and i + H/2 rotate together."""
+    h = x.shape[-1]
+    angles = positions[..., None] * (1.0 / theta ** (np.arange(0, h, 2) / h))  # [B, T, H/2]
+    sin, cos = np.sin(angles)[:, :, None], np.cos(angles)[:, :, None]
+    x1, x2 = x[..., : h // 2], x[..., h // 2 :]
+    return np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+
+
+def attend(q, k, v):
+    """Causal softmax attention within each document; query head n reads kv head n // G."""
+    group = q.shape[2] // k.shape[2]
+    k, v = np.repeat(k, group, axis=2), np.repeat(v, group, axis=2)
+    scores = np.einsum("btnh,bsnh->bnts", q, k) / np.sqrt(q.shape[-1])
+    causal = np.tril(np.ones((T, T), bool))
+    allowed = causal & (SEGMENTS[:, :, None] == SEGMENTS[:, None, :])  # [B, T, S]
+    scores = np.where(allowed[:, None], scores, -np.inf)
+    probs = np.exp(scores - scores.max(-1, keepdims=True))
+    probs /= probs.sum(-1, keepdims=True)
+    return np.einsum("bnts,bsnh->btnh", probs, v)
+
+
+def _run(layer, x):
+    return np.asarray(layer(x, POSITIONS, SEGMENTS))
+
+
+def test_rms_norm():
+    layer = RMSNorm(32, eps=1e-5, param_dtype=np.float32, rngs=nnx.Rngs(0))
+    scale = _randomised(layer)["scale"]
+    x = RNG.standard_normal((B, T, 32)).astype(np.float32)
+    np.testing.assert_allclose(np.asarray(layer(x)), rms_norm(x, scale, 1e-5), rtol=1e-5)
+
+
+def test_swiglu_mlp(make_cfg):
+    cfg = make_cfg("model_name=tiny").model
+    layer = _layer(MLP, cfg)
+    p = _randomised(layer)
+    x = RNG.standard_normal((B, T, cfg.emb_dim)).astype(np.float32)
+    gate, up = x @ p["gate"]["kernel"], x @ p["up"]["kernel"]
+    expected = (gate / (1 + np.exp(-gate)) * up) @ p["down"]["kernel"]  # silu(gate) * up
+    out, stats = layer(x)
+    assert stats == {}
+    np.testing.assert_allclose(np.asarray(out), expected, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("model_name", ["tiny", "tiny-qk"])
+def test_grouped_query_attention(make_cfg, model_name):
+    cfg = make_cfg(f"model_name={model_name}", "model.attention=xla").model
+    layer = _layer(Attention, cfg)
+    p = _randomised(layer)
+    x = RNG.standard_normal((B, T, cfg.emb_dim)).astype(np.float32)
+    q = np.einsum("btd,dnh->btnh", x, p["q"]["kernel"])
+    k = np.einsum("btd,dkh->btkh", x, p["k"]["kernel"])
+    v = np.einsum("btd,dkh->btkh", x, p["v"]["kernel"])
+    if cfg.qk_norm:
+        q = rms_norm(q, p["q_norm"]["scale"], cfg.norm_eps)
+        k = rms_norm(k, p["k_norm"]["scale"], cfg.norm_eps)
+    q, k = rope(q, POSITIONS, cfg.rope_theta), rope(k, POSITIONS, cfg.rope_theta)
+    expected = np.einsum("btnh,nhd->btd", attend(q, k, v), p["o"]["kernel"])
+    np.testing.assert_allclose(_run(layer, x), expected, rtol=1e-4, atol=1e-5)
+
+
+def test_multi_head_latent_attention(make_cfg):
+    """DeepSeek-V2's MLA: queries through a low-rank latent, keys and values from one shared
+    normed latent, a rotary key part shared by all heads beside each head's own."""
+    cfg = make_cfg("model_name=tiny-mla", "model.attention=xla", "model.rope_interleaved=false")
+    cfg = cfg.model
+    m = cfg.mla
+    layer = _layer(MLA, cfg)
+    p = _randomised(layer)
+    x = RNG.standard_normal((B, T, cfg.emb_dim)).astype(np.float32)
+    if m.q_lora_rank is None:
+        q = np.einsum("btd,dnh->btnh", x, p["q"]["kernel"])
+    else:
+        q_latent = rms_norm(x @ p["q_a"]["kernel"], p["q_norm"]["scale"], LATENT_NORM_EPS)
+        q = np.einsum("btr,rnh->btnh", q_latent, p["q_b"]["kernel"])
+    fused = x @ p["kv_a"]["kernel"]
+    latent, k_rope = fused[..., : m.kv_lora_rank], fused[..., m.kv_lora_rank :]
+    kv = np.einsum(
+        "btr,rnh->btnh",
+        rms_norm(latent, p["kv_norm"]["scale"], LATENT_NORM_EPS),
+        p["kv_b"]["kernel"],
+    )
+    k_nope, v = kv[..., : m.qk_nope_head_dim], kv[..., m.qk_nope_head_dim :]
+    k_rope = rope(k_rope[:, :, None], POSITIONS, cfg.rope_theta)  # one for every head
+    q_rope = rope(q[..., m.qk_nope_head_dim :], POSITIONS, cfg.rope_theta)
+    k = np.concatenate(
+        [k_nope, np.broadcast_to(k_rope, (*k_nope.shape[:3], m.qk_rope_head_dim))], -1
+    )
+    q = np.concatenate([q[..., : m.qk_nope_head_dim], q_rope], -1)
+    expected = np.einsum("btnh,nhd->btd", attend(q, k, v), p["o"]["kernel"])
+    np.testing.assert_allclose(_run(layer, x), expected, rtol=1e-4, atol=1e-5)
