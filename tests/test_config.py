@@ -133,3 +133,13 @@ def test_the_reference_lists_every_key_at_the_schemas_default():
 def test_base_yml_restates_no_default():
     """configs/base.yml sets only what the default run changes: one source for every default."""
     assert [k for k, v, d in _leaves("base.yml") if v == d] == []
+
+
+def test_a_section_given_in_part_keeps_the_rest_of_its_default():
+    cfg = config_lib.load(
+        BASE, ["checkpoint.local.every_steps=7", "mesh.rules.length=[]", "optim.muon.ns_steps=3"]
+    )
+    assert (cfg.checkpoint.local.every_steps, cfg.checkpoint.local.keep) == (7, 2)
+    assert cfg.checkpoint.persistent.every_steps == 500
+    assert cfg.mesh.rules["length"] == [] and cfg.mesh.rules["embed"] == ["fsdp"]
+    assert (cfg.optim.muon.ns_steps, cfg.optim.muon.momentum) == (3, 0.95)

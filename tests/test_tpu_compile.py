@@ -7,6 +7,7 @@ in it (no silent fallback to plain XLA), and the exchange the path is about move
 over the mesh axes it should.
 """
 
+import jax
 import pytest
 
 from maxtrain.analysis import program
@@ -134,6 +135,9 @@ def test_mla_with_multi_token_prediction(make_cfg):
         make_cfg, "model_name=tiny-mla", "mesh.fsdp=4", "model.mtp.depth=1", "model.moe=null"
     )
     _has(found, ATTENTION)
+    # The MTP block attends outside the layer scan: a backward kernel of its own beside the
+    # layers' (one without multi-token prediction).
+    assert found["splash_mha_dq_segmented_no_residuals"] == 2, found
 
 
 def test_int8_training(make_cfg):
@@ -143,7 +147,7 @@ def test_int8_training(make_cfg):
 
 
 def test_lora_on_an_nf4_base(make_cfg, tmp_path):
-    _, _, found = _compile(
+    trainer, hlo, found = _compile(
         make_cfg,
         "mesh.fsdp=4",
         "lora.rank=4",
@@ -151,11 +155,18 @@ def test_lora_on_an_nf4_base(make_cfg, tmp_path):
         f"checkpoint.load_parameters_path={tmp_path / 'base'}",
     )
     _has(found, ATTENTION)
+    frozen = {str(leaf.dtype) for leaf in jax.tree.leaves(trainer.state.frozen)}
+    assert "uint4" in frozen and "u4[" in hlo  # the base's kernels reach the chip as 4-bit codes
 
 
 def test_muon(make_cfg):
     trainer, hlo, found = _compile(make_cfg, "mesh.fsdp=2", "mesh.tensor=2", "optim.name=muon")
     _has(found, ATTENTION)
+    # Newton-Schulz orthogonalises each layer matrix whole: gathered over both axes it is split
+    # on, at least its own bytes (AdamW's step gathers 11% of that here).
+    matrices = [x for x in jax.tree.leaves(trainer.state.params["layers"]) if x.ndim >= 3]
+    whole = sum(x.size * x.dtype.itemsize for x in matrices)
+    assert _collectives(trainer, hlo).get("ici all-gather fsdp+tensor", 0) >= whole
 
 
 def test_two_slices(make_cfg):

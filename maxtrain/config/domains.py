@@ -33,12 +33,19 @@ class Section(BaseModel):
     @model_validator(mode="before")
     @classmethod
     def _over_nested_defaults(cls, data: Any) -> Any:
-        """A nested section given in part keeps the rest of its default: `checkpoint.local:
-        {every_steps: 2}` keeps local's keep of 2, as one source of defaults requires."""
+        """A nested section or mapping given in part keeps the rest of its default:
+        `checkpoint.local: {every_steps: 2}` keeps local's keep of 2, `mesh.rules: {length:
+        [context]}` keeps the other sharding rules. One source of defaults: the schema."""
         if not isinstance(data, dict):
             return data
         merged = dict(data)
         for name, field in cls.model_fields.items():
-            if isinstance(field.default, BaseModel) and isinstance(merged.get(name), dict):
-                merged[name] = {**field.default.model_dump(exclude_unset=True), **merged[name]}
+            given = merged.get(name)
+            if not isinstance(given, dict) or field.is_required():
+                continue
+            default = field.get_default(call_default_factory=True)
+            if isinstance(default, BaseModel):
+                merged[name] = {**default.model_dump(exclude_unset=True), **given}
+            elif isinstance(default, dict):
+                merged[name] = {**default, **given}
         return merged

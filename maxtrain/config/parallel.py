@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, model_validator
 
 from maxtrain.config.domains import PositiveInt, PositiveOrMinusOne, Section
 
@@ -60,12 +60,6 @@ class MeshConfig(MeshAxes):
     num_slices: int = Field(default=1, gt=0)
     dcn: DcnAxes = DcnAxes()
     rules: dict[str, list[MeshAxis]] = Field(default_factory=lambda: dict(DEFAULT_RULES))
-
-    @field_validator("rules", mode="before")
-    @classmethod
-    def _over_the_defaults(cls, rules: object) -> object:
-        """A config names the rules it changes; the others keep their defaults."""
-        return {**DEFAULT_RULES, **rules} if isinstance(rules, dict) else rules
 
 
 class PipelineConfig(Section):
