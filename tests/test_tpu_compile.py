@@ -21,8 +21,8 @@ ATTENTION = ["splash_mha_fwd_segmented_residuals", "splash_mha_dq_segmented_no_r
 GROUPED_MATMUL = ["pallas_tpu_ragged_dot_gmm", "pallas_tpu_ragged_dot_tgmm"]
 # tokamax's TPU grouped matmul takes matrices at least 128 wide (narrower ones fall back to XLA)
 MOE = ("model_name=tiny-moe", "model.emb_dim=128", "model.moe.expert_mlp_dim=128")
-# TPU kernels tile 128 tokens a lane: sequences of 256 keep the compiles small.
-SMALL = ("train.seq_len=256", "train.global_batch_size=8")
+# TPU kernels tile 128 tokens a lane: sequences of one tile keep the compiles small.
+SMALL = ("train.seq_len=128", "train.global_batch_size=8")
 
 
 def _compile(make_cfg, *overrides: str, slices: int = 1) -> tuple:
