@@ -8,9 +8,11 @@ CHECKPOINT is a step, tier or run directory (the newest complete step) or an imp
 Face checkpoint; key=value overrides apply to the config saved with it (the mesh, the data for
 --loss). --tasks scores log-likelihood tasks (maxtrain/evaluation/tasks.py: committed names,
 task directories or JSONL files) and prints acc, acc_norm and chance per task; --loss prints
-the held-out loss and perplexity of the run's data sources (any data.kind), as the train loop's
-eval does. The numbers are those the train loop writes for the same parameters
-(train.eval_tasks, train.eval_shots). Bad input is one line on stderr and exit status 2.
+the held-out loss and perplexity of the run's data sources (any data.kind) under the objective
+the run trained with (DPO: its loss, accuracy and reward margin against the model the run
+started from), as the train loop's eval does. The numbers are those the train loop writes for
+the same parameters (train.eval_tasks, train.eval_shots). Bad input is one line on stderr and
+exit status 2.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ def main(argv: list[str] | None = None) -> int:
     # Imported here: jax and the model take seconds to import, --help should not wait for them.
     import jax
 
+    from maxtrain import posttrain
     from maxtrain.data import batch_sharding
     from maxtrain.data.streams import data_streams
     from maxtrain.evaluation.harness import chance, task_evaluator
@@ -55,9 +58,18 @@ def main(argv: list[str] | None = None) -> int:
             )
             _, streams = data_streams(scored)  # data mistakes are found before compiling
 
+            # Scored as the run was trained: DPO's loss against the model it started from.
+            objective = posttrain.objective(cfg.train)
+            reference = None
+            if objective.uses_reference:
+                reference = load_model(args.checkpoint, args.overrides, devices, initial=True)
+                reference = reference.params
+
             def traced(params, batch):
                 with sharding_rules(model.mesh, cfg.mesh.rules):
-                    return eval_step(params, batch, mdef=model.mdef)
+                    return eval_step(
+                        params, batch, mdef=model.mdef, objective=objective, reference=reference
+                    )
 
             sharding = batch_sharding(model.mesh, cfg.mesh.rules)
             loss = held_out_loss(

@@ -120,6 +120,55 @@ def test_model_code_takes_its_own_config_not_the_runs(package):
     assert takers == []
 
 
+# Names that say "lora" without being LoRA's business: Qwix's names for an adapter's two
+# parameters, flax's variable type for them, and DeepSeek's low-rank MLA projections.
+_NOT_LORA = re.compile(r"kernel_lora_[ab]|LoRAParam|q_lora_rank|kv_lora_rank|_MLA_Q_LORA")
+# Where LoRA lives: its package, its config section, and the tools' CLIs of each subsystem.
+LORA_HOMES = ("maxtrain/posttrain/", "maxtrain/config/", "maxtrain/tools/")
+
+
+def _code_words(tree: ast.AST) -> set[str]:
+    """Every identifier, attribute, imported name and string in a module's code (comments and
+    docstrings are prose, not wiring)."""
+    docstrings = {
+        id(node.body[0].value)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Module | ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef)
+        and node.body
+        and isinstance(node.body[0], ast.Expr)
+        and isinstance(node.body[0].value, ast.Constant)
+    }
+    words = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Name):
+            words.add(node.id)
+        elif isinstance(node, ast.Attribute):
+            words.add(node.attr)
+        elif isinstance(node, ast.alias):
+            words.add(node.name)
+        elif isinstance(node, ast.FunctionDef | ast.ClassDef | ast.arg):
+            words.add(getattr(node, "name", None) or node.arg)
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            words.add(node.module)
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+            if id(node) not in docstrings:
+                words.add(node.value)
+    return words
+
+
+def test_lora_is_wired_only_through_post_training():
+    """The loop, the step, the state, the model and the tools around them know a parameter
+    split (training/split.py), never LoRA: its code lives in maxtrain/posttrain/, picked in
+    one place (maxtrain/posttrain/__init__.py)."""
+    wired = {
+        str(path.relative_to(REPO)): sorted(w for w in words if "lora" in w.lower())
+        for path in MODULES.values()
+        if not str(path.relative_to(REPO)).startswith(LORA_HOMES)
+        for words in [{_NOT_LORA.sub("", w) for w in _code_words(ast.parse(path.read_text()))}]
+    }
+    assert {path: words for path, words in wired.items() if words} == {}
+
+
 _PATH = re.compile(r"(?<![\w/.-])((?:maxtrain|tests|configs|recipes|docs|\.ci)/[\w./*-]*[\w/*])")
 
 

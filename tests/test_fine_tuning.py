@@ -10,11 +10,13 @@ import numpy as np
 import pytest
 
 from maxtrain.config import ConfigError
+from maxtrain.config.run import DPOConfig
 from maxtrain.data import chat, to_global
 from maxtrain.data.grain_pipeline import Pipeline
-from maxtrain.training import objectives
+from maxtrain.posttrain.dpo import DPO, ReferenceCopy
 from maxtrain.training.loop import build_trainer
-from maxtrain.training.step import summed_grads, token_losses
+from maxtrain.training.objectives import NEXT_TOKEN
+from maxtrain.training.step import summed_grads
 
 CONVERSATION = [
     {"role": "system", "content": "Be brief."},
@@ -105,7 +107,7 @@ def test_packed_conversations_give_the_loss_they_give_alone(make_cfg, tmp_path, 
     alone = {k: np.pad(np.stack(v), ((0, rows - len(v)), (0, 0))) for k, v in alone.items()}
     batch = {k: np.pad(v, ((0, rows - len(v)), (0, 0))) for k, v in batch.items()}
     trainer = build_trainer(cfg, jax.devices()[:1])
-    fn = jax.jit(lambda p, b: token_losses(trainer.mdef, p, b, 0.0)[:2])
+    fn = jax.jit(lambda p, b: NEXT_TOKEN(trainer.mdef, p, b, 0.0)[:2])
     nll_packed, count_packed = fn(trainer.state.params, batch)
     nll_alone, count_alone = fn(trainer.state.params, alone)
     assert count_packed == count_alone == batch["loss_mask"].sum()
@@ -219,20 +221,17 @@ def _direct_dpo(trainer, params, reference, batch, beta):
 def test_dpo_step_loss_and_gradients_are_the_formula(dpo_case):
     trainer, batch, params, reference = dpo_case
     beta = 0.5
-    batch = {
-        **batch,
-        objectives.REFERENCE: objectives.reference_logps(trainer.mdef, reference, batch),
-    }
-    objective = lambda *a: objectives.dpo_losses(*a, beta=beta, kind="sigmoid")  # noqa: E731
+    objective = DPO(DPOConfig(beta=beta, loss="sigmoid"))
     both = jax.jit(  # one program: one compilation
         lambda p, r, b: (
-            summed_grads(trainer.mdef, p, b, 0.0, objective),
+            summed_grads(trainer.mdef, p, b, 0.0, objective, frozen=r, split=ReferenceCopy()),
             _direct_dpo(trainer, p, r, b, beta),
         )
     )
-    (grads, (loss, pairs, *_rest)), (expected_loss, expected_grads) = both(params, reference, batch)
+    (grads, sums), (expected_loss, expected_grads) = both(params, reference, batch)
+    pairs = sums.count
     assert pairs == batch["inputs"].shape[0]
-    np.testing.assert_allclose(loss / pairs, expected_loss, rtol=1e-5)
+    np.testing.assert_allclose(sums.loss / pairs, expected_loss, rtol=1e-5)
     for (path, g), e in zip(
         jax.tree.leaves_with_path(grads), jax.tree.leaves(expected_grads), strict=True
     ):
@@ -243,9 +242,42 @@ def test_dpo_step_loss_and_gradients_are_the_formula(dpo_case):
 
 def test_dpo_loss_is_log_2_when_the_policy_is_the_reference(dpo_case):
     trainer, batch, params, _ = dpo_case
-    batch = {**batch, objectives.REFERENCE: objectives.reference_logps(trainer.mdef, params, batch)}
-    loss, pairs, *_rest, sums = objectives.dpo_losses(
-        trainer.mdef, params, batch, 0.0, beta=0.1, kind="sigmoid"
-    )
-    np.testing.assert_allclose(loss / pairs, math.log(2), rtol=1e-6)
-    assert sums["dpo/reward_margin"] == 0 and sums["dpo/accuracy"] == pairs / 2  # ties: half
+    sums = DPO(DPOConfig(beta=0.1, loss="sigmoid"))(trainer.mdef, params, batch, 0.0, params)
+    pairs = sums.count
+    np.testing.assert_allclose(sums.loss / pairs, math.log(2), rtol=1e-6)
+    assert sums.sums["dpo/reward_margin"] == 0 and sums.sums["dpo/accuracy"] == pairs / 2  # ties
+
+
+def test_a_dpo_run_and_the_evaluate_tool_score_the_same_objective(make_cfg, tmp_path):
+    """Two DPO steps from a saved start checkpoint, evaluated at the end: the loop's held-out
+    DPO loss and accuracy are what `python -m maxtrain.evaluate --loss` prints for the saved
+    step, which it scores against the start checkpoint (the reference) as training did; at the
+    start, the policy is the reference: log 2 and half the pairs right."""
+    from maxtrain import config as config_lib
+    from maxtrain import evaluate as evaluate_cli
+    from maxtrain.checkpointing.export import save_parameters
+    from maxtrain.training import loop
+
+    pairs = [{"prompt": f"{i} + {i}?", "chosen": f"{2 * i}.", "rejected": "No."} for i in range(40)]
+    (tmp_path / "pairs.jsonl").write_text("".join(json.dumps(p) + "\n" for p in pairs))
+    common = [
+        *TINY_SFT,
+        "data.chat_template=plain",
+        "data.eval_fraction=0.2",
+        "train.eval_steps=1",
+        f"data.sources=[{{name: pairs, path: {tmp_path / 'pairs.jsonl'}, format: preference}}]",
+    ]
+    start = make_cfg(*TINY_SFT)
+    trainer = build_trainer(start, jax.devices()[:1])
+    save_parameters(tmp_path / "start", trainer.state.params, config_yaml=config_lib.to_yaml(start))
+    dpo = [*common, "train.task=dpo", f"checkpoint.load_parameters_path={tmp_path / 'start'}"]
+    at_start = make_cfg(*dpo, "train.steps=1", "train.eval_every=1", "optim.lr=0", "run.name=a")
+    assert math.isclose(loop.run(at_start)["eval/loss"], math.log(2), rel_tol=1e-5)
+    cfg = make_cfg(*dpo, "train.steps=2", "train.eval_every=2", "optim.lr=1e-2", "run.name=dpo")
+    trained = loop.run(cfg)
+    assert trained["eval/loss"] < math.log(2)  # two steps on these pairs move the policy
+    out = tmp_path / "scores.json"
+    assert evaluate_cli.main([str(cfg.run_dir), "--no-tasks", "--loss", "--output", str(out)]) == 0
+    scores = json.loads(out.read_text())
+    assert math.isclose(scores["loss"], trained["eval/loss"], rel_tol=1e-5)
+    assert math.isclose(scores["loss/dpo/accuracy"], trained["eval/dpo/accuracy"], rel_tol=1e-6)

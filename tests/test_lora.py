@@ -17,7 +17,7 @@ from maxtrain.parallel.mesh import sharding_rules
 from maxtrain.posttrain import lora
 from maxtrain.training import run_model
 from maxtrain.training.loop import build_trainer, run
-from maxtrain.training.state import frozen_base, model_params
+from maxtrain.training.state import frozen_state
 from maxtrain.training.step import summed_grads
 
 LORA = ["lora.rank=4", "lora.alpha=8", "checkpoint.load_parameters_path=unused"]
@@ -39,7 +39,7 @@ def _batch(trainer):
 def _with_base(trainer, base):
     """The trainer's state with `base` (a plain model's params) as its frozen base."""
     cfg = trainer.cfg
-    frozen = frozen_base(cfg, trainer.mdef, trainer.shardings, base)
+    frozen = frozen_state(cfg, trainer.mdef, trainer.shardings, base)
     trainer.state = trainer.state.replace(frozen=frozen)
     return trainer
 
@@ -82,7 +82,7 @@ def test_zero_adapters_leave_the_logits_unchanged(dense):
         if jax.tree_util.keystr(path).endswith("'kernel_lora_b']"):
             assert not np.any(np.asarray(leaf))
     expected = _logits(plain, plain.state.params, batch)
-    got = _logits(adapted, adapted.state.model_params(), batch)
+    got = _logits(adapted, adapted.model_params(), batch)
     np.testing.assert_array_equal(np.asarray(got), np.asarray(expected))
 
 
@@ -125,10 +125,10 @@ def test_adapter_gradients_are_the_chain_rule_through_the_merged_weight(dense):
 
     def grads(trainer, p, f=None):
         with sharding_rules(trainer.mesh, cfg.mesh.rules):
-            return summed_grads(trainer.mdef, p, batch, 0.0, frozen=f)[0]
+            return summed_grads(trainer.mdef, p, batch, 0.0, frozen=f, split=trainer.split)[0]
 
     got = jax.device_get(jax.jit(lambda p, f: grads(adapted, p, f))(params, frozen))
-    merged = lora.merge(model_params(params, frozen), cfg.lora, adapted.mdef.abstract_state)
+    merged = lora.merge(lora.combine(frozen, params), cfg.lora, adapted.mdef.abstract_state)
     dw = jax.device_get(jax.jit(lambda p: grads(plain, p))(merged))
     s = cfg.lora.scale
     for stack, block, name in [
@@ -160,7 +160,7 @@ def test_qlora_runs_on_the_dequantized_base(dense, make_cfg, qtype):
     assert not isinstance(trainer.state.frozen["embedding"], qwix.QArray)  # only layer kernels
     batch = _batch(trainer)
     expected = _logits(plain, lora.dequantized(trainer.state.frozen), batch)
-    got = _logits(trainer, trainer.state.model_params(), batch)
+    got = _logits(trainer, trainer.model_params(), batch)
     np.testing.assert_allclose(np.asarray(got), np.asarray(expected), rtol=1e-5, atol=1e-5)
     loss_w = np.asarray(plain.state.params["layers"]["attn"]["q"]["kernel"])
     err = np.linalg.norm(np.asarray(qwix.dequantize(kernel)) - loss_w) / np.linalg.norm(loss_w)
@@ -241,8 +241,10 @@ def _loss_and_grads(trainer, batch):
     """(params, frozen) -> the summed token loss and its gradients, one compile for all calls."""
 
     def fn(params, frozen):
-        grads, aux = summed_grads(trainer.mdef, params, batch, 0.0, frozen=frozen)
-        return aux[0], grads
+        grads, sums = summed_grads(
+            trainer.mdef, params, batch, 0.0, frozen=frozen, split=trainer.split
+        )
+        return sums.loss, grads
 
     compiled = jax.jit(fn)
 
@@ -282,7 +284,7 @@ def test_qlora_in_stages_computes_what_it_does_without(dense, staged):
     )
 
     params = _perturbed(flat.state.params)
-    flat_base = frozen_base(flat.cfg, flat.mdef, flat.shardings, in_model_order)
+    flat_base = frozen_state(flat.cfg, flat.mdef, flat.shardings, in_model_order)
     want = _loss_and_grads(flat, batch)(params, flat_base)[1]
     staged_grads = in_stages(pipeline.to_stages(params, layout), adapted.state.frozen)[1]
     got = pipeline.to_model_order(staged_grads, layout)

@@ -16,8 +16,9 @@ from maxtrain import model as model_lib
 from maxtrain.analysis import memory
 from maxtrain.checkpointing import integrity
 from maxtrain.hf.convert import import_checkpoint
+from maxtrain.posttrain.lora import adapter_count
 from maxtrain.training import loop as train
-from maxtrain.training import run_model, run_summary
+from maxtrain.training import run_summary
 from maxtrain.training.trainer import build_trainer
 
 HF_FIXTURES = Path(__file__).parent / "fixtures" / "hf"
@@ -56,7 +57,7 @@ def test_estimate_counts_adapter_state_and_the_frozen_base_as_the_train_state_ho
 
     names = {str(path[-1].key) for path, _ in jax.tree_util.tree_flatten_with_path(state.params)[0]}
     assert names == {"kernel_lora_a", "kernel_lora_b"}
-    assert sum(x.size for x in jax.tree.leaves(state.params)) == run_model.adapter_count(cfg)
+    assert sum(x.size for x in jax.tree.leaves(state.params)) == adapter_count(cfg.model, cfg.lora)
     adapters = device_bytes(state.params)
     moments = [x for x in jax.tree.leaves(state.opt_state) if jnp.issubdtype(x.dtype, jnp.floating)]
     assert estimate.params == adapters == estimate.gradients
@@ -152,7 +153,7 @@ def test_lora_checkpoint_of_an_imported_hf_model_holds_the_adapters_and_two_mome
     params = {path: array for path, array in saved.items() if path[0] == "params"}
     assert {path[-1] for path in params} == {"kernel_lora_a", "kernel_lora_b"}
     assert len(params) == 2 * 7
-    adapters = run_model.adapter_count(cfg)
+    adapters = adapter_count(cfg.model, cfg.lora)
     assert array_bytes(params.values()) == 4 * adapters
     moments = [a for path, a in saved.items() if path[0] == "opt_state" and a[0] != ()]
     assert array_bytes(moments) == 2 * 4 * adapters

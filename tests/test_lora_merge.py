@@ -1,4 +1,4 @@
-"""Merging a LoRA run's adapters into its base (maxtrain/posttrain/lora_merge.py,
+"""Merging a LoRA run's adapters into its base (maxtrain/posttrain/merging.py,
 maxtrain.tools.merge_lora):
 the merged checkpoint computes the adapted model's function (QLoRA: on the dequantized base),
 exports to Hugging Face with the merged weights, and loads wherever a model checkpoint does;
@@ -35,7 +35,7 @@ from maxtrain.surgery.initialize import initial_params
 from maxtrain.tokenizers import DEFAULT_TOKENIZER
 from maxtrain.training import run_model
 from maxtrain.training.run_model import model_def
-from maxtrain.training.state import abstract_base, frozen_base, state_shardings
+from maxtrain.training.state import abstract_frozen, frozen_state, state_shardings
 
 BASE = config_lib.CONFIGS_DIR / "base.yml"
 MERGE_LORA = runpy.run_path(str(config_lib.REPO_ROOT / "maxtrain" / "tools" / "merge_lora.py"))[
@@ -73,7 +73,8 @@ def lora_run(tmp: Path, model: str, *lora_keys: str):
     with sharding_rules(mesh, cfg.mesh.rules):
         mdef = model_def(cfg, pipelined=False)
         shardings = state_shardings(mdef, cfg, mesh, optim.build(cfg.optim, 4)[0])
-    frozen = frozen_base(cfg, mdef, shardings, initial_params(cfg, abstract_base(mdef, cfg, mesh)))
+    loaded = initial_params(cfg, abstract_frozen(mdef, cfg, mesh))
+    frozen = frozen_state(cfg, mdef, shardings, loaded)
     built = jax.jit(lambda: nnx.state(run_model.build_model(cfg, 2), nnx.Param))()
     adapters = lora.split(nnx.to_pure_dict(built))[0]
     keys = iter(jax.random.split(jax.random.key(3), 64))

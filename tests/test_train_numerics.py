@@ -22,8 +22,8 @@ def loss_and_grads(trainer, local_batch):
 
     def fn(params, batch):
         with sharding_rules(trainer.mesh, cfg.mesh.rules):
-            grads, (nll, count, *_) = summed_grads(trainer.mdef, params, batch, 0.0)
-        return nll / count, jax.tree.map(lambda g: g / count, grads)
+            grads, sums = summed_grads(trainer.mdef, params, batch, 0.0)
+        return sums.loss / sums.count, jax.tree.map(lambda g: g / sums.count, grads)
 
     batch = to_global(local_batch, trainer.batch_sharding)
     return jax.device_get(jax.jit(fn)(trainer.state.params, batch))

@@ -17,13 +17,12 @@ for a slice. The parts:
                       micro-batch, plus one layer's recomputation working set
   logits              the [tokens, vocab] logits and their gradient (the loss never makes a
                       float32 copy)
-  reference           train.task dpo: the frozen reference, a second copy of the parameters
-  frozen              lora.rank > 0 (maxtrain/posttrain/lora.py): the frozen base model, as stored:
-  its
-                      parameters in param_dtype, except under lora.base_quantization the layer
-                      kernels it adapts, as quantized values (int8 1 byte, int4/nf4 half a
-                      byte) and float32 scales. `params`, `optimizer` and `gradients` are then
-                      the adapters' alone, and DPO's reference is zero adapters (adapter-sized)
+  frozen              what the run holds and does not train (training/split.py): DPO's
+                      reference, a second copy of the parameters; or a LoRA run's base model as
+                      stored: its parameters in param_dtype, except under lora.base_quantization
+                      the layer kernels it adapts, as quantized values (int8 1 byte, int4/nf4
+                      half a byte) and float32 scales; `params`, `optimizer` and `gradients`
+                      are then the adapters' alone
 
 With pipeline stages (parallel/pipeline.py) a device holds its stage's layers only, and the
 backward pass keeps every iteration's activations: R x M + S - 1 iterations of one group of
@@ -60,8 +59,9 @@ from maxtrain.optim import muon
 from maxtrain.parallel.experts import exchange_implementation, routed_capacity
 from maxtrain.parallel.mesh import axis_sizes, spec_axes
 from maxtrain.parallel.pipeline import StageLayout
+from maxtrain.posttrain import parameter_split
 from maxtrain.training.run_model import model_def, stage_layout
-from maxtrain.training.state import kept_base, leaf_specs
+from maxtrain.training.state import leaf_specs
 
 _BYTES = {"float32": 4, "bfloat16": 2}
 
@@ -76,7 +76,6 @@ class MemoryEstimate:
     gradients: int
     activations: int
     logits: int
-    reference: int = 0
     frozen: int = 0
 
     @property
@@ -167,7 +166,6 @@ def estimate(cfg: Config, num_devices: int) -> MemoryEstimate:
         gradients=params * (2 if cfg.train.grad_accum_steps > 1 else 1),
         activations=activations,
         logits=logits,
-        reference=params if cfg.train.task == "dpo" else 0,
         frozen=sum(_shard_bytes(leaf, shard) for _, leaf, shard in frozen),
     )
 
@@ -202,15 +200,13 @@ def _param_shards(cfg: Config, mesh: AbstractMesh) -> tuple[list[Shard], list[Sh
 
 def _params(cfg: Config, mdef: ModelDef) -> tuple[dict, dict]:
     """(trained, frozen): the model's parameters as shapes, split as the train state splits
-    them (training/state.py): with lora.rank > 0 the adapters train and the base is frozen, kept as
-    state.kept_base keeps it (its adapted layer kernels quantized under lora.base_quantization)."""
-    params = nnx.to_pure_dict(mdef.abstract_state)
-    if not cfg.lora.enabled:
-        return params, {}
-    from maxtrain.posttrain import lora  # Qwix takes seconds to import: only when asked
-
-    adapters, base = lora.split(params)
-    return adapters, jax.eval_shape(functools.partial(kept_base, cfg, mdef), base)
+    them (training/split.py), the frozen part as the state stores it (QLoRA: quantized)."""
+    split = parameter_split(cfg)
+    trained, frozen = split.split(nnx.to_pure_dict(mdef.abstract_state))
+    if frozen is None:
+        return trained, {}
+    stored = functools.partial(split.stored, abstract_state=mdef.abstract_state)
+    return trained, jax.eval_shape(stored, frozen)
 
 
 def _shard_bytes(leaf: jax.ShapeDtypeStruct, shard: list[int]) -> int:

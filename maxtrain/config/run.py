@@ -26,7 +26,7 @@ class DPOConfig(Section):
 
 class TrainConfig(Section):
     # pretrain and sft: next-token loss on loss_mask (sft data masks all but the assistant);
-    # dpo: preference pairs against a frozen reference (maxtrain/training/objectives.py)
+    # dpo: preference pairs against a frozen reference (maxtrain/posttrain/dpo.py)
     task: Literal["pretrain", "sft", "dpo"] = "pretrain"
     dpo: DPOConfig = DPOConfig()
     steps: int = Field(default=300, gt=0)

@@ -49,6 +49,7 @@ from maxtrain.hf.families import Family, family_for
 from maxtrain.hf.layout import Slot, slots
 from maxtrain.hf.safetensors_io import OutputTensor, TensorReader, write_safetensors
 from maxtrain.hf.tokenizer_files import run_tokenizer, special_ids, tokenizer_files
+from maxtrain.posttrain import partial_checkpoint
 from maxtrain.tokenizers import TOKENIZER_MODELS, copy_tokenizer_files, load_tokenizer
 
 MODEL_YAML = "model.yml"  # written beside the imported checkpoint's step directory
@@ -179,13 +180,8 @@ def export_checkpoint(
             "it was quantized from"
         )
     cfg = checkpoint_model_config(step_dir)
-    rank = ((yaml.safe_load(read_saved_config(step_dir)) or {}).get("lora") or {}).get("rank")
-    if rank:
-        raise ConversionError(
-            f"checkpoint {step_dir} holds a LoRA run's adapters (lora.rank={rank}), not a whole "
-            "model; merge them into their base first (python -m maxtrain.tools.merge_lora "
-            f"{step_dir} MERGED) and export MERGED"
-        )
+    if why := partial_checkpoint(step_dir, yaml.safe_load(read_saved_config(step_dir)) or {}):
+        raise ConversionError(why)
     hf_config(cfg, family_for(cfg), dtype or cfg.param_dtype)  # unsupported: fail before reading
     device = SingleDeviceSharding(jax.devices("cpu")[0])
     abstract = jax.tree.map(

@@ -30,6 +30,8 @@ from maxtrain.data.grain_pipeline import EMBEDDED_PREFIX
 from maxtrain.data.shards import read_metadata
 from maxtrain.model import ModelDef, build
 from maxtrain.parallel.mesh import build_mesh, sharding_rules
+from maxtrain.posttrain import parameter_split
+from maxtrain.surgery.initialize import initial_params
 from maxtrain.tokenizers import DEFAULT_TOKENIZER, TOKENIZER_MODELS, Tokenizer, load_tokenizer
 from maxtrain.training.run_model import model_def
 from maxtrain.training.state import param_shardings
@@ -53,20 +55,20 @@ def load_model(
 ) -> LoadedModel:
     """The parameters of the newest complete step under `path`, on a mesh of `devices`
     (default all); CheckpointError/ConfigError (one line) for a bad path or override.
-    initial: the parameters the run started from instead (its model initialised with
-    run.seed, as the train state is at step 0): the baseline an evaluation compares with.
-    A LoRA run's step (lora.rank > 0) loads as the plain model its adapters merge into
-    (posttrain/lora_merge.py); its initial parameters are its base, as the run kept it (zero
-    adapters)."""
+    initial: the parameters the run started from instead (as the train state held them at
+    step 0: _initial): the baseline an evaluation compares with, and DPO's reference.
+    A step of a run whose split adds parameters (adapters: training/split.py) loads as the
+    plain model they merge into (posttrain/merging.py); its initial parameters are its base,
+    as the run kept it (zero adapters)."""
     step_dir = Path(resolve_step_dir(absolute(path)))
     cfg = saved_config(step_dir, overrides)
     mesh = build_mesh(cfg.mesh, devices)
     step = 0 if initial or not step_dir.name.isdigit() else int(step_dir.name)
-    if cfg.lora.enabled:  # the adapters folded into their base (Qwix: only when asked for)
-        from maxtrain.posttrain import lora_merge
+    if parameter_split(cfg).adds_parameters:  # folded into their base (Qwix: only when asked)
+        from maxtrain.posttrain import merging
 
-        params = lora_merge.merged_params(cfg, None if initial else step_dir, mesh)
-        cfg = lora_merge.plain_config(cfg)
+        params = merging.merged_params(cfg, None if initial else step_dir, mesh)
+        cfg = merging.plain_config(cfg)
         with sharding_rules(mesh, cfg.mesh.rules):
             mdef = model_def(cfg, pipelined=False)
         return LoadedModel(cfg, mdef, params, mesh, step_dir, step)
@@ -79,13 +81,23 @@ def load_model(
         shardings,
     )
     if initial:
-        init = lambda: nnx.to_pure_dict(nnx.state(build(cfg.model, seed=cfg.run.seed), nnx.Param))
-        return LoadedModel(cfg, mdef, jax.jit(init, out_shardings=shardings)(), mesh, step_dir, 0)
+        return LoadedModel(cfg, mdef, _initial(cfg, abstract), mesh, step_dir, 0)
     # float, or maxtrain.tools.quantize's (the package imports Qwix: only when a model is loaded)
     from maxtrain.quantization.ptq import load_parameters_dequantized
 
     params = load_parameters_dequantized(step_dir, abstract)
     return LoadedModel(cfg, mdef, params, mesh, step_dir, step)
+
+
+def _initial(cfg: Config, abstract: Any) -> Any:
+    """The parameters a run started from, as its train state held them at step 0: those read
+    from checkpoint.load_parameters_path (transformed per init.mode), else its model
+    initialised with run.seed."""
+    if cfg.checkpoint.load_parameters_path:
+        return initial_params(cfg, abstract)
+    init = lambda: nnx.to_pure_dict(nnx.state(build(cfg.model, seed=cfg.run.seed), nnx.Param))  # noqa: E731
+    shardings = jax.tree.map(lambda a: a.sharding, abstract)
+    return jax.jit(init, out_shardings=shardings)()
 
 
 def find_tokenizer(

@@ -42,8 +42,8 @@ from maxtrain.parallel.pipeline import StageLayout
 _KERNEL_PRIMITIVES = frozenset({"pallas_call", "remat_opt"})
 
 
-# A matmul summing fewer values than this is recomputed rather than kept: LoRA's (x A) B
-# (maxtrain/posttrain/lora.py) contracts over the adapter rank, costs a rank/width share of its
+# A matmul summing fewer values than this is recomputed rather than kept: an adapter's (x A) B
+# (maxtrain/posttrain/) contracts over the adapter rank, costs a rank/width share of its
 # projection to recompute, and its output is as large as the projection's.
 _RECOMPUTED_CONTRACTION = 128
 
@@ -133,8 +133,8 @@ def stacked_blocks(
 
 
 def dequantized(layer_state: nnx.State) -> nnx.State:
-    """One layer's parameters with any Qwix QArray (QLoRA's quantized base,
-    maxtrain/posttrain/lora.py)
+    """One layer's parameters with any Qwix QArray (an adapted run's quantized frozen base,
+    maxtrain/posttrain/)
     multiplied out in float32. Called per layer inside the layer loop, so that one layer's float
     copy exists at a time. Without Qwix loaded no parameter can be quantized: nothing to do."""
     qwix = sys.modules.get("qwix")

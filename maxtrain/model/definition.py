@@ -19,7 +19,7 @@ from flax import nnx
 
 from maxtrain.config import ModelConfig
 from maxtrain.model.kv_cache import LayerCache
-from maxtrain.model.layers.base import LORA_A, LORA_B
+from maxtrain.model.layers.base import ADAPTER_A, ADAPTER_B
 from maxtrain.model.mtp import MultiTokenTraining
 from maxtrain.model.router_training import AuxiliaryTraining, NoAuxiliary, RouterTraining, Stats
 from maxtrain.parallel.pipeline import StageLayout
@@ -40,8 +40,8 @@ class ModelDef:
     auxiliary: AuxiliaryTraining
     layout: StageLayout | None = None  # pipeline stages (parallel/pipeline.py), or none
     context_layout: str = "contiguous"  # token order over mesh.context (parallel/context.py)
-    # lora.rank > 0: the dtype the adapters compute in, the model's compute dtype. They are kept
-    # float32 (maxtrain/posttrain/lora.py) and cast here, as a projection casts its kernel: left
+    # With adapters: the dtype they compute in, the model's compute dtype. They are kept
+    # float32 (maxtrain/posttrain/) and cast here, as a projection casts its kernel: left
     # float32,
     # every adapted projection would run its low-rank products in float32.
     adapter_dtype: Any = None
@@ -86,8 +86,8 @@ class ModelDef:
 
 
 def _is_adapter(path: tuple) -> bool:
-    """A LoRA adapter's leaf, by its key path (maxtrain/posttrain/lora.py, which imports Qwix)."""
-    return str(getattr(path[-1], "key", "")) in (LORA_A, LORA_B)
+    """An adapter's leaf, by its key path (maxtrain/posttrain/ adds them; it imports Qwix)."""
+    return str(getattr(path[-1], "key", "")) in (ADAPTER_A, ADAPTER_B)
 
 
 def define(

@@ -81,7 +81,7 @@ def to_stages(params: dict[str, Any], layout: StageLayout) -> dict[str, Any]:
         shape = (layout.repeats, layout.stages, count)
         return jax.tree.map(lambda a: a[skip:].reshape(*shape, *a.shape[1:]), stack)
 
-    # A LoRA run's adapters (maxtrain/posttrain/lora.py) may sit on one kind of layer only: a stack
+    # A run's adapters (maxtrain/posttrain/) may sit on one kind of layer only: a stack
     # without any is absent from their tree.
     stages = {
         key: grouped(params[key], 0 if is_moe else layout.prologue, layout.per_group(is_moe))
@@ -108,7 +108,7 @@ def to_model_order(params: dict[str, Any], layout: StageLayout) -> dict[str, Any
 def map_params(tree: Any, convert: Callable[[dict], dict]) -> Any:
     """`convert` applied to every params dict in a train state: the parameters and each
     optimizer moment shaped like them. They are recognised by their layer stacks (in model
-    order or in stages), the outermost dict holding one: a LoRA run trains only its adapters,
+    order or in stages), the outermost dict holding one: an adapted run trains only its adapters,
     whose tree has no embedding or final norm but the stacks of the layers they adapt."""
 
     def is_params(node: Any) -> bool:

@@ -1,0 +1,44 @@
+"""Post-training as plug-ins: the one place a run's objective and parameter split are picked.
+
+The loop, the step and the state know only the contracts (training/objectives.py Objective,
+training/split.py ParameterSplit). What post-training adds implements them here: DPO's
+objective and frozen reference (dpo.py), LoRA/QLoRA's adapters on a frozen base (lora.py,
+imported only when asked for: Qwix takes seconds to import), and the merge of a split's
+checkpoint into a plain model (merging.py).
+"""
+
+from __future__ import annotations
+
+from maxtrain.config import Config, TrainConfig
+from maxtrain.posttrain.dpo import DPO, ReferenceCopy
+from maxtrain.training.objectives import NEXT_TOKEN, Objective
+from maxtrain.training.split import ParameterSplit, WholeModel
+
+
+def objective(train: TrainConfig) -> Objective:
+    """What train.task minimises: next-token loss (pretrain, sft) or DPO's."""
+    return DPO(train.dpo) if train.task == "dpo" else NEXT_TOKEN
+
+
+def parameter_split(cfg: Config) -> ParameterSplit:
+    """What the run trains and what it holds frozen: adapters on a frozen base (lora.rank > 0),
+    the whole model beside a frozen reference copy (dpo), or the whole model."""
+    if cfg.lora.enabled:
+        from maxtrain.posttrain.lora import LoraSplit
+
+        return LoraSplit(cfg.lora)
+    return ReferenceCopy() if cfg.train.task == "dpo" else WholeModel()
+
+
+def partial_checkpoint(step_dir: str, saved: dict) -> str | None:
+    """Why a checkpoint, by the config saved with it (a dict, as read), holds less than a whole
+    model and how to make one; None when it holds a whole model. A LoRA run's holds only its
+    adapters: they merge into their base first."""
+    rank = (saved.get("lora") or {}).get("rank")
+    if not rank:
+        return None
+    return (
+        f"checkpoint {step_dir} holds a LoRA run's adapters (lora.rank={rank}), not a whole "
+        "model; merge them into their base first (python -m maxtrain.tools.merge_lora "
+        f"{step_dir} MERGED) and export MERGED"
+    )

@@ -35,12 +35,14 @@ import jax.numpy as jnp
 import qwix
 from flax import nnx
 
-from maxtrain.config import ConfigError, LoraConfig
-from maxtrain.model.layers.base import LORA_A, LORA_B, Projection
+from maxtrain import model as model_lib
+from maxtrain.common.units import count
+from maxtrain.config import Config, ConfigError, LoraConfig, ModelConfig
+from maxtrain.model.layers.base import ADAPTER_A, ADAPTER_B, Projection
 from maxtrain.model.layers.moe import ExpertKernel
 from maxtrain.model.stacks import STACKS, STAGES
 
-A, B = LORA_A, LORA_B  # the names Qwix's provider looks up beside `kernel`
+A, B = ADAPTER_A, ADAPTER_B  # the names Qwix's provider looks up beside `kernel`
 # The logical axis of the adapters' rank dim (mesh.rules; by default split over fsdp): where
 # the other dim of A or B is not split over fsdp (B of q, A of o, ...), the rank dim is, so
 # that every adapter is divided over the devices like the weight it adapts.
@@ -85,7 +87,7 @@ def add_adapters(model: nnx.Module, lcfg: LoraConfig, seed: int) -> nnx.Module:
         b = jnp.zeros(b_shape, jnp.float32)
         setattr(module, B, nnx.LoRAParam(b, out_sharding=b_axes, eager_sharding=False))
         if isinstance(module, ExpertKernel):
-            module.lora_scale = lcfg.scale
+            module.adapter_scale = lcfg.scale
     return model
 
 
@@ -262,3 +264,57 @@ def _get(tree: dict, path: tuple) -> Any:
     for key in path:
         tree = tree[key]
     return tree
+
+
+# ---- the parameter split (training/split.py) ------------------------------------------------
+
+
+class LoraSplit:
+    """The adapters train; the base they sit on is frozen (its adapted layer kernels stored
+    quantized under lora.base_quantization), read from checkpoint.load_parameters_path."""
+
+    adds_parameters = True
+    loads_trained = False
+    has_frozen = True
+
+    def __init__(self, lcfg: LoraConfig):
+        self.lcfg = lcfg
+
+    def adapt(self, module: nnx.Module, seed: int) -> None:
+        add_adapters(module, self.lcfg, seed)
+
+    def wrap(self, module: nnx.Module) -> nnx.Module:
+        return with_lora(module, self.lcfg)
+
+    def split(self, params: dict) -> tuple[dict, dict]:
+        return split(params)
+
+    def combine(self, trained: dict, frozen: Any) -> dict:
+        return combine(frozen, trained)
+
+    def stored(self, frozen: dict, abstract_state: nnx.State) -> dict:
+        if self.lcfg.base_quantization == "none":
+            return frozen
+        return quantized_kernels(frozen, abstract_state, self.lcfg)
+
+    def start(self, trained: dict, frozen: Any) -> dict:
+        """The base under zero adapters: the model the run started from, nothing stored."""
+        return combine(frozen, jax.tree.map(jnp.zeros_like, trained))
+
+    def describe(self, cfg: Config) -> str:
+        lcfg = self.lcfg
+        stored = "" if lcfg.base_quantization == "none" else f", stored {lcfg.base_quantization}"
+        return (
+            f"{count(adapter_count(cfg.model, lcfg))} of them trained (LoRA rank {lcfg.rank} on "
+            f"{', '.join(lcfg.modules)}; base {cfg.checkpoint.load_parameters_path}{stored}), "
+        )
+
+
+def adapter_count(model_cfg: ModelConfig, lcfg: LoraConfig) -> int:
+    """The adapters' parameters: what a LoRA run trains."""
+
+    def adapted() -> nnx.Module:
+        return add_adapters(model_lib.build(model_cfg, 0), lcfg, 0)
+
+    state = nnx.state(nnx.eval_shape(adapted), nnx.LoRAParam)
+    return sum(int(x.size) for x in jax.tree.leaves(state))

@@ -82,7 +82,7 @@ def quantize(model: nnx.Module, qcfg: QuantizationConfig) -> nnx.Module:
                 f"modules: {', '.join(sorted(p for p in paths if p))}"
             )
     provider = _QtProvider([_qwix_rule(r) for r in active])
-    # skip_nnx_init: the first call only creates variables (static-range statistics, LoRA
+    # skip_nnx_init: the first call only creates variables (static-range statistics, adapter
     # weights), none of which dynamic-range QT has; so the model may stay abstract.
     return qwix.quantize_model(model, provider, None, skip_nnx_init=True)
 

@@ -103,7 +103,9 @@ def lora_settings(cfg: config_lib.Config, estimate: memory.MemoryEstimate, devic
     lora = cfg.lora
     if not lora.enabled:
         return {}
-    trained = run_model.adapter_count(cfg)
+    from maxtrain.posttrain.lora import adapter_count  # Qwix takes seconds to import
+
+    trained = adapter_count(cfg.model, lora)
     full_cfg = cfg.model_copy(update={"lora": lora.model_copy(update={"rank": 0})})
     full = memory.estimate(full_cfg, devices)
     return {

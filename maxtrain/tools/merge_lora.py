@@ -12,7 +12,7 @@ run's with lora.rank 0, so maxtrain.tools.convert_hf export, maxtrain.generate,
 maxtrain.evaluate and
 checkpoint.load_parameters_path read it as any model. key=value: overrides of the run's saved
 config (mesh.*, or checkpoint.load_parameters_path=... for a base that has moved). Mistakes
-print one line and exit 2, with nothing written (maxtrain/posttrain/lora_merge.py does the work).
+print one line and exit 2, with nothing written (maxtrain/posttrain/merging.py does the work).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("overrides", nargs="*", help="key=value overrides of the run's config")
     args = parser.parse_intermixed_args(argv)
     try:
-        from maxtrain.posttrain.lora_merge import (
+        from maxtrain.posttrain.merging import (
             merge_checkpoint,  # Qwix: after the arguments parse
         )
 

@@ -14,7 +14,6 @@ import time
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import yaml
 
 from maxtrain import config as config_lib
@@ -42,19 +41,16 @@ from maxtrain.training.cadence import PeriodicEval, Profiler, StepLog, say, warn
 from maxtrain.training.interrupts import EXIT_STATUS, StopSignals
 from maxtrain.training.nonfinite import NonFiniteLoss, NonFiniteWatch
 from maxtrain.training.run_model import model_def
-from maxtrain.training.state import abstract_base, frozen_base
+from maxtrain.training.state import abstract_frozen, frozen_state
 from maxtrain.training.trainer import Trainer, build_trainer
 
 
 def evaluate(trainer: Trainer, eval_streams: list[EvalStream]) -> dict[str, float]:
-    """Loss per held-out stream over train.eval_steps batches, and overall
-    (evaluation/loss.py); for DPO the batches get the reference's log-probabilities."""
-    cfg = trainer.cfg
+    """The objective's loss per held-out stream over train.eval_steps batches, and overall
+    (evaluation/loss.py)."""
     return held_out_loss(
-        lambda params, batch: trainer.eval_fn(
-            params, trainer.state.frozen, trainer.with_reference(batch)
-        ),
-        trainer.state.params, trainer.batch_sharding, eval_streams, cfg.train.eval_steps,
+        lambda params, batch: trainer.eval_fn(params, trainer.state.frozen, batch),
+        trainer.state.params, trainer.batch_sharding, eval_streams, trainer.cfg.train.eval_steps,
     )  # fmt: skip
 
 
@@ -74,7 +70,7 @@ def _resume_or_load(trainer: Trainer, ckpt: TieredCheckpointer | None, train_bat
             trainer.state = restored_state.replace(frozen=trainer.state.frozen)
             return step
     path = trainer.cfg.checkpoint.load_parameters_path
-    if path and not trainer.cfg.lora.enabled:  # with adapters, it is the frozen base
+    if path and trainer.split.loads_trained:  # else it is only the frozen part
         params = initial_params(trainer.cfg, saved.params)
         trainer.state = trainer.state.replace(
             params=trainer.saved.restored(params, trainer.shardings.params)
@@ -83,29 +79,15 @@ def _resume_or_load(trainer: Trainer, ckpt: TieredCheckpointer | None, train_bat
 
 
 def _load_frozen(trainer: Trainer) -> None:
-    """lora.rank > 0: the base model the adapters sit on, from checkpoint.load_parameters_path
-    (transformed per init.mode), at every start and resume: checkpoints hold the adapters only."""
+    """The split's frozen part (training/split.py: a LoRA run's base, DPO's reference), from
+    checkpoint.load_parameters_path (transformed per init.mode), at every start and resume:
+    checkpoints never hold it."""
+    if not trainer.split.has_frozen:
+        return
     cfg = trainer.cfg
-    if not cfg.lora.enabled:
-        return
-    abstract = abstract_base(trainer.mdef, cfg, trainer.mesh)
+    loaded = initial_params(cfg, abstract_frozen(trainer.mdef, cfg, trainer.mesh))
     trainer.state = trainer.state.replace(
-        frozen=frozen_base(cfg, trainer.mdef, trainer.shardings, initial_params(cfg, abstract))
-    )
-
-
-def _load_reference(trainer: Trainer) -> None:
-    """train.task dpo: the frozen reference, the parameters the run started from
-    (checkpoint.load_parameters_path), resumed or not; a copy apart from the trained ones. With
-    adapters, the reference is the frozen base itself: zero adapters on it."""
-    if trainer.cfg.train.task != "dpo":
-        return
-    if trainer.cfg.lora.enabled:
-        trainer.reference = jax.tree.map(jnp.zeros_like, trainer.state.params)
-        return
-    saved = trainer.saved.abstract(trainer.state).params
-    trainer.reference = trainer.saved.restored(
-        initial_params(trainer.cfg, saved), trainer.shardings.params
+        frozen=frozen_state(cfg, trainer.mdef, trainer.shardings, loaded)
     )
 
 
@@ -221,7 +203,6 @@ def _train(
 ) -> dict:
     cfg, is_writer = trainer.cfg, jax.process_index() == 0
     start_step = _resume_or_load(trainer, ckpt, train_batches)
-    _load_reference(trainer)
     if start_step >= cfg.train.steps:  # resumed from a local step at or past the end
         info = ckpt.restore_info or {}
         return _complete(cfg, start_step, info.get("dir") or f"the {info.get('tier')} tier")

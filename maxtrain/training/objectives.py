@@ -1,96 +1,84 @@
-"""The objective each train.task minimises, picked once (`objective`); the train step and loop
-are the same for all (maxtrain/training/step.py describes an objective's contract).
+"""What a step minimises: the objective contract, and next-token cross-entropy (pre-training,
+SFT).
 
-pretrain, sft  next-token cross-entropy on loss_mask (train_step.token_losses); SFT data masks
-               everything but the assistant's tokens (maxtrain/data/chat.py)
-dpo            Direct Preference Optimisation (Rafailov et al., 2023). Each batch row holds one
-               pair: segment 1 the prompt and chosen answer, segment 2 the prompt and rejected
-               one, loss_mask on the answers. With log-probabilities summed over each answer,
-               policy pi and the frozen reference ref,
-                   h = (log pi(chosen) - log ref(chosen)) - (log pi(rejected) - log ref(rejected))
-               sigmoid: -log sigmoid(beta * h);  ipo (Azar et al., 2023): (h - 1 / (2 beta))^2.
-               The reference's per-token log-probabilities come in the batch
-               (`reference_logps`), computed once per batch by `reference_logps` on the same mesh
-               from the parameters the run started from.
+An objective maps (model, parameters, batch) to `LossSums`: sums over the batch, never means,
+so that micro-batches, devices and held-out batches add up before the one division by the
+total count (training/step.py). The loop and the step are the same for every train.task; the
+task picks its objective once (maxtrain/posttrain/__init__.py `objective`). Objectives that
+compare the policy with a frozen model (DPO: maxtrain/posttrain/dpo.py) say so with
+`uses_reference` and get that model's parameters as `reference`; the parameter split
+(training/split.py) says where they come from.
 """
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple, Protocol
 
 import jax
 import jax.numpy as jnp
 
-from maxtrain.config import TrainConfig
 from maxtrain.model import ModelDef
 from maxtrain.model.kernels.cross_entropy import cross_entropy
-from maxtrain.training.step import token_losses
-
-REFERENCE = "reference_logps"  # the batch key DPO's reference log-probabilities come in
-CHOSEN, REJECTED = 1, 2  # their segment ids in a preference row (data/chat.py PreferenceRows)
+from maxtrain.parallel.context import to_layout
 
 
-def target_logps(mdef: ModelDef, params: Any, batch: dict[str, jax.Array]):
-    """([B, T] float32 log-probability of each target, 0 where loss_mask is 0; the model's
-    auxiliary loss; its statistics)."""
-    logits, aux_loss, stats = mdef.apply(
-        params, batch["inputs"], batch["positions"], batch["segment_ids"]
-    )
-    nll, _ = cross_entropy(logits, batch["targets"])
-    return -nll * batch["loss_mask"].astype(jnp.float32), aux_loss, stats
+class LossSums(NamedTuple):
+    """An objective's value on a batch (a pytree: micro-batches add up leaf by leaf)."""
+
+    loss: jax.Array  # summed over what the objective counts
+    count: jax.Array  # what it counts: target tokens (pre-training, SFT), pairs (DPO)
+    z_loss: jax.Array  # summed z-loss terms (0 where the objective has none)
+    aux_loss: jax.Array  # the model's auxiliary loss (router balance), a per-batch mean
+    stats: dict[str, jax.Array]  # the forward pass's statistics (ModelDef.metrics reads them)
+    sums: dict[str, jax.Array]  # further sums, reported per counted item (DPO: its accuracy)
 
 
-def reference_logps(mdef: ModelDef, reference: Any, batch: dict[str, jax.Array]) -> jax.Array:
-    """The frozen reference's target log-probabilities, to put in the batch as REFERENCE."""
-    return jax.lax.stop_gradient(target_logps(mdef, reference, batch)[0])
+class Objective(Protocol):
+    """The loss a train.task minimises, in sums (LossSums)."""
+
+    uses_reference: bool  # compares with frozen reference parameters, given as `reference`
+
+    def __call__(
+        self,
+        mdef: ModelDef,
+        params: Any,
+        batch: dict[str, jax.Array],
+        z_loss: float,
+        reference: Any = None,
+    ) -> LossSums: ...
 
 
-def answer_logps(logps: jax.Array, segment_ids: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """[B, T] per-token log-probabilities -> ([B] chosen, [B] rejected) answer totals."""
-    chosen = jnp.where(segment_ids == CHOSEN, logps, 0.0).sum(-1)
-    rejected = jnp.where(segment_ids == REJECTED, logps, 0.0).sum(-1)
-    return chosen, rejected
+class NextTokenLoss:
+    """Masked next-token cross-entropy with PaLM's z-loss: pre-training, and SFT, whose data
+    masks everything but the assistant's tokens (maxtrain/data/chat.py)."""
+
+    uses_reference = False
+
+    def __call__(
+        self,
+        mdef: ModelDef,
+        params: Any,
+        batch: dict[str, jax.Array],
+        z_loss: float,
+        reference: Any = None,
+    ) -> LossSums:
+        """The tokens are first put in the context-parallel layout (a no-op without
+        mesh.context): none of the sums depends on order."""
+        del reference
+        batch = to_layout(batch, mdef.context_layout)
+        logits, aux_loss, stats = mdef.apply(
+            params,
+            batch["inputs"],
+            batch["positions"],
+            batch["segment_ids"],
+            batch["targets"],
+            batch["loss_mask"],
+        )
+        nll, log_z = cross_entropy(logits, batch["targets"])  # [B, T] float32 each
+        mask = batch["loss_mask"].astype(jnp.float32)
+        # z-loss pulls log Z toward 0 so the logits cannot drift, which keeps bf16 stable.
+        z_term = z_loss * jnp.square(log_z) * mask
+        return LossSums((nll * mask).sum(), mask.sum(), z_term.sum(), aux_loss, stats, {})
 
 
-def preference_losses(
-    policy: jax.Array, reference: jax.Array, segment_ids: jax.Array, beta: float, kind: str
-) -> tuple[jax.Array, jax.Array]:
-    """([B] loss per pair, [B] log-ratio difference h) from [B, T] token log-probabilities."""
-    pi_chosen, pi_rejected = answer_logps(policy, segment_ids)
-    ref_chosen, ref_rejected = answer_logps(reference, segment_ids)
-    h = (pi_chosen - ref_chosen) - (pi_rejected - ref_rejected)
-    if kind == "sigmoid":
-        return -jax.nn.log_sigmoid(beta * h), h
-    return jnp.square(h - 1.0 / (2.0 * beta)), h
-
-
-def dpo_losses(
-    mdef: ModelDef,
-    params: Any,
-    batch: dict[str, jax.Array],
-    z_loss: float,
-    *,
-    beta: float,
-    kind: str,
-) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array, dict, dict[str, jax.Array]]:
-    """The DPO objective in train_step's contract: summed over the batch's pairs (rows)."""
-    del z_loss  # a token-level regulariser; DPO's loss is per pair
-    policy, aux_loss, stats = target_logps(mdef, params, batch)
-    losses, h = preference_losses(policy, batch[REFERENCE], batch["segment_ids"], beta, kind)
-    pairs = jnp.any(batch["segment_ids"] == CHOSEN, axis=-1).astype(jnp.float32)  # not padding
-    sums = {
-        "dpo/reward_margin": (beta * h * pairs).sum(),  # beta * h: the implicit reward's margin
-        # The share of pairs the policy ranks right, relative to the reference; a tie (h = 0, as
-        # at the start) counts half, so that the start reads as chance, 0.5.
-        "dpo/accuracy": ((jnp.sign(h) + 1) / 2 * pairs).sum(),
-    }
-    return (losses * pairs).sum(), pairs.sum(), jnp.zeros(()), aux_loss, stats, sums
-
-
-def objective(train: TrainConfig) -> Callable:
-    """The train step's objective for train.task."""
-    if train.task == "dpo":
-        return functools.partial(dpo_losses, beta=train.dpo.beta, kind=train.dpo.loss)
-    return token_losses
+NEXT_TOKEN = NextTokenLoss()

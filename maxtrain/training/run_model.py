@@ -2,14 +2,14 @@
 
 The model package builds a decoder from its own ModelConfig and knows nothing of the run. What
 a run wraps around it is decided here, once: the kernels and compute dtype of the platform the
-program is built for, the pipeline's stage layout, LoRA adapters (posttrain/lora.py) and
-quantized matmuls (quantization/training.py). Training, evaluation, inference, the tools and
-the memory estimate all take the model from `model_def(cfg)`, so they run the same one.
+program is built for, the pipeline's stage layout, the parameters a split adds (adapters:
+training/split.py) and quantized matmuls (quantization/training.py). Training, evaluation,
+inference, the tools and the memory estimate all take the model from `model_def(cfg)`, so
+they run the same one.
 """
 
 from __future__ import annotations
 
-import jax
 from flax import nnx
 
 from maxtrain import model as model_lib
@@ -18,6 +18,7 @@ from maxtrain.model import ModelDef
 from maxtrain.model.decoder import Decoder
 from maxtrain.model.stacks import is_moe_per_layer
 from maxtrain.parallel.pipeline import StageLayout
+from maxtrain.posttrain import parameter_split
 
 
 def for_platform(
@@ -69,38 +70,25 @@ def stage_layout(cfg: Config) -> StageLayout | None:
 
 
 def build_model(cfg: Config, seed: int = 0, layout: StageLayout | None = None) -> Decoder:
-    """A freshly initialised model; with lora.rank > 0 with its adapters, created after the
-    model so that the base initialises the same with and without them."""
+    """A freshly initialised model, with the parameters the run's split adds (adapters)."""
     module = model_lib.build(cfg.model, seed, layout)
-    if cfg.lora.enabled:
-        from maxtrain.posttrain import lora  # Qwix takes seconds to import: only when asked
-
-        lora.add_adapters(module, cfg.lora, seed)
+    parameter_split(cfg).adapt(module, seed)
     return module
 
 
 def model_def(cfg: Config, pipelined: bool = True) -> ModelDef:
     """The model to run: pipelined if the mesh has stages (unless pipelined=False: the model
-    in layer order, as checkpoints hold it); with lora.rank > 0, with low-rank adapters; with
+    in layer order, as checkpoints hold it); with what the split adds (adapters); with
     `quantization:` set, its matmuls quantized. Quantization changes only the graph
     definition: the params are the float model's."""
     layout = stage_layout(cfg) if pipelined else None
     module = nnx.eval_shape(lambda: build_model(cfg, layout=layout))
-    adapter_dtype = None
-    if cfg.lora.enabled:
-        from maxtrain.posttrain import lora
-
-        module = lora.with_lora(module, cfg.lora)
-        adapter_dtype = model_lib.compute_dtype(cfg.model)
+    split = parameter_split(cfg)
+    module = split.wrap(module)
+    adapter_dtype = model_lib.compute_dtype(cfg.model) if split.adds_parameters else None
     if cfg.quantization.preset != "none" or cfg.quantization.rules:
         # Imported only when asked for: Qwix and tokamax take seconds to import.
         from maxtrain.quantization import training as quantized_training
 
         module = quantized_training.quantize(module, cfg.quantization)
     return model_lib.define(module, cfg.model, layout, adapter_dtype)
-
-
-def adapter_count(cfg: Config) -> int:
-    """The low-rank adapters' parameters: what a LoRA run trains."""
-    state = nnx.state(nnx.eval_shape(lambda: build_model(cfg)), nnx.LoRAParam)
-    return sum(int(x.size) for x in jax.tree.leaves(state))

@@ -18,8 +18,9 @@ from typing import Any
 
 from maxtrain import model as model_lib
 from maxtrain.common.files import write_atomic
+from maxtrain.common.units import count
 from maxtrain.config import Config
-from maxtrain.training import run_model
+from maxtrain.posttrain import parameter_split
 
 FILE = "summary.json"
 
@@ -57,26 +58,14 @@ def write(run_dir: Path, summary: dict[str, Any]) -> Path:
 
 
 def describe_start(cfg: Config) -> str:
-    """The start-up line saying what is trained: parameters (total, active per token; with LoRA,
-    the adapters' count, where they sit and on what base), steps and the schedule's length."""
+    """The start-up line saying what is trained: parameters (total, active per token; what
+    trains of them where not all do: training/split.py), steps and the schedule's length."""
     return (
         f"maxtrain: {count(model_lib.param_count(cfg.model))} parameters "
         f"({count(model_lib.active_param_count(cfg.model))} active per token), "
-        f"{_adapters(cfg)}"
+        f"{parameter_split(cfg).describe(cfg)}"
         f"{cfg.train.steps} steps of {count(cfg.tokens_per_step)} tokens, "
         f"lr schedule {cfg.optim.schedule} over {cfg.schedule_steps} steps"
-    )
-
-
-def _adapters(cfg: Config) -> str:
-    """With lora.rank > 0: how many parameters train (the adapters) and of what base."""
-    lora = cfg.lora
-    if not lora.enabled:
-        return ""
-    stored = "" if lora.base_quantization == "none" else f", stored {lora.base_quantization}"
-    return (
-        f"{count(run_model.adapter_count(cfg))} of them trained (LoRA rank {lora.rank} "
-        f"on {', '.join(lora.modules)}; base {cfg.checkpoint.load_parameters_path}{stored}), "
     )
 
 
@@ -89,11 +78,3 @@ def describe_end(summary: dict[str, Any], path: Path) -> str:
         f"maxtrain: done at step {summary['step']} in {summary['wall_time_s']:.0f} s, "
         f"{count(summary['tokens_seen'])} tokens seen{loss}; summary in {path}"
     )
-
-
-def count(n: float) -> str:
-    """1234567 -> '1.23M'."""
-    for unit, size in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
-        if n >= size:
-            return f"{n / size:.3g}{unit}"
-    return str(int(n))

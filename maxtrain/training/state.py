@@ -22,6 +22,7 @@ from maxtrain.model import ModelDef
 from maxtrain.parallel import pipeline
 from maxtrain.parallel.mesh import logical_to_spec
 from maxtrain.parallel.pipeline import StageLayout
+from maxtrain.posttrain import parameter_split
 from maxtrain.training import run_model
 from maxtrain.training.run_model import model_def
 
@@ -29,24 +30,20 @@ from maxtrain.training.run_model import model_def
 @struct.dataclass
 class TrainState:
     step: jax.Array
-    # what the optimizer trains: the whole model, or its adapters (maxtrain/posttrain/lora.py)
+    # what the optimizer trains: the whole model, or a split's trained part (training/split.py)
     params: Any
     opt_state: Any
-    # With lora.rank > 0: the frozen base model the adapters sit on (its layer kernels Qwix
-    # QArrays under lora.base_quantization). Read from checkpoint.load_parameters_path at every
-    # start and resume, never saved (SavedLayout drops it). None otherwise.
+    # The split's frozen part (a LoRA run's base, DPO's reference copy), read from
+    # checkpoint.load_parameters_path at every start and resume, never saved (SavedLayout drops
+    # it). None when the whole model trains.
     frozen: Any = None
-
-    def model_params(self) -> Any:
-        """The parameters the model runs on."""
-        return model_params(self.params, self.frozen)
 
 
 @struct.dataclass
 class SavedState:
-    """The train state as checkpoints hold it: step, params, optimizer state; never a LoRA
-    run's frozen base (the checkpoint it started from), so that every checkpoint, from before
-    LoRA existed or after, has this one structure."""
+    """The train state as checkpoints hold it: step, params, optimizer state; never the frozen
+    part (it is the checkpoint the run started from), so that every checkpoint, of any split,
+    has this one structure."""
 
     step: jax.Array
     params: Any
@@ -54,16 +51,6 @@ class SavedState:
 
     def train_state(self, frozen: Any = None) -> TrainState:
         return TrainState(self.step, self.params, self.opt_state, frozen)
-
-
-def model_params(params: Any, frozen: Any) -> Any:
-    """The trained parameters with the frozen ones (if any) beside them: what ModelDef.apply
-    takes."""
-    if frozen is None:
-        return params
-    from maxtrain.posttrain import lora
-
-    return lora.combine(frozen, params)
 
 
 def param_shardings(mdef: ModelDef, cfg: Config, mesh: Mesh) -> Any:
@@ -84,17 +71,13 @@ def param_shardings(mdef: ModelDef, cfg: Config, mesh: Mesh) -> Any:
 def state_shardings(
     mdef: ModelDef, cfg: Config, mesh: Mesh, tx: optax.GradientTransformation
 ) -> TrainState:
-    params = param_shardings(mdef, cfg, mesh)
-    abstract_params = nnx.to_pure_dict(mdef.abstract_state)
+    split = parameter_split(cfg)
+    params, _ = split.split(param_shardings(mdef, cfg, mesh))
+    abstract_params, abstract_frozen = split.split(nnx.to_pure_dict(mdef.abstract_state))
     frozen = None
-    if cfg.lora.enabled:
-        from maxtrain.posttrain import lora
-
-        params, _ = lora.split(params)
-        abstract_params, abstract_base = lora.split(abstract_params)
-        frozen = _leaf_shardings(
-            jax.eval_shape(functools.partial(kept_base, cfg, mdef), abstract_base), mdef, cfg, mesh
-        )
+    if split.has_frozen:
+        stored = functools.partial(split.stored, abstract_state=mdef.abstract_state)
+        frozen = _leaf_shardings(jax.eval_shape(stored, abstract_frozen), mdef, cfg, mesh)
     replicated = NamedSharding(mesh, P())
     abstract_opt = jax.eval_shape(tx.init, abstract_params)
     # Optimizer moments mirror the params they belong to; counters and the like replicate.
@@ -110,39 +93,29 @@ def state_shardings(
     return TrainState(step=replicated, params=params, opt_state=opt, frozen=frozen)
 
 
-def kept_base(cfg: Config, mdef: ModelDef, base: dict) -> dict:
-    """A LoRA run's frozen base as it is kept: its layer kernels quantized under
-    lora.base_quantization (QLoRA), else as it is."""
-    if cfg.lora.base_quantization == "none":
-        return base
-    from maxtrain.posttrain import lora
-
-    return lora.quantized_kernels(base, mdef.abstract_state, cfg.lora)
-
-
-def abstract_base(mdef: ModelDef, cfg: Config, mesh: Mesh) -> dict:
-    """A LoRA run's base model (its parameters without the adapters, unquantized) as shapes and
-    shardings, its layers in model order as checkpoints hold them (whatever the pipeline): what
-    checkpoint.load_parameters_path is read into."""
-    from maxtrain.posttrain import lora
-
+def abstract_frozen(mdef: ModelDef, cfg: Config, mesh: Mesh) -> dict:
+    """The split's frozen part as checkpoint.load_parameters_path holds it (unquantized, its
+    layers in model order whatever the pipeline), as shapes and shardings: what it is read
+    into."""
     if mdef.layout is not None:
         mdef = model_def(cfg, pipelined=False)
-    shapes = lora.split(nnx.to_pure_dict(mdef.abstract_state))[1]
-    return _with_shardings(shapes, lora.split(param_shardings(mdef, cfg, mesh))[1])
+    split = parameter_split(cfg)
+    shapes = split.split(nnx.to_pure_dict(mdef.abstract_state))[1]
+    return _with_shardings(shapes, split.split(param_shardings(mdef, cfg, mesh))[1])
 
 
-def frozen_base(cfg: Config, mdef: ModelDef, shardings: TrainState, base: dict) -> Any:
-    """The loaded base (in model order: abstract_base) as the state keeps it (state.frozen):
-    moved into the run's pipeline stages, if any, quantized under lora.base_quantization, on
-    the frozen part's shardings."""
+def frozen_state(cfg: Config, mdef: ModelDef, shardings: TrainState, loaded: dict) -> Any:
+    """The loaded frozen part (in model order: abstract_frozen) as the state keeps it
+    (state.frozen): moved into the run's pipeline stages, if any, stored as the split stores
+    it (QLoRA: quantized), on the frozen part's shardings."""
+    split = parameter_split(cfg)
 
-    def kept(base: dict) -> dict:
+    def kept(frozen: dict) -> dict:
         if mdef.layout is not None:
-            base = pipeline.to_stages(base, mdef.layout)
-        return kept_base(cfg, mdef, base)
+            frozen = pipeline.to_stages(frozen, mdef.layout)
+        return split.stored(frozen, mdef.abstract_state)
 
-    return jax.jit(kept, out_shardings=shardings.frozen)(base)
+    return jax.jit(kept, out_shardings=shardings.frozen)(loaded)
 
 
 def _leaf_shardings(tree: Any, mdef: ModelDef, cfg: Config, mesh: Mesh) -> Any:
@@ -179,18 +152,17 @@ def init_state(
     """
     mdef = model_def(cfg)
     shardings = state_shardings(mdef, cfg, mesh, tx)
+    split = parameter_split(cfg)
 
     def create() -> TrainState:
         model = run_model.build_model(cfg, seed=cfg.run.seed)
         params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
         if mdef.layout is not None:
             params = pipeline.to_stages(params, mdef.layout)
-        frozen = None
-        if cfg.lora.enabled:  # the base is replaced by the loaded one (training/loop.py)
-            from maxtrain.posttrain import lora
-
-            params, base = lora.split(params)
-            frozen = kept_base(cfg, mdef, base)
+        # A frozen part is replaced by the loaded one (training/loop.py).
+        params, frozen = split.split(params)
+        if frozen is not None:
+            frozen = split.stored(frozen, mdef.abstract_state)
         return TrainState(
             step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params), frozen=frozen
         )
@@ -224,7 +196,7 @@ class SavedLayout:
     shardings: SavedState  # of the state in model order
 
     def saved(self, state: TrainState) -> SavedState:
-        """The state to save: in model order, without a LoRA run's frozen base."""
+        """The state to save: in model order, without the frozen part."""
         saved = SavedState(state.step, state.params, state.opt_state)
         return saved if self.layout is None else self._to_saved(saved)
 

@@ -9,7 +9,6 @@ at 0 in each document).
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
 from typing import Any, Literal
 
 import jax
@@ -17,35 +16,12 @@ import jax.numpy as jnp
 import optax
 
 from maxtrain.model import ModelDef
-from maxtrain.model.kernels.cross_entropy import cross_entropy
-from maxtrain.parallel.context import to_layout
 from maxtrain.parallel.mesh import constrain
-from maxtrain.training import state as state_lib
+from maxtrain.training.objectives import NEXT_TOKEN, LossSums, Objective
+from maxtrain.training.split import ParameterSplit, WholeModel
 from maxtrain.training.state import TrainState
 
-
-def token_losses(
-    mdef: ModelDef, params: Any, batch: dict[str, jax.Array], z_loss: float
-) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array, dict[str, jax.Array], dict]:
-    """Returns (sum of masked token losses, number of counted tokens, sum of z-loss terms, the
-    model's auxiliary loss, its forward-pass statistics, no further sums). The tokens are first
-    put in the context-parallel layout (a no-op without mesh.context): none of the sums depends
-    on order."""
-    batch = to_layout(batch, mdef.context_layout)
-    logits, aux_loss, stats = mdef.apply(
-        params,
-        batch["inputs"],
-        batch["positions"],
-        batch["segment_ids"],
-        batch["targets"],
-        batch["loss_mask"],
-    )
-    nll, log_z = cross_entropy(logits, batch["targets"])  # [B, T] float32 each
-    mask = batch["loss_mask"].astype(jnp.float32)
-    nll = nll * mask
-    # z-loss (PaLM): pulls log Z toward 0 so the logits cannot drift, which keeps bf16 stable.
-    z_term = z_loss * jnp.square(log_z) * mask
-    return nll.sum(), mask.sum(), z_term.sum(), aux_loss, stats, {}
+WHOLE_MODEL = WholeModel()
 
 
 def summed_grads(
@@ -53,22 +29,23 @@ def summed_grads(
     params: Any,
     batch: dict[str, jax.Array],
     z_loss: float,
-    objective: Callable = token_losses,
+    objective: Objective = NEXT_TOKEN,
     frozen: Any = None,
-):
-    """Gradients of the summed losses with respect to `params` (a LoRA run's adapters, beside
-    the `frozen` base: training/state.py). The model's auxiliary loss is a per-batch mean, scaled
-    by the
-    count so that the step's division by the total count leaves its configured weight."""
+    split: ParameterSplit = WHOLE_MODEL,
+) -> tuple[Any, LossSums]:
+    """Gradients of the summed losses with respect to `params` (the split's trained part,
+    beside its `frozen` one: training/split.py), and the objective's sums. The model's
+    auxiliary loss is a per-batch mean, scaled by the count so that the step's division by the
+    total count leaves its configured weight; LossSums.aux_loss holds it scaled."""
+    reference = split.start(params, frozen) if objective.uses_reference else None
 
     def total(p):
-        model_params = state_lib.model_params(p, frozen)
-        loss, count, z, aux_loss, stats, sums = objective(mdef, model_params, batch, z_loss)
-        aux = aux_loss * count
-        return loss + z + aux, (loss, count, z, aux, stats, sums)
+        sums = objective(mdef, split.combine(p, frozen), batch, z_loss, reference)
+        sums = sums._replace(aux_loss=sums.aux_loss * sums.count)
+        return sums.loss + sums.z_loss + sums.aux_loss, sums
 
-    (_, aux), grads = jax.value_and_grad(total, has_aux=True)(params)
-    return grads, aux
+    (_, sums), grads = jax.value_and_grad(total, has_aux=True)(params)
+    return grads, sums
 
 
 def train_step(
@@ -80,7 +57,8 @@ def train_step(
     lr_schedule: optax.Schedule,
     grad_accum_steps: int,
     z_loss: float,
-    objective: Callable = token_losses,
+    objective: Objective = NEXT_TOKEN,
+    split: ParameterSplit = WHOLE_MODEL,
     guard_nonfinite: Literal["cond", "select", "off"] = "cond",
 ) -> tuple[TrainState, dict[str, jax.Array]]:
     """One optimizer step over the global batch, split into `grad_accum_steps` micro-batches.
@@ -99,19 +77,25 @@ def train_step(
     that hold the guarded step's compiled program to the unguarded one's use that.
     """
 
-    def split(x: jax.Array) -> jax.Array:
+    def to_micro(x: jax.Array) -> jax.Array:
         # [B, T] -> [M, B/M, T] taking every M-th row: each device keeps its own rows in every
         # micro-batch, so the split moves no data (a leading [M, B/M] reshape would reshard).
         M = grad_accum_steps
         micro_x = x.reshape(x.shape[0] // M, M, *x.shape[1:]).swapaxes(0, 1)
         return constrain(micro_x, (None, "batch", "length"))
 
-    micro = jax.tree.map(split, batch)
+    micro = jax.tree.map(to_micro, batch)
     grads_and_aux = functools.partial(
-        summed_grads, mdef, state.params, z_loss=z_loss, objective=objective, frozen=state.frozen
+        summed_grads,
+        mdef,
+        state.params,
+        z_loss=z_loss,
+        objective=objective,
+        frozen=state.frozen,
+        split=split,
     )
     if grad_accum_steps == 1:
-        grad_sum, (nll, count, z, aux, stats, sums) = grads_and_aux(batch)
+        grad_sum, sums = grads_and_aux(batch)
     else:
         first = jax.tree.map(lambda x: x[0], micro)
         zeros = jax.tree.map(
@@ -121,17 +105,17 @@ def train_step(
         def accumulate(carry, micro_batch):
             return jax.tree.map(jnp.add, carry, grads_and_aux(micro_batch)), None
 
-        (grad_sum, (nll, count, z, aux, stats, sums)), _ = jax.lax.scan(accumulate, zeros, micro)
-    denom = jnp.maximum(count, 1.0)
+        (grad_sum, sums), _ = jax.lax.scan(accumulate, zeros, micro)
+    denom = jnp.maximum(sums.count, 1.0)
     grad_norm = optax.tree.norm(grad_sum) / denom
-    finite = jnp.isfinite(nll) & jnp.isfinite(grad_norm)
+    finite = jnp.isfinite(sums.loss) & jnp.isfinite(grad_norm)
 
     def update(params, opt_state):
         # A scalar multiply, not a divide: XLA fuses it into each leaf's optimizer update.
         grads = jax.tree.map(lambda g: g * (1.0 / denom), grad_sum)
         updates, new_opt_state = tx.update(grads, opt_state, params, grad_norm=grad_norm)
         new_params = optax.apply_updates(params, updates)
-        return mdef.after_update(new_params, params, stats), new_opt_state
+        return mdef.after_update(new_params, params, sums.stats), new_opt_state
 
     if guard_nonfinite == "cond":
         params, opt_state = jax.lax.cond(
@@ -145,15 +129,15 @@ def train_step(
     else:
         params, opt_state = update(state.params, state.opt_state)
     metrics = {
-        "loss": nll / denom,
-        "z_loss": z / denom,
+        "loss": sums.loss / denom,
+        "z_loss": sums.z_loss / denom,
         "grad_norm": grad_norm,
         "lr": lr_schedule(state.step),
-        "tokens": count,
+        "tokens": sums.count,
         "finite": finite,
     }
-    metrics.update({k: v / denom for k, v in sums.items()})
-    metrics.update(mdef.metrics(stats, aux / denom))
+    metrics.update({k: v / denom for k, v in sums.sums.items()})
+    metrics.update(mdef.metrics(sums.stats, sums.aux_loss / denom))
     return state.replace(step=state.step + 1, params=params, opt_state=opt_state), metrics
 
 
@@ -162,9 +146,11 @@ def eval_step(
     batch: dict[str, jax.Array],
     *,
     mdef: ModelDef,
-    objective: Callable = token_losses,
-    frozen: Any = None,
+    objective: Objective = NEXT_TOKEN,
+    reference: Any = None,
 ) -> dict[str, jax.Array]:
-    """The objective's summed loss and count (and its further sums) on a held-out batch."""
-    nll, count, _, _, _, sums = objective(mdef, state_lib.model_params(params, frozen), batch, 0.0)
-    return {"nll_sum": nll, "tokens": count, **sums}
+    """The objective's summed loss and count (and its further sums) on a held-out batch.
+    params: those the model runs on (ParameterSplit.combine); reference: the objective's
+    reference model where it uses one (ParameterSplit.start)."""
+    sums = objective(mdef, params, batch, 0.0, reference)
+    return {"nll_sum": sums.loss, "tokens": sums.count, **sums.sums}

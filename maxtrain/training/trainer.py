@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
-from maxtrain import optim
+from maxtrain import optim, posttrain
 from maxtrain.config import Config, ConfigError
 from maxtrain.data import BATCH_KEYS, batch_sharding, to_global
 from maxtrain.model import ModelDef
@@ -25,8 +25,9 @@ from maxtrain.parallel.context import check_context
 from maxtrain.parallel.experts import exchange_implementation, ragged_supported
 from maxtrain.parallel.mesh import batch_degree, build_mesh, mesh_platform, sharding_rules
 from maxtrain.training import metrics as metrics_lib
-from maxtrain.training import objectives, run_model
-from maxtrain.training.state import SavedLayout, TrainState, init_state, model_params, saved_layout
+from maxtrain.training import run_model
+from maxtrain.training.split import ParameterSplit
+from maxtrain.training.state import SavedLayout, TrainState, init_state, saved_layout
 from maxtrain.training.step import eval_step, train_step
 
 
@@ -44,23 +45,15 @@ class Trainer:
     flops_per_token: float
     shardings: TrainState  # of the state
     saved: SavedLayout  # the state as checkpoints hold it (parallel/pipeline.py)
-    # (params, frozen, batch) -> DPO's reference log-probs (training/objectives.py)
-    reference_fn: Any = None
-    # train.task dpo: the start parameters, apart from the trained ones (training/loop.py
-    # _load_reference); with adapters, zero adapters on the same frozen base
-    reference: Any = None
+    split: ParameterSplit  # what trains and what is frozen (training/split.py)
+
+    def model_params(self) -> Any:
+        """The parameters the model runs on: the trained part with the frozen one."""
+        return self.split.combine(self.state.params, self.state.frozen)
 
     def saved_state(self) -> TrainState:
         """The state to hand a checkpointer: in model order, whatever the pipeline."""
         return self.saved.saved(self.state)
-
-    def with_reference(self, batch: dict[str, jax.Array]) -> dict[str, jax.Array]:
-        """For DPO, the global batch with the frozen reference's log-probabilities added,
-        computed on the mesh; else the batch as it is."""
-        if self.reference is None:
-            return batch
-        logps = self.reference_fn(self.reference, self.state.frozen, batch)
-        return {**batch, objectives.REFERENCE: logps}
 
     def abstract_batch(self) -> dict[str, jax.ShapeDtypeStruct]:
         """The global batch the step takes, as shapes and shardings: what compiling the step
@@ -68,14 +61,11 @@ class Trainer:
         maxtrain/parallel/topology.py)."""
         shape = (self.cfg.train.global_batch_size, self.cfg.train.seq_len)
         spec = lambda dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=self.batch_sharding)  # noqa: E731
-        batch = {key: spec(jnp.int32) for key in BATCH_KEYS}
-        if self.cfg.train.task == "dpo":
-            batch[objectives.REFERENCE] = spec(jnp.float32)
-        return batch
+        return {key: spec(jnp.int32) for key in BATCH_KEYS}
 
     def global_batch(self, local: dict[str, np.ndarray]) -> dict[str, jax.Array]:
-        """This host's rows as the global batch the step takes (with_reference added)."""
-        return self.with_reference(to_global(local, self.batch_sharding))
+        """This host's rows as the global batch the step takes."""
+        return to_global(local, self.batch_sharding)
 
 
 # How the train step keeps a non-finite step from touching the state (train_step.train_step),
@@ -182,7 +172,8 @@ def build_trainer(
         state, mdef, shardings = init_state(cfg, mesh, tx, abstract)
         saved = saved_layout(cfg, mesh, tx, mdef)
     data_sharding = batch_sharding(mesh, cfg.mesh.rules)
-    objective = objectives.objective(cfg.train)
+    objective = posttrain.objective(cfg.train)
+    split = posttrain.parameter_split(cfg)
     step = functools.partial(
         train_step,
         mdef=mdef,
@@ -191,6 +182,7 @@ def build_trainer(
         grad_accum_steps=cfg.train.grad_accum_steps,
         z_loss=cfg.train.z_loss,
         objective=objective,
+        split=split,
         guard_nonfinite=NONFINITE_GUARD[mesh_platform(mesh)],
     )
     step_fn = jax.jit(
@@ -201,19 +193,13 @@ def build_trainer(
     )
 
     def evaluate(params, frozen, batch):
-        return eval_step(params, batch, mdef=mdef, objective=objective, frozen=frozen)
-
-    def reference(params, frozen, batch):
-        return objectives.reference_logps(mdef, model_params(params, frozen), batch)
+        reference = split.start(params, frozen) if objective.uses_reference else None
+        model_params = split.combine(params, frozen)
+        return eval_step(model_params, batch, mdef=mdef, objective=objective, reference=reference)
 
     eval_fn = jax.jit(
         _with_rules(evaluate, mesh, cfg),
         in_shardings=(shardings.params, shardings.frozen, data_sharding),
-    )
-    reference_fn = jax.jit(
-        _with_rules(reference, mesh, cfg),
-        in_shardings=(shardings.params, shardings.frozen, data_sharding),
-        out_shardings=data_sharding,
     )
     flops = metrics_lib.train_flops_per_token(cfg.model, cfg.train.seq_len)
     return Trainer(
@@ -227,7 +213,7 @@ def build_trainer(
         flops,
         shardings,
         saved,
-        reference_fn,
+        split,
     )
 
 

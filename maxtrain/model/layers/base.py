@@ -13,10 +13,9 @@ from flax import nnx
 
 LogicalAxes = tuple[str | None, ...]
 
-# A kernel's low-rank adapters (maxtrain/posttrain/lora.py) sit beside it under the names Qwix's
-# LoRA
-# provider looks up: `kernel_lora_a` and `kernel_lora_b`.
-LORA_A, LORA_B = "kernel_lora_a", "kernel_lora_b"
+# A kernel's low-rank adapters (a parameter split's: maxtrain/posttrain/) sit beside it under
+# the names Qwix's adapter provider looks up.
+ADAPTER_A, ADAPTER_B = "kernel_lora_a", "kernel_lora_b"
 
 
 def make_param(

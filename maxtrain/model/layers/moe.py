@@ -48,22 +48,22 @@ _OUT_AXES = ("exp", "mlp", "embed")
 
 class ExpertKernel(nnx.Module):
     """The stacked [E, in, out] weights of one projection of every expert, and their low-rank
-    adapters when a run trains adapters (maxtrain/posttrain/lora.py add_adapters sets them)."""
+    adapters when a run trains adapters (maxtrain/posttrain/ sets them)."""
 
     def __init__(self, shape, axes, *, init_std: float, param_dtype, rngs: nnx.Rngs):
         self.kernel = make_param(rngs, shape, axes, std=init_std, dtype=param_dtype)
-        # Declared as data (nnx.data), so that LoRAParams may replace them.
+        # Declared as data (nnx.data), so that adapter parameters may replace them.
         self.kernel_lora_a: nnx.LoRAParam | None = nnx.data(None)  # [E, in, rank]
         self.kernel_lora_b: nnx.LoRAParam | None = nnx.data(None)  # [E, rank, out]
-        self.lora_scale = 0.0  # alpha / rank
+        self.adapter_scale = 0.0  # alpha / rank
 
     def weight(self, dtype) -> jax.Array:
         """The [E, in, out] weights in dtype: W, or W + scale * A B with adapters (formed here,
-        before the experts run: Qwix's LoRA provider does not intercept grouped matmuls)."""
+        before the experts run: Qwix's adapter provider does not intercept grouped matmuls)."""
         w = self.kernel[...]
         if self.kernel_lora_a is not None:
             a, b = self.kernel_lora_a[...], self.kernel_lora_b[...]
-            w = w + self.lora_scale * jnp.einsum("eir,ero->eio", a, b).astype(w.dtype)
+            w = w + self.adapter_scale * jnp.einsum("eir,ero->eio", a, b).astype(w.dtype)
         return w.astype(dtype)
 
 

@@ -35,11 +35,11 @@ from maxtrain.common.files import atomic_directory
 from maxtrain.config import Config
 from maxtrain.hf.convert import MODEL_YAML, model_yaml
 from maxtrain.parallel.mesh import build_mesh, sharding_rules
-from maxtrain.posttrain import lora
+from maxtrain.posttrain import lora, parameter_split
 from maxtrain.surgery.initialize import initial_params
 from maxtrain.tokenizers import copy_tokenizer_files
 from maxtrain.training.run_model import model_def
-from maxtrain.training.state import abstract_base, kept_base, param_shardings
+from maxtrain.training.state import abstract_frozen, param_shardings
 
 
 def merged_params(cfg: Config, step_dir: str | os.PathLike | None, mesh: Mesh) -> dict:
@@ -52,7 +52,7 @@ def merged_params(cfg: Config, step_dir: str | os.PathLike | None, mesh: Mesh) -
         mdef = model_def(cfg, pipelined=False)  # checkpoints hold layers in model order
         adapter_shardings, base_shardings = lora.split(param_shardings(mdef, cfg, mesh))
     try:
-        base = initial_params(cfg, abstract_base(mdef, cfg, mesh))
+        base = initial_params(cfg, abstract_frozen(mdef, cfg, mesh))
     except CheckpointError as e:
         raise CheckpointError(
             f"the base model of the LoRA run (checkpoint.load_parameters_path="
@@ -67,7 +67,8 @@ def merged_params(cfg: Config, step_dir: str | os.PathLike | None, mesh: Mesh) -
         adapters = jax.jit(zeros, out_shardings=adapter_shardings)()
     else:
         adapters = load_parameters(step_dir, abstract)
-    base = jax.jit(functools.partial(kept_base, cfg, mdef))(base)  # QLoRA's quantized, as trained
+    stored = functools.partial(parameter_split(cfg).stored, abstract_state=mdef.abstract_state)
+    base = jax.jit(stored)(base)  # QLoRA's quantized, as trained
 
     def fold(base: Any, adapters: dict) -> dict:
         return lora.merge(lora.combine(base, adapters), cfg.lora, mdef.abstract_state)
