@@ -101,3 +101,81 @@ def test_cli_data_mistakes_exit_2_with_one_line_and_write_nothing(tmp_path):
     assert small_vocab.returncode == 2, small_vocab.stderr
     assert "vocab" in small_vocab.stderr and "256" in small_vocab.stderr
     assert not any(tmp_path.iterdir())
+
+
+def test_cli_refuses_a_model_beyond_the_hosts_memory_before_writing_anything(tmp_path):
+    """deepseek-v3-671b needs terabytes per device on one CPU device, beyond any host's RAM:
+    refused in one line naming the estimate, the RAM and the override, before the run
+    directory, its lock or its checkpoint folders exist (it used to die in XLA's
+    RESOURCE_EXHAUSTED inside the checkpointer, leaving them behind)."""
+    result = run_cli(
+        "model_name=deepseek-v3-671b",
+        "run.name=big",
+        "train.steps=2",
+        f"run.output_dir={tmp_path}",
+        tmp_path=tmp_path,
+    )
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.strip().count("\n") == 0 and "Traceback" not in result.stderr
+    assert "GiB of RAM" in result.stderr and "run.check_memory=false" in result.stderr
+    assert not any(tmp_path.iterdir())
+
+
+def train_cli(*args: str) -> subprocess.CompletedProcess:
+    """`python -m maxtrain.train ARGS` as typed: no config file or override added."""
+    return subprocess.run(
+        [sys.executable, "-m", "maxtrain.train", *args],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "JAX_PLATFORMS": "cpu"},
+        timeout=300,
+    )
+
+
+def test_help_lists_every_config_section_with_its_docstring():
+    from maxtrain.config import Config
+
+    result = train_cli("--help")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("usage: python -m maxtrain.train")
+    for flag in ("--print-config", "--list-models"):
+        assert f"  {flag}" in result.stdout
+    listed = {line.split()[0] for line in result.stdout.split("config sections:\n")[1].splitlines()}
+    assert listed == set(Config.model_fields)
+    # Each section's line holds its docstring's opening words.
+    assert "checkpoint      Checkpoints in two tiers" in result.stdout
+    assert "lora            Low-rank adapters on a frozen base model" in result.stdout
+
+
+def test_list_models_lists_every_preset_with_its_size():
+    from maxtrain import config as config_lib
+
+    result = train_cli("--list-models")
+    assert result.returncode == 0, result.stderr
+    rows = {line.split()[0]: line.split()[1:] for line in result.stdout.splitlines()[1:]}
+    assert sorted(rows) == config_lib.preset_names()
+    # configs/models/tiny.yml says 106,816 parameters; llama3-8b is 8.03B (Meta's model card),
+    # and mixtral-8x7b is 46.7B with 12.9B active (Mistral's announcement).
+    assert rows["tiny"] == ["107K", "107K", "2", "64"]
+    assert rows["llama3-8b"] == ["8.03B", "8.03B", "32", "4096"]
+    assert rows["mixtral-8x7b"][:2] == ["46.7B", "12.9B"]
+
+
+def test_print_config_prints_the_resolved_config_and_runs_nothing(tmp_path):
+    import yaml
+
+    result = train_cli(
+        "--print-config",
+        str(CONFIGS_DIR / "base.yml"),
+        "train.steps=7",
+        "model_name=tiny",
+        f"run.output_dir={tmp_path}",
+    )
+    assert result.returncode == 0, result.stderr
+    printed = yaml.safe_load(result.stdout)
+    assert printed["train"]["steps"] == 7 and printed["model"]["num_layers"] == 2
+    assert printed["optim"]["lr"] == 3e-3  # a default the command line did not set
+    assert not any(tmp_path.iterdir())
+    bad = train_cli("--print-config", str(CONFIGS_DIR / "base.yml"), "train.stepz=7")
+    assert bad.returncode == 2 and "'train.stepz'; did you mean 'train.steps'" in bad.stderr
+    assert bad.stdout == ""

@@ -1,5 +1,7 @@
 """Config: merge order, parents, CLI overrides, derived values and one-line errors."""
 
+from pathlib import Path
+
 import pytest
 import yaml
 
@@ -81,6 +83,41 @@ def test_base_config_cycle_is_reported(tmp_path):
     (tmp_path / "b.yml").write_text("base_config: a.yml\n")
     with pytest.raises(ConfigError, match="cycle"):
         config_lib.load(tmp_path / "a.yml")
+
+
+@pytest.mark.parametrize("name", ["sft.yml", "dpo.yml", "lora.yml"])
+def test_committed_configs_find_their_data_from_any_directory(name, tmp_path, monkeypatch):
+    """The data files a committed config names are found wherever the command runs: relative
+    paths in a config file resolve beside it (lora.yml through its parent sft.yml)."""
+    monkeypatch.chdir(tmp_path)
+    overrides = ["checkpoint.load_parameters_path=ckpt"] if name != "sft.yml" else []
+    cfg = config_lib.load(config_lib.CONFIGS_DIR / name, overrides)
+    for source in cfg.data.sources:
+        path = Path(source.path)
+        assert path.is_absolute() and path.is_file(), source.path
+        assert path.parent == config_lib.REPO_ROOT / "maxtrain" / "data" / "assets"
+
+
+def test_file_paths_resolve_beside_the_file_and_overrides_from_the_working_directory(
+    tmp_path, monkeypatch
+):
+    folder = tmp_path / "project"
+    folder.mkdir()
+    (folder / "run.yml").write_text(
+        "data:\n  sources:\n    - {name: a, path: shards/*.arrayrecord}\n"
+        "    - {name: b, path: 'embedded:prose'}\n    - {name: c, path: /abs/x}\n"
+        "  tokenizer: tok\n  chat_template: chatml\n"
+    )
+    monkeypatch.chdir(tmp_path)
+    cfg = config_lib.load(folder / "run.yml")
+    assert [s.path for s in cfg.data.sources] == [
+        str(folder / "shards" / "*.arrayrecord"), "embedded:prose", "/abs/x",
+    ]  # fmt: skip
+    assert cfg.data.tokenizer == str(folder / "tok") and cfg.data.chat_template == "chatml"
+    overridden = config_lib.load(
+        folder / "run.yml", ["data.tokenizer=tok", "data.sources=[{name: a, path: here}]"]
+    )
+    assert overridden.data.tokenizer == "tok" and overridden.data.sources[0].path == "here"
 
 
 def _walk(given: dict, validated: dict, defaults: dict, prefix: str):

@@ -2,6 +2,7 @@
 
 import json
 
+import jax
 import pytest
 from test_data_prep import load_tool
 
@@ -92,3 +93,20 @@ def test_muon_keeps_one_moment_per_matrix_and_counts_newton_schulz(make_cfg):
     assert muon.optimizer == adamw.optimizer - matrices
     assert muon.optimizer_scratch == 2 * (2 * 64 * 128 + 2 * 64 * 64) * 4
     assert adamw.optimizer_scratch == 0
+
+
+def test_the_pre_flight_refuses_beyond_the_margin_and_the_override_skips_it(make_cfg, monkeypatch):
+    """The estimate against the host's RAM (every CPU device of the process shares it): a run
+    over MARGIN x the RAM is refused, one under it passes, and run.check_memory=false skips
+    the check whatever the estimate."""
+    from maxtrain.analysis import preflight
+
+    cfg = make_cfg()
+    per_device = memory.estimate(cfg, jax.device_count()).total
+    needed = per_device * jax.local_device_count()  # 8 simulated CPU devices (conftest.py)
+    monkeypatch.setattr(preflight, "host_memory_bytes", lambda: int(needed / 1.2))
+    preflight.check_memory(cfg)  # over the RAM, within the margin: starts
+    monkeypatch.setattr(preflight, "host_memory_bytes", lambda: int(needed / 1.4))
+    with pytest.raises(preflight.OutOfMemory, match=r"shared by its 8 CPU devices"):
+        preflight.check_memory(cfg)
+    preflight.check_memory(make_cfg("run.check_memory=false"))

@@ -11,11 +11,14 @@ import types
 
 import pytest
 
+from maxtrain import config as config_lib
 from maxtrain import model as model_lib
 from maxtrain import optim
 from maxtrain.training import loop as train_lib
 from maxtrain.training import run_lock
 from maxtrain.training.loop import run
+
+BASE = config_lib.CONFIGS_DIR / "base.yml"
 
 RUN = ("train.log_every=1", "checkpoint.local.every_steps=2", "optim.lr=1e-2")
 
@@ -102,3 +105,30 @@ def test_warmup_as_long_as_the_schedule_is_warned(make_cfg):
     assert optim.warmup_warning(longer.optim, longer.schedule_steps) is None
     constant = make_cfg("train.steps=20", "optim.warmup_steps=30", "optim.schedule=constant")
     assert optim.warmup_warning(constant.optim, constant.schedule_steps) is None
+
+
+def test_a_run_with_checkpoints_refuses_another_model_data_or_objective(tmp_path, capsys):
+    """A finished run compared with the config it finished with: another model or data is
+    refused (exit 2) naming the keys, old -> new, and run.name; the same config, or one that
+    changes only the cadence, is complete as before. An unfinished run (train.steps raised)
+    is refused the same way before it resumes."""
+    tiny = (
+        str(BASE), "model_name=tiny", "data.kind=synthetic", f"run.output_dir={tmp_path}",
+        "train.steps=2", "train.global_batch_size=8", "train.seq_len=32",
+        "train.eval_every=0", "optim.warmup_steps=1",
+    )  # fmt: skip
+    assert train_lib.main([*tiny]) == 0
+    capsys.readouterr()
+
+    assert train_lib.main([*tiny, "model_name=tiny-qk"]) == 2
+    err = capsys.readouterr().err
+    assert "model_name: 'tiny' -> 'tiny-qk'" in err and "model.qk_norm: False -> True" in err
+    assert "another run.name" in err and err.count("\n") == 1
+    assert train_lib.main([*tiny, "data.synthetic_branching=8"]) == 2
+    assert "data.synthetic_branching: 4 -> 8" in capsys.readouterr().err
+    assert train_lib.main([*tiny, "train.steps=4", "model_name=tiny-qk"]) == 2  # a resume
+    assert "model_name: 'tiny' -> 'tiny-qk'" in capsys.readouterr().err
+
+    for same in ([], ["train.log_every=1", "model.remat=none"]):
+        assert train_lib.main([*tiny, *same]) == 0
+        assert f"run {tmp_path / 'default'} is complete: step 2" in capsys.readouterr().out

@@ -6,8 +6,10 @@ A run's config is assembled in a fixed order, later layers winning key by key:
     configs/base.yml <- configs/models/<model_name>.yml <- the config file given <- CLI key=value
 
 A config file may name a parent with ``base_config:`` (resolved recursively, relative to the
-file). Every key is declared in the pydantic schema; an unknown key is an error that suggests
-the closest valid one.
+file); the data files it names, when relative, are found beside it too (loading.py
+_data_paths_beside), while command-line overrides are relative to the working directory.
+Every key is declared in the pydantic schema; an unknown key is an error that suggests the
+closest valid one.
 """
 
 from maxtrain.config.checkpoint import CheckpointConfig, CheckpointTier, InitConfig
@@ -19,6 +21,8 @@ from maxtrain.config.loading import (
     deep_merge,
     load,
     parse_override,
+    preset,
+    preset_names,
     to_yaml,
     validate,
 )
@@ -44,6 +48,8 @@ __all__ = [
     "deep_merge",
     "load",
     "parse_override",
+    "preset",
+    "preset_names",
     "to_yaml",
     "validate",
     "CheckpointConfig",

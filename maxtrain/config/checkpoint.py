@@ -17,6 +17,9 @@ class CheckpointTier(Section):
 
 
 class CheckpointConfig(Section):
+    """Checkpoints in two tiers (local: often, few kept; persistent: the durable ones), and
+    the parameters a new run starts from (maxtrain/checkpointing/)."""
+
     enabled: bool = True
     local: CheckpointTier = CheckpointTier(every_steps=50, keep=2)
     persistent: CheckpointTier = CheckpointTier(every_steps=500, keep=3)

@@ -67,6 +67,8 @@ class MegatronConfig(Section):
 
 
 class DataConfig(Section):
+    """What the run reads: synthetic text, a weighted mixture of sources, or Megatron corpora."""
+
     kind: Literal["synthetic", "grain", "megatron"] = "grain"
     # Synthetic text: each token has this many likely successors, so the loss floor is ~log(it).
     synthetic_branching: int = Field(default=4, gt=0)

@@ -5,6 +5,7 @@ overrides, and one readable line for the first thing wrong.
 from __future__ import annotations
 
 import difflib
+import os
 from pathlib import Path
 from typing import Any
 
@@ -12,6 +13,7 @@ import yaml
 from pydantic import BaseModel, ValidationError
 
 from maxtrain.common.errors import UserError, first_line
+from maxtrain.config.model import ModelConfig
 from maxtrain.config.schema import Config
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -72,12 +74,42 @@ def _load_with_parents(path: Path, seen: tuple[Path, ...] = ()) -> dict[str, Any
     path = path.resolve()
     if path in seen:
         raise ConfigError(f"base_config cycle: {' -> '.join(str(p) for p in (*seen, path))}")
-    data = _read_yaml(path)
+    data = _data_paths_beside(_read_yaml(path), path.parent)
     parent = data.get("base_config")
     if parent:
         parent_path = (path.parent / parent).resolve()
         data = deep_merge(_load_with_parents(parent_path, (*seen, path)), data)
     return data
+
+
+def _data_paths_beside(tree: dict[str, Any], folder: Path) -> dict[str, Any]:
+    """A config file's relative data paths made absolute, beside the file, as base_config is:
+    the files a run reads (data.sources[].path, data.tokenizer, a data.chat_template file) are
+    found from any working directory. A command-line override stays relative to the working
+    directory; a path with a scheme (embedded:prose, gs://...) stays as written."""
+    data = tree.get("data")
+    if not isinstance(data, dict):
+        return tree
+    data = dict(data)
+    if isinstance(data.get("sources"), list):
+        data["sources"] = [
+            {**s, "path": _beside(s["path"], folder)} if isinstance(s, dict) and "path" in s else s
+            for s in data["sources"]
+        ]
+    if "tokenizer" in data:
+        data["tokenizer"] = _beside(data["tokenizer"], folder)
+    template = data.get("chat_template")
+    if isinstance(template, str) and ("/" in template or template.endswith((".jinja", ".json"))):
+        data["chat_template"] = _beside(template, folder)  # not a built-in template's name
+    return {**tree, "data": data}
+
+
+def _beside(value: Any, folder: Path) -> Any:
+    """A relative path as seen from `folder`; anything else (absolute, ~, a scheme, not a
+    string) unchanged."""
+    if not isinstance(value, str) or not value or ":" in value or value.startswith(("/", "~")):
+        return value
+    return os.path.normpath(folder / value)
 
 
 def parse_override(text: str) -> tuple[list[str], Any]:
@@ -116,7 +148,7 @@ def _model_file(name: str) -> Path:
         return path
     path = CONFIGS_DIR / "models" / f"{name}.yml"
     if not path.is_file():
-        known = sorted(p.stem for p in (CONFIGS_DIR / "models").glob("*.yml"))
+        known = preset_names()
         hint = difflib.get_close_matches(name, known, n=1)
         suggestion = f" (did you mean {hint[0]!r}?)" if hint else ""
         raise ConfigError(
@@ -124,6 +156,16 @@ def _model_file(name: str) -> Path:
             f"known models: {', '.join(known)}"
         )
     return path
+
+
+def preset_names() -> list[str]:
+    """The model presets, by the name model_name takes: the files of configs/models/."""
+    return sorted(p.stem for p in (CONFIGS_DIR / "models").glob("*.yml"))
+
+
+def preset(name: str) -> ModelConfig:
+    """The model a preset (or a model file's path) describes, at the schema's defaults."""
+    return validate_model(_read_yaml(_model_file(name)))
 
 
 def load(config_path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> Config:
@@ -150,6 +192,16 @@ def validate(tree: dict[str, Any]) -> Config:
     except ValidationError as e:
         raise ConfigError(_describe(e.errors()[0], tree)) from None
     return cfg
+
+
+def validate_model(tree: dict[str, Any]) -> ModelConfig:
+    """A `model:` section alone, checked as validate checks a whole config (its keys named
+    model.KEY)."""
+    try:
+        return ModelConfig.model_validate(tree)
+    except ValidationError as e:
+        first = e.errors()[0]
+        raise ConfigError(_describe({**first, "loc": ("model", *first["loc"])}, tree)) from None
 
 
 # What a value must be, per pydantic error type ({...} from the error's context): the domain a

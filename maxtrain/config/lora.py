@@ -15,6 +15,8 @@ LoraModule = Literal["attention", "mlp", "experts"]
 
 
 class LoraConfig(Section):
+    """Low-rank adapters on a frozen base model (LoRA; QLoRA with the base quantized)."""
+
     rank: int = Field(default=0, ge=0)  # 0: no adapters (every parameter trains)
     alpha: PositiveFloat = 16.0  # the adapters' output is scaled by alpha / rank
     modules: list[LoraModule] = Field(default=["attention", "mlp"], min_length=1)

@@ -27,6 +27,8 @@ class MuonConfig(Section):
 
 
 class OptimConfig(Section):
+    """The optimizer (AdamW or Muon) and its learning-rate schedule (maxtrain/optim/)."""
+
     name: Literal["adamw", "muon"] = "adamw"
     lr: NonNegativeFloat = 3e-3
     schedule: Literal["cosine", "wsd", "constant"] = "cosine"

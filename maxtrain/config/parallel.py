@@ -57,6 +57,8 @@ DEFAULT_RULES: dict[str, list[str]] = {
 
 
 class MeshConfig(MeshAxes):
+    """The device mesh: each axis's degree within and across slices, and the sharding rules."""
+
     num_slices: int = Field(default=1, gt=0)
     dcn: DcnAxes = DcnAxes()
     rules: dict[str, list[MeshAxis]] = Field(default_factory=lambda: dict(DEFAULT_RULES))

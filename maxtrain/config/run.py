@@ -25,6 +25,8 @@ class DPOConfig(Section):
 
 
 class TrainConfig(Section):
+    """How long and on what batches the run trains, its objective, evaluation and faults."""
+
     # pretrain and sft: next-token loss on loss_mask (sft data masks all but the assistant);
     # dpo: preference pairs against a frozen reference (maxtrain/posttrain/dpo.py)
     task: Literal["pretrain", "sft", "dpo"] = "pretrain"
@@ -48,11 +50,15 @@ class TrainConfig(Section):
 
 
 class ProfileConfig(Section):
+    """A profile of a few steps (jax.profiler), written under the run directory."""
+
     start_step: PositiveOrMinusOne = -1  # -1: no profile
     num_steps: int = Field(default=3, gt=0)
 
 
 class RunConfig(Section):
+    """The run itself: its name and directory, its seed, the compilation cache, pre-flight."""
+
     name: str = Field(default="default", min_length=1)
     output_dir: str = "runs"
     seed: NonNegativeInt = 0
@@ -60,6 +66,10 @@ class RunConfig(Section):
     # $MAXTRAIN_CACHE or
     # ~/.cache/maxtrain, under compilation/; "" = off.
     compilation_cache_dir: str | None = None
+    # The memory pre-flight (maxtrain/analysis/preflight.py): a run whose memory estimate is
+    # well beyond its devices' memory (host RAM on CPU) is refused before anything is
+    # allocated or written. false: start anyway.
+    check_memory: bool = True
 
 
 class DistributedConfig(Section):

@@ -11,6 +11,7 @@ import functools
 import os
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -35,7 +36,7 @@ from maxtrain.evaluation.loss import held_out_loss
 from maxtrain.parallel import distributed
 from maxtrain.parallel.mesh import build_mesh, sharding_rules
 from maxtrain.surgery.initialize import initial_params
-from maxtrain.training import compile_cache, run_lock, run_summary
+from maxtrain.training import compile_cache, discovery, run_identity, run_lock, run_summary
 from maxtrain.training import metrics as metrics_lib
 from maxtrain.training.cadence import PeriodicEval, Profiler, StepLog, say, warn
 from maxtrain.training.interrupts import EXIT_STATUS, StopSignals
@@ -95,10 +96,14 @@ def _finished(cfg: Config) -> dict[str, Any] | None:
     """A run whose persistent tier holds a complete step at or past train.steps is done: says so
     and returns its step, before anything is compiled, read or written (re-running it used to
     overwrite summary.json with the bare step). None: there is training to do. The final step is
-    always saved to the persistent tier, and every process reads the same one."""
+    always saved to the persistent tier, and every process reads the same one. Either way, a
+    config that changes the model, data or objective the run's checkpoints were saved with is
+    refused first (training/run_identity.py): it names another run."""
     if not cfg.checkpoint.enabled:
         return None
-    found = newest_complete(tier_dirs(cfg.checkpoint, cfg.run_dir)["persistent"])
+    dirs = tier_dirs(cfg.checkpoint, cfg.run_dir)
+    run_identity.check_same_run(cfg, dirs.values())
+    found = newest_complete(dirs["persistent"])
     if found is None or found[0] < cfg.train.steps:
         return None
     done = _complete(cfg, *found)
@@ -144,18 +149,21 @@ def _keep_finite_checkpoints(ckpt: TieredCheckpointer | None, first_bad: int) ->
     return kept
 
 
-def run(cfg: Config) -> dict[str, Any]:
+def run(cfg: Config, preflight: Callable[[Config], None] | None = None) -> dict[str, Any]:
     """Trains per the config; returns the final metrics summary (also written to the run dir).
 
     Holds the run directory's lock (training/run_lock.py) while it trains: a second trainer on the
-    same
-    run directory refuses to start.
+    same run directory refuses to start. preflight: a check that may refuse the run (UserError)
+    before anything is allocated or written; `python -m maxtrain.train` passes the memory
+    pre-flight (analysis/preflight.py, which sits above training and so is handed in).
     """
     started = time.perf_counter()
     distributed.initialize(cfg.distributed)  # before anything touches devices
     compile_cache.enable_compilation_cache(cfg.run.compilation_cache_dir)
     if (done := _finished(cfg)) is not None:
         return done
+    if preflight is not None:
+        preflight(cfg)
     # Config and data mistakes surface in these two calls, before anything is written; the
     # data's first, as it needs no compilation (the state's initialisation does).
     train_batches, eval_streams = data_streams(cfg)
@@ -336,22 +344,33 @@ def _final_save(
     ckpt.close()
 
 
-USAGE = "python -m maxtrain.train [--debug] CONFIG.yml [key=value ...]"
+FLAGS = ("--debug", "--print-config", "--list-models", "-h", "--help")
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, preflight: Callable[[Config], None] | None = None) -> int:
+    """`python -m maxtrain.train`: flags (FLAGS, anywhere), then the config file and its
+    key=value overrides. preflight: passed on to run (the entry point's memory check)."""
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["--debug"]:  # tracebacks for refused inputs, as MAXTRAIN_DEBUG=1
+    flags = {a for a in argv if a.startswith("-")}
+    argv = [a for a in argv if not a.startswith("-")]
+    if "--debug" in flags:  # tracebacks for refused inputs, as MAXTRAIN_DEBUG=1
         os.environ[DEBUG_ENV] = "1"
-        argv = argv[1:]
-    if argv[:1] in (["-h"], ["--help"]):
-        print(f"usage: {USAGE}")
+    if flags & {"-h", "--help"}:
+        print(discovery.help_text())
         return 0
     try:
+        if unknown := sorted(flags - set(FLAGS)):
+            raise UserError(f"unknown option {unknown[0]}; options: {', '.join(FLAGS)}")
+        if "--list-models" in flags:
+            print(discovery.models_table())
+            return 0
         if not argv:
-            raise UserError(f"no config file given; usage: {USAGE}")
+            raise UserError(f"no config file given; usage: {discovery.USAGE}")
         cfg = config_lib.load(argv[0], argv[1:])
-        summary = run(cfg)
+        if "--print-config" in flags:
+            print(config_lib.to_yaml(cfg), end="")
+            return 0
+        summary = run(cfg, preflight)
     except UserError as e:  # config, data, checkpoint, a busy run dir: the user's to fix
         return refuse("maxtrain", e)
     except NonFiniteLoss as e:
