@@ -23,6 +23,7 @@ from pathlib import Path
 from maxtrain.common.errors import (
     ArgumentParser,
     UserError,
+    escaped_text,
     non_negative_int,
     positive_float,
     positive_int,
@@ -163,7 +164,13 @@ def _parser() -> ArgumentParser:
     parser.add_argument("--top-k", type=non_negative_int, default=0, help="0: every token")
     parser.add_argument("--top-p", type=positive_float, default=1.0, help="1: every token")
     parser.add_argument("--seed", type=non_negative_int, default=0)
-    parser.add_argument("--stop", action="append", default=[], help="stop at this text")
+    parser.add_argument(
+        "--stop",
+        action="append",
+        type=escaped_text,
+        default=[],
+        help=r"stop at this text; \n, \t, \r and \\ are escapes",
+    )
     parser.add_argument("--stop-id", action="append", type=int, default=[], help="and this id")
     parser.add_argument("--tokenizer", help="a tokenizer file or directory (default: found)")
     parser.add_argument("--output", type=Path, help="write one JSON line per prompt here")

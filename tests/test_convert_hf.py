@@ -39,7 +39,7 @@ from maxtrain.hf.families import FAMILIES, family_for
 from maxtrain.hf.layout import slots
 from maxtrain.hf.tokenizer_files import run_tokenizer
 from maxtrain.surgery import upcycle
-from maxtrain.tokenizers import DEFAULT_TOKENIZER
+from maxtrain.tokenizers import DEFAULT_TOKENIZER, load_tokenizer
 
 REPO = Path(__file__).resolve().parent.parent
 FIXTURES = REPO / "tests" / "fixtures" / "hf"
@@ -453,16 +453,64 @@ def test_unexportable_models_are_refused(moe, expected):
 # ---- transformers as the oracle (needs torch + transformers) ------------------------------
 
 
-def hf_python() -> str:
-    """A Python with torch and transformers: MAXTRAIN_HF_PYTHON, else this one. maxtrain needs
-    Python >= 3.12, for which this machine has no CPU torch, so the two usually differ."""
+def hf_python(*modules: str) -> str:
+    """A Python with `modules` (torch and transformers unless named): MAXTRAIN_HF_PYTHON, else
+    this one. maxtrain needs Python >= 3.12, for which this machine has no CPU torch, so the two
+    usually differ; transformers alone (its tokenizers) needs no torch."""
+    modules = modules or ("torch", "transformers")
     python = os.environ.get("MAXTRAIN_HF_PYTHON", sys.executable)
-    probe = subprocess.run([python, "-c", "import torch, transformers"], capture_output=True)
+    probe = subprocess.run([python, "-c", f"import {', '.join(modules)}"], capture_output=True)
     if probe.returncode != 0:
         pytest.skip(
-            "needs torch + transformers: set MAXTRAIN_HF_PYTHON (maxtrain.tools.make_hf_fixtures)"
+            f"needs {' + '.join(modules)}: set MAXTRAIN_HF_PYTHON (maxtrain.tools.make_hf_fixtures)"
         )
     return python
+
+
+# One fixture of every family an export writes; each carries the run's tokenizer.
+FAMILY_CASES = {
+    "llama": "llama_gqa_untied_sharded",
+    "qwen3": "qwen3_gqa4_untied_v5",
+    "mixtral": "mixtral_top2_v5",
+    "qwen3_moe": "qwen3_moe_top3_sparse_step_v5",
+    "deepseek_v3": "deepseek_v3_grouped",
+}
+TEXTS = ["The", "Q: What is 12 + 34?\nA:", " two  spaces", "def main(\n    x\t1", "é 中"]
+
+ENCODE_IN_TRANSFORMERS = """
+import json, sys
+from transformers import AutoTokenizer
+texts, dirs = json.loads(sys.argv[1]), sys.argv[2:]
+tokenizers = {d: AutoTokenizer.from_pretrained(d) for d in dirs}
+print(json.dumps({d: [tokenizer.encode(t) for t in texts] for d, tokenizer in tokenizers.items()}))
+"""
+
+
+def test_transformers_encodes_an_exported_tokenizer_as_maxtrain_does(tmp_path):
+    """AutoTokenizer on an export encodes as maxtrain's sentencepiece tokenizer, for every
+    family: the Llama export put a space piece before the text ("The": 673, not 435), as
+    transformers' Llama tokenizer does unless told the model adds no space."""
+    python = hf_python("transformers")
+    assert sorted(FAMILY_CASES) == sorted(FAMILIES)
+    for family, case in FAMILY_CASES.items():
+        ckpt, out = tmp_path / f"{family}-ckpt", tmp_path / family
+        assert cli.main(["import", "--hf-dir", str(FIXTURES / case), "--output", str(ckpt)]) == 0
+        export = ["export", "--checkpoint", str(ckpt), "--output", str(out)]
+        assert cli.main([*export, "--tokenizer", str(DEFAULT_TOKENIZER)]) == 0
+        assert json.loads((out / "config.json").read_text())["model_type"] == family
+    expected = load_tokenizer(DEFAULT_TOKENIZER).encode(TEXTS)
+    sp = spm.SentencePieceProcessor(model_file=str(DEFAULT_TOKENIZER))
+    assert expected[0] == [sp.piece_to_id("The")]  # one piece, no space before it
+    dirs = [str(tmp_path / family) for family in FAMILY_CASES]
+    result = subprocess.run(
+        [python, "-c", ENCODE_IN_TRANSFORMERS, json.dumps(TEXTS), *dirs],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    encoded = json.loads(result.stdout.strip().splitlines()[-1])
+    for directory in dirs:
+        assert encoded[directory] == expected, directory
 
 
 def upcycled(case: str, moe: MoeConfig) -> tuple[ModelConfig, dict]:

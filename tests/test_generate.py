@@ -9,6 +9,7 @@ time; here all prompts run in one batch, of different lengths.
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import jax
@@ -17,11 +18,14 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from maxtrain import evaluate as evaluate_cli
 from maxtrain import generate as generate_cli
 from maxtrain import model as model_lib
 from maxtrain.hf.convert import import_checkpoint
 from maxtrain.inference.decode import cache_stacks
 from maxtrain.model.kv_cache import init_cache
+from maxtrain.tokenizers import DEFAULT_TOKENIZER
+from maxtrain.training import loop as train
 from maxtrain.training import run_model
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "hf"
@@ -117,3 +121,81 @@ def test_bad_prompts_file_line_is_named(tmp_path, capsys):
     (tmp_path / "prompts.jsonl").write_text('{"prompt": "ok"}\n{"prompt": 3}\n')
     assert generate_cli.main([str(tmp_path), "--prompts", str(tmp_path / "prompts.jsonl")]) == 2
     assert 'prompts.jsonl:2: expected an object with "prompt"' in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "cli, options",
+    [
+        (generate_cli, ["--prompt", "a", "--stop", r"\n\n", "--max-new-tokens", "4"]),
+        (evaluate_cli, ["--tasks", "arithmetic", "--shots", "2", "--loss"]),
+    ],
+    ids=["generate", "evaluate"],
+)
+def test_overrides_stand_anywhere_among_the_options(cli, options):
+    """docs/generation.md's headline command ends in its overrides, after the options (it was
+    "unrecognized arguments: mesh.fsdp=4 mesh.tensor=2"): before, between and after the
+    options, the same overrides and the same options."""
+    overrides = ["mesh.fsdp=4", "mesh.tensor=2"]
+    orders = [
+        ["ckpt", *overrides, *options],
+        ["ckpt", overrides[0], *options[:2], overrides[1], *options[2:]],
+        ["ckpt", *options, *overrides],
+        [*options[:2], "ckpt", *options[2:], *overrides],
+    ]
+    parsed = [vars(cli._parser().parse_args(argv)) for argv in orders]
+    assert parsed[0]["overrides"] == overrides and parsed[0]["checkpoint"] == "ckpt"
+    assert all(p == parsed[0] for p in parsed), parsed
+
+
+def test_a_stop_string_typed_with_an_escape_stops_generation(tmp_path, capsys):
+    r"""`--stop "\r\r"` as bash passes it (a backslash and an r, twice) stops at two carriage
+    returns: transformers' greedy continuation of the Qwen3 fixture's first prompt starts with
+    id 17, which the default tokenizer decodes as "\r" (byte 0x0D after its 4 special ids)."""
+    case = json.loads((FIXTURES / "qwen3_gqa4_untied_v5" / "generate.json").read_text())["cases"][0]
+    assert case["new_ids"][:3] == [17, 17, 17]
+    import_checkpoint(FIXTURES / "qwen3_gqa4_untied_v5", tmp_path / "ckpt")
+    out = tmp_path / "out.jsonl"
+    ids = ",".join(map(str, case["prompt_ids"]))
+    base = [str(tmp_path / "ckpt"), "--prompt-ids", ids, "--tokenizer", str(DEFAULT_TOKENIZER)]
+    args = [*base, "--max-new-tokens", "12", "--devices", "1", "--output", str(out)]
+    assert generate_cli.main([*args, "--stop", r"\r\r"]) == 0
+    line = json.loads(out.read_text())
+    assert (line["finish"], line["new_ids"], line["text"]) == ("stop", [17, 17], "")
+    with pytest.raises(SystemExit) as refused:  # argparse's usage error: exit 2, one line
+        generate_cli.main([*base, "--stop", r"\q"])
+    assert refused.value.code == 2
+    assert r"unknown escape \q in '\q'" in capsys.readouterr().err
+
+
+def test_an_import_with_fewer_positions_than_the_training_default_generates(tmp_path):
+    """A model of 64 positions is sampled: train.seq_len's default (128) is for training and
+    was refused against it ("train.seq_len (128) exceeds model.max_seq_len (64)")."""
+    case = Path(shutil.copytree(FIXTURES / "llama_gqa_untied_sharded", tmp_path / "in"))
+    config = json.loads((case / "config.json").read_text())
+    (case / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 64}))
+    import_checkpoint(case, tmp_path / "ckpt")
+    out = tmp_path / "out.jsonl"
+    args = [str(tmp_path / "ckpt"), "--prompt", "the cat", "--max-new-tokens", "3"]
+    assert generate_cli.main([*args, "--devices", "1", "--output", str(out)]) == 0
+    assert len(json.loads(out.read_text())["new_ids"]) == 3
+
+
+def test_a_run_trained_on_8_devices_samples_on_1(make_cfg, capsys):
+    """A run saved under mesh fsdp=2 x expert=4 (8 devices) generates with --devices 1 and no
+    mesh override: the weights go on a mesh of the device there is, with a line saying so, and
+    the greedy tokens are those of the saved mesh. A mesh the user names that does not fit is
+    still refused."""
+    cfg = make_cfg("model_name=tiny-moe", "mesh.fsdp=2", "mesh.expert=4", "train.steps=1")
+    train.run(cfg)
+    out = cfg.run_dir / "out.jsonl"
+    args = [str(cfg.run_dir), "--prompt-ids", "1,2,3", "--max-new-tokens", "6"]
+    tokens = []
+    for devices in ([], ["--devices", "1"]):
+        assert generate_cli.main([*args, *devices, "--output", str(out)]) == 0
+        tokens.append(json.loads(out.read_text())["new_ids"])
+    assert tokens[0] == tokens[1] and len(tokens[0]) == 6
+    printed = capsys.readouterr().out
+    assert "saved mesh (fsdp=2 x expert=4, 1 slice(s)) does not fit 1 device(s)" in printed
+    assert printed.count("does not fit") == 1  # 8 devices: the saved mesh as it is
+    assert generate_cli.main([*args, "--devices", "1", "mesh.expert=4"]) == 2
+    assert "(fsdp=2 x expert=4) use 8 devices per slice but 1 are" in capsys.readouterr().err

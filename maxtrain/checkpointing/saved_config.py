@@ -12,7 +12,14 @@ import yaml
 
 from maxtrain.checkpointing.integrity import CheckpointError
 from maxtrain.checkpointing.restore import read_saved_config
-from maxtrain.config import CONFIGS_DIR, Config, deep_merge, parse_override, validate
+from maxtrain.config import (
+    CONFIGS_DIR,
+    Config,
+    TrainConfig,
+    deep_merge,
+    parse_override,
+    validate,
+)
 
 # How far up from a step directory its tokenizer files may sit: the step, its tier, the
 # checkpoints directory, the run directory.
@@ -27,7 +34,7 @@ def saved_config(step_dir: Path, overrides: Sequence[str] = (), dropless: bool =
     if not isinstance(saved.get("model"), dict):
         raise CheckpointError(f"{step_dir}: its saved config names no model")
     base = yaml.safe_load((CONFIGS_DIR / "base.yml").read_text())
-    tree = deep_merge(base, saved)
+    tree = deep_merge(deep_merge(base, saved), _seq_len_within_model(saved))
     for text in overrides:
         keys, value = parse_override(text)
         tree = deep_merge(
@@ -36,3 +43,15 @@ def saved_config(step_dir: Path, overrides: Sequence[str] = (), dropless: bool =
     if dropless and tree["model"].get("moe"):
         tree = deep_merge(tree, {"model": {"moe": {"capacity_factor": None}}})
     return validate(tree)
+
+
+def _seq_len_within_model(saved: dict) -> dict:
+    """train.seq_len cut to the saved model's positions where the checkpoint does not set it
+    (an import holds only its model): the schema's 128 is a training default, no reason to
+    refuse a model of 64 positions, and a held-out loss of such a model (evaluate --loss)
+    scores its own context. {} where nothing needs cutting."""
+    positions = saved["model"].get("max_seq_len")
+    default = TrainConfig.model_fields["seq_len"].default
+    if positions is None or positions >= default or "seq_len" in (saved.get("train") or {}):
+        return {}
+    return {"train": {"seq_len": positions}}

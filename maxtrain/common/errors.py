@@ -71,13 +71,27 @@ class _Debug(argparse.Action):
 
 class ArgumentParser(argparse.ArgumentParser):
     """Every tool's parser: a usage mistake is one line `PROG: error: ...` and exit 2 too, and
-    --debug turns on tracebacks (the same as MAXTRAIN_DEBUG=1)."""
+    --debug turns on tracebacks (the same as MAXTRAIN_DEBUG=1).
+
+    One grammar for every command: positionals (a checkpoint, a config, `key=value` overrides)
+    may stand anywhere among the options, before, between or after them, as a user appends an
+    override to a command copied from the docs. Plain argparse stops a `nargs="*"` positional
+    at the first option and refuses whatever positional follows the options.
+    """
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.add_argument(
             "--debug", nargs=0, action=_Debug, help=f"show tracebacks (or {DEBUG_ENV}=1)"
         )
+
+    def parse_args(self, args=None, namespace=None):
+        """Options and positionals intermixed (argparse's parse_intermixed_args); a parser
+        with subcommands parses as plain argparse does (intermixing cannot split them), and
+        each subcommand's own options follow its name."""
+        if self._subparsers is not None:
+            return super().parse_args(args, namespace)
+        return self.parse_intermixed_args(args, namespace)
 
     def error(self, message: str) -> NoReturn:
         self.exit(2, f"{self.prog}: error: {one_line(message)}\n")
@@ -112,6 +126,27 @@ def positive_float(text: str) -> float:
     if not 0 < value < float("inf"):
         raise argparse.ArgumentTypeError(f"must be a finite number above 0, not {text}")
     return value
+
+
+ESCAPES = {"n": "\n", "t": "\t", "r": "\r", "\\": "\\"}  # what `escaped_text` turns into
+_ESCAPE = re.compile(r"\\(.?)", re.DOTALL)
+
+
+def escaped_text(text: str) -> str:
+    r"""An argparse type: text with the backslash escapes a user types for what a shell does
+    not pass plainly (in bash, `--stop "\n\n"` is a backslash and an n, twice): \n newline,
+    \t tab, \r carriage return, \\ one backslash. Any other backslash is refused rather than
+    kept, so that a mistyped escape never silently matches nothing."""
+
+    def one(match: re.Match) -> str:
+        if match.group(1) not in ESCAPES:
+            raise argparse.ArgumentTypeError(
+                f"unknown escape \\{match.group(1)} in '{text}'; expected \\n, \\t, \\r or "
+                "\\\\ (a backslash)"
+            )
+        return ESCAPES[match.group(1)]
+
+    return _ESCAPE.sub(one, text)
 
 
 _OS_ERROR_CODE = re.compile(r"os_error_code='?(\d+)")  # how tensorstore tags a failed syscall

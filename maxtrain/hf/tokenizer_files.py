@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+from sentencepiece import sentencepiece_model_pb2
 
 from maxtrain.config import DataConfig
 from maxtrain.data.shards import data_tokenizer
@@ -67,6 +68,10 @@ def tokenizer_files(tokenizer_path: Path, max_length: int) -> dict[str, str | by
         **pieces,
         "add_bos_token": False,  # documents were encoded without one; EOS ends each
         "add_eos_token": False,
+        # Whether a space is put before the text, as the model says: transformers' Llama
+        # tokenizer assumes it is (Llama's model does) unless told, and "The" became "▁The".
+        "add_prefix_space": adds_dummy_prefix(tokenizer_path),
+        "legacy": False,  # transformers' sentencepiece-faithful handling of text after specials
         "model_max_length": max_length,
     }
     return {
@@ -74,3 +79,11 @@ def tokenizer_files(tokenizer_path: Path, max_length: int) -> dict[str, str | by
         "tokenizer_config.json": json.dumps(config, indent=2) + "\n",
         "generation_config.json": json.dumps(ids, indent=2) + "\n",
     }
+
+
+def adds_dummy_prefix(model_path: Path) -> bool:
+    """Whether a sentencepiece model puts a space before every text it encodes (its normalizer's
+    add_dummy_prefix). maxtrain's default tokenizer does not: "The" is one piece, not "▁The"."""
+    proto = sentencepiece_model_pb2.ModelProto()
+    proto.ParseFromString(model_path.read_bytes())
+    return proto.normalizer_spec.add_dummy_prefix

@@ -25,7 +25,7 @@ from jax.sharding import Mesh
 from maxtrain.checkpointing.checkpointer import resolve_step_dir
 from maxtrain.checkpointing.common import absolute
 from maxtrain.checkpointing.saved_config import TOKENIZER_SEARCH_DEPTH, saved_config
-from maxtrain.config import Config
+from maxtrain.config import MESH_AXES, Config, ConfigError
 from maxtrain.data.grain_pipeline import EMBEDDED_PREFIX
 from maxtrain.data.shards import read_metadata
 from maxtrain.model import ModelDef, build
@@ -61,8 +61,7 @@ def load_model(
     plain model they merge into (posttrain/merging.py); its initial parameters are its base,
     as the run kept it (zero adapters)."""
     step_dir = Path(resolve_step_dir(absolute(path)))
-    cfg = saved_config(step_dir, overrides)
-    mesh = build_mesh(cfg.mesh, devices)
+    cfg, mesh = _config_and_mesh(step_dir, overrides, devices)
     step = 0 if initial or not step_dir.name.isdigit() else int(step_dir.name)
     if parameter_split(cfg).adds_parameters:  # folded into their base (Qwix: only when asked)
         from maxtrain.posttrain import merging
@@ -98,6 +97,42 @@ def _initial(cfg: Config, abstract: Any) -> Any:
     init = lambda: nnx.to_pure_dict(nnx.state(build(cfg.model, seed=cfg.run.seed), nnx.Param))  # noqa: E731
     shardings = jax.tree.map(lambda a: a.sharding, abstract)
     return jax.jit(init, out_shardings=shardings)()
+
+
+# Every device on fsdp, one slice: a mesh any device count fits, for any model.
+ALL_ON_FSDP = (
+    *(f"mesh.{axis}={-1 if axis == 'fsdp' else 1}" for axis in MESH_AXES),
+    "mesh.num_slices=1",
+    *(f"mesh.dcn.{axis}=1" for axis in MESH_AXES),
+)
+
+
+def _config_and_mesh(
+    step_dir: Path, overrides: Sequence[str], devices: list[jax.Device] | None
+) -> tuple[Config, Mesh]:
+    """The saved config with the overrides, and its mesh over `devices`.
+
+    A run trained on 8 devices is sampled on 1: when the saved mesh does not fit the devices
+    and no override names a mesh key, every device goes on fsdp instead (which changes where
+    the weights sit, not what the model computes), and a line says so. A mesh the user gave
+    that does not fit is refused as it is."""
+    cfg = saved_config(step_dir, overrides)
+    try:
+        return cfg, build_mesh(cfg.mesh, devices)
+    except ConfigError:
+        if any(text.startswith("mesh.") for text in overrides):
+            raise
+    fitted = saved_config(step_dir, [*overrides, *ALL_ON_FSDP])
+    mesh = build_mesh(fitted.mesh, devices)
+    saved = " x ".join(
+        f"{a}={getattr(cfg.mesh, a)}" for a in MESH_AXES if getattr(cfg.mesh, a) != 1
+    )
+    print(
+        f"the saved mesh ({saved or 'all 1'}, {cfg.mesh.num_slices} slice(s)) does not fit "
+        f"{mesh.size} device(s): loading with mesh.fsdp={mesh.size} (mesh.* overrides choose)",
+        flush=True,
+    )
+    return fitted, mesh
 
 
 def find_tokenizer(

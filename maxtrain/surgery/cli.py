@@ -30,7 +30,7 @@ def main(mode: str, argv: list[str], description: str) -> int:
         "--source", required=True, help="checkpoint to read: a step, tier or run directory"
     )
     parser.add_argument("--output", required=True, help="directory to create for the result")
-    args = parser.parse_intermixed_args(argv)
+    args = parser.parse_args(argv)
     try:
         source = f"checkpoint.load_parameters_path={args.source}"
         cfg = config_lib.load(args.config, [*args.overrides, f"init.mode={mode}", source])

@@ -387,7 +387,7 @@ def main(argv: list[str] | None = None) -> int:
         metavar="FILE",
         help="--dry-run --compile: also write the compiled program's text (HLO) to FILE",
     )
-    args = parser.parse_intermixed_args(argv)
+    args = parser.parse_args(argv)
     try:
         cfg = config_lib.load(args.config, args.overrides)
         if args.compile and not args.dry_run:

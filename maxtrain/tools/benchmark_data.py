@@ -92,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batches", type=positive_int, default=200)
     parser.add_argument("--warmup", type=non_negative_int, default=5)
     parser.add_argument("--compare-megatron", action="store_true", help="see the docstring")
-    args = parser.parse_intermixed_args(argv)
+    args = parser.parse_args(argv)
     try:
         cfg = config_lib.load(args.config, args.overrides)
         print(json.dumps(benchmark(cfg, args.batches, args.warmup)), flush=True)

@@ -27,7 +27,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("run", help="a LoRA run's checkpoint: a step, tier or run directory")
     parser.add_argument("output", help="directory to create for the merged checkpoint")
     parser.add_argument("overrides", nargs="*", help="key=value overrides of the run's config")
-    args = parser.parse_intermixed_args(argv)
+    args = parser.parse_args(argv)
     try:
         from maxtrain.posttrain.merging import (
             merge_checkpoint,  # Qwix: after the arguments parse

@@ -53,7 +53,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument(
         "--eval-batches", type=positive_int, default=4, help="held-out batches per source"
     )
-    args = parser.parse_intermixed_args(argv)
+    args = parser.parse_args(argv)
     try:
         # Scored on the float model: a quantized-training run's config would otherwise
         # quantize the matmuls again on top of the stored weights.

@@ -79,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
         help="sentencepiece model to decode with (default: the sources', where known)",
     )
     parser.add_argument("--show-loss", type=positive_int, default=0, metavar="R")
-    args = parser.parse_intermixed_args(argv)
+    args = parser.parse_args(argv)
     try:
         # The config is checked as the train loop checks it (eval streams included): what one
         # refuses, so does the other; only the train batches are written.
