@@ -8,8 +8,9 @@ import re
 from pathlib import Path
 
 import pytest
+from support import REPO
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = REPO
 PACKAGE = REPO / "maxtrain"
 ENTRY_POINTS = {"__init__.py", "train.py", "generate.py", "evaluate.py"}
 
@@ -154,6 +155,16 @@ def _code_words(tree: ast.AST) -> set[str]:
             if id(node) not in docstrings:
                 words.add(node.value)
     return words
+
+
+def test_tests_mirror_the_packages():
+    """tests/<package>/ holds the tests of maxtrain/<package>/ (tests/support/ what several
+    share, tests/fixtures/ committed oracle outputs); only this project-wide test sits at the
+    root."""
+    folders = {p.name for p in (REPO / "tests").iterdir() if p.is_dir() and p.name[0] not in "._"}
+    packages = {p.parent.name for p in PACKAGE.glob("*/__init__.py")}
+    assert folders - {"support", "fixtures"} <= packages
+    assert [p.name for p in (REPO / "tests").glob("test_*.py")] == ["test_architecture.py"]
 
 
 def test_lora_is_wired_only_through_post_training():

@@ -32,8 +32,8 @@ batch's layer input, the leading dense layers run on every stage with the whole 
 head splits the batch over the stages (the `stage_batch` rule), so the logits are 1/S.
 
 The activation model is deliberately simple (per-token byte counts per layer; see
-`_saved_per_token`). tests/test_memory.py checks the whole estimate against XLA's own buffer
-assignment for compiled CPU steps (within 30%); on the H100 it gives 44.2 GiB for
+`_saved_per_token`). tests/analysis/test_memory.py checks the whole estimate against XLA's own
+buffer assignment for compiled CPU steps (within 30%); on the H100 it gives 44.2 GiB for
 recipes/h100/dense-1.5b.yml, whose measured peak is 39.4 GiB.
 """
 

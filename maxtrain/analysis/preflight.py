@@ -11,9 +11,9 @@ The host's total, not what is free at this moment: the same command gets the sam
 whatever else happens to run beside it.
 
 The margin: the estimate is checked against XLA's own buffer assignment to within 30% either
-way (tests/test_memory.py), so a run is refused only when even an estimate 30% too high would
-not fit: estimate > MARGIN x memory. A run within the margin starts, and may still run out.
-run.check_memory=false skips the check.
+way (tests/analysis/test_memory.py), so a run is refused only when even an estimate 30% too
+high would not fit: estimate > MARGIN x memory. A run within the margin starts, and may still
+run out. run.check_memory=false skips the check.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from maxtrain.common.errors import UserError
 from maxtrain.config import Config
 from maxtrain.training import run_model
 
-MARGIN = 1.3  # the estimate's error bound against the compiled step (tests/test_memory.py)
+MARGIN = 1.3  # the estimate's error bound against the compiled step (tests/analysis/test_memory.py)
 CGROUP_LIMIT = Path("/sys/fs/cgroup/memory.max")  # cgroup v2: "max" or a byte count
 
 

@@ -275,9 +275,9 @@ def _one_transaction_registry() -> ocp.handlers.DefaultCheckpointHandlerRegistry
     (array metadata, scales, norms under 1 KiB) inlined, and old versions are never compacted
     away. So the bytes on disk depend on how the writes happened to be batched, which depends
     on timing and cores: 7 to 15 versions and 296 to 346 KB for the tiny MoE's 221 KB of int8
-    parameters (tests/test_quantization.py). Without a limit Orbax writes all arrays in one
-    atomic transaction: one version, the same bytes every time. Peak memory was the same
-    either way (a 400 MB state on CPU)."""
+    parameters (tests/quantization/test_quantization.py). Without a limit Orbax writes all
+    arrays in one atomic transaction: one version, the same bytes every time. Peak memory was
+    the same either way (a 400 MB state on CPU)."""
     handler = ocp.PyTreeCheckpointHandler(
         handler_impl=ocp.BasePyTreeCheckpointHandler(save_concurrent_bytes=None)
     )

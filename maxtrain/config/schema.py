@@ -8,9 +8,9 @@ one Config. How a config is assembled from files and overrides is loading.py.
 Every key declares its domain where it is declared: its type, its bounds (`Field(gt=...)` or
 the named types of domains.py), its choices (`Literal`), and finiteness: every float is finite
 (`allow_inf_nan=False`). A value outside it is refused by pydantic, and loading.py turns that
-into one line naming the key, the value and the domain; tests/test_config_domains.py walks the
-schema and tries a value outside every declared domain. Checks that involve several keys are
-the validators.
+into one line naming the key, the value and the domain; tests/config/test_config_domains.py
+walks the schema and tries a value outside every declared domain. Checks that involve several
+keys are the validators.
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@
     convert.py         import / export, tensor by tensor, outputs written atomically
     cli.py             maxtrain.tools.convert_hf
 
-transformers is the oracle: tests/test_convert_hf.py compares our logits with the ones it
+transformers is the oracle: tests/hf/test_convert_hf.py compares our logits with the ones it
 computed on the committed fixtures (maxtrain.tools.make_hf_fixtures builds them).
 """
 

@@ -14,6 +14,10 @@ from maxtrain.posttrain.dpo import DPO, ReferenceCopy
 from maxtrain.training.objectives import NEXT_TOKEN, Objective
 from maxtrain.training.split import ParameterSplit, WholeModel
 
+# The config keys (with every key under them) that choose a run's post-training: its objective
+# and its split. A run's identity includes them (training/run_identity.py).
+CONFIG_KEYS = ("train.task", "train.dpo", "lora")
+
 
 def objective(train: TrainConfig) -> Objective:
     """What train.task minimises: next-token loss (pretrain, sft) or DPO's."""

@@ -8,7 +8,7 @@
 build: for every case below, a small random transformers model saved as config.json +
 safetensors, with token ids (tokens.npy, int32 [2, 12]) and the float32 logits transformers
 computes for them (logits.npy) after loading the saved directory back, into <output>/<case>/.
-The committed fixtures are its output; tests/test_convert_hf.py compares our model's logits
+The committed fixtures are its output; tests/hf/test_convert_hf.py compares our model's logits
 with them. logits: the same oracle for any model directory holding a tokens.npy (the export
 round-trip test uses it); it refuses a directory that loads with missing or unexpected tensors.
 

@@ -24,7 +24,7 @@ train_iters * global_batch_size, valid (train_iters // eval_interval + 1) * eval
 global_batch_size, test eval_iters * global_batch_size; each config names them in maxtrain's
 terms (steps, global_batch_size, eval_every, eval_steps).
 
-tests/test_megatron_data.py reads only these files (CI has no torch). The tool needs torch and
+tests/data/test_megatron_data.py reads only these files (CI has no torch). The tool needs torch and
 megatron-core, which maxtrain does not depend on; megatron-core 0.16.1 is the newest release for
 Python 3.11, and the machine carries a CPU torch for 3.11, so it runs in its own environment:
 

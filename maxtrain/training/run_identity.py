@@ -20,6 +20,7 @@ import yaml
 from etils import epath
 
 from maxtrain import config as config_lib
+from maxtrain import posttrain
 from maxtrain.checkpointing import read_saved_config
 from maxtrain.checkpointing.integrity import newest_complete
 from maxtrain.common.errors import UserError
@@ -32,9 +33,7 @@ IDENTITY = (
     "model_name",
     *(f"model.{name}" for name in ModelArchitecture.model_fields),
     "data",
-    "train.task",
-    "train.dpo",
-    "lora",
+    *posttrain.CONFIG_KEYS,
     "checkpoint.load_parameters_path",
     "init",
 )

@@ -70,11 +70,11 @@ class Trainer:
 
 # How the train step keeps a non-finite step from touching the state (train_step.train_step),
 # per platform: the form that costs no state copy and no extra pass over memory there, read
-# from the compiled programs (tests/test_step_program.py, tests/test_tpu_compile.py). XLA:CPU
-# copies every optimizer moment for a select (the state is donated, and the select needs the
-# old moments after the new ones are written); the TPU compiler fuses the select into the
-# update, while a conditional around the update cost 0.9 GB more bytes accessed per chip for
-# a 1.5B model on v5e (5.5% of its step).
+# from the compiled programs (tests/training/test_step_program.py,
+# tests/parallel/test_tpu_compile.py). XLA:CPU copies every optimizer moment for a select
+# (the state is donated, and the select needs the old moments after the new ones are
+# written); the TPU compiler fuses the select into the update, while a conditional around the
+# update cost 0.9 GB more bytes accessed per chip for a 1.5B model on v5e (5.5% of its step).
 NONFINITE_GUARD = {"cpu": "cond", "gpu": "cond", "tpu": "select"}
 
 

@@ -3,37 +3,10 @@
 import jax
 import numpy as np
 import pytest
+from support.numerics import assert_trees_close, loss_and_grads, synthetic_batch
 
 from maxtrain.data import to_global
-from maxtrain.data.synthetic import SyntheticText
-from maxtrain.parallel.mesh import sharding_rules
 from maxtrain.training.loop import build_trainer
-from maxtrain.training.step import summed_grads
-
-
-def _batch(cfg, step=0):
-    source = SyntheticText(cfg.model.vocab_size, cfg.train.seq_len, 4, seed=0, stream=0)
-    return source.batch(step, range(cfg.train.global_batch_size))
-
-
-def loss_and_grads(trainer, local_batch):
-    """Mean loss and its gradients, computed on the trainer's mesh, fetched to host."""
-    cfg = trainer.cfg
-
-    def fn(params, batch):
-        with sharding_rules(trainer.mesh, cfg.mesh.rules):
-            grads, sums = summed_grads(trainer.mdef, params, batch, 0.0)
-        return sums.loss / sums.count, jax.tree.map(lambda g: g / sums.count, grads)
-
-    batch = to_global(local_batch, trainer.batch_sharding)
-    return jax.device_get(jax.jit(fn)(trainer.state.params, batch))
-
-
-def assert_trees_close(a, b, rtol=2e-5, atol=2e-6):
-    flat_a, flat_b = jax.tree.leaves_with_path(a), jax.tree.leaves(b)
-    assert len(flat_a) == len(flat_b)
-    for (path, x), y in zip(flat_a, flat_b, strict=True):
-        np.testing.assert_allclose(x, y, rtol=rtol, atol=atol, err_msg=jax.tree_util.keystr(path))
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +25,7 @@ def reference(tmp_path_factory):
     ]
     cfg = config_lib.load(base, overrides)
     trainer = build_trainer(cfg, devices=jax.devices()[:1])
-    return overrides, loss_and_grads(trainer, _batch(cfg))
+    return overrides, loss_and_grads(trainer, synthetic_batch(cfg))
 
 
 @pytest.mark.parametrize(
@@ -73,7 +46,7 @@ def test_sharded_loss_and_grads_equal_single_device(reference, mesh):
     cfg = config_lib.load(config_lib.CONFIGS_DIR / "base.yml", [*overrides, *mesh])
     trainer = build_trainer(cfg)
     assert trainer.mesh.size == 8
-    loss, grads = loss_and_grads(trainer, _batch(cfg))
+    loss, grads = loss_and_grads(trainer, synthetic_batch(cfg))
     np.testing.assert_allclose(loss, ref_loss, rtol=1e-6)
     assert_trees_close(grads, ref_grads)
 
@@ -94,7 +67,7 @@ def test_layer_layout_and_remat_do_not_change_numbers(reference, variant):
     overrides, (ref_loss, ref_grads) = reference
     cfg = config_lib.load(config_lib.CONFIGS_DIR / "base.yml", [*overrides, *variant])
     trainer = build_trainer(cfg, devices=jax.devices()[:1])
-    loss, grads = loss_and_grads(trainer, _batch(cfg))
+    loss, grads = loss_and_grads(trainer, synthetic_batch(cfg))
     np.testing.assert_allclose(loss, ref_loss, rtol=1e-6)
     assert_trees_close(grads, ref_grads)
 
@@ -109,7 +82,7 @@ def test_four_micro_batches_equal_one_big_batch(make_cfg):
             "mesh.data=4",
         )
         trainer = build_trainer(cfg)
-        batch = to_global(_batch(cfg), trainer.batch_sharding)
+        batch = to_global(synthetic_batch(cfg), trainer.batch_sharding)
         state, metrics = trainer.step_fn(trainer.state, batch)
         results.append(jax.device_get((state.params, metrics)))
     (params_1, metrics_1), (params_4, metrics_4) = results

@@ -4,7 +4,7 @@ import json
 
 import jax
 import pytest
-from test_data_prep import load_tool
+from support.data import load_tool
 
 from maxtrain.analysis import memory
 from maxtrain.config import CONFIGS_DIR

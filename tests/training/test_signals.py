@@ -1,7 +1,7 @@
 """Ends the trainer does not save on: SIGKILL, and a second Ctrl-C. Nothing it started (grain's
 worker processes, multiprocessing's resource tracker) outlives it by more than a few seconds.
 
-(SIGTERM and a first Ctrl-C save and resume bit-exactly: tests/test_resume.py.)
+(SIGTERM and a first Ctrl-C save and resume bit-exactly: tests/training/test_resume.py.)
 """
 
 import os
@@ -10,7 +10,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from test_resume import ARGS, command, env, logged_step_at_least
+from support.runs import ARGS, command, env, logged_step_at_least
 
 WORKERS = [*ARGS, "data.num_workers=2"]
 

@@ -3,7 +3,6 @@
 Everything runs on real files in tmp_path with the committed tokenizer; no jax is needed.
 """
 
-import importlib.util
 import json
 import math
 import re
@@ -11,13 +10,13 @@ import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from types import ModuleType
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from array_record.python.array_record_module import ArrayRecordWriter
+from support.data import load_tool, prepared
 
 from maxtrain.config import REPO_ROOT
 from maxtrain.data.corpora import embedded
@@ -58,15 +57,6 @@ def mixed_jsonl(path: Path) -> Path:
             b'{"text": "\\ud800"}',
         ],
     )
-
-
-def load_tool(name: str) -> ModuleType:
-    spec = importlib.util.spec_from_file_location(
-        name, REPO_ROOT / "maxtrain" / "tools" / f"{name}.py"
-    )
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def run_tool(tool: str, *args: str) -> subprocess.CompletedProcess:
@@ -144,12 +134,6 @@ def test_reader_errors_name_the_pattern_or_file(tmp_path):
 
 
 # ----------------------------------------------------------------------------------- shards
-
-
-def prepared(tmp_path: Path, docs: list[str], name: str = "src", **kwargs) -> Path:
-    out = tmp_path / name
-    write_shards(docs, load_tokenizer(TOKENIZER), out, **kwargs)
-    return out
 
 
 def test_prepare_data_cli_end_to_end(tmp_path):

@@ -5,15 +5,15 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import numpy as np
-from test_pipeline import BIG_VOCAB, random_docs, sources_override, write_source
-from xla_env import xla_flags
+from support.data import BIG_VOCAB, random_docs, sources_override, write_source
+from support.runs import free_port
+from support.xla_env import xla_flags
 
 from maxtrain import config as config_lib
 from maxtrain.data import BATCH_KEYS
@@ -58,12 +58,6 @@ multihost_utils.sync_global_devices("done")
 print("child", pid, "ok", flush=True)
 jax.distributed.shutdown()
 """
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run_processes(overrides: list[str], tmp_path: Path) -> list[Path]:

@@ -2,7 +2,6 @@
 disk, two trainers on one run, a finished run started again, and starting from another run's
 parameters. Every one ends in a clear line, nothing lost."""
 
-import hashlib
 import json
 import os
 import subprocess
@@ -12,7 +11,8 @@ from pathlib import Path
 import jax
 import numpy as np
 from flax import nnx
-from xla_env import xla_flags
+from support.runs import tree_digest
+from support.xla_env import xla_flags
 
 from maxtrain import config as config_lib
 from maxtrain.checkpointing import load_parameters
@@ -58,15 +58,6 @@ def logged_steps(run_dir: Path) -> list[int]:
     """The step of every train record in metrics.jsonl, in file order."""
     lines = (run_dir / "metrics.jsonl").read_text().splitlines()
     return [r["step"] for r in map(json.loads, lines) if "train/loss" in r]
-
-
-def tree_digest(root: Path) -> str:
-    digest = hashlib.sha256()
-    for path in sorted(root.rglob("*")):
-        digest.update(str(path.relative_to(root)).encode())
-        if path.is_file():
-            digest.update(path.read_bytes())
-    return digest.hexdigest()
 
 
 def params_at(step_dir: Path, *overrides: str):

@@ -18,13 +18,14 @@ from pathlib import Path
 
 import jax
 import numpy as np
+from support import FIXTURES
 
 from maxtrain import config as config_lib
 from maxtrain.checkpointing import open_checkpointer
 from maxtrain.data.streams import data_streams
 from maxtrain.training.trainer import build_trainer
 
-FIXTURE = Path(__file__).parent / "fixtures" / "pre_refactor"
+FIXTURE = FIXTURES / "pre_refactor"
 ARGS = (FIXTURE / "args.txt").read_text().split()
 
 

@@ -2,9 +2,10 @@
 
 import importlib.util
 import json
-from pathlib import Path
 
-TOOL = Path(__file__).resolve().parent.parent / "maxtrain" / "tools" / "profile_kernels.py"
+from support import REPO
+
+TOOL = REPO / "maxtrain" / "tools" / "profile_kernels.py"
 spec = importlib.util.spec_from_file_location("profile_kernels", TOOL)
 profile_kernels = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(profile_kernels)

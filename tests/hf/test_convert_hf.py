@@ -27,6 +27,7 @@ import yaml
 from flax import nnx
 from safetensors import safe_open
 from safetensors.numpy import save_file
+from support import REPO
 
 from maxtrain import config as config_lib
 from maxtrain import model as model_lib
@@ -41,7 +42,7 @@ from maxtrain.hf.tokenizer_files import run_tokenizer
 from maxtrain.surgery import upcycle
 from maxtrain.tokenizers import DEFAULT_TOKENIZER, load_tokenizer
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = REPO
 FIXTURES = REPO / "tests" / "fixtures" / "hf"
 MAKE_FIXTURES = REPO / "maxtrain" / "tools" / "make_hf_fixtures.py"
 CASES = sorted(runpy.run_path(str(MAKE_FIXTURES))["CASES"])

@@ -25,8 +25,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from test_pipeline_multiprocess import free_port
-from xla_env import xla_flags
+from support.runs import free_port
+from support.xla_env import xla_flags
 
 from maxtrain import config as config_lib
 from maxtrain import optim

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from support import FIXTURES
 
 from maxtrain import evaluate as evaluate_cli
 from maxtrain import generate as generate_cli
@@ -28,7 +29,7 @@ from maxtrain.tokenizers import DEFAULT_TOKENIZER
 from maxtrain.training import loop as train
 from maxtrain.training import run_model
 
-FIXTURES = Path(__file__).resolve().parent / "fixtures" / "hf"
+FIXTURES = FIXTURES / "hf"
 TOLERANCE = 2e-5  # float32 rounding: the cache path sums attention over more (masked) keys
 
 

@@ -3,7 +3,7 @@
 Every exchange of maxtrain/parallel/experts.py runs in shard_map over P of the 8 simulated
 CPU devices, on routing built to stress it, and is compared with the dropless grouped matmul
 on one device holding every token and expert, values and gradients. The ragged exchange runs
-with an emulation of jax.lax.ragged_all_to_all (tests/ragged_all_to_all_reference.py), since
+with an emulation of jax.lax.ragged_all_to_all (tests/support/ragged_all_to_all_reference.py), since
 XLA:CPU lacks the op: what is checked is the layout it computes.
 """
 
@@ -17,7 +17,7 @@ import pytest
 from jax.extend.core import Jaxpr
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
-from ragged_all_to_all_reference import emulated_ragged_all_to_all
+from support.ragged_all_to_all_reference import emulated_ragged_all_to_all
 
 from maxtrain.analysis.program import collective_bytes
 from maxtrain.model.kernels.grouped_matmul import xla_grouped_matmul

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from array_record.python.array_record_module import ArrayRecordWriter
+from support.data import BIG_VOCAB, EOS, random_docs, sources_override, write_source
 
 from maxtrain.config import ConfigError
 from maxtrain.data import BATCH_KEYS, shards
@@ -17,56 +17,6 @@ from maxtrain.data.grain_pipeline import Pipeline, held_out
 from maxtrain.data.packing import SplitLongDocuments
 from maxtrain.data.streams import data_streams
 from maxtrain.training.loop import run
-
-EOS = 1  # token 0 is what the packers pad with; documents never hold it
-BIG_VOCAB = 1 << 20  # pipeline-only tests use unique token ids; no model is built
-
-
-def write_source(out: Path, docs: list[list[int]], vocab_size: int, docs_per_shard: int = 40):
-    """A prepared source as maxtrain.tools.prepare_data writes it: shards of int32 + EOS,
-    metadata."""
-    out.mkdir(parents=True, exist_ok=True)
-    listed = []
-    for start in range(0, len(docs), docs_per_shard):
-        name = f"shard-{len(listed):05d}{shards.SHARD_SUFFIX}"
-        writer = ArrayRecordWriter(str(out / name), "group_size:1")
-        chunk = docs[start : start + docs_per_shard]
-        for doc in chunk:
-            writer.write(shards.encode_record(doc, EOS))
-        writer.close()
-        tokens = sum(len(d) + 1 for d in chunk)
-        listed.append({"file": name, "documents": len(chunk), "tokens": tokens})
-    metadata = {
-        "format": shards.FORMAT,
-        "tokenizer": "test",
-        "tokenizer_sha256": "test",
-        "vocab_size": vocab_size,
-        "eos_id": EOS,
-        "bos_id": -1,
-        "documents": len(docs),
-        "tokens": sum(s["tokens"] for s in listed),
-        "shards": listed,
-        "skipped": {},
-        "inputs": [],
-    }
-    (out / shards.METADATA).write_text(json.dumps(metadata))
-    return out
-
-
-def random_docs(seed: int, n: int, lengths: tuple[int, int], first_id: int) -> list[list[int]]:
-    """n documents of random lengths whose token ids are unique, counting up from first_id."""
-    rng = np.random.default_rng(seed)
-    docs, next_id = [], first_id
-    for length in rng.integers(*lengths, size=n):
-        docs.append(list(range(next_id, next_id + int(length))))
-        next_id += int(length)
-    return docs
-
-
-def sources_override(specs: list[tuple[str, Path, float]]) -> str:
-    return "data.sources=" + json.dumps(
-        [{"name": n, "path": str(p), "weight": w} for n, p, w in specs]
-    )
 
 
 def grain_cfg(make_cfg, specs, *overrides: str):

@@ -16,9 +16,9 @@ import jax
 import numpy as np
 import pytest
 from flax import nnx
-from test_data_prep import load_tool, prepared
-from test_faults import tree_digest
-from xla_env import xla_flags
+from support.data import load_tool, prepared
+from support.runs import tree_digest
+from support.xla_env import xla_flags
 
 from maxtrain import config as config_lib
 from maxtrain import quantization

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from ragged_all_to_all_reference import emulated_ragged_all_to_all
+from support.ragged_all_to_all_reference import emulated_ragged_all_to_all
 
 from maxtrain import config as config_lib
 from maxtrain import model as model_lib
@@ -123,7 +123,8 @@ def test_dropless_gradients_match_the_dense_reference():
 
 
 # ep_capacity_factor >= the expert degree: the exchanges' buffers hold the worst case, so the
-# sharded layer must equal the single-device one exactly (drops are tests/test_moe_dispatch.py's).
+# sharded layer must equal the single-device one exactly (drops are tested in
+# tests/parallel/test_moe_dispatch.py).
 NO_DROPS = dict(ep_capacity_factor=8.0)
 
 

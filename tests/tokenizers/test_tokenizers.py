@@ -12,6 +12,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+from support import FIXTURES
 
 from maxtrain.data.shards import read_shard, write_shards
 from maxtrain.tokenizers import (
@@ -21,7 +22,7 @@ from maxtrain.tokenizers import (
     load_tokenizer,
 )
 
-FIXTURES = Path(__file__).resolve().parent / "fixtures" / "hf"
+FIXTURES = FIXTURES / "hf"
 WITH_TOKENIZER = ["llama_gqa_untied_sharded", "qwen3_gqa4_untied_v5"]
 
 

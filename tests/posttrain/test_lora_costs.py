@@ -3,14 +3,13 @@ builds, the start-up line, and a LoRA run's checkpoint (adapters and their momen
 
 import json
 import math
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import orbax.checkpoint as ocp
 import pytest
-from conftest import BASE
-from test_data_prep import load_tool
+from support import BASE, FIXTURES
+from support.data import load_tool
 
 from maxtrain import model as model_lib
 from maxtrain.analysis import memory
@@ -21,7 +20,7 @@ from maxtrain.training import loop as train
 from maxtrain.training import run_summary
 from maxtrain.training.trainer import build_trainer
 
-HF_FIXTURES = Path(__file__).parent / "fixtures" / "hf"
+HF_FIXTURES = FIXTURES / "hf"
 
 
 def device_bytes(tree) -> int:

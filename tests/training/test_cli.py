@@ -5,7 +5,7 @@ import os
 import subprocess
 import sys
 
-from xla_env import xla_flags
+from support.xla_env import xla_flags
 
 from maxtrain.config import CONFIGS_DIR, REPO_ROOT
 

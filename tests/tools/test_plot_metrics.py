@@ -10,8 +10,9 @@ from pathlib import Path
 
 import matplotlib.image
 import yaml
+from support import REPO
 
-TOOL = Path(__file__).resolve().parent.parent / "maxtrain" / "tools" / "plot_metrics.py"
+TOOL = REPO / "maxtrain" / "tools" / "plot_metrics.py"
 
 
 def load_tool():

@@ -4,7 +4,7 @@ do not cover: the rope bands, the FLOP count, and sharded runs equal to one devi
 import jax
 import numpy as np
 import pytest
-from test_train_numerics import _batch, assert_trees_close, loss_and_grads
+from support.numerics import assert_trees_close, loss_and_grads, synthetic_batch
 
 from maxtrain.config import CONFIGS_DIR, RopeScaling, load
 from maxtrain.model.layers.rope import Rope
@@ -61,7 +61,7 @@ def tiny_mla_reference(tmp_path_factory):
     ]
     cfg = load(BASE, overrides)
     trainer = build_trainer(cfg, devices=jax.devices()[:1])
-    return overrides, loss_and_grads(trainer, _batch(cfg))
+    return overrides, loss_and_grads(trainer, synthetic_batch(cfg))
 
 
 def test_tiny_mla_with_expert_parallelism_equals_one_device(tiny_mla_reference):
@@ -70,7 +70,7 @@ def test_tiny_mla_with_expert_parallelism_equals_one_device(tiny_mla_reference):
     cfg = load(BASE, [*overrides, "mesh.expert=4", "mesh.fsdp=2", "model.moe.ep_capacity_factor=4"])
     trainer = build_trainer(cfg)
     assert trainer.mesh.size == 8
-    loss, grads = loss_and_grads(trainer, _batch(cfg))
+    loss, grads = loss_and_grads(trainer, synthetic_batch(cfg))
     np.testing.assert_allclose(loss, ref_loss, rtol=1e-6)
     assert_trees_close(grads, ref_grads)
 

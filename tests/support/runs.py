@@ -1,0 +1,101 @@
+"""The real CLI in subprocesses: a short packed grain run's command (ARGS), running it to the
+end or interrupting it at a chosen point, its per-step losses; a free port for multi-process
+runs; a digest of a directory tree (to show nothing was written)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from maxtrain import config as config_lib
+from support.xla_env import xla_flags
+
+STEPS = 60
+
+
+ARGS = [
+    "model_name=tiny",
+    "model.vocab_size=1024",  # the embedded corpus's tokenizer
+    "data.kind=grain",
+    "data.packing=first_fit",
+    f"train.steps={STEPS}",
+    "train.log_every=1",
+    "train.eval_every=0",
+    "train.seq_len=64",
+    "train.global_batch_size=8",
+    "checkpoint.local.every_steps=4",
+    "checkpoint.persistent.every_steps=20",
+]
+
+
+def command(run_dir: Path, args: list[str] = ARGS) -> list[str]:
+    return [
+        sys.executable, "-m", "maxtrain.train", str(config_lib.CONFIGS_DIR / "base.yml"), *args,
+        f"run.output_dir={run_dir.parent}", f"run.name={run_dir.name}",
+    ]  # fmt: skip
+
+
+def env() -> dict[str, str]:
+    return {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": xla_flags()}
+
+
+def run_to_end(run_dir: Path, args: list[str] = ARGS) -> subprocess.CompletedProcess:
+    result = subprocess.run(
+        command(run_dir, args), capture_output=True, text=True, env=env(), timeout=300
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    return result
+
+
+def losses(run_dir: Path) -> dict[int, float]:
+    """Loss per step, one record per step (a resumed run drops the records of the steps it
+    trains again)."""
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    steps = [r["step"] for r in records if "train/loss" in r]
+    assert steps == sorted(set(steps)), f"duplicate or unordered steps in metrics.jsonl: {steps}"
+    return {r["step"]: r["train/loss"] for r in records if "train/loss" in r}
+
+
+def interrupt(run_dir: Path, when, sig: int, args: list[str] = ARGS) -> subprocess.CompletedProcess:
+    """Starts the run, sends `sig` as soon as when(run_dir) is true, returns the exit."""
+    proc = subprocess.Popen(command(run_dir, args), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=env())  # fmt: skip
+    deadline = time.monotonic() + 240
+    while not when(run_dir):
+        assert proc.poll() is None, f"run ended before the interruption: {proc.stderr.read()}"
+        assert time.monotonic() < deadline, "interruption point never reached"
+        time.sleep(0.002)
+    proc.send_signal(sig)
+    out, err = proc.communicate(timeout=120)
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+def logged_step_at_least(step: int):
+    def reached(run_dir: Path) -> bool:
+        path = run_dir / "metrics.jsonl"
+        return path.exists() and any(
+            json.loads(x)["step"] >= step for x in path.read_text().splitlines()[-3:]
+        )
+
+    return reached
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def tree_digest(root: Path) -> str:
+    digest = hashlib.sha256()
+    for path in sorted(root.rglob("*")):
+        digest.update(str(path.relative_to(root)).encode())
+        if path.is_file():
+            digest.update(path.read_bytes())
+    return digest.hexdigest()
