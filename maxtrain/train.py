@@ -6,8 +6,18 @@ pre-flight (maxtrain/analysis/preflight.py) sits above training, so it is handed
 
 import sys
 
-from maxtrain.analysis.preflight import check_memory
-from maxtrain.training.loop import main
+
+def _start() -> int:
+    """Imports (jax and the model: seconds), then the loop. A Ctrl-C while importing is one
+    line and the shell's 130, as it is later (training/loop.py main), not a traceback."""
+    try:
+        from maxtrain.analysis.preflight import check_memory
+        from maxtrain.training.loop import main
+    except KeyboardInterrupt:
+        print("maxtrain: interrupted (SIGINT) while starting; nothing was written", file=sys.stderr)
+        return 130
+    return main(preflight=check_memory)
+
 
 if __name__ == "__main__":
-    sys.exit(main(preflight=check_memory))
+    sys.exit(_start())

@@ -278,7 +278,10 @@ def check_vocab(metadata: Mapping[str, Any], model_vocab_size: int) -> None:
     if metadata["vocab_size"] > model_vocab_size:
         raise DataError(
             f"tokenizer {metadata['tokenizer']} has a vocab of {metadata['vocab_size']}, larger "
-            f"than the model's vocab_size {model_vocab_size}"
+            f"than the model's vocab_size {model_vocab_size}; train on data prepared with the "
+            "model's own tokenizer (python -m maxtrain.tools.prepare_data ... --tokenizer "
+            "TOKENIZER: docs/data.md), or give the model model.vocab_size="
+            f"{metadata['vocab_size']} or more"
         )
 
 

@@ -166,6 +166,10 @@ def run(cfg: Config, preflight: Callable[[Config], None] | None = None) -> dict[
         preflight(cfg)
     # Config and data mistakes surface in these two calls, before anything is written; the
     # data's first, as it needs no compilation (the state's initialisation does).
+    say(
+        jax.process_index() == 0,
+        f"maxtrain: preparing {cfg.run_dir}: the data, then the sharded train state (compiled)",
+    )
     train_batches, eval_streams = data_streams(cfg)
     tasks = _task_evaluator(cfg)
     trainer = build_trainer(cfg)
@@ -288,6 +292,8 @@ def _start(
     say(is_writer, run_summary.describe_start(cfg) + (f"; warning: {warning}" if warning else ""))
     if start_step and (note := _schedule_change(cfg, ckpt)):
         say(is_writer, note)
+    # The first step's line waits for the step's compilation: minutes for a large model.
+    say(is_writer, "maxtrain: compiling the train step (cached for the next run of this shape)")
 
 
 def _evaluate_all(

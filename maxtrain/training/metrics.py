@@ -333,7 +333,8 @@ def format_console_line(step: int, total_steps: int, scalars: dict[str, Any]) ->
     if (tok := get("tokens_per_sec_per_device")) is not None:
         parts.append(f"{_si(float(tok))} tok/s/dev")
     if (tflops := get("tflops_per_device")) is not None:
-        parts.append(f"{float(tflops):.1f} TFLOP/s/dev")
+        # Three significant digits: a CPU's 0.0004 TFLOP/s is not "0.0", an H100's reads 491.
+        parts.append(f"{float(tflops):.3g} TFLOP/s/dev")
     if (mfu := get("mfu")) is not None:
         parts.append(f"MFU {float(mfu) * 100:.1f}%")
     if (max_load := get("moe/max_load")) is not None:

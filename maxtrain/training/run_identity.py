@@ -13,6 +13,8 @@ batch, logging and eval cadence, the mesh, kernels and remat, checkpoint cadence
 
 from __future__ import annotations
 
+import os
+import re
 from collections.abc import Iterable
 from typing import Any
 
@@ -76,8 +78,22 @@ def differences(old: Config, new: Config) -> list[tuple[str, Any, Any]]:
     return [
         (key, before.get(key), after.get(key))
         for key in keys
-        if _identity(key) and before.get(key) != after.get(key)
+        if _identity(key)
+        and _as_compared(key, before.get(key)) != _as_compared(key, after.get(key))
     ]
+
+
+# Data paths: a config file's relative ones are resolved beside it (config/loading.py), which
+# configs saved before that rule hold as written, relative to the directory the run was started
+# from. Both sides are compared as absolute paths from here, so that such a run still resumes.
+_PATH_KEY = re.compile(r"data\.(sources\[\d+\]\.path|tokenizer|chat_template)")
+
+
+def _as_compared(key: str, value: Any) -> Any:
+    if isinstance(value, str) and _PATH_KEY.fullmatch(key) and os.sep in value:
+        if ":" not in value and not value.startswith("~"):
+            return os.path.abspath(value)
+    return value
 
 
 def _identity(key: str) -> bool:

@@ -19,14 +19,15 @@ import pytest
 from flax import nnx
 from support import FIXTURES
 
+from maxtrain import config as config_lib
 from maxtrain import evaluate as evaluate_cli
 from maxtrain import generate as generate_cli
 from maxtrain import model as model_lib
+from maxtrain.checkpointing.export import save_parameters
 from maxtrain.hf.convert import import_checkpoint
 from maxtrain.inference.decode import cache_stacks
 from maxtrain.model.kv_cache import init_cache
 from maxtrain.tokenizers import DEFAULT_TOKENIZER
-from maxtrain.training import loop as train
 from maxtrain.training import run_model
 
 FIXTURES = FIXTURES / "hf"
@@ -181,22 +182,23 @@ def test_an_import_with_fewer_positions_than_the_training_default_generates(tmp_
     assert len(json.loads(out.read_text())["new_ids"]) == 3
 
 
-def test_a_run_trained_on_8_devices_samples_on_1(make_cfg, capsys):
-    """A run saved under mesh fsdp=2 x expert=4 (8 devices) generates with --devices 1 and no
-    mesh override: the weights go on a mesh of the device there is, with a line saying so, and
-    the greedy tokens are those of the saved mesh. A mesh the user names that does not fit is
-    still refused."""
-    cfg = make_cfg("model_name=tiny-moe", "mesh.fsdp=2", "mesh.expert=4", "train.steps=1")
-    train.run(cfg)
-    out = cfg.run_dir / "out.jsonl"
-    args = [str(cfg.run_dir), "--prompt-ids", "1,2,3", "--max-new-tokens", "6"]
+def test_a_run_trained_on_8_devices_samples_on_1(make_cfg, tmp_path, capsys):
+    """A checkpoint saved under mesh fsdp=2 x tensor=4 (8 devices) generates with --devices 1
+    and no mesh override: the weights go on a mesh of the device there is, with a line saying
+    so, and the greedy tokens are those of the saved mesh. A mesh the user names that does not
+    fit is still refused."""
+    cfg = make_cfg("mesh.fsdp=2", "mesh.tensor=4")
+    init = lambda: nnx.to_pure_dict(nnx.state(model_lib.build(cfg.model, 0), nnx.Param))  # noqa: E731
+    save_parameters(tmp_path / "ckpt", jax.jit(init)(), config_yaml=config_lib.to_yaml(cfg))
+    out = tmp_path / "out.jsonl"
+    args = [str(tmp_path / "ckpt"), "--prompt-ids", "1,2,3", "--max-new-tokens", "6"]
     tokens = []
     for devices in ([], ["--devices", "1"]):
         assert generate_cli.main([*args, *devices, "--output", str(out)]) == 0
         tokens.append(json.loads(out.read_text())["new_ids"])
     assert tokens[0] == tokens[1] and len(tokens[0]) == 6
     printed = capsys.readouterr().out
-    assert "saved mesh (fsdp=2 x expert=4, 1 slice(s)) does not fit 1 device(s)" in printed
+    assert "saved mesh (fsdp=2 x tensor=4, 1 slice(s)) does not fit 1 device(s)" in printed
     assert printed.count("does not fit") == 1  # 8 devices: the saved mesh as it is
-    assert generate_cli.main([*args, "--devices", "1", "mesh.expert=4"]) == 2
-    assert "(fsdp=2 x expert=4) use 8 devices per slice but 1 are" in capsys.readouterr().err
+    assert generate_cli.main([*args, "--devices", "1", "mesh.tensor=4"]) == 2
+    assert "(fsdp=2 x tensor=4) use 8 devices per slice but 1 are" in capsys.readouterr().err

@@ -129,7 +129,8 @@ ROWS = [
      [*TINY, "model_name=small", *source("{in}/corrupt")],
      "corrupt ArrayRecord file {in}/corrupt/shard-00001.arrayrecord"),
     ("vocab mismatch", "maxtrain", [*TINY, *source("{in}/source")],
-     "vocab of 1024, larger than the model's vocab_size 256"),
+     "vocab of 1024, larger than the model's vocab_size 256; train on data prepared with the "
+     "model's own tokenizer"),
     ("not a tokenizer", "prepare_data",
      ["--input", "{in}/corpus.jsonl", "--tokenizer", "{in}/bad.model", "--output", "{out}/src"],
      "{in}/bad.model is not a valid sentencepiece model"),
@@ -281,7 +282,7 @@ def test_debug_shows_the_traceback_instead(tmp_path, capsys, monkeypatch):
 def test_a_message_of_several_lines_is_printed_as_one(capsys, monkeypatch):
     monkeypatch.delenv(DEBUG_ENV, raising=False)
 
-    def fails(argv):
+    def fails(cfg, preflight=None):
         raise ConfigError("first\n  second\n\nthird")
 
     monkeypatch.setattr(train_lib, "run", fails)

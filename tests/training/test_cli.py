@@ -7,7 +7,9 @@ import sys
 
 from support.xla_env import xla_flags
 
+from maxtrain.common.errors import DEBUG_ENV
 from maxtrain.config import CONFIGS_DIR, REPO_ROOT
+from maxtrain.training import loop as train_loop
 
 
 def run_cli(*args: str, tmp_path) -> subprocess.CompletedProcess:
@@ -121,38 +123,35 @@ def test_cli_refuses_a_model_beyond_the_hosts_memory_before_writing_anything(tmp
     assert not any(tmp_path.iterdir())
 
 
-def train_cli(*args: str) -> subprocess.CompletedProcess:
-    """`python -m maxtrain.train ARGS` as typed: no config file or override added."""
-    return subprocess.run(
-        [sys.executable, "-m", "maxtrain.train", *args],
-        capture_output=True,
-        text=True,
-        env={**os.environ, "JAX_PLATFORMS": "cpu"},
-        timeout=300,
-    )
+def discover(capsys, *args: str) -> tuple[int, str, str]:
+    """The train command's discovery options, in this process (they import nothing heavy and
+    run nothing): (exit status, stdout, stderr)."""
+    status = train_loop.main(list(args))
+    out, err = capsys.readouterr()
+    return status, out, err
 
 
-def test_help_lists_every_config_section_with_its_docstring():
+def test_help_lists_every_config_section_with_its_docstring(capsys):
     from maxtrain.config import Config
 
-    result = train_cli("--help")
-    assert result.returncode == 0, result.stderr
-    assert result.stdout.startswith("usage: python -m maxtrain.train")
+    status, out, err = discover(capsys, "--help")
+    assert status == 0, err
+    assert out.startswith("usage: python -m maxtrain.train")
     for flag in ("--print-config", "--list-models"):
-        assert f"  {flag}" in result.stdout
-    listed = {line.split()[0] for line in result.stdout.split("config sections:\n")[1].splitlines()}
+        assert f"  {flag}" in out
+    listed = {line.split()[0] for line in out.split("config sections:\n")[1].splitlines()}
     assert listed == set(Config.model_fields)
     # Each section's line holds its docstring's opening words.
-    assert "checkpoint      Checkpoints in two tiers" in result.stdout
-    assert "lora            Low-rank adapters on a frozen base model" in result.stdout
+    assert "checkpoint      Checkpoints in two tiers" in out
+    assert "lora            Low-rank adapters on a frozen base model" in out
 
 
-def test_list_models_lists_every_preset_with_its_size():
+def test_list_models_lists_every_preset_with_its_size(capsys):
     from maxtrain import config as config_lib
 
-    result = train_cli("--list-models")
-    assert result.returncode == 0, result.stderr
-    rows = {line.split()[0]: line.split()[1:] for line in result.stdout.splitlines()[1:]}
+    status, out, err = discover(capsys, "--list-models")
+    assert status == 0, err
+    rows = {line.split()[0]: line.split()[1:] for line in out.splitlines()[1:]}
     assert sorted(rows) == config_lib.preset_names()
     # configs/models/tiny.yml says 106,816 parameters; llama3-8b is 8.03B (Meta's model card),
     # and mixtral-8x7b is 46.7B with 12.9B active (Mistral's announcement).
@@ -161,21 +160,18 @@ def test_list_models_lists_every_preset_with_its_size():
     assert rows["mixtral-8x7b"][:2] == ["46.7B", "12.9B"]
 
 
-def test_print_config_prints_the_resolved_config_and_runs_nothing(tmp_path):
+def test_print_config_prints_the_resolved_config_and_runs_nothing(tmp_path, capsys, monkeypatch):
     import yaml
 
-    result = train_cli(
-        "--print-config",
-        str(CONFIGS_DIR / "base.yml"),
-        "train.steps=7",
-        "model_name=tiny",
-        f"run.output_dir={tmp_path}",
-    )
-    assert result.returncode == 0, result.stderr
-    printed = yaml.safe_load(result.stdout)
+    monkeypatch.delenv(DEBUG_ENV, raising=False)
+    base = str(CONFIGS_DIR / "base.yml")
+    args = ["train.steps=7", "model_name=tiny", f"run.output_dir={tmp_path}"]
+    status, out, err = discover(capsys, "--print-config", base, *args)
+    assert status == 0, err
+    printed = yaml.safe_load(out)
     assert printed["train"]["steps"] == 7 and printed["model"]["num_layers"] == 2
     assert printed["optim"]["lr"] == 3e-3  # a default the command line did not set
     assert not any(tmp_path.iterdir())
-    bad = train_cli("--print-config", str(CONFIGS_DIR / "base.yml"), "train.stepz=7")
-    assert bad.returncode == 2 and "'train.stepz'; did you mean 'train.steps'" in bad.stderr
-    assert bad.stdout == ""
+    status, out, err = discover(capsys, "--print-config", base, "train.stepz=7")
+    assert status == 2 and "'train.stepz'; did you mean 'train.steps'" in err
+    assert out == ""

@@ -262,9 +262,11 @@ def test_console_line_without_mfu() -> None:
     line = format_console_line(100, 300, _scalars(None))
     assert line == (
         "step   100/300 | loss 3.2104 | lr 2.9e-04 | gnorm 0.812 | 41.3 ms | "
-        "12.4k tok/s/dev | 0.1 TFLOP/s/dev | ETA 0:00:08"
+        "12.4k tok/s/dev | 0.123 TFLOP/s/dev | ETA 0:00:08"
     )
     assert "MFU" not in line
+    small = format_console_line(1, 300, {**_scalars(None), "tflops_per_device": 4.2e-4})
+    assert "| 0.00042 TFLOP/s/dev |" in small  # a CPU's rate, not "0.0"
 
 
 def test_console_line_with_mfu_and_long_eta() -> None:

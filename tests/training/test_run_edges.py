@@ -38,6 +38,8 @@ def test_a_run_says_what_it_trains_saves_and_did_and_an_extension_keeps_or_names
     # Start-up: parameters (total, active), steps, the schedule's length.
     assert f"parameters ({active / 1e3:.3g}K active per token)" in out and total == active
     assert "lr schedule cosine over 4 steps" in out
+    # No silence before the first step: what the start-up waits for is said first.
+    assert out.index("preparing") < out.index("compiling the train step") < out.index("| loss")
     # A line per checkpoint, naming the step and its directory; the final one too.
     local, persistent = (
         cfg.run_dir / "checkpoints" / "local",

@@ -29,6 +29,7 @@ def compiled_steps(cfg, devices=None):
         lr_schedule=lr_schedule,
         grad_accum_steps=cfg.train.grad_accum_steps,
         z_loss=cfg.train.z_loss,
+        split=trainer.split,
         guard_nonfinite="off",
     )
     unguarded_fn = jax.jit(
