@@ -190,8 +190,14 @@ def validate(tree: dict[str, Any]) -> Config:
     try:
         cfg = Config.model_validate(tree)
     except ValidationError as e:
-        raise ConfigError(_describe(e.errors()[0], tree)) from None
+        raise ConfigError(_describe(_first(e.errors()), tree)) from None
     return cfg
+
+
+def _first(errors: list[dict[str, Any]]) -> dict[str, Any]:
+    """The error to report: a misspelt key first (its "did you mean" explains the others: a
+    `pth:` in a data source is also why its `path` is missing), else pydantic's first."""
+    return next((e for e in errors if e["type"] == "extra_forbidden"), errors[0])
 
 
 def validate_model(tree: dict[str, Any]) -> ModelConfig:
@@ -200,7 +206,7 @@ def validate_model(tree: dict[str, Any]) -> ModelConfig:
     try:
         return ModelConfig.model_validate(tree)
     except ValidationError as e:
-        first = e.errors()[0]
+        first = _first(e.errors())
         raise ConfigError(_describe({**first, "loc": ("model", *first["loc"])}, tree)) from None
 
 
@@ -250,7 +256,7 @@ def _describe(err: dict[str, Any], tree: dict[str, Any]) -> str:
         where = ".".join(loc[:-1]) or "the top level"
         msg = f"unknown config key {key!r}"
         if hint:
-            prefix = ".".join(loc[:-1])
+            prefix = _dotted(err["loc"][:-1])  # with list indices: data.sources[0]
             msg += f"; did you mean {(prefix + '.' if prefix else '') + hint[0]!r}?"
         else:
             msg += f"; valid keys in {where}: {', '.join(valid)}"

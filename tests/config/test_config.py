@@ -55,6 +55,11 @@ def test_derived_values_are_computed_from_their_sources():
         ("optim.lrr=1", "unknown config key 'optim.lrr'; did you mean 'optim.lr'?"),
         ("trian.steps=3", "unknown config key 'trian'; did you mean 'train'?"),
         ("model.num_layer=3", "did you mean 'model.num_layers'?"),
+        # A misspelt key in a list item: named before the required key it leaves unset.
+        (
+            "data.sources=[{name: a, pth: x}]",
+            "unknown config key 'data.sources[0].pth'; did you mean 'data.sources[0].path'?",
+        ),
         ("train.steps=many", "config key 'train.steps'"),
         ("train.steps=0", "config key 'train.steps'"),
         ("model.remat=some", "config key 'model.remat'"),
