@@ -58,12 +58,18 @@ def write(run_dir: Path, summary: dict[str, Any]) -> Path:
 
 
 def describe_start(cfg: Config) -> str:
-    """The start-up line saying what is trained: parameters (total, active per token; what
-    trains of them where not all do: training/split.py), steps and the schedule's length."""
+    """The start-up line saying what is trained: parameters (total, active per token; the
+    checkpoint they start from; what trains of them where not all do: training/split.py), the
+    matmuls' quantization, steps and the schedule's length."""
+    split = parameter_split(cfg)
+    start = cfg.checkpoint.load_parameters_path
+    started = f"from {start}, " if start and split.loads_trained else ""
+    preset, rules = cfg.quantization.preset, cfg.quantization.rules
+    matmuls = f"{preset} matmuls, " if preset != "none" else "quantized matmuls, " if rules else ""
     return (
         f"maxtrain: {count(model_lib.param_count(cfg.model))} parameters "
-        f"({count(model_lib.active_param_count(cfg.model))} active per token), "
-        f"{parameter_split(cfg).describe(cfg)}"
+        f"({count(model_lib.active_param_count(cfg.model))} active per token), {started}"
+        f"{split.describe(cfg)}{matmuls}"
         f"{cfg.train.steps} steps of {count(cfg.tokens_per_step)} tokens, "
         f"lr schedule {cfg.optim.schedule} over {cfg.schedule_steps} steps"
     )
