@@ -38,6 +38,7 @@ from jax.sharding import AbstractMesh
 from maxtrain import config as config_lib
 from maxtrain import model as model_lib
 from maxtrain.analysis import memory, program
+from maxtrain.analysis.preflight import host_memory_bytes
 from maxtrain.common import files
 from maxtrain.common.errors import (
     ArgumentParser,
@@ -241,6 +242,20 @@ def benchmark(cfg: config_lib.Config, steps: int, warmup: int, profile_dir: str 
     }
 
 
+def _fit(estimate_gib: float, device_kind: str, num_devices: int) -> dict[str, object]:
+    """memory.fit for an accelerator; on CPU, this host's RAM shared by the run's devices (the
+    simulated devices of one process: analysis/preflight.py), where it is known."""
+    if memory.device_platform(device_kind) != "cpu" or (host := host_memory_bytes()) is None:
+        return memory.fit(estimate_gib, device_kind)
+    per_device = host / 2**30 / num_devices
+    return {
+        "device": f"{device_kind} (host RAM shared by {num_devices} devices)",
+        "device_memory_gib": round(per_device, 3),
+        "fits": estimate_gib <= per_device,
+        "headroom_gib": round(per_device - estimate_gib, 3),
+    }
+
+
 def dry_run(
     cfg: config_lib.Config,
     num_devices: int,
@@ -275,7 +290,7 @@ def dry_run(
         **context_settings(cfg, sizes["context"]),
         **lora_settings(cfg, estimate, num_devices),
         "estimated_gib_per_device": estimated,
-        "fit": memory.fit(estimated["total"], device_kind),
+        "fit": _fit(estimated["total"], device_kind, num_devices),
     }
     if compile_step:
         result["compiled"] = compiled_program(cfg, estimated["total"], devices, hlo_path)
@@ -416,8 +431,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.dry_run:
             device = devices[0].device_kind if devices else jax.devices()[0].device_kind
             if args.device:
-                if memory.device_memory_gib(args.device) is None:
-                    known = ", ".join(needle for needle, _ in memory.DEVICE_MEMORY_GIB)
+                if memory.device_memory_gib(args.device) is None and args.device.lower() != "cpu":
+                    known = ", ".join(["cpu", *(needle for needle, _ in memory.DEVICE_MEMORY_GIB)])
                     raise UserError(f"--device {args.device!r}: memory not known; known: {known}")
                 if devices and memory.device_platform(args.device) != "tpu":
                     raise UserError(f"--device {args.device!r} is no TPU; --topology is")

@@ -110,3 +110,15 @@ def test_the_pre_flight_refuses_beyond_the_margin_and_the_override_skips_it(make
     with pytest.raises(preflight.OutOfMemory, match=r"shared by its 8 CPU devices"):
         preflight.check_memory(cfg)
     preflight.check_memory(make_cfg("run.check_memory=false"))
+
+
+def test_dry_run_fit_on_cpu_is_the_hosts_ram_shared_by_the_devices(monkeypatch):
+    """--dry-run --device cpu: the host's RAM split over the run's simulated devices (it used
+    to say "memory not known"); an accelerator keeps its own memory."""
+    from maxtrain.tools import benchmark
+
+    monkeypatch.setattr(benchmark, "host_memory_bytes", lambda: 8 * 2**30)
+    fit = benchmark._fit(3.0, "cpu", 2)
+    assert (fit["device_memory_gib"], fit["fits"], fit["headroom_gib"]) == (4.0, True, 1.0)
+    assert benchmark._fit(5.0, "cpu", 2)["fits"] is False
+    assert benchmark._fit(5.0, "TPU v5 lite", 2)["device_memory_gib"] == 16.0

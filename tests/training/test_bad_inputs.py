@@ -175,7 +175,7 @@ ROWS = [
     ("benchmark config", "benchmark", [BASE, "optim.b1=1", "--dry-run"],
      "config key 'optim.b1' must be < 1 (got 1)"),
     ("benchmark --device unknown", "benchmark", [BASE, "--dry-run", "--device", "abacus"],
-     "--device 'abacus': memory not known; known: tpu v6 lite"),
+     "--device 'abacus': memory not known; known: cpu, tpu v6 lite"),
     ("benchmark_data --batches x", "benchmark_data", [BASE, "--batches", "x"],
      "argument --batches: must be an integer, not 'x'"),
     ("show_data --steps 0", "show_data", [BASE, "--steps", "0", "--out", "{out}/b.npz"],
