@@ -131,7 +131,13 @@ def load_parameters_dequantized(path: str | epath.PathLike, abstract_params: Any
     try:
         import orbax.checkpoint as ocp
 
-        stored = ocp.PyTreeCheckpointer().restore(integrity.state_dir(step_dir))["params"]
+        checkpointer, directory = ocp.PyTreeCheckpointer(), integrity.state_dir(step_dir)
+        # As host arrays: read with the sharding it was saved with, Orbax warns that this is
+        # unsafe on another topology; the values are put on the model's sharding below.
+        tree = checkpointer.metadata(directory).item_metadata.tree
+        as_numpy = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), tree)
+        restore = ocp.args.PyTreeRestore(restore_args=as_numpy)
+        stored = checkpointer.restore(directory, args=restore)["params"]
     except Exception as e:
         raise CheckpointError(
             f"cannot read parameters from {step_dir}: {first_line(e, 300, typed=True)}"
