@@ -61,6 +61,7 @@ from maxtrain.config.data import DataSource
 from maxtrain.data import chat, host_rows, packing, shards
 from maxtrain.data.errors import DataError
 from maxtrain.data.synthetic import SyntheticText
+from maxtrain.tokenizers import DEFAULT_TOKENIZER
 
 Batch = dict[str, np.ndarray]
 EMBEDDED_PREFIX = "embedded:"
@@ -110,7 +111,10 @@ def resolve_sources(data: DataConfig, model_vocab_size: int, row_len: int) -> li
         path = embedded[s.path] if s.path in embedded else s.path
         try:
             info = shards.validate_source(path)
-            shards.check_vocab(info.metadata, model_vocab_size)
+            metadata = info.metadata
+            if s.path in embedded:  # the shared cache may be built by another checkout
+                metadata = {**metadata, "tokenizer": str(DEFAULT_TOKENIZER)}
+            shards.check_vocab(metadata, model_vocab_size)
         except DataError as e:
             raise DataError(f"data.sources[{s.name}]: {e}") from None
         resolved.append(

@@ -314,3 +314,28 @@ def test_model_vocab_smaller_than_the_tokenizer_is_a_data_error(make_cfg, mixtur
     cfg = grain_cfg(make_cfg, mixture, "model.vocab_size=256")
     with pytest.raises(DataError, match=r"data\.sources\[short\]: tokenizer test has a vocab"):
         Pipeline(cfg)
+
+
+def test_a_shared_embedded_corpus_built_by_another_checkout_names_this_ones_tokenizer(
+    make_cfg, tmp_path, monkeypatch
+):
+    """~/.cache/maxtrain is shared by every checkout, and the corpus records the tokenizer
+    path of the one that built it. A refusal names this checkout's tokenizer (the cache key
+    is its content's hash, so the two are the same file), not a path that may be gone."""
+    import json as json_lib
+    import shutil
+
+    from maxtrain.data.corpora.embedded import ensure_embedded_corpus
+    from maxtrain.data.grain_pipeline import resolve_sources
+    from maxtrain.tokenizers import DEFAULT_TOKENIZER
+
+    built = ensure_embedded_corpus()["prose"].parent
+    shared = tmp_path / "cache" / built.name
+    shutil.copytree(built, shared)
+    for metadata in shared.glob("*/metadata.json"):
+        record = json_lib.loads(metadata.read_text())
+        metadata.write_text(json_lib.dumps({**record, "tokenizer": "/gone/other/default.model"}))
+    monkeypatch.setenv("MAXTRAIN_CACHE", str(tmp_path / "cache"))
+    cfg = make_cfg("data.kind=grain")  # the tiny model: 256 ids, the corpus 1024
+    with pytest.raises(DataError, match=f"tokenizer {DEFAULT_TOKENIZER} has a vocab of 1024"):
+        resolve_sources(cfg.data, cfg.model.vocab_size, cfg.train.seq_len)
