@@ -23,6 +23,9 @@ compile_cache.enable_compilation_cache(None)
 
 BASE = config_lib.CONFIGS_DIR / "base.yml"
 
+# Shared fixtures: `setup`, random train states and a Checkpointer factory (tests/checkpointing/).
+pytest_plugins = ["support.checkpoints"]
+
 
 @pytest.fixture
 def make_cfg(tmp_path: Path):
@@ -48,7 +51,8 @@ def make_cfg(tmp_path: Path):
 # (unit tests of the parts: config, layers, kernels, data, optimizers, analysis) is the fast
 # tier, `python -m pytest -m "not slow"`, a couple of minutes on two cores.
 SLOW_MODULES = {
-    "test_bad_inputs", "test_checkpoint_compat", "test_checkpointing", "test_cli",
+    "test_bad_inputs", "test_checkpoint_compat", "test_checkpoint_damage", "test_checkpointing",
+    "test_cli",
     "test_context_parallel", "test_convert_hf", "test_dcn_bytes", "test_depth_upscale",
     "test_evaluate", "test_faults", "test_fine_tuning", "test_generate", "test_lora",
     "test_lora_costs", "test_lora_merge", "test_megatron_data", "test_memory", "test_moe",
