@@ -10,7 +10,6 @@ from pathlib import Path
 import pytest
 from support import REPO
 
-REPO = REPO
 PACKAGE = REPO / "maxtrain"
 ENTRY_POINTS = {"__init__.py", "train.py", "generate.py", "evaluate.py"}
 

@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import sentencepiece as spm
-from support import FIXTURES
+import support
 from support.runs import env, interrupt, logged_step_at_least, losses, run_to_end
 
 from maxtrain import config as config_lib
@@ -32,7 +32,7 @@ from maxtrain.data.megatron.stream import GlobalBatches, MegatronData, StepItera
 from maxtrain.data.streams import data_streams
 from maxtrain.training.loop import main as train_main
 
-FIXTURES = FIXTURES / "megatron"
+FIXTURES = support.FIXTURES / "megatron"
 META = json.loads((FIXTURES / "configs.json").read_text())
 EOD = META["eod"]
 CODE_VOCAB = 70_000  # the int32 corpus holds ids beyond uint16

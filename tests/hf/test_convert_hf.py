@@ -42,7 +42,6 @@ from maxtrain.hf.tokenizer_files import run_tokenizer
 from maxtrain.surgery import upcycle
 from maxtrain.tokenizers import DEFAULT_TOKENIZER, load_tokenizer
 
-REPO = REPO
 FIXTURES = REPO / "tests" / "fixtures" / "hf"
 MAKE_FIXTURES = REPO / "maxtrain" / "tools" / "make_hf_fixtures.py"
 CASES = sorted(runpy.run_path(str(MAKE_FIXTURES))["CASES"])

@@ -16,8 +16,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import support
 from flax import nnx
-from support import FIXTURES
 
 from maxtrain import config as config_lib
 from maxtrain import evaluate as evaluate_cli
@@ -30,7 +30,7 @@ from maxtrain.model.kv_cache import init_cache
 from maxtrain.tokenizers import DEFAULT_TOKENIZER
 from maxtrain.training import run_model
 
-FIXTURES = FIXTURES / "hf"
+FIXTURES = support.FIXTURES / "hf"
 TOLERANCE = 2e-5  # float32 rounding: the cache path sums attention over more (masked) keys
 
 

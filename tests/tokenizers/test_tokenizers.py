@@ -12,7 +12,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-from support import FIXTURES
+import support
 
 from maxtrain.data.shards import read_shard, write_shards
 from maxtrain.tokenizers import (
@@ -22,7 +22,7 @@ from maxtrain.tokenizers import (
     load_tokenizer,
 )
 
-FIXTURES = FIXTURES / "hf"
+FIXTURES = support.FIXTURES / "hf"
 WITH_TOKENIZER = ["llama_gqa_untied_sharded", "qwen3_gqa4_untied_v5"]
 
 
