@@ -87,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
                 tokenizer=tokenizer,
                 special_tokens=special_tokens,
             )
-            print(f"{PROG}: step {model.step}, scoring {', '.join(specs)} ({args.shots}-shot)")
+            print(f"{PROG}: {model.source()}, scoring {', '.join(specs)} ({args.shots}-shot)")
             results.update(evaluator(model.params, progress=True))
             for prepared in evaluator.prepared:
                 results[f"{prepared.task.name}/chance"] = chance(prepared.task)

@@ -45,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
         sampling = Sampling(args.temperature, args.top_k, args.top_p)
         requests = _read_prompts(args)
         model = load_model(args.checkpoint, args.overrides, _devices(args.devices))
-        print(f"{PROG}: step {model.step} of {model.step_dir}; compiling prefill and decode")
+        print(f"{PROG}: {model.source()}; compiling prefill and decode")
         tokenizer, special_tokens = find_tokenizer(model, args.tokenizer)
         texts = [r["prompt"] for r in requests if "prompt" in r]
         if texts and tokenizer is None:

@@ -45,6 +45,17 @@ class LoadedModel:
     mesh: Mesh
     step_dir: Path
     step: int  # the training step the parameters are from (0 for an import)
+    initial: bool = False  # the parameters the run started from (load_model initial=True)
+
+    def source(self) -> str:
+        """Where the parameters come from, for a command's first line: a training step; a
+        parameters-only checkpoint (an import, a merge, a quantized export), which has none;
+        or a run's start."""
+        if self.initial:
+            return f"the initial parameters of the run of {self.step_dir}"
+        if self.step == 0:
+            return f"{self.step_dir} (parameters only: no training step)"
+        return f"step {self.step} of {self.step_dir}"
 
 
 def load_model(
@@ -70,7 +81,7 @@ def load_model(
         cfg = merging.plain_config(cfg)
         with sharding_rules(mesh, cfg.mesh.rules):
             mdef = model_def(cfg, pipelined=False)
-        return LoadedModel(cfg, mdef, params, mesh, step_dir, step)
+        return LoadedModel(cfg, mdef, params, mesh, step_dir, step, initial)
     with sharding_rules(mesh, cfg.mesh.rules):
         mdef = model_def(cfg, pipelined=False)
         shardings = param_shardings(mdef, cfg, mesh)
@@ -80,7 +91,7 @@ def load_model(
         shardings,
     )
     if initial:
-        return LoadedModel(cfg, mdef, _initial(cfg, abstract), mesh, step_dir, 0)
+        return LoadedModel(cfg, mdef, _initial(cfg, abstract), mesh, step_dir, 0, initial=True)
     # float, or maxtrain.tools.quantize's (the package imports Qwix: only when a model is loaded)
     from maxtrain.quantization.ptq import load_parameters_dequantized
 

@@ -135,5 +135,11 @@ def format_eval(step: int, ev: dict[str, float]) -> str:
     )
     line = f"eval  step {step}: loss {ev['loss']:.4f}, ppl {ev['perplexity']:.2f}"
     line = f"{line} ({per_source})" if per_source else line
+    # The objective's own sums (DPO: dpo/accuracy, dpo/reward_margin), not a task's scores.
+    task_scores = ("/loss", "/acc", "/acc_norm", "/loglik")
+    own = ", ".join(
+        f"{k} {v:.3f}" for k, v in ev.items() if "/" in k and not k.endswith(task_scores)
+    )
+    line = f"{line}, {own}" if own else line
     tasks = ", ".join(f"{k} {v:.3f}" for k, v in ev.items() if k.endswith("/acc"))
     return f"{line}; {tasks}" if tasks else line

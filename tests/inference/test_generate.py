@@ -202,3 +202,16 @@ def test_a_run_trained_on_8_devices_samples_on_1(make_cfg, tmp_path, capsys):
     assert printed.count("does not fit") == 1  # 8 devices: the saved mesh as it is
     assert generate_cli.main([*args, "--devices", "1", "mesh.tensor=4"]) == 2
     assert "(fsdp=2 x tensor=4) use 8 devices per slice but 1 are" in capsys.readouterr().err
+
+
+def test_a_parameters_only_checkpoint_is_not_called_step_0():
+    """An import, a merge or a quantized export has no training step: generate and evaluate
+    say so instead of "step 0"; a run's step and its start are named as such."""
+    from maxtrain.inference.loading import LoadedModel
+
+    def source(step, initial=False):
+        return LoadedModel(None, None, None, None, Path("ckpt/0"), step, initial).source()
+
+    assert source(0) == "ckpt/0 (parameters only: no training step)"
+    assert source(300) == "step 300 of ckpt/0"
+    assert source(0, initial=True) == "the initial parameters of the run of ckpt/0"
