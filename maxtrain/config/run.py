@@ -70,6 +70,10 @@ class RunConfig(Section):
     # well beyond its devices' memory (host RAM on CPU) is refused before anything is
     # allocated or written. false: start anyway.
     check_memory: bool = True
+    # The device kind the config is written for, as jax names it (a recipe's chip: "TPU v5
+    # lite", "NVIDIA H100 80GB HBM3"): `maxtrain.tools.benchmark --dry-run` checks the memory
+    # estimate against it unless --device names another. null: this host's devices.
+    device: str | None = None
 
 
 class DistributedConfig(Section):

@@ -430,13 +430,17 @@ def main(argv: list[str] | None = None) -> int:
             )
         if args.dry_run:
             device = devices[0].device_kind if devices else jax.devices()[0].device_kind
-            if args.device:
-                if memory.device_memory_gib(args.device) is None and args.device.lower() != "cpu":
+            # --device, else the device the config is written for (run.device), else this host's
+            named, what = (
+                (args.device, "--device") if args.device else (cfg.run.device, "run.device")
+            )
+            if named:
+                if memory.device_memory_gib(named) is None and named.lower() != "cpu":
                     known = ", ".join(["cpu", *(needle for needle, _ in memory.DEVICE_MEMORY_GIB)])
-                    raise UserError(f"--device {args.device!r}: memory not known; known: {known}")
-                if devices and memory.device_platform(args.device) != "tpu":
-                    raise UserError(f"--device {args.device!r} is no TPU; --topology is")
-                device = device if devices else args.device
+                    raise UserError(f"{what} {named!r}: memory not known; known: {known}")
+                if devices and args.device and memory.device_platform(named) != "tpu":
+                    raise UserError(f"--device {named!r} is no TPU; --topology is")
+                device = device if devices else named
             result = dry_run(
                 cfg, args.devices or count, args.compile, device, devices, args.save_hlo
             )

@@ -7,7 +7,7 @@ import pytest
 from support.data import load_tool
 
 from maxtrain.analysis import memory
-from maxtrain.config import CONFIGS_DIR
+from maxtrain.config import CONFIGS_DIR, REPO_ROOT
 from maxtrain.data import to_global
 from maxtrain.data.streams import data_streams
 from maxtrain.training.trainer import build_trainer
@@ -122,3 +122,14 @@ def test_dry_run_fit_on_cpu_is_the_hosts_ram_shared_by_the_devices(monkeypatch):
     assert (fit["device_memory_gib"], fit["fits"], fit["headroom_gib"]) == (4.0, True, 1.0)
     assert benchmark._fit(5.0, "cpu", 2)["fits"] is False
     assert benchmark._fit(5.0, "TPU v5 lite", 2)["device_memory_gib"] == 16.0
+
+
+def test_a_recipe_dry_run_checks_the_chip_it_names(capsys):
+    """recipes/tpu-v5e set run.device: --dry-run reports the fit against a v5e chip without
+    --device (it printed fits: null, measured against this host's CPU)."""
+    from maxtrain.tools import benchmark
+
+    recipe = str(REPO_ROOT / "recipes" / "tpu-v5e" / "llama3-8b.yml")
+    assert benchmark.main([recipe, "--dry-run", "--devices", "256"]) == 0
+    fit = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["fit"]
+    assert (fit["device"], fit["device_memory_gib"], fit["fits"]) == ("TPU v5 lite", 16.0, True)
