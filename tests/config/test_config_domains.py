@@ -57,6 +57,7 @@ FREE = {
     "init.source_model",
     "run.output_dir",
     "run.compilation_cache_dir",
+    "run.device",  # a device kind as jax names it; the benchmark refuses one it does not know
 }
 
 MIN_KEYS = 120  # the walk covers at least this many keys: it cannot silently shrink
