@@ -77,13 +77,23 @@ def interrupt(run_dir: Path, when, sig: int, args: list[str] = ARGS) -> subproce
 
 
 def logged_step_at_least(step: int):
+    """A condition on a run directory: its metrics.jsonl has a record of `step` or later."""
+
     def reached(run_dir: Path) -> bool:
         path = run_dir / "metrics.jsonl"
         return path.exists() and any(
-            json.loads(x)["step"] >= step for x in path.read_text().splitlines()[-3:]
+            record["step"] >= step for record in map(_record, path.read_text().splitlines()[-3:])
         )
 
     return reached
+
+
+def _record(line: str) -> dict:
+    """A metrics.jsonl line; the trainer may be writing the last one: not yet a record."""
+    try:
+        return json.loads(line)
+    except json.JSONDecodeError:
+        return {"step": -1}
 
 
 def free_port() -> int:
