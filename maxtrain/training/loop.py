@@ -11,6 +11,7 @@ import functools
 import os
 import sys
 import time
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -357,6 +358,11 @@ def main(argv: list[str] | None = None, preflight: Callable[[Config], None] | No
     """`python -m maxtrain.train`: flags (FLAGS, anywhere), then the config file and its
     key=value overrides. preflight: passed on to run (the entry point's memory check)."""
     argv = sys.argv[1:] if argv is None else argv
+    # Orbax builds the coroutines of an asynchronous save before it runs them; a run refused
+    # at once (a start checkpoint of another model) drops them unrun, and Python warns of each
+    # as it is collected, after the one line that says what was wrong. Nothing is lost: the
+    # refusal comes before the run trains a step.
+    warnings.filterwarnings("ignore", "coroutine .* was never awaited", RuntimeWarning)
     flags = {a for a in argv if a.startswith("-")}
     argv = [a for a in argv if not a.startswith("-")]
     if "--debug" in flags:  # tracebacks for refused inputs, as MAXTRAIN_DEBUG=1
