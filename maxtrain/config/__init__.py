@@ -28,6 +28,7 @@ from maxtrain.config.loading import (
 )
 from maxtrain.config.lora import LoraConfig
 from maxtrain.config.model import (
+    LocalAttention,
     MlaConfig,
     ModelArchitecture,
     ModelConfig,
@@ -61,6 +62,7 @@ __all__ = [
     "DistributedConfig",
     "EMBEDDED_SOURCES",
     "InitConfig",
+    "LocalAttention",
     "MESH_AXES",
     "MeshAxes",
     "MeshConfig",

@@ -135,6 +135,34 @@ class MlaConfig(Section):
         return self.qk_nope_head_dim + self.qk_rope_head_dim
 
 
+class LocalAttention(Section):
+    """What a `local` layer of model.layer_pattern attends to (model/layers/attention_pattern.py):
+    a sliding window of the last `window` positions (Gemma 3, GPT-OSS, Mistral) or its own
+    chunk of `chunk` positions (Llama 4), always within its document. Exactly one of the two."""
+
+    window: PositiveInt | None = None  # a query sees itself and the window - 1 keys before it
+    chunk: PositiveInt | None = (
+        None  # a query sees the earlier keys of its chunk (position // chunk)
+    )
+    # The local layers' RoPE base (Gemma 3: 10000 beside the global layers' 1M), without the
+    # model's rope_scaling; null: the model's rope_theta and rope_scaling.
+    rope_theta: PositiveFloat | None = None
+
+    @model_validator(mode="after")
+    def _check_one(self) -> LocalAttention:
+        if (self.window is None) == (self.chunk is None):
+            raise ValueError(
+                "model.local_attention needs exactly one of window and chunk, got "
+                f"window {self.window} and chunk {self.chunk}"
+            )
+        return self
+
+    @property
+    def span(self) -> int:
+        """The most positions a local query reaches back, itself included."""
+        return self.window or self.chunk
+
+
 class ModelArchitecture(Section):
     """The model itself: what its parameters' shapes and its function depend on. A model file
     (configs/models/<name>.yml) holds these keys; maxtrain.tools.convert_hf writes them."""
@@ -157,6 +185,14 @@ class ModelArchitecture(Section):
     attention_type: Literal["gqa", "mla"] = "gqa"
     mla: MlaConfig | None = None
     qk_norm: bool = False
+    # Which projections of (grouped-query) attention carry a bias: GLM-4.5 and Qwen2 have q, k
+    # and v biases; GPT-OSS has the output's too.
+    attention_bias: Literal["none", "qkv", "qkvo"] = "none"
+    # The layers' attention kinds, repeated over the layers: e.g. [local, local, local, local,
+    # local, global] is Gemma 3's "5 local : 1 global". Absent: every layer global (causal over
+    # its whole document). `local` is shaped by local_attention.
+    layer_pattern: list[Literal["global", "local"]] | None = Field(default=None, min_length=1)
+    local_attention: LocalAttention | None = None
     tie_embeddings: bool = False
     norm_eps: PositiveFloat = 1e-5
     max_seq_len: PositiveInt = 8192
@@ -172,6 +208,15 @@ class ModelArchitecture(Section):
             )
         if self.mla is not None and self.qk_norm:
             raise ValueError("model.qk_norm is not supported with attention_type mla")
+        uses_local = "local" in (self.layer_pattern or ())
+        if uses_local != (self.local_attention is not None):
+            raise ValueError(
+                f"model.layer_pattern {'has' if uses_local else 'has no'} local layers but "
+                f"model.local_attention is {'absent' if uses_local else 'set'}; the "
+                "local_attention section goes with local layers"
+            )
+        if uses_local and self.attention_type == "mla":
+            raise ValueError("model.layer_pattern's local layers need attention_type gqa, not mla")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
                 f"model.num_heads ({self.num_heads}) must be a multiple of "
@@ -189,6 +234,11 @@ class ModelArchitecture(Section):
                 f"({self.num_heads}); set model.head_dim explicitly"
             )
         return self
+
+    def layer_attention(self, layer: int) -> str:
+        """Model layer `layer`'s (0-based) attention kind: "global" or "local"."""
+        pattern = self.layer_pattern or ("global",)
+        return pattern[layer % len(pattern)]
 
     @property
     def resolved_head_dim(self) -> int:

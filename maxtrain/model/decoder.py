@@ -20,6 +20,7 @@ from flax import nnx
 from maxtrain.config import ModelConfig
 from maxtrain.model.kv_cache import LayerCache
 from maxtrain.model.layers import embedding
+from maxtrain.model.layers.attention_pattern import kind_per_layer
 from maxtrain.model.layers.attention_types import attention_type
 from maxtrain.model.layers.base import Projection, make_param
 from maxtrain.model.layers.mlp import MLP
@@ -65,6 +66,16 @@ REMAT_POLICIES: dict[str, Callable | None] = {
 }
 
 
+# A layer's attention kind: an index into attention_pattern.KINDS, a constant for a run of layers
+# of one kind, else a traced scalar the scan hands each layer.
+type Kind = int | jax.Array
+
+
+def layer_kinds(kinds: tuple[int, ...]) -> Kind | jax.Array:
+    """A run's per-layer attention kinds as run_stack takes them: one constant if all alike."""
+    return kinds[0] if len(set(kinds)) == 1 else jnp.asarray(kinds, jnp.int32)
+
+
 @dataclass(frozen=True)
 class BlockKind:
     """A kind of decoder layer: the params key of its stack (model/stacks.py) and its
@@ -93,20 +104,21 @@ class DecoderBlock(nnx.Module):
         setattr(self, kind.ffn_name, kind.make_ffn(cfg, **dtypes, rngs=rngs))
 
     def __call__(
-        self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array
+        self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array, kind: Kind = 0
     ) -> tuple[jax.Array, dict[str, jax.Array]]:
-        """Returns the new residual stream [B, T, D] and the feed-forward's statistics."""
-        x = x + self.attn(self.attn_norm(x), positions, segment_ids)
+        """Returns the new residual stream [B, T, D] and the feed-forward's statistics; `kind`
+        is the layer's attention kind (model/layers/attention_pattern.py)."""
+        x = x + self.attn(self.attn_norm(x), positions, segment_ids, kind)
         ffn_out, stats = getattr(self, self.ffn_name)(self.mlp_norm(x))
         x = x + ffn_out
         return constrain(x, ("batch", "length", "act_embed")), stats
 
     def cached(
-        self, x: jax.Array, positions: jax.Array, cache: LayerCache
+        self, x: jax.Array, positions: jax.Array, cache: LayerCache, kind: Kind = 0
     ) -> tuple[jax.Array, LayerCache]:
         """The block on new tokens with the layer's key/value cache (generation); the
         feed-forward's statistics are of no use there."""
-        attn_out, cache = self.attn.cached(self.attn_norm(x), positions, cache)
+        attn_out, cache = self.attn.cached(self.attn_norm(x), positions, cache, kind)
         x = x + attn_out
         ffn_out, _ = getattr(self, self.ffn_name)(self.mlp_norm(x))
         return constrain(x + ffn_out, ("batch", "length", "act_embed")), cache
@@ -156,24 +168,36 @@ def run_stack(
     positions: jax.Array,
     segment_ids: jax.Array,
     *,
+    kinds: tuple[int, ...],
     remat: str,
     scan: bool,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """Runs layers [start, start + length) of a stack (its graphdef and state, leading layer
-    axis); per-layer statistics come back stacked along a leading layer axis."""
+    axis), of attention kinds `kinds` (one per layer run); per-layer statistics come back
+    stacked along a leading layer axis."""
     if start != 0 or length != jax.tree.leaves(stacked)[0].shape[0]:
         stacked = jax.tree.map(lambda a: a[start : start + length], stacked)
 
-    def apply_one(x, layer_state):
-        return nnx.merge(graphdef, dequantized(layer_state))(x, positions, segment_ids)
+    def layer_fn(kind: int | None) -> Callable:
+        """One layer's step: of a constant kind, or (kind None) of the kind scanned with it."""
 
-    if remat != "none":
-        apply_one = jax.checkpoint(apply_one, policy=REMAT_POLICIES[remat], prevent_cse=not scan)
+        def apply_one(x, layer):
+            layer_state, layer_kind = layer if kind is None else (layer, kind)
+            block = nnx.merge(graphdef, dequantized(layer_state))
+            return block(x, positions, segment_ids, layer_kind)
+
+        if remat == "none":
+            return apply_one
+        return jax.checkpoint(apply_one, policy=REMAT_POLICIES[remat], prevent_cse=not scan)
+
     if scan:
-        return jax.lax.scan(apply_one, x, stacked)
+        per_layer_kind = layer_kinds(kinds)
+        if isinstance(per_layer_kind, int):
+            return jax.lax.scan(layer_fn(per_layer_kind), x, stacked)
+        return jax.lax.scan(layer_fn(None), x, (stacked, per_layer_kind))
     per_layer = []
     for i in range(length):
-        x, stats = apply_one(x, jax.tree.map(lambda a, i=i: a[i], stacked))
+        x, stats = layer_fn(kinds[i])(x, jax.tree.map(lambda a, i=i: a[i], stacked))
         per_layer.append(stats)
     return x, jax.tree.map(lambda *layers: jnp.stack(layers), *per_layer)
 
@@ -186,22 +210,40 @@ def run_stack_cached(
     x: jax.Array,
     positions: jax.Array,
     cache: LayerCache,
+    kinds: tuple[int, ...],
 ) -> tuple[jax.Array, LayerCache]:
     """Layers [start, start + length) of a stack on new tokens, scanned over the layers'
     parameters and their slices of the stack's cache ([L, ...]); returns the updated cache."""
     whole = length == jax.tree.leaves(stacked)[0].shape[0]
     layers = lambda tree: tree if whole else jax.tree.map(lambda a: a[start : start + length], tree)
+    per_layer_kind = layer_kinds(kinds)
+    constant = isinstance(per_layer_kind, int)
 
     def apply_one(x, layer):
-        layer_state, layer_cache = layer
-        return nnx.merge(graphdef, dequantized(layer_state)).cached(x, positions, layer_cache)
+        layer_state, layer_cache, kind = layer
+        block = nnx.merge(graphdef, dequantized(layer_state))
+        return block.cached(x, positions, layer_cache, per_layer_kind if constant else kind)
 
-    x, updated = jax.lax.scan(apply_one, x, (layers(stacked), layers(cache)))
+    scanned_kinds = jnp.zeros(length, jnp.int32) if constant else per_layer_kind
+    x, updated = jax.lax.scan(apply_one, x, (layers(stacked), layers(cache), scanned_kinds))
     if not whole:
         updated = jax.tree.map(
             lambda c, u: jax.lax.dynamic_update_slice_in_dim(c, u, start, axis=0), cache, updated
         )
     return x, updated
+
+
+def runs_with_attention(
+    runs: list[tuple[bool, int, int]], attention: tuple[int, ...]
+) -> tuple[tuple[str, int, int, tuple[int, ...]], ...]:
+    """stacks.layer_runs of consecutive layers -> (stack, start, length, their attention kinds);
+    `attention` holds the kind of each layer the runs cover, in order."""
+    found, first = [], 0
+    for is_moe, start, length in runs:
+        kinds = attention[first : first + length]
+        found.append((BLOCK_KINDS[is_moe].stack, start, length, kinds))
+        first += length
+    return tuple(found)
 
 
 def concatenate_runs(per_run: list[dict[str, jax.Array]]) -> dict[str, jax.Array]:
@@ -255,9 +297,7 @@ class Decoder(nnx.Module):
     def _build_layers(self, cfg: ModelConfig, dtypes: dict, rngs: nnx.Rngs) -> None:
         """One stack per kind of layer (model/stacks.py), run as consecutive runs."""
         kinds = is_moe_per_layer(cfg)
-        self.runs = tuple(
-            (BLOCK_KINDS[is_moe].stack, start, n) for is_moe, start, n in layer_runs(kinds)
-        )
+        self.runs = runs_with_attention(layer_runs(kinds), kind_per_layer(cfg))
         # Created in this order (dense stack first) so the random initialisation stays the same.
         for is_moe, kind in BLOCK_KINDS.items():
             counts = (("layers", kinds.count(is_moe)),)
@@ -291,10 +331,10 @@ class Decoder(nnx.Module):
         logits [B, T, V] and the cache (maxtrain/model/kv_cache.py) with their keys and
         values added. A token sees every cached position before its own."""
         x, cache = self._embed(tokens), dict(cache)
-        for stack, start, length in self.runs:
+        for stack, start, length, kinds in self.runs:
             graphdef, stacked = nnx.split(getattr(self, stack))
             x, cache[stack] = run_stack_cached(
-                graphdef, stacked, start, length, x, positions, cache[stack]
+                graphdef, stacked, start, length, x, positions, cache[stack], kinds
             )
         return self._head(self.final_norm(x)), cache
 
@@ -315,11 +355,12 @@ class Decoder(nnx.Module):
 
     def _layers(self, x, positions, segment_ids) -> tuple[jax.Array, dict[str, jax.Array]]:
         per_run = []
-        for stack, start, length in self.runs:
+        for stack, start, length, kinds in self.runs:
             graphdef, stacked = nnx.split(getattr(self, stack))
             x, stats = run_stack(
-                graphdef, stacked, start, length, x, positions, segment_ids, **self._run_options
-            )
+                graphdef, stacked, start, length, x, positions, segment_ids, kinds=kinds,
+                **self._run_options,
+            )  # fmt: skip
             per_run.append(stats)
         return x, concatenate_runs(per_run)
 
@@ -358,10 +399,8 @@ class PipelinedDecoder(Decoder):
         prologue = (("layers", self.layout.prologue),)
         setattr(self, DENSE_STACK, stacked_blocks(cfg, DENSE, prologue, dtypes=dtypes, rngs=rngs))
         self.stages = Stages(cfg, self.layout, dtypes, rngs)
-        self.group_runs = tuple(
-            (BLOCK_KINDS[is_moe].stack, start, n)
-            for is_moe, start, n in layer_runs(self.layout.group)
-        )
+        self.group_runs = runs_with_attention(layer_runs(self.layout.group), self.layout.attention)
+        self.prologue_kinds = kind_per_layer(cfg)[: self.layout.prologue]
 
     def _layers(self, x, positions, segment_ids) -> tuple[jax.Array, dict[str, jax.Array]]:
         prologue = getattr(self, DENSE_STACK)
@@ -369,7 +408,7 @@ class PipelinedDecoder(Decoder):
             graphdef, stacked = nnx.split(prologue)
             x, _ = run_stack(
                 graphdef, stacked, 0, self.layout.prologue, x, positions, segment_ids,
-                **self._run_options,
+                kinds=self.prologue_kinds, **self._run_options,
             )  # fmt: skip
         stacks = {
             kind.stack: getattr(self.stages, kind.stack)
@@ -381,10 +420,10 @@ class PipelinedDecoder(Decoder):
     def _run_group(self, graphdefs, group, x, positions, segment_ids):
         """One group's layers (per stack [per group, ...]) in model order."""
         per_run = []
-        for stack, start, length in self.group_runs:
+        for stack, start, length, kinds in self.group_runs:
             x, stats = run_stack(
                 graphdefs[stack], group[stack], start, length, x, positions, segment_ids,
-                **self._run_options,
+                kinds=kinds, **self._run_options,
             )  # fmt: skip
             per_run.append(stats)
         return x, concatenate_runs(per_run)

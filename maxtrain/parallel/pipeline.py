@@ -52,6 +52,8 @@ class StageLayout:
     microbatches: int  # M
     prologue: int  # leading dense layers, run before the pipeline
     group: tuple[bool, ...]  # whether each layer of a group is MoE, in order
+    # each layer's attention kind (model/layers/attention_pattern.py), alike in every group
+    attention: tuple[int, ...]
 
     def per_group(self, is_moe: bool) -> int:
         return self.group.count(is_moe)

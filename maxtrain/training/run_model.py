@@ -16,6 +16,7 @@ from maxtrain import model as model_lib
 from maxtrain.config import Config, ConfigError
 from maxtrain.model import ModelDef
 from maxtrain.model.decoder import Decoder
+from maxtrain.model.layers.attention_pattern import kind_per_layer
 from maxtrain.model.stacks import is_moe_per_layer
 from maxtrain.parallel.pipeline import StageLayout
 from maxtrain.posttrain import parameter_split
@@ -55,6 +56,16 @@ def stage_layout(cfg: Config) -> StageLayout | None:
             f"pipeline groups of {size} layers hold different kinds of layers: "
             f"model.moe.interval ({cfg.model.moe.interval}) must divide {size}"
         )
+    attention = kind_per_layer(cfg.model)
+    group_attention = attention[prologue : prologue + size]
+    if any(
+        attention[prologue + g * size : prologue + (g + 1) * size] != group_attention
+        for g in range(groups)
+    ):
+        raise ConfigError(
+            f"pipeline groups of {size} layers hold different attention kinds: the length of "
+            f"model.layer_pattern ({len(cfg.model.layer_pattern or ())}) must divide {size}"
+        )
     microbatches = pipe.microbatches or stages
     if microbatches < stages:
         raise ConfigError(
@@ -66,7 +77,7 @@ def stage_layout(cfg: Config) -> StageLayout | None:
             f"the micro-batch of {cfg.micro_batch_size} sequences (train.global_batch_size / "
             f"train.grad_accum_steps) does not split into pipeline.microbatches={microbatches}"
         )
-    return StageLayout(stages, pipe.repeats, microbatches, prologue, group)
+    return StageLayout(stages, pipe.repeats, microbatches, prologue, group, group_attention)
 
 
 def build_model(cfg: Config, seed: int = 0, layout: StageLayout | None = None) -> Decoder:

@@ -144,7 +144,7 @@ def _long_qkv(seed: int, heads: int = N, kv_heads: int = K, rows: int = B):
     )
 
 
-def _splash(q, k, v, seg):
+def _splash(q, k, v, seg, sinks=None):
     """The TPU kernel in Pallas's interpreter: the same kernel code, run on CPU."""
     return splash.splash_attention(q, k, v, seg, interpret=True)
 

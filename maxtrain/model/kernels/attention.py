@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from functools import partial
 from typing import TYPE_CHECKING
 
 import jax
@@ -43,41 +44,86 @@ from maxtrain.parallel.mesh import active_rules, logical_to_spec, spec_axes
 if TYPE_CHECKING:
     from tokamax._src.ops.attention import base as tokamax_base
 
-type AttentionFn = Callable[[jax.Array, jax.Array, jax.Array, jax.Array], jax.Array]
+type AttentionFn = Callable[..., jax.Array]  # (q, k, v, segment_ids, sinks=None) -> output
 
 
 def reference_attention(
-    q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    segment_ids: jax.Array,
+    sinks: jax.Array | None = None,
+    *,
+    window: int | None = None,
 ) -> jax.Array:
-    """Plain-jnp causal, segment-masked attention; float32 scores, GQA without repeating K/V."""
+    """Plain-jnp causal, segment-masked attention; float32 scores, GQA without repeating K/V.
+    With `window`, a query at index i sees keys i - window + 1 .. i only (sliding window)."""
     t = q.shape[1]
-    causal = jnp.tril(jnp.ones((t, t), dtype=bool))  # [T, S]
+    index = jnp.arange(t)
+    causal = index[None, :] <= index[:, None]  # [T, S]
+    if window is not None:
+        causal &= index[:, None] - index[None, :] < window
     same_doc = segment_ids[:, :, None] == segment_ids[:, None, :]  # [B, T, S]
-    return masked_attention(q, k, v, causal & same_doc)
+    return masked_attention(q, k, v, causal & same_doc, sinks)
 
 
-def cached_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_positions: jax.Array) -> jax.Array:
+def cached_attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    q_positions: jax.Array,
+    sinks: jax.Array | None = None,
+    *,
+    window: int | None = None,
+    chunk: int | None = None,
+) -> jax.Array:
     """Attention of new queries [B, T, N, H] over a key/value cache [B, S, K, H] whose entry s
     holds position s: a query at position p sees the entries 0..p (generation's cache path,
-    maxtrain/inference/). Entries beyond p may hold anything; they are masked out exactly."""
-    key_positions = jnp.arange(k.shape[1], dtype=q_positions.dtype)
-    return masked_attention(q, k, v, key_positions[None, None, :] <= q_positions[:, :, None])
+    maxtrain/inference/), of them only the last `window` or those of its `chunk`. Entries beyond
+    p may hold anything; they are masked out exactly."""
+    key_positions = jnp.arange(k.shape[1], dtype=q_positions.dtype)[None, None, :]
+    q_positions = q_positions[:, :, None]
+    mask = key_positions <= q_positions
+    if window is not None:
+        mask &= q_positions - key_positions < window
+    if chunk is not None:
+        mask &= key_positions // chunk == q_positions // chunk
+    return masked_attention(q, k, v, mask, sinks)
 
 
-def masked_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
+def masked_attention(
+    q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, sinks: jax.Array | None = None
+) -> jax.Array:
     """q [B, T, N, H], k/v [B, S, K, H], mask [B, T, S] (True: may attend) -> [B, T, N, Hv]:
     softmax(q k^T / sqrt(H), masked) v, with float32 scores and softmax statistics.
+
+    `sinks` [N] (GPT-OSS's attention sinks): a learned logit per head that joins every query's
+    softmax denominator and carries no value. With the scores' log-sum-exp L, the sink only
+    rescales the output, by exp(L) / (exp(L) + exp(sink)) = sigmoid(L - sink): applied to the
+    output here, it needs nothing from the kernel but L.
 
     What it writes to memory is what a flash kernel keeps in registers: each [T, S] array of a
     layer is stored once, in the compute dtype. The forward keeps only the output and the
     softmax's log-sum-exp (per query) for the backward, which recomputes the probabilities from
-    q and k (the standard attention gradient: dS = P * (dP - rowsum(dO * O)), dP = dO v^T).
+    q and k (the standard attention gradient: dS = P * (dP - rowsum(dO * O) + dL), dP = dO v^T,
+    dL the cotangent of the log-sum-exp, which only the sinks give).
     Autodiff of the plain formula stores the float32 scores and probabilities and their
     gradients instead: the compiled v5e:4x4 step of a 1.5B model at 2048 tokens accessed
     26.79 GB per chip that way, 24.80 GB this way (docs/tpu.md).
     """
-    out, _ = _attention_forward(q, k, v, mask)
-    return out
+    out, lse = _attention_forward(q, k, v, mask)
+    if sinks is None:
+        return out
+    b, t, n, _ = q.shape
+    lse = lse.transpose(0, 3, 1, 2).reshape(b, t, n)  # [B, K, G, T] -> [B, T, N]
+    return with_sinks(out, lse, sinks)
+
+
+def with_sinks(out: jax.Array, lse: jax.Array, sinks: jax.Array) -> jax.Array:
+    """An attention output [B, T, N, Hv] and its scores' log-sum-exp [B, T, N] -> the output
+    with each head's sink logit [N] added to the softmax denominator (in out's dtype)."""
+    keep = jax.nn.sigmoid(lse.astype(jnp.float32) - sinks.astype(jnp.float32))
+    return (out.astype(jnp.float32) * keep[..., None]).astype(out.dtype)
 
 
 def _grouped(q: jax.Array, num_kv: int) -> jax.Array:
@@ -113,7 +159,7 @@ def _attention_fwd_rule(q, k, v, mask):
 
 def _attention_bwd_rule(residuals, cotangents):
     q, k, v, mask, out, lse = residuals
-    d_out = cotangents[0]  # the log-sum-exp is a statistic: nothing differentiates it
+    d_out, d_lse = cotangents  # d_lse: zero unless sinks use the log-sum-exp
     b, t, n, h = q.shape
     num_kv = k.shape[2]
     gq = _grouped(q, num_kv)
@@ -124,7 +170,8 @@ def _attention_bwd_rule(residuals, cotangents):
         "btkgh,btkgh->bkgt", g_out.astype(jnp.float32), _grouped(out, num_kv).astype(jnp.float32)
     )
     d_probs = jnp.einsum("btkgh,bskh->bkgts", g_out, v, preferred_element_type=jnp.float32)
-    d_scores = (probs.astype(jnp.float32) * (d_probs - delta[..., None])).astype(q.dtype)
+    d_scores = probs.astype(jnp.float32) * (d_probs - delta[..., None] + d_lse[..., None])
+    d_scores = d_scores.astype(q.dtype)
     d_scores = d_scores / math.sqrt(h)
     dq = jnp.einsum("bkgts,bskh->btkgh", d_scores, k, preferred_element_type=jnp.float32)
     dk = jnp.einsum("bkgts,btkgh->bskh", d_scores, gq, preferred_element_type=jnp.float32)
@@ -150,23 +197,38 @@ def segment_starts(segment_ids: jax.Array) -> jax.Array:
     return jax.lax.cummax(jnp.where(changed, pos, 0), axis=1)
 
 
-def _k_start_mask(segment_ids: jax.Array) -> tokamax_base.Mask:
+def first_visible_key(segment_ids: jax.Array, window: int | None) -> jax.Array:
+    """[B, T] -> [B, T]: the first key index each query sees: its document's start, or with a
+    sliding window the later of that and i - window + 1."""
+    starts = segment_starts(segment_ids)
+    if window is None:
+        return starts
+    index = jnp.arange(segment_ids.shape[1], dtype=starts.dtype)
+    return jnp.maximum(starts, index - window + 1)
+
+
+def _k_start_mask(segment_ids: jax.Array, window: int | None) -> tokamax_base.Mask:
     from tokamax._src.ops.attention import base as tokamax_base
 
     # k_start is typed "*#B #h #T" (h = K/V heads, T = query positions); broadcast over heads.
-    return tokamax_base.Mask(k_start=segment_starts(segment_ids)[:, None, :], is_causal=True)
+    k_start = first_visible_key(segment_ids, window)[:, None, :]
+    return tokamax_base.Mask(k_start=k_start, is_causal=True)
 
 
-def _dense_mask(segment_ids: jax.Array) -> tokamax_base.Mask:
+def _dense_mask(segment_ids: jax.Array, window: int | None) -> tokamax_base.Mask:
     # Mosaic TPU (splash) raises NotImplementedError on k_start; it does take a [B, 1, T, S] bool
     # mask (as a dynamic splash mask), at the cost of materialising it.
     from tokamax._src.ops.attention import base as tokamax_base
 
-    same_doc = segment_ids[:, None, :, None] == segment_ids[:, None, None, :]  # [B, 1, T, S]
-    return tokamax_base.Mask(same_doc, is_causal=True)
+    index = jnp.arange(segment_ids.shape[1])
+    visible = first_visible_key(segment_ids, window)[:, None, :, None] <= index  # [B, 1, T, S]
+    return tokamax_base.Mask(visible, is_causal=True)
 
 
-def _tokamax(kernel: str, make_mask: Callable[[jax.Array], tokamax_base.Mask]) -> AttentionFn:
+type MaskFn = Callable[[jax.Array, int | None], tokamax_base.Mask]
+
+
+def _tokamax(kernel: str, make_mask: MaskFn, window: int | None) -> AttentionFn:
     """Wraps tokamax kernel `kernel` (a key of tokamax's IMPLEMENTATIONS) with a segment mask.
 
     tokamax's public `dot_product_attention` only exposes a dense mask or sequence lengths, not
@@ -176,9 +238,11 @@ def _tokamax(kernel: str, make_mask: Callable[[jax.Array], tokamax_base.Mask]) -
     need it.
     """
 
-    def fn(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array) -> jax.Array:
+    def fn(q, k, v, segment_ids, sinks=None):
         from tokamax._src.ops.attention import api as tokamax_api
 
+        if sinks is not None:
+            raise NotImplementedError(f"attention sinks are not implemented for {kernel!r}")
         impl = tokamax_api.IMPLEMENTATIONS[kernel]  # looked up at call time: not all exist on CPU
         value_dim = v.shape[-1]
         if value_dim > q.shape[-1]:
@@ -189,7 +253,7 @@ def _tokamax(kernel: str, make_mask: Callable[[jax.Array], tokamax_base.Mask]) -
             k,
             v,
             bias=None,
-            mask=make_mask(segment_ids),
+            mask=make_mask(segment_ids, window),
             logits_scale=1.0 / math.sqrt(q.shape[-1]),
             precision=None,
             logits_soft_cap=None,
@@ -221,10 +285,10 @@ def per_device(kernel: AttentionFn) -> AttentionFn:
     does not split).
     """
 
-    def fn(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array) -> jax.Array:
+    def fn(q, k, v, segment_ids, sinks=None):
         active = active_rules()
         if active is None:
-            return kernel(q, k, v, segment_ids)
+            return kernel(q, k, v, segment_ids, sinks)
         mesh, rules = active
         q_spec = logical_to_spec(("batch", None, "heads", None), rules, mesh, q.shape)
         kv_spec = logical_to_spec(("batch", None, "kv_heads", None), rules, mesh, k.shape)
@@ -235,7 +299,7 @@ def per_device(kernel: AttentionFn) -> AttentionFn:
         rows = P(q_spec[0], None)
         groups = q.shape[2] // k.shape[2]  # G: query heads per K/V head
 
-        def local(q, k, v, segment_ids):
+        def local(q, k, v, segment_ids, sinks):
             if not split_alike:
                 n_local = q.shape[2]
                 first = jax.lax.axis_index(head_axes) * n_local  # global index of my first head
@@ -244,17 +308,17 @@ def per_device(kernel: AttentionFn) -> AttentionFn:
                 else:
                     heads = (first + jnp.arange(n_local)) // groups
                 k, v = jnp.take(k, heads, axis=2), jnp.take(v, heads, axis=2)
-            return kernel(q, k, v, segment_ids)
+            return kernel(q, k, v, segment_ids, sinks)
 
         return jax.shard_map(
             local,
             mesh=mesh,
-            in_specs=(q_spec, kv_spec, kv_spec, rows),
+            in_specs=(q_spec, kv_spec, kv_spec, rows, None if sinks is None else P(q_spec[2])),
             out_specs=P(*q_spec[:3], None),
             # Pallas calls carry no varying-axes types; the transpose's sums above are what
             # check_vma=False does (jax's shard_map transpose).
             check_vma=False,
-        )(q, k, v, segment_ids)
+        )(q, k, v, segment_ids, sinks)
 
     return fn
 
@@ -263,23 +327,45 @@ def _unavailable(name: str, backend: str) -> AttentionFn:
     """Stands in for a kernel this backend cannot run. Raising when called rather than when the
     model is built lets a CPU host still build (and dry-run) a GPU/TPU recipe's model."""
 
-    def fn(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array) -> jax.Array:
+    def fn(q, k, v, segment_ids, sinks=None):
         raise NotImplementedError(f"{name!r} attention needs a gpu or tpu backend, not {backend}")
 
     return fn
 
 
-IMPLEMENTATIONS: dict[str, AttentionFn] = {
-    "xla": reference_attention,
-    "splash": per_device(splash_attention),
-    "mosaic_gpu": per_device(_tokamax("mosaic_gpu", _k_start_mask)),
-    "mosaic_tpu": per_device(_tokamax("mosaic_tpu", _dense_mask)),
-    "cudnn": per_device(_tokamax("cudnn", _k_start_mask)),
-    "triton": per_device(_tokamax("triton", _k_start_mask)),
-    "xla_chunked": per_device(_tokamax("xla_chunked", _k_start_mask)),
+def _splash(window: int | None) -> AttentionFn:
+    if window is not None:
+        raise NotImplementedError("splash attention has no sliding window yet; use xla")
+
+    def fn(q, k, v, segment_ids, sinks=None):
+        if sinks is not None:
+            raise NotImplementedError("splash attention has no attention sinks yet; use xla")
+        return splash_attention(q, k, v, segment_ids)
+
+    return fn
+
+
+def _on_devices(kernel: str, make_mask: MaskFn) -> Callable[[int | None], AttentionFn]:
+    """tokamax kernel `kernel` for a window, run per device."""
+    return lambda window: per_device(_tokamax(kernel, make_mask, window))
+
+
+def _reference(window: int | None) -> AttentionFn:
+    return reference_attention if window is None else partial(reference_attention, window=window)
+
+
+# name -> (window -> the attention function): each kernel built for a layer's mask.
+IMPLEMENTATIONS: dict[str, Callable[[int | None], AttentionFn]] = {
+    "xla": _reference,
+    "splash": lambda window: per_device(_splash(window)),
+    "mosaic_gpu": _on_devices("mosaic_gpu", _k_start_mask),
+    "mosaic_tpu": _on_devices("mosaic_tpu", _dense_mask),
+    "cudnn": _on_devices("cudnn", _k_start_mask),
+    "triton": _on_devices("triton", _k_start_mask),
+    "xla_chunked": _on_devices("xla_chunked", _k_start_mask),
     # tokamax's plain-XLA kernel through the k_start path and the per-device wrapper: runs on
     # CPU, so tests cover the exact mask and sharding the GPU/TPU kernels receive.
-    "tokamax_xla": per_device(_tokamax("xla", _k_start_mask)),
+    "tokamax_xla": _on_devices("xla", _k_start_mask),
 }
 # on every other platform: the reference
 _AUTO = {"gpu": "mosaic_gpu", "tpu": "splash"}
@@ -302,14 +388,14 @@ def attention_implementation(name: str, platform: str | None = None) -> str:
     return name
 
 
-def attention_kernel(name: str) -> AttentionFn:
+def attention_kernel(name: str, window: int | None = None) -> AttentionFn:
     """The attention function a configured name picks, chosen once (layers store it):
-    (q, k [B, T, N|K, H], v [B, T, K, Hv], segment_ids [B, T]) -> [B, T, N, Hv] in q.dtype,
-    causal within packed documents, scale 1/sqrt(H); N % K == 0, query head n uses kv head
-    n // G; Hv <= H."""
+    (q, k [B, T, N|K, H], v [B, T, K, Hv], segment_ids [B, T], sinks [N] | None) -> [B, T, N, Hv]
+    in q.dtype, causal within packed documents (and within the last `window` keys), scale
+    1/sqrt(H); N % K == 0, query head n uses kv head n // G; Hv <= H."""
     resolved = attention_implementation(name)
     if resolved in IMPLEMENTATIONS:
-        return IMPLEMENTATIONS[resolved]
+        return IMPLEMENTATIONS[resolved](window)
     return _unavailable(name, jax.default_backend())
 
 

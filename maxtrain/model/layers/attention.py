@@ -1,4 +1,5 @@
-"""Grouped-query self-attention with optional qk-norm and RoPE; the kernel lives in kernels/."""
+"""Grouped-query self-attention with optional qk-norm, biases and RoPE; the kernel lives in
+kernels/, the layer kinds (global, sliding-window or chunked local) in attention_pattern.py."""
 
 from __future__ import annotations
 
@@ -10,9 +11,9 @@ from flax import nnx
 from maxtrain.config import ModelConfig
 from maxtrain.model.kernels.attention import attention_kernel, cached_attention
 from maxtrain.model.kv_cache import LayerCache
+from maxtrain.model.layers.attention_pattern import AttentionVariant, variants
 from maxtrain.model.layers.base import Projection
 from maxtrain.model.layers.norms import RMSNorm
-from maxtrain.model.layers.rope import Rope
 from maxtrain.parallel.context import context_attention, context_degree
 from maxtrain.parallel.mesh import constrain
 
@@ -45,42 +46,84 @@ class Attention(nnx.Module):
         kw = dict(
             init_std=cfg.init_std, param_dtype=param_dtype, compute_dtype=compute_dtype, rngs=rngs
         )
-        self.q = Projection("btd,dnh->btnh", (D, N, H), ("embed", "heads", "head_dim"), **kw)
-        self.k = Projection("btd,dkh->btkh", (D, K, H), ("embed", "kv_heads", "head_dim"), **kw)
-        self.v = Projection("btd,dkh->btkh", (D, K, H), ("embed", "kv_heads", "head_dim"), **kw)
-        self.o = Projection("btnh,nhd->btd", (N, H, D), ("heads", "head_dim", "embed"), **kw)
+        qkv_bias = cfg.attention_bias != "none"
+        q_axes, kv_axes = ("embed", "heads", "head_dim"), ("embed", "kv_heads", "head_dim")
+        self.q = Projection("btd,dnh->btnh", (D, N, H), q_axes, bias=qkv_bias, **kw)
+        self.k = Projection("btd,dkh->btkh", (D, K, H), kv_axes, bias=qkv_bias, **kw)
+        self.v = Projection("btd,dkh->btkh", (D, K, H), kv_axes, bias=qkv_bias, **kw)
+        o_bias = cfg.attention_bias == "qkvo"
+        self.o = Projection(
+            "btnh,nhd->btd", (N, H, D), ("heads", "head_dim", "embed"), bias=o_bias, **kw
+        )
         if cfg.qk_norm:
             self.q_norm = RMSNorm(H, eps=cfg.norm_eps, param_dtype=param_dtype, rngs=rngs)
             self.k_norm = RMSNorm(H, eps=cfg.norm_eps, param_dtype=param_dtype, rngs=rngs)
         else:
             self.q_norm = self.k_norm = None
-        self.rope = Rope(H, cfg.rope_theta, cfg.rope_scaling, cfg.rope_interleaved)
-        self.attend = attention_kernel(cfg.attention)  # the kernel, picked once
-        # ... and the exchange that runs it on a sequence split over mesh.context devices.
+        # The layer kinds this model has (attention_pattern.KINDS order), each with its kernel,
+        # picked once, and the exchange that runs it on a sequence split over mesh.context.
+        self.variants = variants(cfg, H)
+        self.kernels = tuple(attention_kernel(cfg.attention, var.window) for var in self.variants)
         self.attend_split = context_attention(cfg.context_exchange, cfg.context_layout)
 
-    def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array) -> jax.Array:
-        q, k, v = self._project(x, positions)
-        split = context_degree() > 1
-        out = (self.attend_split if split else self.attend)(q, k, v, segment_ids)  # [B, T, N, H]
-        return self.o(out)
+    def __call__(
+        self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array, kind: int | jax.Array = 0
+    ) -> jax.Array:
+        """x [B, T, D] -> [B, T, D]; `kind`: the layer's index in attention_pattern.KINDS, a
+        constant, or a traced scalar where a scan runs layers of several kinds."""
+        q, k, v = self._project(x)
+
+        def attend(variant: AttentionVariant, kernel) -> jax.Array:
+            rotated_q, rotated_k = self._rotate(variant, q, k, positions)
+            segments = variant.segments(segment_ids, positions)
+            if context_degree() > 1:
+                if variant.window is not None:
+                    raise NotImplementedError("local attention with mesh.context > 1")
+                return self.attend_split(rotated_q, rotated_k, v, segments)
+            return kernel(rotated_q, rotated_k, v, segments)  # [B, T, N, H]
+
+        return self.o(self._switch(kind, attend, zip(self.variants, self.kernels, strict=True)))
 
     def cached(
-        self, x: jax.Array, positions: jax.Array, cache: LayerCache
+        self, x: jax.Array, positions: jax.Array, cache: LayerCache, kind: int | jax.Array = 0
     ) -> tuple[jax.Array, LayerCache]:
         """Generation's path (maxtrain/inference/): the new tokens' keys and values are written
         into the layer's cache at their positions ([B, T], consecutive per row), and the queries
         attend over the cache. Same projections, norms and RoPE as the training path."""
-        q, k, v = self._project(x, positions)
-        cache = cache.write(k, v, positions)
-        out = cached_attention(q, cache.k, cache.v, positions)  # [B, T, N, H]
+        q, k, v = self._project(x)
+
+        def attend(variant: AttentionVariant) -> tuple[jax.Array, LayerCache]:
+            rotated_q, rotated_k = self._rotate(variant, q, k, positions)
+            written = cache.write(rotated_k, v, positions)
+            out = cached_attention(
+                rotated_q, written.k, written.v, positions, window=variant.window,
+                chunk=variant.chunk,
+            )  # fmt: skip
+            return out, written
+
+        out, cache = self._switch(kind, attend, zip(self.variants))
         return self.o(out), cache
 
-    def _project(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, ...]:
-        """Queries, keys and values of x [B, T, D], qk-normed and rotated."""
+    @staticmethod
+    def _switch(kind, branch, per_kind):
+        """branch(*args of the layer's kind): directly for a constant kind, else by lax.switch
+        over every kind the model has (only the taken one runs)."""
+        per_kind = list(per_kind)
+        if isinstance(kind, int):
+            return branch(*per_kind[kind])
+        return jax.lax.switch(kind, [lambda args=args: branch(*args) for args in per_kind])
+
+    def _project(self, x: jax.Array) -> tuple[jax.Array, ...]:
+        """Queries, keys and values of x [B, T, D], qk-normed."""
         q = constrain(self.q(x), ("batch", "length", "heads", "head_dim"))  # [B, T, N, H]
         k = constrain(self.k(x), ("batch", "length", "kv_heads", "head_dim"))  # [B, T, K, H]
         v = constrain(self.v(x), ("batch", "length", "kv_heads", "head_dim"))  # [B, T, K, H]
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        return self.rope(q, positions), self.rope(k, positions), v
+        return q, k, v
+
+    @staticmethod
+    def _rotate(variant: AttentionVariant, q, k, positions) -> tuple[jax.Array, jax.Array]:
+        if variant.rope is None:
+            return q, k
+        return variant.rope(q, positions), variant.rope(k, positions)

@@ -40,7 +40,9 @@ def make_param(
 
 
 class Projection(nnx.Module):
-    """y = einsum(spec, x, W): a linear map between named dims, computed in compute dtype."""
+    """y = einsum(spec, x, W) (+ b): a linear map between named dims, computed in compute dtype.
+    The bias, where asked for, spans the output dims the kernel makes (e.g. "nh" of
+    "btd,dnh->btnh") and starts at zero."""
 
     def __init__(
         self,
@@ -52,11 +54,24 @@ class Projection(nnx.Module):
         param_dtype: jnp.dtype,
         compute_dtype: jnp.dtype,
         rngs: nnx.Rngs,
+        bias: bool = False,
     ):
         self.spec = spec
         self.compute_dtype = compute_dtype
         self.kernel = make_param(rngs, shape, axes, std=init_std, dtype=param_dtype)
+        kernel_dims, out_dims = spec.split(",")[1].split("->")
+        made = [kernel_dims.index(d) for d in out_dims if d in kernel_dims]
+        self.bias = (
+            nnx.Param(
+                jnp.zeros([shape[i] for i in made], param_dtype),
+                out_sharding=tuple(axes[i] for i in made),
+                eager_sharding=False,
+            )
+            if bias
+            else None
+        )
 
     def __call__(self, x: jax.Array) -> jax.Array:
         kernel = self.kernel[...].astype(self.compute_dtype)
-        return jnp.einsum(self.spec, x.astype(self.compute_dtype), kernel)
+        y = jnp.einsum(self.spec, x.astype(self.compute_dtype), kernel)
+        return y if self.bias is None else y + self.bias[...].astype(self.compute_dtype)

@@ -86,7 +86,11 @@ class MLA(nnx.Module):
         self.rope = Rope(m.qk_rope_head_dim, cfg.rope_theta, cfg.rope_scaling, cfg.rope_interleaved)
         self.attend = attention_kernel(cfg.attention)  # the kernel, picked once
 
-    def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array) -> jax.Array:
+    def __call__(
+        self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array, kind: int = 0
+    ) -> jax.Array:
+        """x [B, T, D] -> [B, T, D]. Every MLA layer is global (`kind` 0: the config refuses a
+        local layer_pattern with MLA)."""
         kv_lora_rank, nope = self.dims
         if self.q is not None:
             q = self.q(x)
