@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from maxtrain.config import ModelConfig
-from maxtrain.model.kv_cache import LayerCache
+from maxtrain.model.kv_cache import Cache
 from maxtrain.model.layers import embedding
 from maxtrain.model.layers.attention_types import attention_type
 from maxtrain.model.layers.base import Projection, make_param
@@ -101,10 +101,8 @@ class DecoderBlock(nnx.Module):
         x = x + ffn_out
         return constrain(x, ("batch", "length", "act_embed")), stats
 
-    def cached(
-        self, x: jax.Array, positions: jax.Array, cache: LayerCache
-    ) -> tuple[jax.Array, LayerCache]:
-        """The block on new tokens with the layer's key/value cache (generation); the
+    def cached(self, x: jax.Array, positions: jax.Array, cache: Cache) -> tuple[jax.Array, Cache]:
+        """The block on new tokens with the layer's decode cache (generation); the
         feed-forward's statistics are of no use there."""
         attn_out, cache = self.attn.cached(self.attn_norm(x), positions, cache)
         x = x + attn_out
@@ -185,8 +183,8 @@ def run_stack_cached(
     length: int,
     x: jax.Array,
     positions: jax.Array,
-    cache: LayerCache,
-) -> tuple[jax.Array, LayerCache]:
+    cache: Cache,
+) -> tuple[jax.Array, Cache]:
     """Layers [start, start + length) of a stack on new tokens, scanned over the layers'
     parameters and their slices of the stack's cache ([L, ...]); returns the updated cache."""
     whole = length == jax.tree.leaves(stacked)[0].shape[0]
@@ -285,11 +283,11 @@ class Decoder(nnx.Module):
         return self._head(self.final_norm(hidden)), stats
 
     def decode(
-        self, tokens: jax.Array, positions: jax.Array, cache: dict[str, LayerCache]
-    ) -> tuple[jax.Array, dict[str, LayerCache]]:
+        self, tokens: jax.Array, positions: jax.Array, cache: dict[str, Cache]
+    ) -> tuple[jax.Array, dict[str, Cache]]:
         """Generation: new tokens [B, T] at positions [B, T] (consecutive per row) -> their
-        logits [B, T, V] and the cache (maxtrain/model/kv_cache.py) with their keys and
-        values added. A token sees every cached position before its own."""
+        logits [B, T, V] and the cache (maxtrain/model/kv_cache.py) with their entries (keys
+        and values, or MLA's latents) added. A token sees every cached position before its own."""
         x, cache = self._embed(tokens), dict(cache)
         for stack, start, length in self.runs:
             graphdef, stacked = nnx.split(getattr(self, stack))
