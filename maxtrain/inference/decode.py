@@ -1,11 +1,12 @@
 """Batched generation: a jitted prefill of the prompts, then a jitted one-token decode step.
 
 Prompts of different lengths share a batch right-padded to the longest: the prefill runs every
-row over the padded length, writes the keys and values of all of it into the cache, and takes
-each row's next token from the logits at its own last prompt token. Each decode step then feeds
-one token per row at that row's next position, overwriting the padding's cache entries before
-any query could see them (kv_cache.py). The batch is padded to a multiple of the mesh's
-data-parallel degree with rows whose output is dropped.
+row over the padded length, writes what attention keeps of all of it into the cache (keys and
+values, or multi-head latent attention's latents: model/kv_cache.py), and takes each row's next
+token from the logits at its own last prompt token. Each decode step then feeds one token per
+row at that row's next position, overwriting the padding's cache entries before any query could
+see them. The batch is padded to a multiple of the mesh's data-parallel degree with rows whose
+output is dropped.
 
 Both functions are compiled ahead of the timed work, so the printed tokens/s are of running,
 not of compiling.
@@ -101,11 +102,6 @@ def generate(
     if max_new_tokens < 1:
         raise UserError(f"max_new_tokens must be at least 1 (got {max_new_tokens})")
     cfg, mesh, rules = model.cfg, model.mesh, model.cfg.mesh.rules
-    if cfg.model.attention_type != "gqa":
-        raise UserError(
-            f"generation has a key/value cache for attention_type gqa only; this model's is "
-            f"{cfg.model.attention_type} (evaluate and export it, or train it further)"
-        )
     rows = len(prompts)
     tokens, lengths = _padded_batch(prompts, batch_degree(rules, mesh))
     cache_length = tokens.shape[1] + max_new_tokens
@@ -119,11 +115,10 @@ def generate(
     tokens_sharding = NamedSharding(mesh, logical_to_spec(("batch", None), rules, mesh))
     make_cache = functools.partial(
         init_cache,
+        cfg.model,
         cache_stacks(cfg.model),
         len(lengths),
         cache_length,
-        cfg.model.num_kv_heads,
-        cfg.model.resolved_head_dim,
         compute_dtype(cfg.model),
     )
     cache_sharding = cache_shardings(jax.eval_shape(make_cache), mesh, rules)

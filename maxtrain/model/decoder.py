@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from maxtrain.config import ModelConfig
-from maxtrain.model.kv_cache import LayerCache
+from maxtrain.model.kv_cache import Cache
 from maxtrain.model.layers import embedding
 from maxtrain.model.layers.attention_pattern import kind_per_layer
 from maxtrain.model.layers.attention_types import attention_type
@@ -114,9 +114,9 @@ class DecoderBlock(nnx.Module):
         return constrain(x, ("batch", "length", "act_embed")), stats
 
     def cached(
-        self, x: jax.Array, positions: jax.Array, cache: LayerCache, kind: Kind = 0
-    ) -> tuple[jax.Array, LayerCache]:
-        """The block on new tokens with the layer's key/value cache (generation); the
+        self, x: jax.Array, positions: jax.Array, cache: Cache, kind: Kind = 0
+    ) -> tuple[jax.Array, Cache]:
+        """The block on new tokens with the layer's decode cache (generation); the
         feed-forward's statistics are of no use there."""
         attn_out, cache = self.attn.cached(self.attn_norm(x), positions, cache, kind)
         x = x + attn_out
@@ -209,9 +209,9 @@ def run_stack_cached(
     length: int,
     x: jax.Array,
     positions: jax.Array,
-    cache: LayerCache,
+    cache: Cache,
     kinds: tuple[int, ...],
-) -> tuple[jax.Array, LayerCache]:
+) -> tuple[jax.Array, Cache]:
     """Layers [start, start + length) of a stack on new tokens, scanned over the layers'
     parameters and their slices of the stack's cache ([L, ...]); returns the updated cache."""
     whole = length == jax.tree.leaves(stacked)[0].shape[0]
@@ -325,11 +325,11 @@ class Decoder(nnx.Module):
         return self._head(self.final_norm(hidden)), stats
 
     def decode(
-        self, tokens: jax.Array, positions: jax.Array, cache: dict[str, LayerCache]
-    ) -> tuple[jax.Array, dict[str, LayerCache]]:
+        self, tokens: jax.Array, positions: jax.Array, cache: dict[str, Cache]
+    ) -> tuple[jax.Array, dict[str, Cache]]:
         """Generation: new tokens [B, T] at positions [B, T] (consecutive per row) -> their
-        logits [B, T, V] and the cache (maxtrain/model/kv_cache.py) with their keys and
-        values added. A token sees every cached position before its own."""
+        logits [B, T, V] and the cache (maxtrain/model/kv_cache.py) with their entries (keys
+        and values, or MLA's latents) added. A token sees every cached position before its own."""
         x, cache = self._embed(tokens), dict(cache)
         for stack, start, length, kinds in self.runs:
             graphdef, stacked = nnx.split(getattr(self, stack))

@@ -3,7 +3,7 @@
     python -m maxtrain.tools.make_hf_fixtures build [--output tests/fixtures/hf] [--case NAME ...]
     python -m maxtrain.tools.make_hf_fixtures logits DIR [DIR ...]
     python -m maxtrain.tools.make_hf_fixtures random-llama --output DIR [shape options]
-    python -m maxtrain.tools.make_hf_fixtures generate DIR [DIR ...]
+    python -m maxtrain.tools.make_hf_fixtures generate DIR [DIR ...] [--max-new-tokens N]
 
 build: for every case below, a small random transformers model saved as config.json +
 safetensors, with token ids (tokens.npy, int32 [2, 12]) and the float32 logits transformers
@@ -23,7 +23,8 @@ generate: the oracle for tokenization and greedy decoding. It gives a model dire
 BPE tokenizer trained on a fixed text (tokenizer.json, tokenizer_config.json and
 generation_config.json, as transformers saves them; a Llama directory's adds a BOS) unless it
 has one, then writes generate.json: for each of a few prompts, the ids transformers' tokenizer
-gives it and the tokens `generate()` appends greedily, one prompt at a time.
+gives it and the tokens `generate()` appends greedily (--max-new-tokens, 12 by default; the
+DeepSeek-V3 fixtures' are 20), one prompt at a time.
 
 random-llama writes a Llama-shaped directory of random bfloat16 weights (Llama-3.2-1B's shape by
 default) one layer per file, with numpy, safetensors and ml_dtypes only: the input for
@@ -312,7 +313,7 @@ def write_tokenizer(model_dir: Path) -> None:
     (model_dir / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
 
 
-def write_generation(model_dir: Path) -> None:
+def write_generation(model_dir: Path, max_new_tokens: int = MAX_NEW_TOKENS) -> None:
     """transformers' prompt ids and greedy continuations into model_dir/generate.json."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -328,10 +329,10 @@ def write_generation(model_dir: Path) -> None:
         ids = tokenizer(prompt)["input_ids"]
         with torch.no_grad():
             out = model.generate(
-                torch.tensor([ids]), max_new_tokens=MAX_NEW_TOKENS, do_sample=False
+                torch.tensor([ids]), max_new_tokens=max_new_tokens, do_sample=False
             )
         cases.append({"prompt": prompt, "prompt_ids": ids, "new_ids": out[0, len(ids) :].tolist()})
-    result = {"max_new_tokens": MAX_NEW_TOKENS, "cases": cases}
+    result = {"max_new_tokens": max_new_tokens, "cases": cases}
     (model_dir / "generate.json").write_text(json.dumps(result, indent=1) + "\n")
 
 
@@ -490,10 +491,11 @@ def main(argv: list[str]) -> None:
     r.add_argument("--tie", action=argparse.BooleanOptionalAction, default=True)
     g = sub.add_parser("generate", help="a tokenizer and transformers' greedy tokens for DIR")
     g.add_argument("dirs", nargs="+", type=Path)
+    g.add_argument("--max-new-tokens", type=int, default=MAX_NEW_TOKENS)
     args = parser.parse_args(argv)
     if args.command == "generate":
         for d in args.dirs:
-            write_generation(d)
+            write_generation(d, args.max_new_tokens)
     elif args.command == "build":
         build(args.output, args.case)
     elif args.command == "logits":

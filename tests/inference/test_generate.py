@@ -1,5 +1,6 @@
-"""Generation: the cached decode equals the full forward pass, and greedy generation from
-imported Hugging Face models is token-identical to transformers' generate().
+"""Generation: the cached decode equals the full forward pass, a multi-head latent attention
+model caches its latent only, and greedy generation from imported Hugging Face models (GQA and
+DeepSeek-V3's MLA) is token-identical to transformers' generate().
 
 The oracle for the second is tests/fixtures/hf/*/generate.json (maxtrain.tools.make_hf_fixtures
 generate): the tokens transformers' greedy generate() appended to each prompt, one prompt at a
@@ -39,8 +40,9 @@ TOLERANCE = 2e-5  # float32 rounding: the cache path sums attention over more (m
     [
         ("model_name=tiny-qk",),
         ("model_name=tiny-moe", "model.moe.first_dense_layers=1", "model.moe.capacity_factor=null"),
+        ("model_name=tiny-mla",),
     ],
-    ids=["dense-qk-norm", "moe-after-dense"],
+    ids=["dense-qk-norm", "moe-after-dense", "mla"],
 )
 def test_cached_decode_equals_the_full_forward(make_cfg, overrides):
     """A prefill of padded prompts (row 1's is 3 tokens, padded to 5 with other tokens) then
@@ -55,14 +57,7 @@ def test_cached_decode_equals_the_full_forward(make_cfg, overrides):
     forward = jax.jit(lambda p, t: mdef.apply(p, t, positions, jnp.ones_like(t)).logits)
     full = np.asarray(forward(params, tokens))
 
-    cache = init_cache(
-        cache_stacks(cfg.model),
-        2,
-        T,
-        cfg.model.num_kv_heads,
-        cfg.model.resolved_head_dim,
-        jnp.float32,
-    )
+    cache = init_cache(cfg.model, cache_stacks(cfg.model), 2, T, jnp.float32)
     decode = jax.jit(mdef.decode)
     padded = tokens[:, :5].at[1, 3:].set(7)  # row 1: its 3 prompt tokens, then padding
     logits, cache = decode(params, padded, positions[:, :5], cache)
@@ -78,11 +73,29 @@ def test_cached_decode_equals_the_full_forward(make_cfg, overrides):
         assert diff <= TOLERANCE * max(1.0, np.abs(full).max()), f"row {row}: {diff:.2e}"
 
 
+@pytest.mark.parametrize("model_name", ["tiny-mla", "deepseek-v3-671b", "kimi-k2-1t"])
+def test_an_mla_cache_holds_only_the_latent_and_the_rope_key(model_name):
+    """Generation's cache of a multi-head latent attention model holds, per layer and position,
+    kv_lora_rank + qk_rope_head_dim elements (576 for DeepSeek-V3 and Kimi K2), not per-head
+    keys and values: N x (qk_head_dim + v_head_dim) (40,960 and 20,480)."""
+    model, B, S = config_lib.load(support.BASE, [f"model_name={model_name}"]).model, 2, 16
+    cache = jax.eval_shape(lambda: init_cache(model, cache_stacks(model), B, S, jnp.bfloat16))
+    elements = sum(a.size for a in jax.tree.leaves(cache))
+    m = model.mla
+    assert elements == model.num_layers * B * S * (m.kv_lora_rank + m.qk_rope_head_dim)
+    assert m.kv_lora_rank + m.qk_rope_head_dim < model.num_heads * (m.qk_head_dim + m.v_head_dim)
+
+
 @pytest.mark.parametrize(
     "case, mesh",
     [
         ("llama_gqa_untied_sharded", ["--devices", "1"]),
         ("qwen3_gqa4_untied_v5", ["mesh.fsdp=4", "mesh.tensor=2"]),  # 8 devices
+        # DeepSeek-V3's multi-head latent attention decoding from its latent cache, 20 new
+        # tokens: YaRN (past its original 32 positions) with a query latent, and a plain query
+        # with rotate-half pairs.
+        ("deepseek_v3_q_lora_yarn_v5", ["--devices", "1"]),
+        ("deepseek_v3_plain_q_half_rope_legacy", ["mesh.fsdp=4", "mesh.tensor=2"]),
     ],
 )
 def test_greedy_generation_from_an_import_equals_transformers(case, mesh, tmp_path, capsys):

@@ -13,16 +13,32 @@ zero-padded to the query/key head size, see model/kernels/attention.py).
 
 The softmax scale is 1/sqrt(qk head dim) times YaRN's `Rope.softmax_factor` (1 without YaRN);
 the kernel applies the first, so the query is multiplied by the second.
+
+Generation (`cached`) keeps only [c | k_rope] per position (model/kv_cache.py LatentCache) and
+attends from it in the "absorbed" form of DeepSeek-V2 (sec. 2.1.2): with kv_b's per-head key
+and value maps W_uk [R, nope] and W_uv [R, V],
+
+    q_nope . (c W_uk) = (W_uk q_nope) . c          sum_s p_s (c_s W_uv) = (sum_s p_s c_s) W_uv
+
+so each head's query is taken into the latent's space (W_uk q_nope, beside q_rope) and scored
+against [c | k_rope] as a single key head shared by all query heads, the probabilities weight
+the latents themselves (the value head: c), and W_uv maps the result to the head's value size.
+That is multi-query attention over R + Rr dims per position, and runs on the same cached kernel
+as grouped-query attention. Nothing per head is ever made for the cached positions: a step
+reads the cache once, not kv_b's N x (nope + V) outputs for every position.
 """
 
 from __future__ import annotations
+
+import math
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from maxtrain.config import ModelConfig
-from maxtrain.model.kernels.attention import attention_kernel
+from maxtrain.model.kernels.attention import attention_kernel, cached_attention
+from maxtrain.model.kv_cache import LatentCache
 from maxtrain.model.layers.attention import AttentionCounts
 from maxtrain.model.layers.base import Projection
 from maxtrain.model.layers.norms import RMSNorm
@@ -91,23 +107,57 @@ class MLA(nnx.Module):
     ) -> jax.Array:
         """x [B, T, D] -> [B, T, D]. Every MLA layer is global (`kind` 0: the config refuses a
         local layer_pattern with MLA)."""
-        kv_lora_rank, nope = self.dims
+        _, nope = self.dims
+        q = self._query(x, positions)  # [B, T, N, H]
+        latent, k_rope = self._latent(x, positions)
+        kv = self.kv_b(latent)  # [B, T, N, nope + V]
+        kv = constrain(kv, ("batch", "length", "heads", "head_dim"))
+        k_nope, v = jnp.split(kv, [nope], axis=-1)
+        k = jnp.concatenate(
+            [k_nope, jnp.broadcast_to(k_rope, (*k_nope.shape[:3], k_rope.shape[-1]))], -1
+        )
+        out = self.attend(q, k, v, segment_ids)  # [B, T, N, V]
+        return self.o(out)
+
+    def cached(
+        self, x: jax.Array, positions: jax.Array, cache: LatentCache, kind: int = 0
+    ) -> tuple[jax.Array, LatentCache]:
+        """Generation's path (maxtrain/inference/), prefill and decode alike: the new tokens'
+        [latent | rotary key] are written into the layer's cache at their positions ([B, T],
+        consecutive per row), and the queries attend over the cache in the absorbed form (module
+        docstring). Same projections, norms and RoPE as the training path."""
+        rank, nope = self.dims
+        q = self._query(x, positions)  # [B, T, N, nope + Rr]
+        latent, k_rope = self._latent(x, positions)
+        cache = cache.write(jnp.concatenate([latent, k_rope[:, :, 0]], axis=-1), positions)
+        w_uk, w_uv = jnp.split(self.kv_b.kernel[...].astype(q.dtype), [nope], axis=-1)
+        q_latent = jnp.einsum("btnh,rnh->btnr", q[..., :nope], w_uk)  # [B, T, N, R]
+        # The kernel divides scores by sqrt of the query's size, R + Rr; the model's scale is
+        # 1/sqrt(nope + Rr).
+        rescale = math.sqrt(q_latent.shape[-1] + k_rope.shape[-1]) / math.sqrt(q.shape[-1])
+        query = jnp.concatenate([q_latent, q[..., nope:]], axis=-1) * jnp.asarray(rescale, q.dtype)
+        query = constrain(query, ("batch", "length", "heads", None))
+        key = cache.key[:, :, None, :]  # [B, S, 1, R + Rr]: one key head for all query heads
+        out = cached_attention(query, key, key[..., :rank], positions)  # [B, T, N, R]
+        return self.o(jnp.einsum("btnr,rnv->btnv", out, w_uv)), cache
+
+    def _query(self, x: jax.Array, positions: jax.Array) -> jax.Array:
+        """Queries [B, T, N, nope + Rr] of x [B, T, D]: the rotary part rotated, the whole
+        scaled by YaRN's softmax factor."""
+        _, nope = self.dims
         if self.q is not None:
             q = self.q(x)
         else:
             q = self.q_b(self.q_norm(self.q_a(x)))
         q = constrain(q, ("batch", "length", "heads", "head_dim"))  # [B, T, N, H]
-        latent, k_rope = jnp.split(self.kv_a(x), [kv_lora_rank], axis=-1)
-        kv = self.kv_b(self.kv_norm(latent))  # [B, T, N, nope + V]
-        kv = constrain(kv, ("batch", "length", "heads", "head_dim"))
-        k_nope, v = jnp.split(kv, [nope], axis=-1)
-        k_rope = self.rope(k_rope[:, :, None, :], positions)  # [B, T, 1, R]: one for all heads
-        q_rope = self.rope(q[..., nope:], positions)
-        k = jnp.concatenate(
-            [k_nope, jnp.broadcast_to(k_rope, (*k_nope.shape[:3], k_rope.shape[-1]))], -1
-        )
-        q = jnp.concatenate([q[..., :nope], q_rope], axis=-1)
+        q = jnp.concatenate([q[..., :nope], self.rope(q[..., nope:], positions)], axis=-1)
         if self.rope.softmax_factor != 1.0:
             q = q * jnp.asarray(self.rope.softmax_factor, q.dtype)
-        out = self.attend(q, k, v, segment_ids)  # [B, T, N, V]
-        return self.o(out)
+        return q
+
+    def _latent(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """(normalised latent c [B, T, R], rotated rotary key [B, T, 1, Rr], one for all
+        heads) of x [B, T, D]: what keys and values are made from."""
+        rank, _ = self.dims
+        latent, k_rope = jnp.split(self.kv_a(x), [rank], axis=-1)
+        return self.kv_norm(latent), self.rope(k_rope[:, :, None, :], positions)
