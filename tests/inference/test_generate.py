@@ -1,6 +1,7 @@
 """Generation: the cached decode equals the full forward pass, a multi-head latent attention
-model caches its latent only, and greedy generation from imported Hugging Face models (GQA and
-DeepSeek-V3's MLA) is token-identical to transformers' generate().
+model caches its latent only, and greedy generation from imported Hugging Face models (GQA,
+DeepSeek-V3's MLA, Llama 4's chunked and NoPE layers) is token-identical to transformers'
+generate().
 
 The oracle for the second is tests/fixtures/hf/*/generate.json (maxtrain.tools.make_hf_fixtures
 generate): the tokens transformers' greedy generate() appended to each prompt, one prompt at a
@@ -96,6 +97,9 @@ def test_an_mla_cache_holds_only_the_latent_and_the_rope_key(model_name):
         # with rotate-half pairs.
         ("deepseek_v3_q_lora_yarn_v5", ["--devices", "1"]),
         ("deepseek_v3_plain_q_half_rope_legacy", ["mesh.fsdp=4", "mesh.tensor=2"]),
+        # Llama 4, 16 new tokens: chunks of 4 on the RoPE layers, the NoPE layer's temperature
+        # changing every 4 positions, experts weighing their inputs, split over 8 devices.
+        ("llama4_chunked_nope_moe_v5", ["mesh.fsdp=4", "mesh.tensor=2"]),
     ],
 )
 def test_greedy_generation_from_an_import_equals_transformers(case, mesh, tmp_path, capsys):
