@@ -28,6 +28,7 @@ from maxtrain.config.loading import (
 )
 from maxtrain.config.lora import LoraConfig
 from maxtrain.config.model import (
+    GlobalAttention,
     LocalAttention,
     MlaConfig,
     ModelArchitecture,
@@ -61,6 +62,7 @@ __all__ = [
     "DcnAxes",
     "DistributedConfig",
     "EMBEDDED_SOURCES",
+    "GlobalAttention",
     "InitConfig",
     "LocalAttention",
     "MESH_AXES",

@@ -19,7 +19,8 @@ class RopeScaling(Section):
     factor: PositiveFloat = 8.0  # both: how much longer than original_max_position
     original_max_position: PositiveInt = 8192  # both: the context the model was trained at
     low_freq_factor: PositiveFloat = 1.0  # llama3
-    high_freq_factor: PositiveFloat = 4.0  # llama3
+    # llama3; equal to low_freq_factor: no blended band (Llama 4 Scout's 1 and 1)
+    high_freq_factor: PositiveFloat = 4.0
     beta_fast: PositiveFloat = 32.0  # yarn: rotations above which a frequency is kept
     beta_slow: PositiveFloat = 1.0  # yarn: rotations below which it is divided by factor
     # yarn: the logits' temperature, 0.1 * m * ln(factor) + 1 for m = mscale (on the rotated
@@ -30,9 +31,9 @@ class RopeScaling(Section):
 
     @model_validator(mode="after")
     def _check_band(self) -> RopeScaling:
-        if self.type == "llama3" and self.high_freq_factor <= self.low_freq_factor:
+        if self.type == "llama3" and self.high_freq_factor < self.low_freq_factor:
             raise ValueError(
-                f"model.rope_scaling.high_freq_factor ({self.high_freq_factor}) must exceed "
+                f"model.rope_scaling.high_freq_factor ({self.high_freq_factor}) must be at least "
                 f"model.rope_scaling.low_freq_factor ({self.low_freq_factor})"
             )
         return self
@@ -48,6 +49,9 @@ class MoeConfig(Section):
     score: Literal["softmax", "sigmoid"] = "softmax"  # router score function
     renormalize: bool = True  # rescale the top-k weights to sum to 1
     routed_scale: PositiveFloat = 1.0  # multiplies the routed experts' output
+    # What a chosen expert's weight multiplies: its output (the usual) or its input (Llama 4:
+    # the expert computes SwiGLU(weight * x)).
+    weight_on: Literal["output", "input"] = "output"
     # Group-limited routing (DeepSeek-V3): the experts form n_group equal groups of consecutive
     # ids; each token keeps the topk_group groups whose two best scores sum highest and picks
     # its top_k inside them. With expert parallelism a group lives on one block of devices, so
@@ -163,6 +167,20 @@ class LocalAttention(Section):
         return self.window or self.chunk
 
 
+class GlobalAttention(Section):
+    """What a `global` layer of model.layer_pattern (every layer, without a pattern) does besides
+    attending to its whole document, where a family's global layers differ from the model's
+    defaults: Llama 4's are NoPE layers, with no position encoding, no qk-norm and a query
+    temperature that grows with the position (model/layers/attention_pattern.py)."""
+
+    rope: bool = True  # false: no position encoding (NoPE)
+    qk_norm: bool = True  # false: model.qk_norm leaves these layers alone
+    # Attention temperature tuning (Llama 4): a query at position p is multiplied by
+    # 1 + temperature_scale * ln(1 + floor((p + 1) / temperature_floor)); null: off.
+    temperature_floor: PositiveInt | None = None
+    temperature_scale: NonNegativeFloat = 0.1
+
+
 class ModelArchitecture(Section):
     """The model itself: what its parameters' shapes and its function depend on. A model file
     (configs/models/<name>.yml) holds these keys; maxtrain.tools.convert_hf writes them."""
@@ -188,6 +206,8 @@ class ModelArchitecture(Section):
     attention_type: Literal["gqa", "mla"] = "gqa"
     mla: MlaConfig | None = None
     qk_norm: bool = False
+    # false: the qk-norm has no learned scale (Llama 4's, an RMS norm of each head alone).
+    qk_norm_scale: bool = True
     # Which projections of (grouped-query) attention carry a bias: GLM-4.5 and Qwen2 have q, k
     # and v biases; GPT-OSS has the output's too.
     attention_bias: Literal["none", "qkv", "qkvo"] = "none"
@@ -196,6 +216,7 @@ class ModelArchitecture(Section):
     # its whole document). `local` is shaped by local_attention.
     layer_pattern: list[Literal["global", "local"]] | None = Field(default=None, min_length=1)
     local_attention: LocalAttention | None = None
+    global_attention: GlobalAttention | None = None  # null: as the model's defaults say
     tie_embeddings: bool = False
     norm_eps: PositiveFloat = 1e-5
     max_seq_len: PositiveInt = 8192
@@ -220,6 +241,8 @@ class ModelArchitecture(Section):
             )
         if uses_local and self.attention_type == "mla":
             raise ValueError("model.layer_pattern's local layers need attention_type gqa, not mla")
+        if self.global_attention is not None and self.attention_type == "mla":
+            raise ValueError("model.global_attention needs attention_type gqa, not mla")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
                 f"model.num_heads ({self.num_heads}) must be a multiple of "

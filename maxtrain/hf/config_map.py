@@ -20,7 +20,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from maxtrain.config import ModelConfig
+from maxtrain.config import GlobalAttention, ModelConfig
 from maxtrain.hf.errors import ConversionError
 from maxtrain.hf.families import FAMILIES, Family
 from maxtrain.model.stacks import is_moe_per_layer
@@ -92,9 +92,9 @@ def model_config(hf: dict[str, Any], family: Family, where: str) -> ModelConfig:
         head_dim=None if mla else value("head_dim"),
         attention_type="mla" if mla else "gqa",
         mla=mla,
-        rope_interleaved=value("rope_interleave") if mla else False,
+        rope_interleaved=value("rope_interleave") if mla else family.rope_interleaved,
         partial_rotary_factor=_partial_rotary_factor(hf, family, where),
-        mlp_dim=value("intermediate_size"),
+        mlp_dim=value(family.dense_width_key),
         rope_theta=theta,
         rope_scaling=scaling,
         qk_norm=value(family.qk_norm_key) if family.qk_norm_key else family.qk_norm,
@@ -104,34 +104,81 @@ def model_config(hf: dict[str, Any], family: Family, where: str) -> ModelConfig:
         max_seq_len=value("max_position_embeddings"),
         init_std=value("initializer_range"),
     )
-    hf_layers = None  # Qwen3-MoE: which layers transformers makes MoE
+    if family.chunked_nope:
+        fields.update(_chunked_nope(value, num_layers, where))
+    hf_layers = None  # Qwen3-MoE, Llama 4: which layers transformers makes MoE
     if family.is_moe:
         count_key = next((k for k in family.expert_count_keys if k in hf), None)
-        renormalize = value(family.renormalize_key) if family.renormalize_key else True
         fields["moe"] = dict(
             num_experts=value(count_key or family.expert_count_keys[0]),
             top_k=value("num_experts_per_tok"),
             expert_mlp_dim=value(family.expert_width_key),
             score=family.score,
-            renormalize=renormalize,
             aux_loss_weight=value(family.aux_loss_key) if family.aux_loss_key else 0.0,
             **{ours: value(key) for key, ours in family.moe_keys.items()},
+            **family.fixed_moe,
         )
+        if family.renormalize_key:
+            fields["moe"]["renormalize"] = value(family.renormalize_key)
         if family.router_bias:
             fields["moe"]["bias_update_rate"] = IMPORTED_BIAS_UPDATE_RATE
-        if family.sparse_layer_keys:
-            step = value("decoder_sparse_step")
-            hf_layers = _hf_sparse_layers(value("mlp_only_layers"), step, num_layers, where)
+        if family.sparse_layer_keys or family.moe_layer_list:
+            hf_layers, step, chosen_by = _hf_moe_layers(family, value, num_layers, where)
             fields["moe"].update(_sparse_layer_keys(hf_layers, step))
     cfg = _validated(fields, where)
     if hf_layers is not None and is_moe_per_layer(cfg) != hf_layers:
         raise ConversionError(
-            f"{where}: mlp_only_layers {value('mlp_only_layers')} with decoder_sparse_step "
-            f"{value('decoder_sparse_step')} makes layers {_indices(hf_layers)} MoE, which "
+            f"{where}: {chosen_by} makes layers {_indices(hf_layers)} MoE, which "
             "model.moe.first_dense_layers and interval cannot express (only a leading run of "
             "layers may be dense besides the interval)"
         )
     return cfg
+
+
+def _chunked_nope(value, num_layers: int, where: str) -> dict[str, Any]:
+    """Llama 4's attention as our keys: its RoPE layers (no_rope_layers 1; without the list,
+    all but every no_rope_layer_interval-th) chunked local layers with the unscaled qk-norm
+    (use_qk_norm), the others global NoPE layers with attention temperature tuning."""
+    rope_layers = value("no_rope_layers")  # transformers reads an empty list as absent too
+    if not rope_layers:
+        interval = value("no_rope_layer_interval")
+        rope_layers = [int((i + 1) % interval != 0) for i in range(num_layers)]
+    if len(rope_layers) < num_layers:
+        raise ConversionError(
+            f"{where}: no_rope_layers has {len(rope_layers)} entries for {num_layers} layers"
+        )
+    kinds = ["local" if rope_layers[i] else "global" for i in range(num_layers)]
+    implied = ["chunked_attention" if k == "local" else "full_attention" for k in kinds]
+    layer_types = value("layer_types")
+    if layer_types is not None and list(layer_types) != implied:
+        raise ConversionError(
+            f"{where}: layer_types {layer_types} is not supported (only chunked attention on "
+            f"the RoPE layers and full attention on the others: {implied})"
+        )
+    chunk = value("attention_chunk_size")
+    if "local" in kinds and chunk is None:
+        raise ConversionError(f"{where}: attention_chunk_size is null; chunked layers need it")
+    tuning = value("attn_temperature_tuning")  # a number in published configs (Scout's 4)
+    return dict(
+        layer_pattern=None if "local" not in kinds else _period(kinds),
+        local_attention={"chunk": chunk} if "local" in kinds else None,
+        global_attention=dict(
+            rope=False,
+            qk_norm=False,
+            temperature_floor=value("floor_scale") if tuning else None,
+            temperature_scale=value("attn_scale"),
+        ),
+        qk_norm=bool(value("use_qk_norm")),
+        qk_norm_scale=False,
+    )
+
+
+def _period(kinds: list[str]) -> list[str]:
+    """The shortest list whose repetition gives `kinds` (model.layer_pattern)."""
+    n = next(
+        p for p in range(1, len(kinds) + 1) if all(k == kinds[i % p] for i, k in enumerate(kinds))
+    )
+    return kinds[:n]
 
 
 def hf_config(cfg: ModelConfig, family: Family, dtype: str) -> dict[str, Any]:
@@ -143,7 +190,7 @@ def hf_config(cfg: ModelConfig, family: Family, dtype: str) -> dict[str, Any]:
         "model_type": family.model_type,
         "vocab_size": cfg.vocab_size,
         "hidden_size": cfg.emb_dim,
-        "intermediate_size": cfg.mlp_dim,
+        family.dense_width_key: cfg.mlp_dim,
         "num_hidden_layers": cfg.num_layers,
         "num_attention_heads": cfg.num_heads,
         "num_key_value_heads": cfg.num_kv_heads,
@@ -188,7 +235,27 @@ def hf_config(cfg: ModelConfig, family: Family, dtype: str) -> dict[str, Any]:
         if family.sparse_layer_keys:
             out["decoder_sparse_step"] = m.interval
             out["mlp_only_layers"] = list(range(m.first_dense_layers))
+        if family.moe_layer_list:
+            out["interleave_moe_layer_step"] = m.interval
+            out["moe_layers"] = _indices(is_moe_per_layer(cfg))
+    if family.chunked_nope:
+        out.update(_chunked_nope_keys(cfg, family))
     return out
+
+
+def _chunked_nope_keys(cfg: ModelConfig, family: Family) -> dict[str, Any]:
+    """Llama 4's config.json keys of a model's layer kinds (_chunked_nope's inverse)."""
+    glob = cfg.global_attention or GlobalAttention()
+    local = cfg.local_attention
+    return {
+        "no_rope_layers": [int(cfg.layer_attention(i) == "local") for i in range(cfg.num_layers)],
+        # transformers builds the chunked mask whatever the layers: one chunk is the context
+        "attention_chunk_size": local.chunk if local is not None else cfg.max_seq_len,
+        "use_qk_norm": cfg.qk_norm,
+        "attn_temperature_tuning": glob.temperature_floor is not None,
+        "floor_scale": glob.temperature_floor or family.defaults["floor_scale"],
+        "attn_scale": glob.temperature_scale,
+    }
 
 
 def _check_supported(hf: dict[str, Any], family: Family, where: str) -> None:
@@ -259,11 +326,28 @@ def _partial_rotary_factor(hf: dict[str, Any], family: Family, where: str) -> fl
 def _hf_sparse_layers(
     mlp_only_layers: list[int], step: int, num_layers: int, where: str
 ) -> tuple[bool, ...]:
-    """Per layer: True where transformers' Qwen3-MoE builds a sparse block."""
+    """Per layer: True where transformers' Qwen3-MoE builds a sparse block (Llama 4's without
+    moe_layers: none dense by list)."""
     if step < 1:
         raise ConversionError(f"{where}: decoder_sparse_step={step} is not supported (< 1)")
     dense = set(mlp_only_layers)
     return tuple(i not in dense and (i + 1) % step == 0 for i in range(num_layers))
+
+
+def _hf_moe_layers(
+    family: Family, value, num_layers: int, where: str
+) -> tuple[tuple[bool, ...], int, str]:
+    """Per layer, True where transformers builds a sparse block; the step between them; the
+    keys that say so (for messages)."""
+    if family.sparse_layer_keys:  # Qwen3-MoE
+        step, dense = value("decoder_sparse_step"), value("mlp_only_layers")
+        chosen_by = f"mlp_only_layers {dense} with decoder_sparse_step {step}"
+        return _hf_sparse_layers(dense, step, num_layers, where), step, chosen_by
+    step, listed = value("interleave_moe_layer_step"), value("moe_layers")  # Llama 4
+    if listed is None:
+        layers = _hf_sparse_layers([], step, num_layers, where)
+        return layers, step, f"interleave_moe_layer_step {step}"
+    return tuple(i in listed for i in range(num_layers)), step, f"moe_layers {listed}"
 
 
 def _sparse_layer_keys(hf_layers: tuple[bool, ...], step: int) -> dict[str, int]:
@@ -293,28 +377,26 @@ def _check_exportable(cfg: ModelConfig, family: Family) -> None:
             unsupported.append(f"model.moe.score={m.score}")
         if (m.bias_update_rate > 0) != bool(family.router_bias):
             unsupported.append(f"model.moe.bias_update_rate={m.bias_update_rate} (a routing bias)")
-        if family.renormalize_key is None and not m.renormalize:
-            unsupported.append("model.moe.renormalize=false")
         kinds = is_moe_per_layer(cfg)
-        if family.sparse_layer_keys:
+        if family.sparse_layer_keys or family.moe_layer_list:
             pass  # any first_dense_layers and interval
         elif "first_dense_layers" in family.moe_keys.values():
             if not all(kinds[m.first_dense_layers :]):
                 unsupported.append(f"model.moe.interval={m.interval}")
         elif not all(kinds):
             unsupported.append("dense layers between MoE layers")
-        fixed = {"shared_experts": 0, "routed_scale": 1.0, "n_group": 1, "topk_group": 1}
-        for key, want in fixed.items():
-            if key not in family.moe_keys.values() and getattr(m, key) != want:
-                unsupported.append(f"model.moe.{key}={getattr(m, key)}")
+        for key, want in family.fixed_moe.items():
+            if getattr(m, key) != want:
+                unsupported.append(f"model.moe.{key}={_shown(getattr(m, key))}")
     elif family.is_moe:
         unsupported.append("a dense model (its MoE layers are required)")
-    if cfg.rope_interleaved and not family.mla_keys:
-        unsupported.append("model.rope_interleaved=true")
+    if cfg.rope_interleaved != family.rope_interleaved and not family.mla_keys:
+        unsupported.append(f"model.rope_interleaved={_shown(cfg.rope_interleaved)}")
     if cfg.attention_bias not in ("none", family.attention_bias):
         unsupported.append(f"model.attention_bias={cfg.attention_bias}")
     if cfg.partial_rotary_factor != 1 and "partial_rotary_factor" not in family.defaults:
         unsupported.append(f"model.partial_rotary_factor={cfg.partial_rotary_factor}")
+    unsupported += _unexpressed_attention(cfg, family)
     scaling = cfg.rope_scaling
     if scaling is not None and scaling.type == "yarn" and not family.mla_keys:
         unsupported.append("model.rope_scaling.type=yarn")
@@ -324,6 +406,31 @@ def _check_exportable(cfg: ModelConfig, family: Family) -> None:
             f"qk_norm={cfg.qk_norm}, {'MoE' if m else 'dense'}): {unsupported[0]} is not "
             "supported"
         )
+
+
+def _unexpressed_attention(cfg: ModelConfig, family: Family) -> list[str]:
+    """What of model.global_attention, model.local_attention and the qk-norm's scale `family`
+    cannot express (Llama 4's NoPE layers and chunks: only its own)."""
+    glob, local = cfg.global_attention or GlobalAttention(), cfg.local_attention
+    found = []
+    if not family.chunked_nope:
+        if glob != GlobalAttention():
+            found.append(f"model.global_attention={glob.model_dump()}")
+        if cfg.qk_norm and not cfg.qk_norm_scale:
+            found.append("model.qk_norm_scale=false")
+        return found
+    if cfg.qk_norm and cfg.qk_norm_scale:
+        found.append("model.qk_norm_scale=true (its qk-norm has no scale)")
+    if local is not None and (local.window is not None or local.rope_theta is not None):
+        found.append(f"model.local_attention={local.model_dump()} (only a chunk, the model's RoPE)")
+    has_global = any(cfg.layer_attention(i) == "global" for i in range(cfg.num_layers))
+    if has_global and (glob.rope or glob.qk_norm):
+        found.append(f"model.global_attention={glob.model_dump()} (its global layers are NoPE)")
+    return found
+
+
+def _shown(value: Any) -> str:
+    return json.dumps(value) if isinstance(value, bool) else str(value)
 
 
 def _indices(flags: tuple[bool, ...]) -> list[int]:

@@ -135,17 +135,22 @@ def write_hf_model(
     config_json = {**hf_config(cfg, family, dtype), **(extra_config or {})}
     arrays = jax.tree.map(np.asarray, params)  # no copy for arrays already on the host
 
-    def produce(slot: Slot) -> np.ndarray:
-        return slot.to_hf(_at(arrays, slot.path)[slot.index])
+    def produce(parts: list[Slot]) -> np.ndarray:
+        """One tensor from the slots that share it (several: parts along its last axis)."""
+        blocks = [slot.to_hf(_at(arrays, slot.path)[slot.index]) for slot in parts]
+        return blocks[0] if len(blocks) == 1 else np.concatenate(blocks, axis=-1)
 
+    by_name: dict[str, list[Slot]] = {}
+    for slot in slots(cfg, family):
+        by_name.setdefault(slot.hf_name, []).append(slot)
     tensors = [
         OutputTensor(
-            slot.hf_name,
-            slot.hf_shape(_at(arrays, slot.path).shape[len(slot.index) :]),
+            name,
+            parts[0].hf_shape(_at(arrays, parts[0].path).shape[len(parts[0].index) :]),
             DTYPES[dtype],
-            functools.partial(produce, slot),
+            functools.partial(produce, parts),
         )
-        for slot in slots(cfg, family)
+        for name, parts in by_name.items()
     ]
     with atomic_directory(output) as staging:
         staging.mkdir(parents=True)

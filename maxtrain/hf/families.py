@@ -1,6 +1,6 @@
 """The Hugging Face architectures we read and write, described as data.
 
-Five transformers families compute exactly our decoder (pre-norm RMSNorm, RoPE, grouped-query
+These transformers families compute exactly our decoder (pre-norm RMSNorm, RoPE, grouped-query
 or multi-head latent attention, SwiGLU feed-forward or routed SwiGLU experts). They differ
 only in a few config.json keys and tensor names, which is all this module holds:
 
@@ -17,13 +17,21 @@ only in a few config.json keys and tensor names, which is all this module holds:
                                     attention with partial RoPE (partial_rotary_factor, 0.5
                                     when absent), q/k/v biases (attention_bias), optional qk-norm
                                     (use_qk_norm)
+    llama4_text  Llama4ForCausalLM  chunked RoPE layers and global NoPE layers (no_rope_layers),
+                                    temperature tuning on the NoPE layers, an unscaled qk-norm on
+                                    the RoPE layers, interleaved RoPE pairs; top-k sigmoid routing
+                                    whose weight scales the expert's input, one shared expert,
+                                    MoE layers by moe_layers / interleave_moe_layer_step, experts
+                                    stored stacked (gate_up_proj [E, D, 2F], down_proj [E, F, D])
 
 Router semantics match ours for both MoE families: transformers takes the softmax over all
 experts, keeps the top k, and (Mixtral always, Qwen3-MoE iff norm_topk_prob) divides by their
 sum; Mixtral's "softmax over the top-k logits" is the same number. DeepSeek-V3 takes sigmoid
 scores, picks by score + e_score_correction_bias (our aux-loss-free bias), weighs by the
 unbiased scores, optionally renormalised, times routed_scaling_factor: model.moe's sigmoid mode.
-GLM-4.5's router is the same computation under the same keys.
+GLM-4.5's router is the same computation under the same keys. Llama 4 takes the top k of the
+logits (the same experts as of their sigmoids), and each chosen expert computes
+SwiGLU(sigmoid(logit) * x), unrenormalised: model.moe.weight_on input.
 
 Multi-token prediction layers (DeepSeek-V3's layer 61, GLM-4.5's 92 and GLM-4.5-Air's 46, past
 num_hidden_layers) are skipped on import, as transformers 5.23 skips them (it has no module to
@@ -74,11 +82,49 @@ class Family:
     attention_bias: str | None = None
     # The config.json key counting the multi-token prediction layers a checkpoint holds.
     nextn_key: str | None = None
+    # Where the layout of a family differs from Llama's: the dense feed-forward's module and
+    # width key, the router's name inside moe_block, and whether RoPE pairs interleave.
+    dense_block: str = "mlp"
+    dense_width_key: str = "intermediate_size"
+    router_name: str = "gate"
+    rope_interleaved: bool = False
+    # true: every MoE layer's experts as two stacked tensors, experts.gate_up_proj [E, D, 2F]
+    # (the gate's F columns, then the up projection's) and experts.down_proj [E, F, D], input
+    # axis first; false: experts.<e>.<name>.weight per expert, as torch Linear weights.
+    stacked_experts: bool = False
+    # model.moe keys the family's checkpoints cannot vary, with the value they have there
+    # (import sets them, export refuses a model with others), beyond MOE_FIXED's.
+    moe_fixed: Mapping[str, Any] = field(default_factory=dict)
+    # Llama 4: moe_layers lists the MoE layers, else every interleave_moe_layer_step-th is.
+    moe_layer_list: bool = False
+    # Llama 4's attention: the layers no_rope_layers marks (or every no_rope_layer_interval-th)
+    # are global NoPE layers with attention temperature tuning, the others chunked RoPE layers
+    # with the unscaled qk-norm (use_qk_norm).
+    chunked_nope: bool = False
+
+    @property
+    def fixed_moe(self) -> dict[str, Any]:
+        """model.moe key -> the only value this family's checkpoints express."""
+        mapped = set(self.moe_keys.values()) | ({"renormalize"} if self.renormalize_key else set())
+        fixed = {**MOE_FIXED, **self.moe_fixed}
+        return {key: want for key, want in fixed.items() if key not in mapped}
 
     @property
     def is_moe(self) -> bool:
         return self.moe_block is not None
 
+
+# model.moe keys fixed in a family unless a config.json key maps them (moe_keys, renormalize_key):
+# the top-k weights renormalised, no shared expert, no routed scale, no groups, weights on the
+# experts' outputs.
+MOE_FIXED = {
+    "renormalize": True,
+    "shared_experts": 0,
+    "routed_scale": 1.0,
+    "n_group": 1,
+    "topk_group": 1,
+    "weight_on": "output",
+}
 
 _BASE_DEFAULTS = {"rope_theta": 10000.0, "tie_word_embeddings": False, "initializer_range": 0.02}
 
@@ -249,15 +295,64 @@ GLM4_MOE = Family(
     attention_bias="qkv",  # o_proj never has one
     nextn_key="num_nextn_predict_layers",
 )
-FAMILIES = {f.model_type: f for f in (LLAMA, QWEN3, MIXTRAL, QWEN3_MOE, DEEPSEEK_V3, GLM4_MOE)}
+LLAMA4 = Family(
+    model_type="llama4_text",
+    architecture="Llama4ForCausalLM",
+    qk_norm=False,  # use_qk_norm says (chunked_nope)
+    defaults={
+        **_BASE_DEFAULTS,
+        "rope_theta": 500000.0,
+        "rms_norm_eps": 1e-5,
+        "max_position_embeddings": 131072,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "intermediate_size_mlp": 16384,
+        "use_qk_norm": True,
+        "no_rope_layers": None,
+        "no_rope_layer_interval": 4,
+        "layer_types": None,
+        "attention_chunk_size": 8192,
+        "attn_temperature_tuning": True,
+        "floor_scale": 8192,
+        "attn_scale": 0.1,
+    },
+    required={"hidden_act": "silu", "attention_bias": False},
+    moe_block="feed_forward",
+    expert_count_keys=("num_local_experts",),
+    expert_width_key="intermediate_size",
+    moe_defaults={
+        "num_local_experts": 16,
+        "num_experts_per_tok": 1,
+        "intermediate_size": 8192,
+        "router_aux_loss_coef": 1e-3,
+        "interleave_moe_layer_step": 1,
+        "moe_layers": None,
+    },
+    score="sigmoid",
+    shared_block="shared_expert",
+    dense_block="feed_forward",
+    dense_width_key="intermediate_size_mlp",
+    router_name="router",
+    rope_interleaved=True,
+    stacked_experts=True,
+    moe_fixed={"renormalize": False, "shared_experts": 1, "weight_on": "input"},
+    moe_layer_list=True,
+    chunked_nope=True,
+)
+FAMILIES = {
+    f.model_type: f for f in (LLAMA, QWEN3, MIXTRAL, QWEN3_MOE, DEEPSEEK_V3, GLM4_MOE, LLAMA4)
+}
 
 
 def family_for(cfg: ModelConfig) -> Family:
     """The family a model of ours exports as: the only one with its attention, qk-norm and
-    MoE choice (multi-head latent attention: DeepSeek-V3, whose layers are MoE; grouped-query
-    attention with sigmoid routing: GLM-4.5, qk-normed or not)."""
+    MoE choice (multi-head latent attention: DeepSeek-V3, whose layers are MoE; experts weighing
+    their inputs: Llama 4; other grouped-query attention with sigmoid routing: GLM-4.5,
+    qk-normed or not)."""
     if cfg.attention_type == "mla":
         return DEEPSEEK_V3
+    if cfg.moe is not None and cfg.moe.weight_on == "input":
+        return LLAMA4
     if cfg.moe is not None and cfg.moe.score == "sigmoid":
         return GLM4_MOE
     if cfg.moe is None:

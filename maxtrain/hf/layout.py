@@ -11,7 +11,9 @@ output of its projection (q_proj.bias: [N*H], ours [N, H]).
 
 Our per-layer parameters are stacked: model layer i is row stack_positions(...)[i] of its
 kind's stack (model/stacks.py), and a MoE layer's experts add one more axis. A Slot names one
-Hugging Face tensor and that position.
+Hugging Face tensor and that position. A family may store all of a layer's experts as one
+tensor, in our layout, with two projections side by side (Llama 4's gate_up_proj [E, D, 2F]):
+each of ours is then a Slot of one part of the tensor's last axis.
 """
 
 from __future__ import annotations
@@ -61,12 +63,9 @@ _QK_NORM = (
     (("attn", "q_norm", "scale"), "self_attn.q_norm.weight", None),
     (("attn", "k_norm", "scale"), "self_attn.k_norm.weight", None),
 )
-_DENSE_MLP = (
-    (("mlp", "gate", "kernel"), "mlp.gate_proj.weight", 1),
-    (("mlp", "up", "kernel"), "mlp.up_proj.weight", 1),
-    (("mlp", "down", "kernel"), "mlp.down_proj.weight", 1),
-)
 _EXPERTS = ("gate", "up", "down")  # ours, in the order of Family.expert_names
+# A dense layer's SwiGLU, inside Family.dense_block.
+_DENSE_MLP = tuple((("mlp", ours, "kernel"), f"{ours}_proj.weight", 1) for ours in _EXPERTS)
 _SHARED = tuple((("moe", "shared", ours, "kernel"), f"{ours}_proj.weight", 1) for ours in _EXPERTS)
 
 
@@ -80,16 +79,21 @@ class Slot:
     index: tuple[int, ...]
     # A linear weight: leading input axes of our kernel (0: a bias, flattened); None: same layout
     in_axes: int | None
+    # Our block is part `part` of `parts` equal ones along the tensor's last axis (in_axes None).
+    part: int = 0
+    parts: int = 1
 
     def hf_shape(self, block_shape: tuple[int, ...]) -> tuple[int, ...]:
         """The Hugging Face shape of a tensor whose block of our parameter has block_shape."""
         if self.in_axes is None:
-            return tuple(block_shape)
+            return (*block_shape[:-1], block_shape[-1] * self.parts)
         if self.in_axes == 0:
             return (math.prod(block_shape),)
         return (math.prod(block_shape[self.in_axes :]), math.prod(block_shape[: self.in_axes]))
 
     def to_ours(self, tensor: np.ndarray, block_shape: tuple[int, ...]) -> np.ndarray:
+        if self.parts > 1:
+            tensor = np.split(tensor, self.parts, axis=-1)[self.part]
         return tensor if self.in_axes is None else tensor.T.reshape(block_shape)
 
     def to_hf(self, block: np.ndarray) -> np.ndarray:
@@ -104,8 +108,25 @@ def _attention(cfg: ModelConfig) -> tuple:
     """A layer's attention and norm tensors: (our path, Hugging Face name, input axes)."""
     if cfg.mla is None:
         biases = {"none": (), "qkv": _QKV_BIAS, "qkvo": _QKV_BIAS + _O_BIAS}[cfg.attention_bias]
-        return _NORMS + _ATTENTION + biases + (_QK_NORM if cfg.qk_norm else ())
+        qk_norm = _QK_NORM if cfg.qk_norm and cfg.qk_norm_scale else ()
+        return _NORMS + _ATTENTION + biases + qk_norm
     return _NORMS + (_MLA_Q if cfg.mla.q_lora_rank is None else _MLA_Q_LORA) + _MLA
+
+
+def _experts(family: Family, block: str, stack: str, j: int, num_experts: int) -> list[Slot]:
+    """One MoE layer's routed experts: stacked (two tensors for all) or one tensor each."""
+    if family.stacked_experts:
+        moe = (stack, "moe")
+        return [
+            Slot(f"{block}experts.gate_up_proj", (*moe, "gate", "kernel"), (j,), None, 0, 2),
+            Slot(f"{block}experts.gate_up_proj", (*moe, "up", "kernel"), (j,), None, 1, 2),
+            Slot(f"{block}experts.down_proj", (*moe, "down", "kernel"), (j,), None),
+        ]
+    return [
+        Slot(f"{block}experts.{e}.{name}.weight", (stack, "moe", ours, "kernel"), (j, e), 1)
+        for e in range(num_experts)
+        for ours, name in zip(_EXPERTS, family.expert_names, strict=True)
+    ]
 
 
 def slots(cfg: ModelConfig, family: Family) -> list[Slot]:
@@ -115,30 +136,21 @@ def slots(cfg: ModelConfig, family: Family) -> list[Slot]:
     kinds = is_moe_per_layer(cfg)
     for i, (is_moe, j) in enumerate(zip(kinds, stack_positions(kinds), strict=True)):
         stack, prefix = STACKS[is_moe], f"model.layers.{i}."
-        per_layer = _attention(cfg)
+        out += [Slot(prefix + name, (stack, *path), (j,), ax) for path, name, ax in _attention(cfg)]
         if not is_moe:
-            per_layer += _DENSE_MLP
-        out += [Slot(prefix + name, (stack, *path), (j,), ax) for path, name, ax in per_layer]
+            dense = f"{prefix}{family.dense_block}."
+            out += [Slot(dense + name, (stack, *path), (j,), ax) for path, name, ax in _DENSE_MLP]
         if is_moe:
             block = f"{prefix}{family.moe_block}."
-            out.append(Slot(block + "gate.weight", (stack, "moe", "router", "kernel"), (j,), 1))
+            router, router_path = f"{block}{family.router_name}.", (stack, "moe", "router")
+            out.append(Slot(router + "weight", (*router_path, "kernel"), (j,), 1))
             if family.router_bias:
-                bias = (stack, "moe", "router", "bias")
-                out.append(Slot(f"{block}gate.{family.router_bias}", bias, (j,), None))
+                out.append(Slot(router + family.router_bias, (*router_path, "bias"), (j,), None))
             assert cfg.moe is not None  # a MoE layer implies it
             if family.shared_block and cfg.moe.shared_experts:
                 shared = f"{block}{family.shared_block}."
                 out += [Slot(shared + name, (stack, *p), (j,), ax) for p, name, ax in _SHARED]
-            for e in range(cfg.moe.num_experts):
-                out += [
-                    Slot(
-                        f"{block}experts.{e}.{name}.weight",
-                        (stack, "moe", ours, "kernel"),
-                        (j, e),
-                        1,
-                    )
-                    for ours, name in zip(_EXPERTS, family.expert_names, strict=True)
-                ]
+            out += _experts(family, block, stack, j, cfg.moe.num_experts)
     out.append(Slot("model.norm.weight", ("final_norm", "scale"), (), None))
     if not cfg.tie_embeddings:
         out.append(Slot("lm_head.weight", ("lm_head", "kernel"), (), 1))

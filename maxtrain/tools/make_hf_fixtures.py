@@ -103,7 +103,8 @@ _YARN = dict(
 # name -> (model_type, config keys, options). Options: layout "v5" keeps the config.json
 # transformers 5 writes, "legacy" rewrites it the way most published checkpoints read;
 # dtype: the stored weights (the oracle computes in float32 either way); head_dim_null: write
-# head_dim as null; shard_bytes: save sharded with an index.
+# head_dim as null; shard_bytes: save sharded with an index; seed: the case's random seed (default
+# its position here; cases added side by side keep the seed they were committed with).
 CASES: dict[str, tuple[str, dict, dict]] = {
     "llama_gqa_untied_sharded": (
         "llama",
@@ -254,6 +255,29 @@ CASES: dict[str, tuple[str, dict, dict]] = {
         ),
         dict(layout="legacy"),
     ),
+    # Llama 4: chunks of 4 positions on the RoPE layers (all but every 4th), a global NoPE layer
+    # (3) whose queries' temperature grows from position 3 on (floor_scale 4), the unscaled
+    # qk-norm; MoE every second layer (1, 3): top-1 sigmoid routing whose score scales the
+    # expert's input, a shared expert, experts stored stacked; dense layers of their own width.
+    "llama4_chunked_nope_moe_v5": (
+        "llama4_text",
+        dict(
+            num_hidden_layers=5,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=8,
+            intermediate_size=16,  # each expert's and the shared expert's
+            intermediate_size_mlp=48,  # the dense layers'
+            num_local_experts=4,
+            num_experts_per_tok=1,
+            interleave_moe_layer_step=2,
+            attention_chunk_size=4,
+            floor_scale=4,
+            attn_scale=0.5,
+            rope_parameters=dict(rope_theta=500000.0, **_LLAMA3_SCALING),
+        ),
+        dict(layout="v5", seed=12),
+    ),
 }
 
 
@@ -261,9 +285,10 @@ def build(output: Path, names: list[str]) -> None:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    for seed, (name, (model_type, keys, options)) in enumerate(CASES.items()):
+    for index, (name, (model_type, keys, options)) in enumerate(CASES.items()):
         if names and name not in names:
             continue
+        seed = options.get("seed", index)
         torch.manual_seed(seed)
         config = AutoConfig.for_model(model_type, **{**_SMALL, **keys})
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
@@ -387,14 +412,21 @@ def _randomize(model, torch) -> None:
 
 
 def _router_margins(model, torch) -> list[float] | None:
-    """DeepSeek-V3 and GLM-4.5 only: random correction biases (a buffer, not a parameter), and
-    hooks that record, per router call, the smallest gap between a token's k-th and (k+1)-th
-    selection score (after group masking), so that rounding cannot flip a choice in our port."""
+    """Hooks that record, per router call, the smallest gap between a token's k-th and
+    (k+1)-th selection score, so that rounding cannot flip a choice in our port: Llama 4's
+    (top-k of the logits) and DeepSeek-V3's and GLM-4.5's (the same router), whose correction
+    biases (a buffer, not a parameter) are randomised first (its scores compared after group
+    masking)."""
+    margins: list[float] = []
+    llama4 = [m for m in model.modules() if type(m).__name__ == "Llama4Router"]
+    for router in llama4:
+        router.register_forward_hook(
+            lambda router, inputs, output: margins.append(_top_k_gap(output[1], router.top_k))
+        )
     kinds = ("DeepseekV3TopkRouter", "Glm4MoeTopkRouter")  # the same router
     routers = [m for m in model.modules() if type(m).__name__ in kinds]
     if not routers:
-        return None
-    margins: list[float] = []
+        return margins if llama4 else None
 
     def record(router, inputs, output):
         _, _, chosen = output
@@ -420,6 +452,12 @@ def _router_margins(model, torch) -> list[float] | None:
             bias.copy_(0.1 * torch.randn_like(bias))
         router.register_forward_hook(record)
     return margins
+
+
+def _top_k_gap(scores, k: int) -> float:
+    """The smallest gap, over rows of scores [n, E], between the k-th and (k+1)-th largest."""
+    ranked = scores.detach().float().sort(-1, descending=True)[0]
+    return float((ranked[:, k - 1] - ranked[:, k]).min())
 
 
 def _legacy_layout(cfg: dict) -> dict:

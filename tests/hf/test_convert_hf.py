@@ -32,11 +32,11 @@ from support import REPO
 from maxtrain import config as config_lib
 from maxtrain import model as model_lib
 from maxtrain.checkpointing import load_parameters
-from maxtrain.config import MlaConfig, ModelConfig, MoeConfig
+from maxtrain.config import GlobalAttention, LocalAttention, MlaConfig, ModelConfig, MoeConfig
 from maxtrain.hf import ConversionError, cli, read_hf_model, write_hf_model
 from maxtrain.hf import convert as convert_lib
 from maxtrain.hf.config_map import hf_config, model_config
-from maxtrain.hf.families import FAMILIES, family_for
+from maxtrain.hf.families import FAMILIES, LLAMA4, family_for
 from maxtrain.hf.layout import slots
 from maxtrain.hf.tokenizer_files import run_tokenizer
 from maxtrain.surgery import upcycle
@@ -153,6 +153,7 @@ def test_export_reproduces_the_original_files(case, tmp_path):
         "tiny-mla",
         "glm-4.5",
         "glm-4.5-air",
+        "llama4-scout-17b-16e",
     ],
 )
 def test_preset_configs_round_trip(preset):
@@ -162,17 +163,111 @@ def test_preset_configs_round_trip(preset):
     assert model_config(hf, family, "config.json") == explicit_head_dim(cfg)
 
 
-def test_slots_cover_every_parameter_once():
-    cfg = ModelConfig(
+# meta-llama/Llama-4-Scout-17B-16E's config.json: its text_config's keys that shape the model,
+# as published (no_rope_layers empty: every 4th layer NoPE by no_rope_layer_interval's default).
+SCOUT_TEXT_CONFIG = {
+    "model_type": "llama4_text",
+    "attention_bias": False,
+    "attention_chunk_size": 8192,
+    "attn_scale": 0.1,
+    "attn_temperature_tuning": 4,
+    "floor_scale": 8192,
+    "head_dim": 128,
+    "hidden_act": "silu",
+    "hidden_size": 5120,
+    "initializer_range": 0.02,
+    "interleave_moe_layer_step": 1,
+    "intermediate_size": 8192,
+    "intermediate_size_mlp": 16384,
+    "max_position_embeddings": 10485760,
+    "no_rope_layers": [],
+    "num_attention_heads": 40,
+    "num_experts_per_tok": 1,
+    "num_hidden_layers": 48,
+    "num_key_value_heads": 8,
+    "num_local_experts": 16,
+    "rms_norm_eps": 1e-05,
+    "rope_scaling": {
+        "factor": 16.0,
+        "high_freq_factor": 1.0,
+        "low_freq_factor": 1.0,
+        "original_max_position_embeddings": 8192,
+        "rope_type": "llama3",
+    },
+    "rope_theta": 500000.0,
+    "router_aux_loss_coef": 0.001,
+    "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
+    "use_qk_norm": True,
+    "vocab_size": 202048,
+}
+
+
+@pytest.mark.parametrize("explicit", [False, True], ids=["published", "lists_spelled_out"])
+def test_llama4_scout_config_imports_as_the_preset(explicit):
+    """The published config.json, and the same with the per-layer lists transformers 5 writes
+    (no_rope_layers, layer_types, moe_layers), are the preset llama4-scout-17b-16e."""
+    hf = dict(SCOUT_TEXT_CONFIG)
+    if explicit:
+        rope = [int((i + 1) % 4 != 0) for i in range(48)]
+        hf["no_rope_layers"] = rope
+        hf["layer_types"] = ["chunked_attention" if r else "full_attention" for r in rope]
+        hf["moe_layers"] = list(range(48))
+    preset = config_lib.load(
+        config_lib.CONFIGS_DIR / "base.yml", ["model_name=llama4-scout-17b-16e"]
+    ).model
+    assert model_config(hf, LLAMA4, "config.json") == preset
+
+
+def llama4_test_config(**changes) -> ModelConfig:
+    """A small Llama-4-shaped model: chunked RoPE layers, a NoPE layer, MoE every 2nd layer."""
+    fields = dict(
         vocab_size=16,
         emb_dim=8,
         num_layers=5,
         num_heads=2,
         num_kv_heads=1,
         mlp_dim=12,
+        rope_interleaved=True,
         qk_norm=True,
-        moe=MoeConfig(num_experts=3, top_k=2, expert_mlp_dim=4, first_dense_layers=1, interval=2),
+        qk_norm_scale=False,
+        layer_pattern=["local", "local", "local", "global"],
+        local_attention=LocalAttention(chunk=4),
+        global_attention=GlobalAttention(rope=False, qk_norm=False, temperature_floor=4),
+        moe=MoeConfig(
+            num_experts=3,
+            top_k=2,
+            expert_mlp_dim=4,
+            interval=2,
+            shared_experts=1,
+            score="sigmoid",
+            renormalize=False,
+            weight_on="input",
+        ),
     )
+    return ModelConfig(**{**fields, **changes})
+
+
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        ModelConfig(
+            vocab_size=16,
+            emb_dim=8,
+            num_layers=5,
+            num_heads=2,
+            num_kv_heads=1,
+            mlp_dim=12,
+            qk_norm=True,
+            moe=MoeConfig(
+                num_experts=3, top_k=2, expert_mlp_dim=4, first_dense_layers=1, interval=2
+            ),
+        ),
+        llama4_test_config(),  # experts stacked, a fused gate_up_proj
+    ],
+    ids=["per_expert", "llama4_stacked_experts"],
+)
+def test_slots_cover_every_parameter_once(cfg):
     counts = jax.tree.map(lambda a: np.zeros(a.shape, int), abstract_params(cfg))
     for slot in slots(cfg, family_for(cfg)):
         node = counts
@@ -420,6 +515,22 @@ BAD_IMPORTS = {
         lambda d: edit_config(d, quantization_config={"quant_method": "fp8"}),
         "quantized checkpoints are not supported",
     ),
+    "llama4 layer_types not by RoPE": (
+        "llama4_chunked_nope_moe_v5",
+        lambda d: edit_config(d, layer_types=["full_attention"] * 5),
+        "layer_types ['full_attention', 'full_attention', 'full_attention', 'full_attention', "
+        "'full_attention'] is not supported",
+    ),
+    "llama4 without a chunk": (
+        "llama4_chunked_nope_moe_v5",
+        lambda d: edit_config(d, attention_chunk_size=None),
+        "attention_chunk_size is null; chunked layers need it",
+    ),
+    "llama4 moe_layers not expressible": (
+        "llama4_chunked_nope_moe_v5",
+        lambda d: edit_config(d, moe_layers=[1, 2]),
+        "moe_layers [1, 2] makes layers [1, 2] MoE",
+    ),
 }
 
 
@@ -504,6 +615,33 @@ def test_what_a_family_cannot_express_is_refused(overrides, family, expected):
     assert expected in str(e.value)
 
 
+@pytest.mark.parametrize(
+    "changes, expected",
+    [
+        (dict(qk_norm_scale=True), "model.qk_norm_scale=true"),
+        (dict(local_attention=LocalAttention(window=4)), "model.local_attention="),
+        (dict(global_attention=None), "model.global_attention="),  # RoPE on the global layers
+        (dict(rope_interleaved=False), "model.rope_interleaved=false"),
+    ],
+)
+def test_unexportable_llama4_models_are_refused(changes, expected):
+    cfg = llama4_test_config(**changes)
+    with pytest.raises(ConversionError, match="cannot export as Llama4ForCausalLM") as e:
+        hf_config(cfg, family_for(cfg), "float32")
+    assert expected in str(e.value)
+
+
+def test_what_only_llama4_expresses_is_refused_elsewhere():
+    plain = config_lib.load(config_lib.CONFIGS_DIR / "base.yml", ["model_name=tiny-qk"]).model
+    for changes, expected in [
+        (dict(qk_norm_scale=False), "model.qk_norm_scale=false"),
+        (dict(global_attention=GlobalAttention(rope=False)), "model.global_attention="),
+    ]:
+        cfg = plain.model_copy(update=changes)
+        with pytest.raises(ConversionError, match=expected):
+            hf_config(cfg, family_for(cfg), "float32")
+
+
 # ---- transformers as the oracle (needs torch + transformers) ------------------------------
 
 
@@ -529,6 +667,7 @@ FAMILY_CASES = {
     "qwen3_moe": "qwen3_moe_top3_sparse_step_v5",
     "deepseek_v3": "deepseek_v3_grouped",
     "glm4_moe": "glm4_moe_qk_norm_quarter_rope_v5",
+    "llama4_text": "llama4_chunked_nope_moe_v5",
 }
 TEXTS = ["The", "Q: What is 12 + 34?\nA:", " two  spaces", "def main(\n    x\t1", "é 中"]
 

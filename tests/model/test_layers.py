@@ -51,13 +51,16 @@ def rope(x, positions, theta):
     return np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
 
 
-def attend(q, k, v):
-    """Causal softmax attention within each document; query head n reads kv head n // G."""
+def attend(q, k, v, chunk=None):
+    """Causal softmax attention within each document (and chunk of positions, if given);
+    query head n reads kv head n // G."""
     group = q.shape[2] // k.shape[2]
     k, v = np.repeat(k, group, axis=2), np.repeat(v, group, axis=2)
     scores = np.einsum("btnh,bsnh->bnts", q, k) / np.sqrt(q.shape[-1])
     causal = np.tril(np.ones((T, T), bool))
     allowed = causal & (SEGMENTS[:, :, None] == SEGMENTS[:, None, :])  # [B, T, S]
+    if chunk is not None:
+        allowed &= POSITIONS[:, :, None] // chunk == POSITIONS[:, None, :] // chunk
     scores = np.where(allowed[:, None], scores, -np.inf)
     probs = np.exp(scores - scores.max(-1, keepdims=True))
     probs /= probs.sum(-1, keepdims=True)
@@ -102,6 +105,40 @@ def test_grouped_query_attention(make_cfg, model_name):
     q, k = rope(q, POSITIONS, cfg.rope_theta), rope(k, POSITIONS, cfg.rope_theta)
     expected = np.einsum("btnh,nhd->btd", attend(q, k, v), p["o"]["kernel"])
     np.testing.assert_allclose(_run(layer, x), expected, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("kind", [0, 1], ids=["global_nope_tempered", "local_chunked_rope"])
+def test_llama4_attention_kinds(make_cfg, kind):
+    """Llama 4's two kinds of layer on one set of weights: global layers without RoPE or
+    qk-norm, their queries times 1 + s ln(1 + floor((p + 1) / f)); chunked local layers with
+    RoPE and a qk-norm that has no scale (an RMS norm of each head)."""
+    cfg = make_cfg(
+        "model_name=tiny",
+        "model.attention=xla",
+        "model.qk_norm=true",
+        "model.qk_norm_scale=false",
+        "model.layer_pattern=[global, local]",
+        "model.local_attention={chunk: 3}",
+        "model.global_attention={rope: false, qk_norm: false, temperature_floor: 2, "
+        "temperature_scale: 0.5}",
+    ).model
+    layer = _layer(Attention, cfg)
+    p = _randomised(layer)
+    assert "q_norm" not in p  # nothing learned in the norm
+    x = RNG.standard_normal((B, T, cfg.emb_dim)).astype(np.float32)
+    q = np.einsum("btd,dnh->btnh", x, p["q"]["kernel"])
+    k = np.einsum("btd,dkh->btkh", x, p["k"]["kernel"])
+    v = np.einsum("btd,dkh->btkh", x, p["v"]["kernel"])
+    if kind == 0:
+        q = q * (1 + 0.5 * np.log(1 + np.floor((POSITIONS + 1) / 2)))[..., None, None]
+        chunk = None
+    else:
+        q, k = rms_norm(q, 1.0, cfg.norm_eps), rms_norm(k, 1.0, cfg.norm_eps)
+        q, k = rope(q, POSITIONS, cfg.rope_theta), rope(k, POSITIONS, cfg.rope_theta)
+        chunk = 3
+    expected = np.einsum("btnh,nhd->btd", attend(q, k, v, chunk), p["o"]["kernel"])
+    got = np.asarray(layer(x, POSITIONS, SEGMENTS, kind))
+    np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-5)
 
 
 def test_multi_head_latent_attention(make_cfg):

@@ -52,6 +52,19 @@ def test_llama3_rope_scaling_matches_the_published_rule():
     assert np.all((scaled[mid] < plain[mid]) & (scaled[mid] > plain[mid] / 8.0))
 
 
+def test_llama3_rope_scaling_with_equal_band_factors_is_a_step():
+    """Llama 4 Scout's low_freq_factor = high_freq_factor = 1: no blended band, wavelengths
+    above original divided by factor, the rest kept (as transformers computes it)."""
+    scaling = RopeScaling(
+        factor=16.0, low_freq_factor=1.0, high_freq_factor=1.0, original_max_position=8192
+    )
+    plain = Rope(128, 500000.0).inverse_frequencies()
+    scaled = Rope(128, 500000.0, scaling).inverse_frequencies()
+    long = 2 * np.pi / plain > 8192
+    assert 0 < long.sum() < len(plain)
+    np.testing.assert_allclose(scaled, np.where(long, plain / 16.0, plain), rtol=1e-6)
+
+
 def test_rope_rotates_pairs_by_position_and_restarts_per_document():
     x = jax.random.normal(jax.random.key(0), (1, 4, 1, 8))
     inv = Rope(8, 10000.0).inverse_frequencies()

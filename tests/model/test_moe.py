@@ -141,10 +141,12 @@ NO_DROPS = dict(ep_capacity_factor=8.0)
         ({"data": 2, "fsdp": 4}, 8, {}),  # experts replicated, gathered from FSDP shards
         ({"expert": 4, "fsdp": 2}, 1, {}),  # batch too small to split: tokens replicated
         ({"expert": 4, "fsdp": 2}, 8, dict(capacity_factor=8.0)),  # GShard blocks, no drops
+        # Llama 4's weights on the experts' inputs: a row per assignment, sent to its expert
+        ({"expert": 2, "tensor": 2, "fsdp": 2}, 8, dict(weight_on="input", **NO_DROPS)),
     ],
 )
 def test_sharded_layer_equals_the_single_device_result(mesh_axes, batch, moe):
-    single_layer = make_layer()
+    single_layer = make_layer(weight_on=moe.get("weight_on", "output"))
     layer = make_layer(**moe)
     if moe.get("ep_dispatch") == "ragged":  # XLA:CPU lacks the op: its documented semantics
         layer.dispatch = Ragged(moe["ep_capacity_factor"], exchange=emulated_ragged_all_to_all)
@@ -265,6 +267,36 @@ def test_sigmoid_scores_and_shared_expert_are_added_to_the_routed_output():
         routed += 2.0 * top[:, slot, None] * jnp.einsum("nf,nfd->nd", h, layer.down.kernel[...][e])
     expected = routed + layer.shared(x).reshape(-1, D)
     np.testing.assert_allclose(y.reshape(-1, D), expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("capacity_factor", [None, 8.0], ids=["dropless", "capacity"])
+def test_weights_on_the_inputs_scale_what_each_expert_sees(capacity_factor):
+    """Llama 4's routing (weight_on input): a token's output is the sum over its k experts of
+    SwiGLU_e(w_e x), w_e its sigmoid score, plus the shared expert; not w_e SwiGLU_e(x)."""
+    layer = make_layer(
+        score="sigmoid",
+        renormalize=False,
+        shared_experts=1,
+        weight_on="input",
+        capacity_factor=capacity_factor,
+    )
+    x = jax.random.normal(jax.random.key(8), (2, 4, D))
+    y, stats = layer(x)
+    flat = np.asarray(x.reshape(-1, D), np.float64)
+    scores = 1 / (1 + np.exp(-flat @ np.asarray(layer.router.kernel[...], np.float64)))
+    chosen = np.argsort(-scores, axis=-1, kind="stable")[:, :K]
+    gate, up, down = (
+        np.asarray(m.kernel[...], np.float64) for m in (layer.gate, layer.up, layer.down)
+    )
+    expected = np.asarray(layer.shared(x), np.float64).reshape(-1, D)
+    for n, experts in enumerate(chosen):
+        for e in experts:
+            rows = scores[n, e] * flat[n]
+            h = rows @ gate[e]
+            expected[n] += (h / (1 + np.exp(-h)) * (rows @ up[e])) @ down[e]
+    np.testing.assert_allclose(np.asarray(y).reshape(-1, D), expected, rtol=1e-5, atol=1e-5)
+    assert float(stats["dropped"]) == 0
+    np.testing.assert_array_equal(stats["load"], np.bincount(chosen.reshape(-1), minlength=E))
 
 
 def test_capacity_helper_rounds_up_and_never_reaches_zero():

@@ -66,6 +66,7 @@ DESIGNED = [
 ALL_PRESETS = sorted({name for name, *_ in PUBLISHED} | {name for name, _ in DESIGNED})
 MLA_PRESETS = ["deepseek-v3-671b", "kimi-k2-1t", "deepseek-v2-lite-16b", "tiny-mla"]
 GQA_MOE_PRESETS = ["glm-4.5", "glm-4.5-air"]
+LLAMA4_PRESETS = ["llama4-scout-17b-16e"]
 
 
 def closed_form_params(m: ModelConfig) -> int:
@@ -140,7 +141,7 @@ def test_model_matches_closed_form(name: str, tmp_path: Path) -> None:
     assert model_params(m) == closed_form_params(m)
 
 
-@pytest.mark.parametrize("name", ALL_PRESETS + MLA_PRESETS + GQA_MOE_PRESETS)
+@pytest.mark.parametrize("name", ALL_PRESETS + MLA_PRESETS + GQA_MOE_PRESETS + LLAMA4_PRESETS)
 def test_load_keeps_preset_shape(name: str, tmp_path: Path) -> None:
     """base.yml must not override a shape key that the model file sets."""
     preset = yaml.safe_load((MODELS_DIR / f"{name}.yml").read_text())
@@ -283,3 +284,50 @@ def test_gqa_moe_presets_match_published_counts(case, tmp_path: Path) -> None:
     # [2D -> D] projection and three norms.
     with_mtp = m.model_copy(update={"mtp": m.mtp.model_copy(update={"depth": 1})})
     assert model_params(with_mtp) - closed == moe_layer + 2 * m.emb_dim**2 + 3 * m.emb_dim
+
+
+# ---- Llama 4 (chunked RoPE layers, NoPE layers, a shared expert beside routed ones) ----------
+
+
+def llama4_closed_form(m: ModelConfig) -> tuple[int, int]:
+    """(total, active) parameters of a Llama-4-shaped model, from its shape keys: grouped-query
+    attention (its qk-norm has no scale), every moe.interval-th layer routed and shared SwiGLU
+    experts with a router, the others a dense SwiGLU of mlp_dim; embedding and head untied."""
+    d, e = m.emb_dim, m.moe
+    hd = m.resolved_head_dim
+    attention = 2 * d * m.num_heads * hd + 2 * d * m.num_kv_heads * hd + 2 * d  # + block norms
+    expert = 3 * d * e.expert_mlp_dim
+    moe_layers = sum(e.is_moe_layer(i) for i in range(m.num_layers))
+    moe_layer = attention + d * e.num_experts + (e.num_experts + e.shared_experts) * expert
+    dense_layer = attention + 3 * d * m.mlp_dim
+    total = (
+        2 * m.vocab_size * d
+        + d
+        + moe_layers * moe_layer
+        + (m.num_layers - moe_layers) * dense_layer
+    )
+    return total, total - moe_layers * (e.num_experts - e.top_k) * expert
+
+
+# (preset, published total, published active, relative tolerance). Active counts include the
+# embedding and the head, as Meta's (and Mistral's for Mixtral) do.
+PUBLISHED_LLAMA4 = [
+    # Llama 4 model card (meta-llama/Llama-4-Scout-17B-16E): 17B active, 109B total. The total
+    # is the multimodal checkpoint's: the vision encoder and projector of its vision_config
+    # (34 layers of width 1408 and MLP 5632 with biases, patch 14 at 336 px, the pixel-shuffle
+    # adapter, a 4096 -> 5120 projector) add 0.87B to this text model's 107.77B (-1.1% from
+    # 109B); the 17B is the text model's (17.17B here).
+    ("llama4-scout-17b-16e", 109e9, 17e9, 0.015),
+]
+
+
+@pytest.mark.parametrize("case", PUBLISHED_LLAMA4, ids=[p[0] for p in PUBLISHED_LLAMA4])
+def test_llama4_presets_match_published_counts(case, tmp_path: Path) -> None:
+    from maxtrain.model import active_param_count
+
+    name, total, active, rel_tol = case
+    m = load_preset(name, tmp_path)
+    closed_total, closed_active = llama4_closed_form(m)
+    assert (model_params(m), active_param_count(m)) == (closed_total, closed_active)
+    assert_close(closed_total, int(total), rel_tol, f"{name} total")
+    assert_close(closed_active, int(active), rel_tol, f"{name} active")

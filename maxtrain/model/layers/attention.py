@@ -1,5 +1,6 @@
 """Grouped-query self-attention with optional qk-norm, biases and RoPE; the kernel lives in
-kernels/, the layer kinds (global, sliding-window or chunked local) in attention_pattern.py."""
+kernels/, the layer kinds (global, sliding-window or chunked local; with or without RoPE,
+qk-norm and query temperature) in attention_pattern.py."""
 
 from __future__ import annotations
 
@@ -56,8 +57,9 @@ class Attention(nnx.Module):
             "btnh,nhd->btd", (N, H, D), ("heads", "head_dim", "embed"), bias=o_bias, **kw
         )
         if cfg.qk_norm:
-            self.q_norm = RMSNorm(H, eps=cfg.norm_eps, param_dtype=param_dtype, rngs=rngs)
-            self.k_norm = RMSNorm(H, eps=cfg.norm_eps, param_dtype=param_dtype, rngs=rngs)
+            norm_kw = dict(eps=cfg.norm_eps, param_dtype=param_dtype, scaled=cfg.qk_norm_scale)
+            self.q_norm = RMSNorm(H, **norm_kw, rngs=rngs)
+            self.k_norm = RMSNorm(H, **norm_kw, rngs=rngs)
         else:
             self.q_norm = self.k_norm = None
         # The layer kinds this model has (attention_pattern.KINDS order), each with its kernel,
@@ -74,7 +76,7 @@ class Attention(nnx.Module):
         q, k, v = self._project(x)
 
         def attend(variant: AttentionVariant, kernel) -> jax.Array:
-            rotated_q, rotated_k = self._rotate(variant, q, k, positions)
+            rotated_q, rotated_k = self._as_scored(variant, q, k, positions)
             segments = variant.segments(segment_ids, positions)
             if context_degree() > 1:
                 if variant.window is not None:
@@ -93,7 +95,7 @@ class Attention(nnx.Module):
         q, k, v = self._project(x)
 
         def attend(variant: AttentionVariant) -> tuple[jax.Array, LayerCache]:
-            rotated_q, rotated_k = self._rotate(variant, q, k, positions)
+            rotated_q, rotated_k = self._as_scored(variant, q, k, positions)
             written = cache.write(rotated_k, v, positions)
             out = cached_attention(
                 rotated_q, written.k, written.v, positions, window=variant.window,
@@ -114,16 +116,21 @@ class Attention(nnx.Module):
         return jax.lax.switch(kind, [lambda args=args: branch(*args) for args in per_kind])
 
     def _project(self, x: jax.Array) -> tuple[jax.Array, ...]:
-        """Queries, keys and values of x [B, T, D], qk-normed."""
+        """Queries, keys and values of x [B, T, D]."""
         q = constrain(self.q(x), ("batch", "length", "heads", "head_dim"))  # [B, T, N, H]
         k = constrain(self.k(x), ("batch", "length", "kv_heads", "head_dim"))  # [B, T, K, H]
         v = constrain(self.v(x), ("batch", "length", "kv_heads", "head_dim"))  # [B, T, K, H]
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
         return q, k, v
 
-    @staticmethod
-    def _rotate(variant: AttentionVariant, q, k, positions) -> tuple[jax.Array, jax.Array]:
-        if variant.rope is None:
-            return q, k
-        return variant.rope(q, positions), variant.rope(k, positions)
+    def _as_scored(self, variant: AttentionVariant, q, k, positions) -> tuple[jax.Array, ...]:
+        """Queries and keys as the layer's kind scores them: qk-normed, rotated, the query
+        tempered, each where the kind does. (RoPE turns pairs of dims and leaves each head's
+        RMS as it was, so norming first, as Qwen3 does, gives Llama 4's numbers too, which
+        norms the rotated heads.)"""
+        if self.q_norm is not None and variant.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        if variant.rope is not None:
+            q, k = variant.rope(q, positions), variant.rope(k, positions)
+        if variant.temperature is not None:
+            q = variant.temperature(q, positions)
+        return q, k

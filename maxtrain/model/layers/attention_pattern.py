@@ -3,7 +3,10 @@
 A model's layers are `global` (causal over the whole document) or `local`, shaped by
 model.local_attention: a sliding window of the last `window` positions (Gemma 3, GPT-OSS,
 Mistral) or a chunk of `chunk` positions (Llama 4), with its own RoPE base where the family has
-one (Gemma 3). The kinds differ in masks and position encoding only, never in parameters, so
+one (Gemma 3). Global layers may differ from the model's defaults too (model.global_attention):
+Llama 4's have no RoPE (NoPE), no qk-norm, and a query temperature that grows with the position
+(`QueryTemperature`). The kinds differ in masks, position encoding, whether the qk-norm runs and
+the query's temperature only, never in parameters, so
 layers of every kind share one stack (model/stacks.py) and one checkpoint layout; the decoder
 hands each layer its kind's index (`KINDS`), a constant where a run of layers is all one kind
 and a scanned value otherwise (the layer then picks its kind's attention with `lax.switch`:
@@ -22,19 +25,38 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 
-from maxtrain.config import ModelArchitecture
+from maxtrain.config import GlobalAttention, ModelArchitecture
 from maxtrain.model.layers.rope import Rope
 
 KINDS = ("global", "local")  # a layer's kind index is its position here
 
 
 @dataclass(frozen=True)
+class QueryTemperature:
+    """Llama 4's attention temperature tuning (its NoPE layers): the query at position p times
+    1 + scale * ln(1 + floor((p + 1) / floor)), which is 1 up to position floor - 2 and grows
+    slowly past it, sharpening attention over long contexts that no position encoding cues."""
+
+    floor: int
+    scale: float
+
+    def __call__(self, q: jax.Array, positions: jax.Array) -> jax.Array:
+        """q [B, T, N, H] at positions [B, T] -> q scaled, same dtype."""
+        steps = jnp.floor((positions.astype(jnp.float32) + 1.0) / self.floor)
+        factor = 1.0 + self.scale * jnp.log1p(steps)
+        return (q.astype(jnp.float32) * factor[:, :, None, None]).astype(q.dtype)
+
+
+@dataclass(frozen=True)
 class AttentionVariant:
-    """What one kind of layer does differently: which keys a query sees, and its RoPE."""
+    """What one kind of layer does differently: which keys a query sees, its RoPE (None: no
+    position encoding), whether the model's qk-norm runs, and the query's temperature."""
 
     window: int | None = None  # keys i - window + 1 .. i (chunked: the chunk, for the kernel)
     chunk: int | None = None  # documents cut at every multiple of `chunk` positions
     rope: Rope | None = None
+    qk_norm: bool = True  # the model's qk-norm, where it has one, runs on this kind
+    temperature: QueryTemperature | None = None
 
     def segments(self, segment_ids: jax.Array, positions: jax.Array) -> jax.Array:
         """The segment ids the kernel masks by: the documents, cut into chunks if chunked."""
@@ -49,7 +71,15 @@ def variants(cfg: ModelArchitecture, head_dim: int) -> tuple[AttentionVariant, .
     """Per kind of KINDS, its variant for a model (a local one only if the model has one)."""
     rotated = round(head_dim * cfg.partial_rotary_factor)  # the config checked it is whole
     rope = Rope(rotated, cfg.rope_theta, cfg.rope_scaling, cfg.rope_interleaved)
-    found = [AttentionVariant(rope=rope)]
+    glob = cfg.global_attention or GlobalAttention()
+    temperature = None
+    if glob.temperature_floor is not None:
+        temperature = QueryTemperature(glob.temperature_floor, glob.temperature_scale)
+    found = [
+        AttentionVariant(
+            rope=rope if glob.rope else None, qk_norm=glob.qk_norm, temperature=temperature
+        )
+    ]
     local = cfg.local_attention
     if local is not None:
         local_rope = rope

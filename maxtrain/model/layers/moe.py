@@ -91,6 +91,7 @@ class MoE(nnx.Module):
         D, E, F = cfg.emb_dim, m.num_experts, m.expert_mlp_dim
         self.num_experts, self.top_k = E, m.top_k
         self.score, self.renormalize, self.routed_scale = m.score, m.renormalize, m.routed_scale
+        self.weigh_inputs = m.weight_on == "input"
         self.n_group, self.topk_group = m.n_group, m.topk_group
         self.gmm = grouped_matmul_kernel(m.grouped_matmul)  # the kernel, picked once
         self.dispatch = make_dispatch(m)  # how rows reach their experts, picked once
@@ -113,7 +114,10 @@ class MoE(nnx.Module):
             "btd,de->bte", x.astype(jnp.float32), self.router.kernel[...].astype(jnp.float32)
         )
         probs, expert_ids, weights = self._route(logits)
-        y, counts = self._experts(x.astype(self.compute_dtype), expert_ids, weights)
+        if self.weigh_inputs:
+            y, counts = self._experts_on_weighted_inputs(x, expert_ids, weights)
+        else:
+            y, counts = self._experts(x.astype(self.compute_dtype), expert_ids, weights)
         if self.shared is not None:
             y = y + self.shared(x)
         stats = router_stats(logits, probs, expert_ids, self.num_experts)
@@ -138,6 +142,22 @@ class MoE(nnx.Module):
             weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
         probs = scores / jnp.sum(scores, axis=-1, keepdims=True)
         return probs, expert_ids, weights * self.routed_scale
+
+    def _experts_on_weighted_inputs(
+        self, x, expert_ids, weights
+    ) -> tuple[jax.Array, moe_dispatch.DispatchCounts]:
+        """Llama 4's routing (model.moe.weight_on input): each chosen expert e computes
+        SwiGLU_e(w_e x), and a token's output is the sum over its k experts. Each of a token's
+        k assignments becomes a row of its own, [B, T * k, D], routed to its one expert with
+        weight 1: the same rows the dispatch gathers anyway (one per assignment)."""
+        b, t, k = expert_ids.shape
+        rows = (x[:, :, None, :] * weights[..., None]).astype(self.compute_dtype)
+        y, counts = self._experts(
+            rows.reshape(b, t * k, -1),
+            expert_ids.reshape(b, t * k, 1),
+            jnp.ones((b, t * k, 1), weights.dtype),
+        )
+        return jnp.sum(y.reshape(b, t, k, -1), axis=2), counts
 
     def _experts(self, x, expert_ids, weights) -> tuple[jax.Array, moe_dispatch.DispatchCounts]:
         """Runs the routed experts on each device's own tokens; returns (y, dropped, rounds)."""

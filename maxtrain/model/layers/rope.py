@@ -26,15 +26,18 @@ from maxtrain.config import RopeScaling
 
 
 def _llama3(inv_freq: np.ndarray, scaling: RopeScaling) -> np.ndarray:
-    """Llama-3: the low-frequency band slowed by `factor`, the middle band blended."""
+    """Llama-3: the low-frequency band slowed by `factor`, the middle band blended (none when
+    the two band factors are equal: Llama 4 Scout's step)."""
     low_wavelen = scaling.original_max_position / scaling.low_freq_factor
     high_wavelen = scaling.original_max_position / scaling.high_freq_factor
     wavelen = 2 * math.pi / inv_freq
+    scaled = np.where(wavelen > low_wavelen, inv_freq / scaling.factor, inv_freq)
+    if scaling.high_freq_factor == scaling.low_freq_factor:
+        return scaled
     smooth = (scaling.original_max_position / wavelen - scaling.low_freq_factor) / (
         scaling.high_freq_factor - scaling.low_freq_factor
     )
     blended = (1 - smooth) * inv_freq / scaling.factor + smooth * inv_freq
-    scaled = np.where(wavelen > low_wavelen, inv_freq / scaling.factor, inv_freq)
     is_medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
     return np.where(is_medium, blended, scaled)
 
