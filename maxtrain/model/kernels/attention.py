@@ -38,6 +38,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from maxtrain.model.kernels.sinks import kernel_with_sinks, with_sinks
 from maxtrain.model.kernels.splash import splash_attention
 from maxtrain.parallel.mesh import active_rules, logical_to_spec, spec_axes
 
@@ -117,13 +118,6 @@ def masked_attention(
     b, t, n, _ = q.shape
     lse = lse.transpose(0, 3, 1, 2).reshape(b, t, n)  # [B, K, G, T] -> [B, T, N]
     return with_sinks(out, lse, sinks)
-
-
-def with_sinks(out: jax.Array, lse: jax.Array, sinks: jax.Array) -> jax.Array:
-    """An attention output [B, T, N, Hv] and its scores' log-sum-exp [B, T, N] -> the output
-    with each head's sink logit [N] added to the softmax denominator (in out's dtype)."""
-    keep = jax.nn.sigmoid(lse.astype(jnp.float32) - sinks.astype(jnp.float32))
-    return (out.astype(jnp.float32) * keep[..., None]).astype(out.dtype)
 
 
 def _grouped(q: jax.Array, num_kv: int) -> jax.Array:
@@ -236,32 +230,80 @@ def _tokamax(kernel: str, make_mask: MaskFn, window: int | None) -> AttentionFn:
     (the same objects and call the public API makes: tokamax/_src/ops/attention/api.py). tokamax
     is imported when a kernel is first traced: its import takes seconds, and CPU runs never
     need it.
+
+    Sinks go through model/kernels/sinks.py: the kernel's forward with its softmax residuals
+    (the log-sum-exp) and its own VJP op (tokamax's plain-XLA one for the XLA kernel, which has
+    none of its own), called with the residuals the forward saved.
     """
 
     def fn(q, k, v, segment_ids, sinks=None):
         from tokamax._src.ops.attention import api as tokamax_api
 
-        if sinks is not None:
-            raise NotImplementedError(f"attention sinks are not implemented for {kernel!r}")
         impl = tokamax_api.IMPLEMENTATIONS[kernel]  # looked up at call time: not all exist on CPU
         value_dim = v.shape[-1]
         if value_dim > q.shape[-1]:
             raise ValueError(f"value head size {value_dim} exceeds the query/key's {q.shape[-1]}")
         v = jnp.pad(v, [(0, 0)] * (v.ndim - 1) + [(0, q.shape[-1] - value_dim)])
-        out = impl(
-            q,
-            k,
-            v,
-            bias=None,
-            mask=make_mask(segment_ids, window),
-            logits_scale=1.0 / math.sqrt(q.shape[-1]),
-            precision=None,
-            logits_soft_cap=None,
-            q_sharding=None,
-        )
+
+        def options(segment_ids):
+            return dict(
+                bias=None,
+                mask=make_mask(segment_ids, window),
+                logits_scale=1.0 / math.sqrt(q.shape[-1]),
+                precision=None,
+                logits_soft_cap=None,
+            )
+
+        if sinks is None:
+            out = impl(q, k, v, q_sharding=None, **options(segment_ids))
+            return out[..., :value_dim]
+        if kernel in _NO_RESIDUALS:
+            raise NotImplementedError(
+                f"attention sinks need the kernel's log-sum-exp, which tokamax's {kernel!r} does "
+                f"not return; use model.attention={_NO_RESIDUALS[kernel]}"
+            )
+
+        lse_of = _RESIDUALS_LSE.get(kernel, _max_and_sum_lse)  # [B, N, T]
+
+        def forward(q, k, v, segment_ids):
+            out, residuals = impl(q, k, v, return_residuals=True, **options(segment_ids))
+            return out, jnp.swapaxes(lse_of(residuals), 1, 2), (q, k, v, segment_ids, residuals)
+
+        def backward(saved, out, d_out):
+            q, k, v, segment_ids, residuals = saved
+            bound = dict(impl.bind(q, k, v, **options(segment_ids)).kwargs)
+            del bound["return_residuals"]
+            if impl.vjp is None:
+                # tokamax's XLA kernel: its VJP is autodiff of the forward, which recomputes the
+                # output rather than reading `out`; the reference's backward reads it, over the
+                # same mask.
+                b, t, n, h = q.shape
+                mask = bound["mask"].as_array(t, k.shape[1])[:, 0]  # [B, T, S]
+                lse = lse_of(residuals).reshape(b, k.shape[2], n // k.shape[2], t)
+                residuals = (q, k, v, mask, out, lse)
+                return _attention_bwd_rule(residuals, (d_out, jnp.zeros_like(lse)))[:3]
+            grads = impl.vjp(residuals, out, d_out, q, k, v, **bound)
+            return grads["q"], grads["k"], grads["v"]
+
+        out = kernel_with_sinks(forward, backward)(q, k, v, segment_ids, sinks)
         return out[..., :value_dim]
 
     return fn
+
+
+def _max_and_sum_lse(residuals: tuple[jax.Array, jax.Array]) -> jax.Array:
+    maximum, denominator = residuals  # of the scores, per query: (max, sum of exp(s - max))
+    return maximum + jnp.log(denominator)
+
+
+# How a tokamax kernel's softmax residuals hold the log-sum-exp: (max, denominator) in all but
+# the TPU kernel, which keeps splash's (max, log-sum-exp) (tokamax's pallas_mosaic_*.py).
+_RESIDUALS_LSE: dict[str, Callable[[tuple[jax.Array, jax.Array]], jax.Array]] = {
+    "mosaic_tpu": lambda residuals: residuals[1]
+}
+# Kernels whose forward returns no residuals (return_residuals=True raises in tokamax: jax.nn's
+# cuDNN call and the chunked XLA loop keep their statistics to themselves) -> one that has sinks.
+_NO_RESIDUALS = {"cudnn": "mosaic_gpu", "xla_chunked": "tokamax_xla"}
 
 
 def per_device(kernel: AttentionFn) -> AttentionFn:
@@ -334,15 +376,7 @@ def _unavailable(name: str, backend: str) -> AttentionFn:
 
 
 def _splash(window: int | None) -> AttentionFn:
-    if window is not None:
-        raise NotImplementedError("splash attention has no sliding window yet; use xla")
-
-    def fn(q, k, v, segment_ids, sinks=None):
-        if sinks is not None:
-            raise NotImplementedError("splash attention has no attention sinks yet; use xla")
-        return splash_attention(q, k, v, segment_ids)
-
-    return fn
+    return partial(splash_attention, window=window)
 
 
 def _on_devices(kernel: str, make_mask: MaskFn) -> Callable[[int | None], AttentionFn]:
