@@ -441,13 +441,15 @@ def block_attention(
     k_segment_ids: jax.Array,
     q_index: jax.Array,
     k_index: jax.Array,
+    window: int | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """One block of a split attention: queries [B, Tq, N, H] against keys/values [B, S, K, H]
     that may be any part of the sequence, in any order.
 
     The mask comes from each token's index in the original sequence (q_index [Tq], k_index [S])
     and its document (segment ids [B, Tq], [B, S]), not from where it sits in the block, so a
-    load-balanced or rotated split masks exactly as the whole sequence does. Returns the
+    load-balanced or rotated split masks exactly as the whole sequence does; so does a sliding
+    `window` (keys i - window + 1 .. i by original index). Returns the
     normalised output [B, Tq, N, H] and the log-sum-exp of the scores [B, Tq, N] (both float32):
     blocks of the same queries merge exactly with `merge_blocks`. The plain-XLA path of the
     context-parallel exchanges (parallel/context.py); its math is `reference_attention`'s.
@@ -458,6 +460,8 @@ def block_attention(
     scores = jnp.einsum("btkgh,bskh->bkgts", q, k, preferred_element_type=jnp.float32)
     scores = scores.astype(jnp.float32) / math.sqrt(h)  # [B, K, G, Tq, S]
     causal = k_index[None, :] <= q_index[:, None]  # [Tq, S]
+    if window is not None:
+        causal &= q_index[:, None] - k_index[None, :] < window
     same_doc = q_segment_ids[:, :, None] == k_segment_ids[:, None, :]  # [B, Tq, S]
     mask = (causal & same_doc)[:, None, None]
     # A query may see no key of this block: finfo.min keeps it finite, and its log-sum-exp
