@@ -306,3 +306,46 @@ def test_kernels_run_per_device_on_a_mesh(case, kernel):
                             _sinks(heads), cot)  # fmt: skip
     got = _value_and_grads(sharded(fn), q, k, v, seg, _sinks(heads), cot)
     _assert_same(got, want, atol=1e-4)
+
+
+@pytest.mark.parametrize("window", [1, 3, 7])
+def test_banded_kernel_equals_the_whole_mask(window):
+    """Local layers' plain-XLA kernel (blocks of `window` queries; 16 tokens leave a partial
+    last block for 3 and 7) against the reference's whole [T, T] mask, sinks included."""
+    q, k, v = _qkv(15)
+    cot = jax.random.normal(jax.random.key(16), q.shape, jnp.float32)
+    seg = jnp.asarray(SEGMENT_IDS)
+    banded = partial(attn.banded_attention, window=window)
+    whole = partial(attn.reference_attention, window=window)
+    want = _value_and_grads(whole, q, k, v, seg, _sinks(), cot)
+    _assert_same(_value_and_grads(banded, q, k, v, seg, _sinks(), cot), want, atol=1e-5)
+
+
+def _compiled_costs(kernel: str, window: int | None, length: int) -> np.ndarray:
+    """(FLOPs, bytes accessed, temporary bytes) of the compiled CPU program of the kernel's
+    forward and backward, as XLA's cost and memory analyses report them."""
+    fn = attn.attention_kernel(kernel, window)
+    f32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)  # noqa: E731
+    loss = lambda q, k, v, seg: jnp.sum(fn(q, k, v, seg))  # noqa: E731
+    args = (f32(1, length, N, H), f32(1, length, K, H), f32(1, length, K, H))
+    segments = jax.ShapeDtypeStruct((1, length), jnp.int32)
+    compiled = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(*args, segments).compile()
+    cost = compiled.cost_analysis()
+    temp = compiled.memory_analysis().temp_size_in_bytes
+    return np.array([cost["flops"], cost["bytes accessed"], temp])
+
+
+def test_windowed_xla_kernel_does_sequence_times_window_work():
+    """The plain-XLA kernel of a local layer (banded_attention: blocks of `window` queries
+    against their block and the previous one): XLA's cost analysis of the compiled CPU
+    program counts every matmul and elementwise op (no loops here to hide a trip count), and
+    its memory analysis the temporaries. At twice the sequence the windowed kernel's FLOPs,
+    bytes accessed and temporaries double (O(T x window)); the global kernel's quadruple."""
+    windowed, causal = (
+        {length: _compiled_costs("xla", window, length) for length in (1024, 2048)}
+        for window in (64, None)
+    )
+    np.testing.assert_allclose(windowed[2048] / windowed[1024], 2.0, rtol=0.01)
+    np.testing.assert_allclose(causal[2048] / causal[1024], 4.0, rtol=0.02)
+    # and at 2048 tokens a window of 64 costs a fraction of the causal kernel's work
+    assert windowed[2048][0] < causal[2048][0] / 10

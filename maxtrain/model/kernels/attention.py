@@ -8,8 +8,13 @@ documents are contiguous, "same document and causal" equals "causal and key inde
 index of the query's document" -- a per-query `k_start`, which tokamax's Mask takes natively and
 lets the flash kernels skip whole key blocks instead of reading a [T, T] mask from memory.
 
-`attention_kernel(name)` returns the function for a configured name; the attention layer calls
-it at construction and keeps the function, so nothing is looked up by name while tracing.
+`attention_kernel(name, window)` returns the function for a configured name and a layer's
+sliding window; the attention layer calls it at construction and keeps the function, so
+nothing is looked up by name while tracing. Every kernel skips the work outside the window:
+the reference's local layers run `banded_attention` (blocks of `window` queries against two
+blocks of keys), splash its LocalMask's block tables, tokamax's flash kernels their k_start
+ranges. Attention sinks: the reference and splash have them inside, tokamax's kernels around
+their forward and backward (model/kernels/sinks.py).
 
 Value heads may be smaller than query/key heads (multi-head latent attention: 128 against 192
 in DeepSeek-V3). The reference takes any value head size. The tokamax kernels are given V
@@ -66,6 +71,45 @@ def reference_attention(
         causal &= index[:, None] - index[None, :] < window
     same_doc = segment_ids[:, :, None] == segment_ids[:, None, :]  # [B, T, S]
     return masked_attention(q, k, v, causal & same_doc, sinks)
+
+
+def banded_attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    segment_ids: jax.Array,
+    sinks: jax.Array | None = None,
+    *,
+    window: int,
+) -> jax.Array:
+    """`reference_attention` with a sliding window, in O(T x window) work and memory: the
+    sequence cut into blocks of `window` queries, each against the keys of its own block and
+    of the one before (all a window reaches), masked by original index and document. Scores
+    are [T, 2 x window] per head instead of [T, T]: the plain-XLA path of local layers. A
+    window of half the sequence or more gains nothing and takes the reference's whole mask."""
+    b, t, n, h = q.shape
+    if 2 * window >= t:
+        return reference_attention(q, k, v, segment_ids, sinks, window=window)
+    blocks = -(-t // window)
+    # Padding keys sit past every real query: the causal mask hides them, as it hides the
+    # zero block before the first (negative indices).
+    pad = lambda x: jnp.pad(x, [(0, 0), (0, blocks * window - t)] + [(0, 0)] * (x.ndim - 2))  # noqa: E731
+
+    def with_previous(x):  # [B, T', ...] -> [B * blocks, 2 * window, ...]
+        x = pad(x).reshape(b, blocks, window, *x.shape[2:])
+        previous = jnp.pad(x[:, :-1], [(0, 0), (1, 0)] + [(0, 0)] * (x.ndim - 2))
+        return jnp.concatenate([previous, x], axis=2).reshape(b * blocks, 2 * window, *x.shape[3:])
+
+    q_index = jnp.arange(blocks * window).reshape(blocks, window)
+    k_index = jnp.concatenate([q_index - window, q_index], axis=1)  # [blocks, 2 * window]
+    delta = q_index[:, :, None] - k_index[:, None, :]  # [blocks, window, 2 * window]
+    visible = (delta >= 0) & (delta < window) & (k_index[:, None, :] >= 0)
+    q_segments = pad(segment_ids).reshape(b * blocks, window)
+    same_doc = q_segments[:, :, None] == with_previous(segment_ids)[:, None, :]
+    mask = same_doc & jnp.tile(visible, (b, 1, 1))
+    blocked_q = pad(q).reshape(b * blocks, window, n, h)
+    out = masked_attention(blocked_q, with_previous(k), with_previous(v), mask, sinks)
+    return out.reshape(b, blocks * window, n, -1)[:, :t]
 
 
 def cached_attention(
@@ -385,7 +429,7 @@ def _on_devices(kernel: str, make_mask: MaskFn) -> Callable[[int | None], Attent
 
 
 def _reference(window: int | None) -> AttentionFn:
-    return reference_attention if window is None else partial(reference_attention, window=window)
+    return reference_attention if window is None else partial(banded_attention, window=window)
 
 
 # name -> (window -> the attention function): each kernel built for a layer's mask.
