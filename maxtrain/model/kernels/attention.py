@@ -88,7 +88,7 @@ def banded_attention(
     are [T, 2 x window] per head instead of [T, T]: the plain-XLA path of local layers. A
     window of half the sequence or more gains nothing and takes the reference's whole mask."""
     b, t, n, h = q.shape
-    if 2 * window >= t:
+    if banded_keys(window, t) == t:
         return reference_attention(q, k, v, segment_ids, sinks, window=window)
     blocks = -(-t // window)
     # Padding keys sit past every real query: the causal mask hides them, as it hides the
@@ -110,6 +110,12 @@ def banded_attention(
     blocked_q = pad(q).reshape(b * blocks, window, n, h)
     out = masked_attention(blocked_q, with_previous(k), with_previous(v), mask, sinks)
     return out.reshape(b, blocks * window, n, -1)[:, :t]
+
+
+def banded_keys(window: int | None, length: int) -> int:
+    """The keys per query of the score array the plain-XLA kernel of a layer holds: all
+    `length`, or a banded window's two blocks."""
+    return 2 * window if window is not None and 2 * window < length else length
 
 
 def cached_attention(
