@@ -14,7 +14,9 @@ for a slice. The parts:
   gradients           one parameter-shaped buffer (two with gradient accumulation: the running
                       sum and the current micro-batch's)
   activations         what the backward pass keeps per layer under the remat policy, for one
-                      micro-batch, plus one layer's recomputation working set
+                      micro-batch, plus one layer's recomputation working set (and the
+                      plain-XLA kernel's scores: [T, T] per head, a band of 2 x window keys
+                      where every layer is local)
   logits              the [tokens, vocab] logits and their gradient (the loss never makes a
                       float32 copy)
   frozen              what the run holds and does not train (training/split.py): DPO's
@@ -51,8 +53,9 @@ from jax.sharding import PartitionSpec as P
 
 from maxtrain.config import MESH_AXES, Config
 from maxtrain.model import ModelDef, compute_dtype
-from maxtrain.model.kernels.attention import attention_implementation
+from maxtrain.model.kernels.attention import attention_implementation, banded_keys
 from maxtrain.model.kernels.grouped_matmul import grouped_matmul_implementation
+from maxtrain.model.layers.attention_pattern import KINDS, kind_per_layer
 from maxtrain.model.layers.attention_types import attention_type
 from maxtrain.model.stacks import is_moe_per_layer
 from maxtrain.optim import muon
@@ -258,6 +261,8 @@ def _activation_bytes(
         # parallelism with the ring exchange one block (parallel/context.py).
         split = length < cfg.train.seq_len
         keys = length if split and model.context_exchange == "ring" else cfg.train.seq_len
+        if not split:  # local layers' plain-XLA kernel scores a band of keys only
+            keys = _reference_keys(model, keys)
         if split or attention_implementation(model.attention) == "xla":
             # The reference attention materialises float32 scores and probabilities of one
             # layer at a time (its custom VJP keeps neither for the backward); every block of a
@@ -274,6 +279,17 @@ def _activation_bytes(
     # The score arrays live inside attention and the dispatch buffers inside the MoE layer:
     # never at once, each beside the recomputed layer's working set.
     return kept + working + max(scores, dispatch)
+
+
+def _reference_keys(model, seq_len: int) -> int:
+    """Keys per query of the largest score array any layer's plain-XLA kernel holds: the whole
+    sequence if a layer is global (multi-token prediction's blocks are), else the band of the
+    local layers' window or chunk (model/kernels/attention.py banded_attention)."""
+    spans = {None if KINDS[kind] == "global" else model.local_attention.span
+             for kind in kind_per_layer(model)}  # fmt: skip
+    if model.mtp.depth:
+        spans.add(None)
+    return max(banded_keys(span, seq_len) for span in spans)
 
 
 def _moe_dispatch_bytes(cfg: Config, sizes: dict[str, int], tokens: int, c: int) -> int:

@@ -14,6 +14,10 @@ document, which the exchange (`model.context_exchange`) brings to the device:
   memory
   stays one block.
 
+A sliding window masks by original token index too (block_attention), and sinks rescale the
+merged output once, by the log-sum-exp over every block (model/kernels/sinks.py), never per
+block. Chunked layers arrive as segment ids cut at the chunks (attention_pattern.py).
+
 Layout (`model.context_layout`): under a causal mask the query at index t attends to t + 1 keys,
 so a contiguous split gives the last device most of the work. `balanced` cuts the sequence into
 2C chunks and gives device i chunks i and 2C - 1 - i: every device gets the same number of
@@ -35,6 +39,7 @@ from jax.sharding import PartitionSpec as P
 
 from maxtrain.config import ConfigError, ModelConfig
 from maxtrain.model.kernels.attention import block_attention, merge_blocks
+from maxtrain.model.kernels.sinks import with_sinks
 from maxtrain.parallel.mesh import active_rules, constrain
 
 AXIS = "context"
@@ -74,9 +79,9 @@ def to_layout(batch: dict[str, jax.Array], layout: str) -> dict[str, jax.Array]:
     return {key: constrain(x[:, order], ("batch", "length")) for key, x in batch.items()}
 
 
-def _all_gather(q, k, v, segment_ids, index, *, degree: int):
+def _all_gather(q, k, v, segment_ids, index, *, degree: int, window: int | None):
     gather = functools.partial(jax.lax.all_gather, axis_name=AXIS, tiled=True)
-    out, _ = block_attention(
+    return block_attention(
         q,
         gather(k, axis=1),
         gather(v, axis=1),
@@ -84,16 +89,16 @@ def _all_gather(q, k, v, segment_ids, index, *, degree: int):
         gather(segment_ids, axis=1),
         index,
         gather(index, axis=0),
+        window,
     )
-    return out.astype(q.dtype)
 
 
-def _ring(q, k, v, segment_ids, index, *, degree: int):
+def _ring(q, k, v, segment_ids, index, *, degree: int, window: int | None):
     ring = [(i, (i + 1) % degree) for i in range(degree)]
     # Recomputed in the backward pass, so that it keeps one block's scores at a time rather
     # than all C; the scan runs the blocks one after another (unrolled, XLA may schedule them
     # side by side and hold every block's scores at once).
-    attend_block = jax.checkpoint(block_attention)
+    attend_block = jax.checkpoint(functools.partial(block_attention, window=window))
 
     def attend(block):
         block_k, block_v, block_segments, block_index = block
@@ -109,30 +114,40 @@ def _ring(q, k, v, segment_ids, index, *, degree: int):
     out, lse = attend((k, v, segment_ids, index))
     first = jax.lax.ppermute((k, v, segment_ids, index), AXIS, ring)
     (out, lse, last), _ = jax.lax.scan(step, (out, lse, first), None, length=degree - 2)
-    out, _ = merge_blocks(out, lse, *attend(last))
-    return out.astype(q.dtype)
+    return merge_blocks(out, lse, *attend(last))
 
 
-EXCHANGES: dict[str, Callable[..., jax.Array]] = {"all_gather": _all_gather, "ring": _ring}
+# per device: (q, k, v, segment_ids, index) -> (output, log-sum-exp) over every key, float32
+EXCHANGES: dict[str, Callable[..., tuple[jax.Array, jax.Array]]] = {
+    "all_gather": _all_gather,
+    "ring": _ring,
+}
 
 
 def context_attention(exchange: str, layout: str) -> Callable[..., jax.Array]:
     """The attention of a context-split sequence, picked once by the layer:
-    (q [B, T, N, H], k, v [B, T, K, H], segment_ids [B, T]) in the context layout -> [B, T, N, H],
-    causal within documents. Only the context axis is manual (shard_map); the batch, heads and
-    every other axis stay with XLA's partitioner, so it composes with fsdp, tensor, expert and
-    stage."""
-    per_device = EXCHANGES[exchange]
+    (q [B, T, N, H], k, v [B, T, K, H], segment_ids [B, T], sinks [N] | None, window=None) in
+    the context layout -> [B, T, N, H], causal within documents (and the last `window` keys).
+    Only the context axis is manual (shard_map); the batch, heads and every other axis stay
+    with XLA's partitioner, so it composes with fsdp, tensor, expert and stage."""
+    exchange_fn = EXCHANGES[exchange]
 
-    def attend(q, k, v, segment_ids):
+    def attend(q, k, v, segment_ids, sinks=None, *, window: int | None = None):
         mesh, _ = active_rules()
         degree = mesh.shape[AXIS]
         index = jnp.asarray(layout_order(q.shape[1], degree, layout), jnp.int32)
         tokens, heads = P(None, AXIS), P(None, AXIS, None, None)
+
+        def per_device(q, k, v, segment_ids, index, sinks):
+            out, lse = exchange_fn(q, k, v, segment_ids, index, degree=degree, window=window)
+            if sinks is not None:
+                out = with_sinks(out, lse, sinks)
+            return out.astype(q.dtype)
+
         return jax.shard_map(
-            functools.partial(per_device, degree=degree),
+            per_device,
             mesh=mesh,
-            in_specs=(heads, heads, heads, tokens, P(AXIS)),
+            in_specs=(heads, heads, heads, tokens, P(AXIS), None if sinks is None else P()),
             out_specs=heads,
             # Pipeline stages run the layers under vmap(spmd_axis_name="stage"), which maps the
             # stage dim onto that axis: it must be manual here too (the prologue replicates).
@@ -140,7 +155,7 @@ def context_attention(exchange: str, layout: str) -> Callable[..., jax.Array]:
             # The token indices are the same on every stage, the blocks differ: the varying-axes
             # check would refuse comparing them, though every device computes only its own rows.
             check_vma=False,
-        )(q, k, v, segment_ids, index)
+        )(q, k, v, segment_ids, index, sinks)
 
     return attend
 

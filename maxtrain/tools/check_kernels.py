@@ -1,9 +1,11 @@
 """Checks each attention implementation against the plain-jnp reference on this device, and
-times it: `python -m maxtrain.tools.check_kernels [--impl mosaic cudnn ...]`.
+times it: `python -m maxtrain.tools.check_kernels [--impl mosaic cudnn ...] [--window W]
+[--sinks]`.
 
 Inputs are bf16 with several packed documents per row; the reference runs in float32 on the same
 inputs. Prints one JSON line per implementation: relative error of the output and of dq/dk/dv
-(||x - ref|| / ||ref||), and forward / forward+backward TFLOP/s (causal FLOPs, counted half).
+(and d_sinks with --sinks) (||x - ref|| / ||ref||), and forward / forward+backward TFLOP/s
+(causal FLOPs, counted half; with a window, over the keys it reaches).
 """
 
 from __future__ import annotations
@@ -44,33 +46,41 @@ def rel_err(x, ref) -> float:
     return float(np.linalg.norm(x - ref) / np.linalg.norm(ref))
 
 
-def check(impl: str, B: int, T: int, N: int, K: int, H: int) -> dict:
-    keys = jax.random.split(jax.random.key(0), 4)
+def check(
+    impl: str, B: int, T: int, N: int, K: int, H: int, window: int | None, with_sinks: bool
+) -> dict:
+    keys = jax.random.split(jax.random.key(0), 5)
     q = jax.random.normal(keys[0], (B, T, N, H), jnp.bfloat16)
     k = jax.random.normal(keys[1], (B, T, K, H), jnp.bfloat16)
     v = jax.random.normal(keys[2], (B, T, K, H), jnp.bfloat16)
     cot = jax.random.normal(keys[3], (B, T, N, H), jnp.bfloat16)
     seg = jnp.asarray(packed_segments(B, T, 0))
+    sinks = 2.0 * jax.random.normal(keys[4], (N,), jnp.float32) if with_sinks else None
+    argnums = (0, 1, 2, 3) if with_sinks else (0, 1, 2)
 
-    def loss(fn, q, k, v):
-        return jnp.sum(fn(q, k, v, seg).astype(jnp.float32) * cot.astype(jnp.float32))
+    def loss(fn, q, k, v, sinks):
+        return jnp.sum(fn(q, k, v, seg, sinks).astype(jnp.float32) * cot.astype(jnp.float32))
 
-    fast = attention_kernel(impl)
-    ref = lambda q, k, v, s: reference_attention(
-        q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32), s
-    )
+    fast = attention_kernel(impl, window)
+    ref = lambda q, k, v, s, sinks: reference_attention(  # noqa: E731
+        q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32), s, sinks,
+        window=window,
+    )  # fmt: skip
     fwd = jax.jit(fast)
-    grad = jax.jit(jax.grad(lambda q, k, v: loss(fast, q, k, v), argnums=(0, 1, 2)))
-    ref_out = jax.jit(ref)(q, k, v, seg)
-    ref_grads = jax.jit(jax.grad(lambda q, k, v: loss(ref, q, k, v), argnums=(0, 1, 2)))(q, k, v)
-    out, grads = fwd(q, k, v, seg), grad(q, k, v)
-    flops = 2 * 2 * B * T * T * N * H / 2  # QK^T and PV, causal half
-    t_fwd, t_bwd = timed(fwd, q, k, v, seg), timed(grad, q, k, v)
+    grad = jax.jit(jax.grad(lambda *a: loss(fast, *a), argnums=argnums))
+    ref_out = jax.jit(ref)(q, k, v, seg, sinks)
+    ref_grads = jax.jit(jax.grad(lambda *a: loss(ref, *a), argnums=argnums))(q, k, v, sinks)
+    out, grads = fwd(q, k, v, seg, sinks), grad(q, k, v, sinks)
+    reach = T if window is None else min(window, T)
+    flops = 2 * 2 * B * T * N * H * (reach - reach * reach / (2 * T))  # QK^T and PV, causal
+    t_fwd, t_bwd = timed(fwd, q, k, v, seg, sinks), timed(grad, q, k, v, sinks)
     return {
         "impl": impl,
         "shape": [B, T, N, K, H],
+        "window": window,
+        "sinks": with_sinks,
         "out_rel_err": rel_err(out, ref_out),
-        "dq_dk_dv_rel_err": [rel_err(g, r) for g, r in zip(grads, ref_grads, strict=True)],
+        "grads_rel_err": [rel_err(g, r) for g, r in zip(grads, ref_grads, strict=True)],
         "fwd_ms": round(t_fwd * 1e3, 3),
         "fwd_tflops": round(flops / t_fwd / 1e12, 1),
         "fwd_bwd_ms": round(t_bwd * 1e3, 3),
@@ -88,10 +98,12 @@ def main() -> int:
         default=[8, 2048, 32, 8, 64],
         metavar=("B", "T", "N", "K", "H"),
     )
+    parser.add_argument("--window", type=int, default=None, help="a sliding window of W keys")
+    parser.add_argument("--sinks", action="store_true", help="with an attention sink per head")
     args = parser.parse_args()
     for impl in args.impl:
         try:
-            print(json.dumps(check(impl, *args.shape)), flush=True)
+            print(json.dumps(check(impl, *args.shape, args.window, args.sinks)), flush=True)
         except Exception as e:  # report and go on: one missing kernel must not hide the others
             print(json.dumps({"impl": impl, "error": f"{type(e).__name__}: {e}"[:500]}), flush=True)
     return 0

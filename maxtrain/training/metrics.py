@@ -24,6 +24,7 @@ import numpy as np
 
 from maxtrain.common.files import write_atomic
 from maxtrain.config import ModelConfig
+from maxtrain.model.layers.attention_pattern import keys_per_query
 from maxtrain.model.layers.attention_types import attention_type
 from maxtrain.model.stacks import is_moe_per_layer
 
@@ -85,14 +86,16 @@ def mtp_module_matmul_params(model: ModelConfig) -> int:
 def attention_flops_per_token(model: ModelConfig, seq_len: int) -> float:
     """Training FLOPs per token of the score (QK^T) and value (AV) matmuls, causal.
 
-    Forward with a full mask: 2 FLOPs/MAC x seq_len x (the scores' width N x H_qk plus the
-    values' N x H_v) per token per layer. The causal mask halves it (the standard, mask-aware
-    count), leaving seq_len x (N H_qk + N H_v), 2 x seq_len x N x H when both head sizes are H;
-    training is 3x the forward (backward = 2x forward).
+    Forward: 2 FLOPs/MAC x the keys a query attends to x (the scores' width N x H_qk plus the
+    values' N x H_v) per token per layer. The causal mask halves a global layer's keys (the
+    standard, mask-aware count), leaving seq_len x (N H_qk + N H_v), 2 x seq_len x N x H when
+    both head sizes are H; a local layer attends to its window or chunk only
+    (attention_pattern.keys_per_query). Training is 3x the forward (backward = 2x forward).
     """
     counts = attention_type(model).counts(model)
-    blocks = model.num_layers + model.mtp.depth  # MTP: a block each
-    return 3.0 * seq_len * (counts.qk_width + counts.v_width) * blocks
+    # MTP: a block each, of global attention
+    keys = sum(keys_per_query(model, seq_len)) + model.mtp.depth * seq_len / 2
+    return 6.0 * keys * (counts.qk_width + counts.v_width)
 
 
 def train_flops_per_token(model: ModelConfig, seq_len: int) -> float:
@@ -103,7 +106,8 @@ def train_flops_per_token(model: ModelConfig, seq_len: int) -> float:
     where P_matmul is ``matmul_params`` (weights a token multiplies against: 2 FLOPs per MAC
     forward, 4 backward, hence 6 -- the "6ND" rule of Kaplan et al. and PaLM appendix B) and the
     second term is causal self-attention over ``seq_len`` (see ``attention_flops_per_token``;
-    PaLM's 6*L*H*(2Q)*T counts the full mask, we count the causal half as most frameworks now do).
+    PaLM's 6*L*H*(2Q)*T counts the full mask, we count the causal half as most frameworks now do;
+    local layers count their window's or chunk's keys instead).
     Recomputation from remat is deliberately NOT counted: these are model FLOPs, not hardware
     FLOPs, so MFU does not reward recomputing activations.
     """

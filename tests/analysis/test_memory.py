@@ -35,6 +35,14 @@ def compiled_bytes_per_device(cfg) -> int:
             "model.vocab_size=256",
             "model.remat=minimal",
         ),
+        # every layer a sliding window of 64 over 1024 tokens: the scores are a band
+        (
+            "mesh.fsdp=8",
+            "train.seq_len=1024",
+            "train.global_batch_size=8",
+            "model.layer_pattern=[local]",
+            "model.local_attention.window=64",
+        ),
     ],
 )
 def test_estimate_is_within_30_percent_of_the_compiled_step(make_cfg, overrides):
@@ -44,6 +52,24 @@ def test_estimate_is_within_30_percent_of_the_compiled_step(make_cfg, overrides)
     estimated = memory.estimate(cfg, num_devices=8).total
     measured = compiled_bytes_per_device(cfg)
     assert 0.7 < estimated / measured < 1.3, (estimated, measured)
+
+
+def test_sliding_windows_shrink_the_plain_xla_scores(make_cfg):
+    """The plain-XLA kernel of local layers scores a band of 2 x window keys per query
+    (banded_attention), not the sequence: with every layer local, the float32 scores and
+    probabilities of a layer shrink from [N, T, T] to [N, T, 2W] per sequence; one global
+    layer keeps them whole (the largest layer's count: one layer's at a time)."""
+    common = ("model_name=small", "mesh.fsdp=8", "train.seq_len=1024", "train.global_batch_size=8")
+    local = ("model.local_attention.window=64",)
+
+    def activations(*overrides):
+        return memory.estimate(make_cfg(*common, *overrides), num_devices=8).activations
+
+    plain = activations()
+    windowed = activations("model.layer_pattern=[local]", *local)
+    rows, heads, t, w = 1, 4, 1024, 64  # a sequence per device, small's 4 heads
+    assert plain - windowed == 2 * 4 * rows * heads * t * (t - 2 * w)
+    assert activations("model.layer_pattern=[local,local,local,global]", *local) == plain
 
 
 def test_parameter_shards_follow_the_mesh(make_cfg):

@@ -1,6 +1,11 @@
 """Tests for maxtrain.model.kernels.attention: reference numerics, document isolation, tokamax
 k_start,
-splash attention (in Pallas's interpreter) and the kernels' per-device runs on a mesh."""
+splash attention (in Pallas's interpreter) and the kernels' per-device runs on a mesh; sliding
+windows and attention sinks in every kernel, against the reference (itself checked against a
+NumPy statement of the window and the sink's softmax in test_attention_pattern.py)."""
+
+import dataclasses
+from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -144,9 +149,94 @@ def _long_qkv(seed: int, heads: int = N, kv_heads: int = K, rows: int = B):
     )
 
 
-def _splash(q, k, v, seg, sinks=None):
+def _splash(q, k, v, seg, sinks=None, window=None):
     """The TPU kernel in Pallas's interpreter: the same kernel code, run on CPU."""
-    return splash.splash_attention(q, k, v, seg, interpret=True)
+    return splash.splash_attention(q, k, v, seg, sinks, window=window, interpret=True)
+
+
+def _sinks(heads: int = N) -> jax.Array:
+    return 2.0 * jax.random.normal(jax.random.key(11), (heads,), jnp.float32)
+
+
+def _value_and_grads(fn, q, k, v, seg, sinks, cot):
+    """sum(fn(...) * cot) and its gradients in q, k, v and the sinks."""
+    loss = lambda q, k, v, sinks: jnp.sum(fn(q, k, v, seg, sinks) * cot)  # noqa: E731
+    return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3)))(q, k, v, sinks)
+
+
+def _assert_same(got, want, atol):
+    (got_value, got_grads), (want_value, want_grads) = got, want
+    np.testing.assert_allclose(got_value, want_value, rtol=1e-5)
+    for name, g, w in zip("q k v sinks".split(), got_grads, want_grads, strict=True):
+        np.testing.assert_allclose(g, w, rtol=0, atol=atol, err_msg=f"d{name}")
+
+
+def test_splash_window_and_sinks_match_reference(monkeypatch):
+    """Splash's own LocalMask and sinks: 128-token tiles over 384 tokens (3 x 3 blocks), a
+    window of 100 keys, which leaves query block 2 nothing of key block 0 (the block tables
+    skip it), packed documents and GQA; values and gradients, the sinks' included."""
+    monkeypatch.setattr(splash, "BLOCK", 128)
+    length, window = 384, 100
+    kq, kk, kv, kc = jax.random.split(jax.random.key(12), 4)
+    q = jax.random.normal(kq, (B, length, N, H), jnp.float32)
+    k, v = (jax.random.normal(key, (B, length, K, H), jnp.float32) for key in (kk, kv))
+    cot = jax.random.normal(kc, q.shape, jnp.float32)
+    seg = jnp.asarray(np.repeat(SEGMENT_IDS, length // T, axis=1))
+    got = _value_and_grads(partial(_splash, window=window), q, k, v, seg, _sinks(), cot)
+    want = _value_and_grads(attn.attention_kernel("xla", window), q, k, v, seg, _sinks(), cot)
+    _assert_same(got, want, atol=1e-4)
+
+
+@pytest.mark.parametrize("window", [None, 5])
+def test_tokamax_sinks_match_reference(window):
+    """Sinks around a tokamax kernel (model/kernels/sinks.py): the k_start mask, the
+    log-sum-exp from its forward's residuals, a backward called with dO * w and the sink
+    output. tokamax's XLA kernel has no backward that reads the output, so the reference's
+    stands in here; a Pallas kernel's own backward is the next test's."""
+    q, k, v = _qkv(8)
+    cot = jax.random.normal(jax.random.key(9), q.shape, jnp.float32)
+    seg = jnp.asarray(SEGMENT_IDS)
+    got = _value_and_grads(
+        attn.attention_kernel("tokamax_xla", window), q, k, v, seg, _sinks(), cot
+    )
+    want = _value_and_grads(attn.attention_kernel("xla", window), q, k, v, seg, _sinks(), cot)
+    _assert_same(got, want, atol=1e-5)
+
+
+def test_tokamax_tpu_kernel_sinks_through_its_own_backward(monkeypatch):
+    """tokamax's TPU kernel (splash behind a dense mask) and its own Pallas VJP, run in
+    Pallas's interpreter: the sinks' identity holds for a backward that reads the output it is
+    given (tokamax's cross-compile switch lets it be built without a TPU)."""
+    from tokamax._src import config as tokamax_config
+    from tokamax._src.ops.experimental.tpu.splash_attention import (
+        splash_attention_kernel as tokamax_splash,
+    )
+
+    default = tokamax_splash.SplashConfig.get_default()
+    monkeypatch.setattr(
+        tokamax_splash.SplashConfig,
+        "get_default",
+        classmethod(lambda cls: dataclasses.replace(default, interpret=True)),
+    )
+    q, k, v = _long_qkv(13, heads=2, kv_heads=1, rows=1)
+    q, k, v = (jnp.tile(x, (1, 1, 1, 128 // H)) for x in (q, k, v))  # the kernel's 128 lanes
+    cot = jax.random.normal(jax.random.key(14), q.shape, jnp.float32)
+    seg = jnp.asarray(LONG_SEGMENT_IDS[:1])
+    with tokamax_config.cross_compile(True):
+        got = _value_and_grads(
+            attn.attention_kernel("mosaic_tpu", 20), q, k, v, seg, _sinks(2), cot
+        )
+    want = _value_and_grads(attn.attention_kernel("xla", 20), q, k, v, seg, _sinks(2), cot)
+    _assert_same(got, want, atol=1e-4)
+
+
+@pytest.mark.parametrize(
+    "kernel, instead", [("xla_chunked", "tokamax_xla"), ("cudnn", "mosaic_gpu")]
+)
+def test_kernels_without_a_log_sum_exp_refuse_sinks(kernel, instead):
+    q, k, v = _qkv()
+    with pytest.raises(NotImplementedError, match=f"{kernel!r} .*model.attention={instead}"):
+        attn.attention_kernel(kernel)(q, k, v, jnp.asarray(SEGMENT_IDS), _sinks())
 
 
 def test_splash_kernel_matches_reference_forward_and_grad():
@@ -188,28 +278,74 @@ _SHARDED_CASES = {
 @pytest.mark.parametrize("kernel", ["splash", "tokamax_xla"])
 def test_kernels_run_per_device_on_a_mesh(case, kernel):
     """A Pallas kernel cannot be partitioned by XLA: on a mesh it runs inside shard_map, each
-    device on its rows and heads. Forward and gradients equal the unsharded reference's."""
+    device on its rows and heads, each with its heads' sinks, a sliding window in the mask.
+    Forward and gradients (the sinks' summed over the devices' rows) equal the unsharded
+    reference's."""
     heads, kv_heads, degrees, rules_update = _SHARDED_CASES[case]
     cfg = MeshConfig(**{"data": 1, "fsdp": 1, "tensor": 1, **degrees})
     mesh = build_mesh(cfg)
     rules = {**config_lib.load(config_lib.CONFIGS_DIR / "base.yml").mesh.rules, **rules_update}
-    fn = attn.per_device(_splash) if kernel == "splash" else attn.attention_kernel(kernel)
+    window = 48
+    if kernel == "splash":
+        fn = attn.per_device(partial(_splash, window=window))
+    else:
+        fn = attn.attention_kernel(kernel, window)
     q, k, v = _long_qkv(6, heads, kv_heads, rows=4)
     cot = jax.random.normal(jax.random.key(7), q.shape, jnp.float32)
     seg = jnp.asarray(np.concatenate([LONG_SEGMENT_IDS, LONG_SEGMENT_IDS[::-1]]))
 
-    def loss(fn):
-        def f(q, k, v):
+    def sharded(fn):
+        def f(q, k, v, seg, sinks):
             with sharding_rules(mesh, rules):
                 q = constrain(q, ("batch", "length", "heads", "head_dim"))
-                return jnp.sum(fn(q, k, v, seg) * cot)
+                return fn(q, k, v, seg, sinks)
 
-        return jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2)))
+        return f
 
-    (want, grads_want), (got, grads_got) = (
-        loss(attn.reference_attention)(q, k, v),
-        loss(fn)(q, k, v),
+    want = _value_and_grads(sharded(attn.attention_kernel("xla", window)), q, k, v, seg,
+                            _sinks(heads), cot)  # fmt: skip
+    got = _value_and_grads(sharded(fn), q, k, v, seg, _sinks(heads), cot)
+    _assert_same(got, want, atol=1e-4)
+
+
+@pytest.mark.parametrize("window", [1, 3, 7])
+def test_banded_kernel_equals_the_whole_mask(window):
+    """Local layers' plain-XLA kernel (blocks of `window` queries; 16 tokens leave a partial
+    last block for 3 and 7) against the reference's whole [T, T] mask, sinks included."""
+    q, k, v = _qkv(15)
+    cot = jax.random.normal(jax.random.key(16), q.shape, jnp.float32)
+    seg = jnp.asarray(SEGMENT_IDS)
+    banded = partial(attn.banded_attention, window=window)
+    whole = partial(attn.reference_attention, window=window)
+    want = _value_and_grads(whole, q, k, v, seg, _sinks(), cot)
+    _assert_same(_value_and_grads(banded, q, k, v, seg, _sinks(), cot), want, atol=1e-5)
+
+
+def _compiled_costs(kernel: str, window: int | None, length: int) -> np.ndarray:
+    """(FLOPs, bytes accessed, temporary bytes) of the compiled CPU program of the kernel's
+    forward and backward, as XLA's cost and memory analyses report them."""
+    fn = attn.attention_kernel(kernel, window)
+    f32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)  # noqa: E731
+    loss = lambda q, k, v, seg: jnp.sum(fn(q, k, v, seg))  # noqa: E731
+    args = (f32(1, length, N, H), f32(1, length, K, H), f32(1, length, K, H))
+    segments = jax.ShapeDtypeStruct((1, length), jnp.int32)
+    compiled = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(*args, segments).compile()
+    cost = compiled.cost_analysis()
+    temp = compiled.memory_analysis().temp_size_in_bytes
+    return np.array([cost["flops"], cost["bytes accessed"], temp])
+
+
+def test_windowed_xla_kernel_does_sequence_times_window_work():
+    """The plain-XLA kernel of a local layer (banded_attention: blocks of `window` queries
+    against their block and the previous one): XLA's cost analysis of the compiled CPU
+    program counts every matmul and elementwise op (no loops here to hide a trip count), and
+    its memory analysis the temporaries. At twice the sequence the windowed kernel's FLOPs,
+    bytes accessed and temporaries double (O(T x window)); the global kernel's quadruple."""
+    windowed, causal = (
+        {length: _compiled_costs("xla", window, length) for length in (1024, 2048)}
+        for window in (64, None)
     )
-    np.testing.assert_allclose(got, want, rtol=1e-5)
-    for g, w in zip(grads_got, grads_want, strict=True):
-        np.testing.assert_allclose(g, w, rtol=0, atol=1e-4)
+    np.testing.assert_allclose(windowed[2048] / windowed[1024], 2.0, rtol=0.01)
+    np.testing.assert_allclose(causal[2048] / causal[1024], 4.0, rtol=0.02)
+    # and at 2048 tokens a window of 64 costs a fraction of the causal kernel's work
+    assert windowed[2048][0] < causal[2048][0] / 10

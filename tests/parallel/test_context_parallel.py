@@ -5,6 +5,7 @@ moves the bytes its exchange should, and the balanced layout evens out the causa
 from __future__ import annotations
 
 import re
+from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -55,6 +56,38 @@ def test_split_attention_equals_the_whole_sequence(exchange):
             with sharding_rules(mesh, RULES):
                 got = attend(q[:, order], k[:, order], v[:, order], segments[:, order])
             np.testing.assert_allclose(got, want, atol=2e-6, err_msg=f"{context} {layout}")
+
+
+@pytest.mark.parametrize("context, layout", [(4, "balanced"), (2, "contiguous")])
+@pytest.mark.parametrize("exchange", ["all_gather", "ring"])
+def test_split_window_and_sinks_equal_the_whole_sequence(exchange, context, layout):
+    """A sliding window (by original token index) and sinks (applied once, to the merge of
+    every block): values and the gradients of q, k, v and the sinks equal the unsplit
+    reference's."""
+    q, k, v = _qkv()
+    sinks = jax.random.normal(jax.random.key(5), (N,))
+    cot = jax.random.normal(jax.random.key(6), q.shape)
+    window = 6  # shorter than a device's block: most blocks hold none of a query's keys
+    mesh = build_mesh(MeshConfig(fsdp=8 // context, context=context))
+    order = layout_order(T, context, layout)
+    split = context_attention(exchange, layout)
+
+    def loss_split(q, k, v, sinks):
+        with sharding_rules(mesh, RULES):
+            out = split(q, k, v, PACKED[:, order], sinks, window=window)
+        return jnp.sum(out * cot[:, order])
+
+    def loss_whole(q, k, v, sinks):
+        out = reference_attention(q, k, v, jnp.asarray(PACKED), sinks, window=window)
+        return jnp.sum(out[:, order] * cot[:, order])
+
+    grad = partial(jax.value_and_grad, argnums=(0, 1, 2, 3))
+    got_value, got = jax.jit(grad(loss_split))(q[:, order], k[:, order], v[:, order], sinks)
+    want_value, want = jax.jit(grad(loss_whole))(q, k, v, sinks)
+    np.testing.assert_allclose(got_value, want_value, rtol=1e-5)
+    want = [w[:, order] for w in want[:3]] + [want[3]]  # q, k, v gradients in the layout
+    for name, g, w in zip("q k v sinks".split(), got, want, strict=True):
+        np.testing.assert_allclose(g, w, atol=1e-5, err_msg=f"d{name}")
 
 
 def test_balanced_layout_evens_the_causal_work():
@@ -121,14 +154,23 @@ def _train(cfg, steps: int = 2):
 
 
 CASES = {
-    # (model, overrides): each exchange, C in {2, 4}, dense and MoE, with fsdp, expert, stage
-    "dense all_gather C=2 fsdp=4": ("tiny", "mesh.context=2 mesh.fsdp=4"),
+    # (model, its overrides, the split's): each exchange, C in {2, 4}, dense and MoE, with
+    # fsdp, expert, stage
+    "dense all_gather C=2 fsdp=4": ("tiny", "", "mesh.context=2 mesh.fsdp=4"),
     "dense ring C=4 stage=2": (
         "tiny",
+        "",
         "mesh.context=4 mesh.stage=2 mesh.fsdp=1 model.context_exchange=ring",
+    ),
+    # every other layer a sliding window shorter than a device's block of the sequence
+    "windowed ring C=4 fsdp=2": (
+        "tiny",
+        "model.layer_pattern=[local,global] model.local_attention.window=5",
+        "mesh.context=4 mesh.fsdp=2 model.context_exchange=ring",
     ),
     "moe ring C=2 expert=2 fsdp=2": (
         "tiny-moe",
+        "",
         "mesh.context=2 mesh.expert=2 mesh.fsdp=2 model.context_exchange=ring "
         "model.moe.ep_capacity_factor=2",  # no row dropped: drops depend on token order
     ),
@@ -144,14 +186,14 @@ def unsplit_runs(tmp_path_factory):
 def test_training_matches_the_unsplit_run(case, make_cfg, unsplit_runs):
     """Two steps on packed synthetic rows: the loss of every step and the parameters after them
     equal mesh.context=1's to float32 rounding."""
-    model, overrides = CASES[case]
+    model, model_overrides, overrides = CASES[case]
     # Adam's eps at 1e-3 keeps its update linear in gradients near 0: with 1e-8 a gradient
     # within rounding of 0 moves a weight by about +-lr, whichever sign the rounding gave it.
     common = (f"model_name={model}", "checkpoint.enabled=false", "optim.warmup_steps=0",
-              "optim.eps=1e-3")  # fmt: skip
-    if model not in unsplit_runs:
-        unsplit_runs[model] = _train(make_cfg(*common))
-    want_losses, want_params = unsplit_runs[model]
+              "optim.eps=1e-3", *model_overrides.split())  # fmt: skip
+    if common not in unsplit_runs:
+        unsplit_runs[common] = _train(make_cfg(*common))
+    want_losses, want_params = unsplit_runs[common]
     losses, params = _train(make_cfg(*common, *overrides.split()))
     np.testing.assert_allclose(losses, want_losses, rtol=1e-5)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-6), params, want_params)

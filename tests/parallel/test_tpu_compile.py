@@ -4,14 +4,23 @@ host (maxtrain/parallel/topology.py): what a v5e slice would run, without one.
 Each case builds the run's trainer over a topology's devices from shapes alone, compiles the
 train step, and asserts what the compiler's program shows: the configured Pallas kernels are
 in it (no silent fallback to plain XLA), and the exchange the path is about moves its bytes
-over the mesh axes it should.
+over the mesh axes it should. Sliding windows are read from splash's block tables: the grid its
+kernels step through.
 """
 
-import jax
-import pytest
+import re
 
+import jax
+import jax.numpy as jnp
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from maxtrain import config as config_lib
 from maxtrain.analysis import program
-from maxtrain.parallel.mesh import mesh_platform
+from maxtrain.config import MeshConfig
+from maxtrain.model.kernels.attention import attention_kernel
+from maxtrain.parallel.mesh import build_mesh, mesh_platform, sharding_rules
 from maxtrain.parallel.topology import topology_devices
 from maxtrain.training import run_model
 from maxtrain.training.trainer import build_trainer, compile_step
@@ -214,3 +223,83 @@ def test_ragged_exchange_where_the_tpu_compiler_has_it(make_cfg):
     )
     with pytest.raises(ConfigError, match="ragged does not compile on a 64-chip v5e slice"):
         build_trainer(cfg, devices=list(topology_devices("v5e:8x8")), abstract=True)
+
+
+_DEFINED = re.compile(r"^\s*(?:ROOT )?%([\w.\-]+) = ([a-z0-9]+\[[\d,]*\])")
+_SPLASH_CALL = re.compile(
+    r"^\s*(?:ROOT )?%(splash_mha_\w+?)(?:\.\d+)? = .*? custom-call\(%([\w.\-]+)"
+)
+
+
+def _splash_grids(hlo: str) -> dict[str, list[tuple[int, int]]]:
+    """Per splash kernel, each call's grid per head, read from its block table (the call's
+    first operand, data_next: [heads, query blocks, key blocks visited per query block]; the
+    dkv kernel's [heads, query blocks visited per key block, key blocks])."""
+    shapes = {m.group(1): m.group(2) for m in map(_DEFINED.match, hlo.splitlines()) if m}
+    grids: dict[str, list[tuple[int, int]]] = {}
+    for match in filter(None, map(_SPLASH_CALL.match, hlo.splitlines())):
+        dims = shapes[match.group(2)].split("[")[1].rstrip("]").split(",")
+        grids.setdefault(match.group(1), []).append(tuple(int(d) for d in dims[1:]))
+    return grids
+
+
+def test_windowed_splash_does_sequence_times_window_work():
+    """Splash's work is its grid: block steps of 512 queries x 512 keys. XLA's cost analysis
+    cannot see inside a Mosaic call (it reports the same FLOPs for a window as for causal
+    attention) and a flash kernel's temporaries are O(T) either way, so the grid is read from
+    the kernels' block tables, operands of their calls in the compiled TPU program. Forward
+    and backward with sinks, per device (shard_map) on fsdp 2 x tensor 2 of v5e:2x2: at twice
+    the sequence the grids of a 512-key window double, causal attention's quadruple."""
+    devices = list(topology_devices(TOPOLOGY))
+    mesh = build_mesh(MeshConfig(fsdp=2, tensor=2), devices)
+    rules = config_lib.load(config_lib.CONFIGS_DIR / "base.yml").mesh.rules
+
+    def grid_steps(window: int | None, length: int) -> dict[str, int]:
+        kernel = attention_kernel("splash", window)
+
+        def loss(q, k, v, segments, sinks):
+            with sharding_rules(mesh, rules):
+                return jnp.sum(kernel(q, k, v, segments, sinks).astype(jnp.float32))
+
+        spec = lambda *shape, dtype=jnp.bfloat16: jax.ShapeDtypeStruct(  # noqa: E731
+            shape, dtype, sharding=NamedSharding(mesh, P())
+        )
+        args = (spec(2, length, 4, 128), spec(2, length, 2, 128), spec(2, length, 2, 128))
+        extra = (spec(2, length, dtype=jnp.int32), spec(4, dtype=jnp.float32))
+        grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 4)))
+        grids = _splash_grids(grad.lower(*args, *extra).compile().as_text())
+        assert set(grids) == {f"splash_mha_{k}_segmented_{r}" for k, r in
+                              [("fwd", "residuals"), ("dq", "no_residuals"),
+                               ("dkv", "no_residuals")]}, grids  # fmt: skip
+        return {name: sum(q * k for q, k in calls) for name, calls in grids.items()}
+
+    windowed = {t: grid_steps(512, t) for t in (2048, 4096)}
+    causal = {t: grid_steps(None, t) for t in (2048, 4096)}
+    for name, steps in windowed[2048].items():
+        assert windowed[4096][name] == 2 * steps, (name, windowed)
+        assert causal[4096][name] == 4 * causal[2048][name], (name, causal)
+    # 4 query blocks of 2048 tokens: a window reaches its own and the previous key block
+    assert windowed[2048]["splash_mha_fwd_segmented_residuals"] == 4 * 2
+    assert causal[2048]["splash_mha_fwd_segmented_residuals"] == 4 * 4
+
+
+def test_local_layers_compile_to_windowed_splash(make_cfg):
+    """A model of [local, global] layers, a window of 256 over 2048 tokens (4 blocks of 512),
+    compiled on fsdp 2 x tensor 2: the layer scan's switch holds both kinds' kernels, the
+    global layers' stepping over every key block (4 x 4) and the local layers' over the two a
+    window reaches (4 x 2), in the forward and both backward kernels."""
+    _, hlo, found = _compile(
+        make_cfg,
+        "mesh.fsdp=2",
+        "mesh.tensor=2",
+        "train.seq_len=2048",
+        "model.max_seq_len=2048",
+        "train.global_batch_size=4",
+        "model.layer_pattern=[local,global]",
+        "model.local_attention.window=256",
+    )
+    _has(found, ATTENTION)
+    grids = _splash_grids(hlo)
+    assert set(grids["splash_mha_fwd_segmented_residuals"]) == {(4, 4), (4, 2)}, grids
+    assert set(grids["splash_mha_dq_segmented_no_residuals"]) == {(4, 4), (4, 2)}, grids
+    assert set(grids["splash_mha_dkv_segmented_no_residuals"]) == {(4, 4), (2, 4)}, grids

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from maxtrain.config import ModelConfig
+from maxtrain.config import LocalAttention, ModelConfig
 from maxtrain.training.metrics import (
     MetricsWriter,
     drop_warning,
@@ -72,6 +72,32 @@ def test_explicit_head_dim_is_used() -> None:
     assert matmul_params(model) == params
     attn = 6 * 32 * 4 * 32 * 2  # 49152
     assert train_flops_per_token(model, 32) == 6 * params + attn == 1_022_976
+
+
+@pytest.mark.parametrize(
+    "local, local_keys",
+    [
+        # a window of 16 over 64 tokens: 16 keys per query once full, its triangle over the
+        # first 16 queries: 16 - 16^2 / (2 x 64)
+        (LocalAttention(window=16), 14.0),
+        # chunks of 24: two full ones and one of 16, each triangle c^2 / 2, over 64 queries
+        (LocalAttention(chunk=24), (2 * 24**2 / 2 + 16**2 / 2) / 64),
+        (LocalAttention(window=64), 32.0),  # a window covering the sequence is global
+    ],
+)
+def test_local_layers_count_their_window_or_chunk_not_the_sequence(local, local_keys) -> None:
+    """A local layer's attention matmuls run over its window's (chunk's) keys: the FLOP count
+    of [local, global] x 2 is the global model's less the two local layers' missing keys,
+    6 FLOPs x (N H_qk + N H_v) each; the projections count the same."""
+    plain = _small(num_layers=4)
+    windowed = _small(num_layers=4, layer_pattern=["local", "global"], local_attention=local)
+    assert matmul_params(windowed) == matmul_params(plain)
+    per_key = 6 * (4 * 16 + 4 * 16)  # per layer and token: N x H for the scores, for the values
+    global_keys = 64 / 2  # the causal half
+    saved = 2 * (global_keys - local_keys) * per_key
+    assert train_flops_per_token(windowed, 64) == pytest.approx(
+        train_flops_per_token(plain, 64) - saved, rel=1e-12
+    )
 
 
 def test_llama3_8b_matches_quoted_parameter_count() -> None:

@@ -8,8 +8,13 @@ documents are contiguous, "same document and causal" equals "causal and key inde
 index of the query's document" -- a per-query `k_start`, which tokamax's Mask takes natively and
 lets the flash kernels skip whole key blocks instead of reading a [T, T] mask from memory.
 
-`attention_kernel(name)` returns the function for a configured name; the attention layer calls
-it at construction and keeps the function, so nothing is looked up by name while tracing.
+`attention_kernel(name, window)` returns the function for a configured name and a layer's
+sliding window; the attention layer calls it at construction and keeps the function, so
+nothing is looked up by name while tracing. Every kernel skips the work outside the window:
+the reference's local layers run `banded_attention` (blocks of `window` queries against two
+blocks of keys), splash its LocalMask's block tables, tokamax's flash kernels their k_start
+ranges. Attention sinks: the reference and splash have them inside, tokamax's kernels around
+their forward and backward (model/kernels/sinks.py).
 
 Value heads may be smaller than query/key heads (multi-head latent attention: 128 against 192
 in DeepSeek-V3). The reference takes any value head size. The tokamax kernels are given V
@@ -38,6 +43,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from maxtrain.model.kernels.sinks import kernel_with_sinks, with_sinks
 from maxtrain.model.kernels.splash import splash_attention
 from maxtrain.parallel.mesh import active_rules, logical_to_spec, spec_axes
 
@@ -65,6 +71,51 @@ def reference_attention(
         causal &= index[:, None] - index[None, :] < window
     same_doc = segment_ids[:, :, None] == segment_ids[:, None, :]  # [B, T, S]
     return masked_attention(q, k, v, causal & same_doc, sinks)
+
+
+def banded_attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    segment_ids: jax.Array,
+    sinks: jax.Array | None = None,
+    *,
+    window: int,
+) -> jax.Array:
+    """`reference_attention` with a sliding window, in O(T x window) work and memory: the
+    sequence cut into blocks of `window` queries, each against the keys of its own block and
+    of the one before (all a window reaches), masked by original index and document. Scores
+    are [T, 2 x window] per head instead of [T, T]: the plain-XLA path of local layers. A
+    window of half the sequence or more gains nothing and takes the reference's whole mask."""
+    b, t, n, h = q.shape
+    if banded_keys(window, t) == t:
+        return reference_attention(q, k, v, segment_ids, sinks, window=window)
+    blocks = -(-t // window)
+    # Padding keys sit past every real query: the causal mask hides them, as it hides the
+    # zero block before the first (negative indices).
+    pad = lambda x: jnp.pad(x, [(0, 0), (0, blocks * window - t)] + [(0, 0)] * (x.ndim - 2))  # noqa: E731
+
+    def with_previous(x):  # [B, T', ...] -> [B * blocks, 2 * window, ...]
+        x = pad(x).reshape(b, blocks, window, *x.shape[2:])
+        previous = jnp.pad(x[:, :-1], [(0, 0), (1, 0)] + [(0, 0)] * (x.ndim - 2))
+        return jnp.concatenate([previous, x], axis=2).reshape(b * blocks, 2 * window, *x.shape[3:])
+
+    q_index = jnp.arange(blocks * window).reshape(blocks, window)
+    k_index = jnp.concatenate([q_index - window, q_index], axis=1)  # [blocks, 2 * window]
+    delta = q_index[:, :, None] - k_index[:, None, :]  # [blocks, window, 2 * window]
+    visible = (delta >= 0) & (delta < window) & (k_index[:, None, :] >= 0)
+    q_segments = pad(segment_ids).reshape(b * blocks, window)
+    same_doc = q_segments[:, :, None] == with_previous(segment_ids)[:, None, :]
+    mask = same_doc & jnp.tile(visible, (b, 1, 1))
+    blocked_q = pad(q).reshape(b * blocks, window, n, h)
+    out = masked_attention(blocked_q, with_previous(k), with_previous(v), mask, sinks)
+    return out.reshape(b, blocks * window, n, -1)[:, :t]
+
+
+def banded_keys(window: int | None, length: int) -> int:
+    """The keys per query of the score array the plain-XLA kernel of a layer holds: all
+    `length`, or a banded window's two blocks."""
+    return 2 * window if window is not None and 2 * window < length else length
 
 
 def cached_attention(
@@ -117,13 +168,6 @@ def masked_attention(
     b, t, n, _ = q.shape
     lse = lse.transpose(0, 3, 1, 2).reshape(b, t, n)  # [B, K, G, T] -> [B, T, N]
     return with_sinks(out, lse, sinks)
-
-
-def with_sinks(out: jax.Array, lse: jax.Array, sinks: jax.Array) -> jax.Array:
-    """An attention output [B, T, N, Hv] and its scores' log-sum-exp [B, T, N] -> the output
-    with each head's sink logit [N] added to the softmax denominator (in out's dtype)."""
-    keep = jax.nn.sigmoid(lse.astype(jnp.float32) - sinks.astype(jnp.float32))
-    return (out.astype(jnp.float32) * keep[..., None]).astype(out.dtype)
 
 
 def _grouped(q: jax.Array, num_kv: int) -> jax.Array:
@@ -236,32 +280,80 @@ def _tokamax(kernel: str, make_mask: MaskFn, window: int | None) -> AttentionFn:
     (the same objects and call the public API makes: tokamax/_src/ops/attention/api.py). tokamax
     is imported when a kernel is first traced: its import takes seconds, and CPU runs never
     need it.
+
+    Sinks go through model/kernels/sinks.py: the kernel's forward with its softmax residuals
+    (the log-sum-exp) and its own VJP op (tokamax's plain-XLA one for the XLA kernel, which has
+    none of its own), called with the residuals the forward saved.
     """
 
     def fn(q, k, v, segment_ids, sinks=None):
         from tokamax._src.ops.attention import api as tokamax_api
 
-        if sinks is not None:
-            raise NotImplementedError(f"attention sinks are not implemented for {kernel!r}")
         impl = tokamax_api.IMPLEMENTATIONS[kernel]  # looked up at call time: not all exist on CPU
         value_dim = v.shape[-1]
         if value_dim > q.shape[-1]:
             raise ValueError(f"value head size {value_dim} exceeds the query/key's {q.shape[-1]}")
         v = jnp.pad(v, [(0, 0)] * (v.ndim - 1) + [(0, q.shape[-1] - value_dim)])
-        out = impl(
-            q,
-            k,
-            v,
-            bias=None,
-            mask=make_mask(segment_ids, window),
-            logits_scale=1.0 / math.sqrt(q.shape[-1]),
-            precision=None,
-            logits_soft_cap=None,
-            q_sharding=None,
-        )
+
+        def options(segment_ids):
+            return dict(
+                bias=None,
+                mask=make_mask(segment_ids, window),
+                logits_scale=1.0 / math.sqrt(q.shape[-1]),
+                precision=None,
+                logits_soft_cap=None,
+            )
+
+        if sinks is None:
+            out = impl(q, k, v, q_sharding=None, **options(segment_ids))
+            return out[..., :value_dim]
+        if kernel in _NO_RESIDUALS:
+            raise NotImplementedError(
+                f"attention sinks need the kernel's log-sum-exp, which tokamax's {kernel!r} does "
+                f"not return; use model.attention={_NO_RESIDUALS[kernel]}"
+            )
+
+        lse_of = _RESIDUALS_LSE.get(kernel, _max_and_sum_lse)  # [B, N, T]
+
+        def forward(q, k, v, segment_ids):
+            out, residuals = impl(q, k, v, return_residuals=True, **options(segment_ids))
+            return out, jnp.swapaxes(lse_of(residuals), 1, 2), (q, k, v, segment_ids, residuals)
+
+        def backward(saved, out, d_out):
+            q, k, v, segment_ids, residuals = saved
+            bound = dict(impl.bind(q, k, v, **options(segment_ids)).kwargs)
+            del bound["return_residuals"]
+            if impl.vjp is None:
+                # tokamax's XLA kernel: its VJP is autodiff of the forward, which recomputes the
+                # output rather than reading `out`; the reference's backward reads it, over the
+                # same mask.
+                b, t, n, h = q.shape
+                mask = bound["mask"].as_array(t, k.shape[1])[:, 0]  # [B, T, S]
+                lse = lse_of(residuals).reshape(b, k.shape[2], n // k.shape[2], t)
+                residuals = (q, k, v, mask, out, lse)
+                return _attention_bwd_rule(residuals, (d_out, jnp.zeros_like(lse)))[:3]
+            grads = impl.vjp(residuals, out, d_out, q, k, v, **bound)
+            return grads["q"], grads["k"], grads["v"]
+
+        out = kernel_with_sinks(forward, backward)(q, k, v, segment_ids, sinks)
         return out[..., :value_dim]
 
     return fn
+
+
+def _max_and_sum_lse(residuals: tuple[jax.Array, jax.Array]) -> jax.Array:
+    maximum, denominator = residuals  # of the scores, per query: (max, sum of exp(s - max))
+    return maximum + jnp.log(denominator)
+
+
+# How a tokamax kernel's softmax residuals hold the log-sum-exp: (max, denominator) in all but
+# the TPU kernel, which keeps splash's (max, log-sum-exp) (tokamax's pallas_mosaic_*.py).
+_RESIDUALS_LSE: dict[str, Callable[[tuple[jax.Array, jax.Array]], jax.Array]] = {
+    "mosaic_tpu": lambda residuals: residuals[1]
+}
+# Kernels whose forward returns no residuals (return_residuals=True raises in tokamax: jax.nn's
+# cuDNN call and the chunked XLA loop keep their statistics to themselves) -> one that has sinks.
+_NO_RESIDUALS = {"cudnn": "mosaic_gpu", "xla_chunked": "tokamax_xla"}
 
 
 def per_device(kernel: AttentionFn) -> AttentionFn:
@@ -334,15 +426,7 @@ def _unavailable(name: str, backend: str) -> AttentionFn:
 
 
 def _splash(window: int | None) -> AttentionFn:
-    if window is not None:
-        raise NotImplementedError("splash attention has no sliding window yet; use xla")
-
-    def fn(q, k, v, segment_ids, sinks=None):
-        if sinks is not None:
-            raise NotImplementedError("splash attention has no attention sinks yet; use xla")
-        return splash_attention(q, k, v, segment_ids)
-
-    return fn
+    return partial(splash_attention, window=window)
 
 
 def _on_devices(kernel: str, make_mask: MaskFn) -> Callable[[int | None], AttentionFn]:
@@ -351,7 +435,7 @@ def _on_devices(kernel: str, make_mask: MaskFn) -> Callable[[int | None], Attent
 
 
 def _reference(window: int | None) -> AttentionFn:
-    return reference_attention if window is None else partial(reference_attention, window=window)
+    return reference_attention if window is None else partial(banded_attention, window=window)
 
 
 # name -> (window -> the attention function): each kernel built for a layer's mask.
@@ -407,13 +491,15 @@ def block_attention(
     k_segment_ids: jax.Array,
     q_index: jax.Array,
     k_index: jax.Array,
+    window: int | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """One block of a split attention: queries [B, Tq, N, H] against keys/values [B, S, K, H]
     that may be any part of the sequence, in any order.
 
     The mask comes from each token's index in the original sequence (q_index [Tq], k_index [S])
     and its document (segment ids [B, Tq], [B, S]), not from where it sits in the block, so a
-    load-balanced or rotated split masks exactly as the whole sequence does. Returns the
+    load-balanced or rotated split masks exactly as the whole sequence does; so does a sliding
+    `window` (keys i - window + 1 .. i by original index). Returns the
     normalised output [B, Tq, N, H] and the log-sum-exp of the scores [B, Tq, N] (both float32):
     blocks of the same queries merge exactly with `merge_blocks`. The plain-XLA path of the
     context-parallel exchanges (parallel/context.py); its math is `reference_attention`'s.
@@ -424,6 +510,8 @@ def block_attention(
     scores = jnp.einsum("btkgh,bskh->bkgts", q, k, preferred_element_type=jnp.float32)
     scores = scores.astype(jnp.float32) / math.sqrt(h)  # [B, K, G, Tq, S]
     causal = k_index[None, :] <= q_index[:, None]  # [Tq, S]
+    if window is not None:
+        causal &= q_index[:, None] - k_index[None, :] < window
     same_doc = q_segment_ids[:, :, None] == k_segment_ids[:, None, :]  # [B, Tq, S]
     mask = (causal & same_doc)[:, None, None]
     # A query may see no key of this block: finfo.min keeps it finite, and its log-sum-exp

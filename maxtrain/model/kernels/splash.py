@@ -8,6 +8,14 @@ block from two [T] vectors. tokamax's TPU kernel (model/kernels/attention.py "mo
 the same kernel only through a dense [B, T, T] mask, materialised in memory and read per block;
 packed pre-training rows need the segment ids, hence this module.
 
+A sliding window is splash's own static LocalMask (keys i - window + 1 .. i), which is causal
+too: the kernel's block tables then list only the key blocks inside the window, so its grid
+shrinks to O(T x window) steps (tests/model/test_attention_work.py reads them from the TPU
+program). Attention sinks (GPT-OSS) are splash's own too: the forward starts each query's
+running max and denominator at the head's sink logit, so its log-sum-exp includes the sink,
+and the backward kernels, given that log-sum-exp and the sink-scaled output, compute the
+sink-softmax's gradient; the sinks' gradient is -sum(exp(sink - lse) * out * dout).
+
 One call runs one device's share: the caller (model/kernels/attention.py `per_device`) puts it
 inside
 `shard_map`. `interpret=True` runs the same kernel in Pallas's interpreter, on any backend: the
@@ -44,10 +52,18 @@ def check_length(length: int) -> None:
 
 
 def splash_attention(
-    q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array, *, interpret: bool = False
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    segment_ids: jax.Array,
+    sinks: jax.Array | None = None,
+    *,
+    window: int | None = None,
+    interpret: bool = False,
 ) -> jax.Array:
-    """q [B, T, N, H], k/v [B, T, K, H|Hv], segment_ids [B, T] -> [B, T, N, Hv] in q.dtype:
-    causal within packed documents, scale 1/sqrt(H), query head n on K/V head n // (N / K)."""
+    """q [B, T, N, H], k/v [B, T, K, H|Hv], segment_ids [B, T], sinks [N] | None ->
+    [B, T, N, Hv] in q.dtype: causal within packed documents (and within the last `window`
+    keys), scale 1/sqrt(H), query head n on K/V head n // (N / K)."""
     b, t, n, h = q.shape
     if not interpret:
         check_length(t)
@@ -64,7 +80,7 @@ def splash_attention(
     )
     # The mask's structure is static: built while tracing, its block tables become constants.
     kernel = splash.make_splash_mha(
-        splash.MultiHeadMask([splash.CausalMask((t, t))] * n),
+        splash.MultiHeadMask([_mask(t, window)] * n),
         block_sizes=sizes,
         head_shards=1,
         q_seq_shards=1,
@@ -73,8 +89,21 @@ def splash_attention(
     heads_first = lambda x: jnp.swapaxes(x, 1, 2)  # noqa: E731  [B, T, heads, H] -> [B, heads, T, H]
     scaled = (q * (1.0 / math.sqrt(h))).astype(q.dtype)  # splash takes no scale: fold it into q
 
+    if sinks is not None:
+        # In the compute dtype: the kernel returns the sinks' gradient in the output's dtype,
+        # which the cast's transpose turns back into the sinks' own.
+        sinks = sinks.astype(q.dtype)
+
     def one_row(q, k, v, segments):
-        return kernel(q, k, v, segment_ids=splash.SegmentIds(q=segments, kv=segments))
+        return kernel(q, k, v, segment_ids=splash.SegmentIds(q=segments, kv=segments), sinks=sinks)
 
     out = jax.vmap(one_row)(heads_first(scaled), heads_first(k), heads_first(v), segment_ids)
     return heads_first(out).astype(q.dtype)
+
+
+def _mask(length: int, window: int | None) -> splash.Mask:
+    """Causal, or causal within the last `window` keys (a window as long as the sequence is
+    plain causal)."""
+    if window is None or window >= length:
+        return splash.CausalMask((length, length))
+    return splash.LocalMask((length, length), window_size=(window - 1, 0), offset=0)

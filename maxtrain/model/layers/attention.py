@@ -79,9 +79,7 @@ class Attention(nnx.Module):
             rotated_q, rotated_k = self._as_scored(variant, q, k, positions)
             segments = variant.segments(segment_ids, positions)
             if context_degree() > 1:
-                if variant.window is not None:
-                    raise NotImplementedError("local attention with mesh.context > 1")
-                return self.attend_split(rotated_q, rotated_k, v, segments)
+                return self.attend_split(rotated_q, rotated_k, v, segments, window=variant.window)
             return kernel(rotated_q, rotated_k, v, segments)  # [B, T, N, H]
 
         return self.o(self._switch(kind, attend, zip(self.variants, self.kernels, strict=True)))

@@ -94,6 +94,27 @@ def kind_per_layer(cfg: ModelArchitecture) -> tuple[int, ...]:
     return tuple(KINDS.index(cfg.layer_attention(i)) for i in range(cfg.num_layers))
 
 
+def keys_per_query(cfg: ModelArchitecture, seq_len: int) -> tuple[float, ...]:
+    """Per model layer: the keys a query attends to on average in a sequence of `seq_len`
+    tokens, under its kind's causal mask, counted as model FLOPs count causal attention (the
+    continuous half: seq_len / 2 for a global layer, training/metrics.py). A sliding window of
+    W < T: W - W^2 / 2T (W keys once the window is full, its triangle over the first W
+    queries); chunks of C: the triangles of the T // C full chunks and the last partial one,
+    C^2 / 2 each, over T."""
+    t = seq_len
+    local = cfg.local_attention
+    if local is None:
+        local_keys = t / 2
+    elif local.chunk is not None:
+        full, rest = divmod(t, local.chunk)
+        local_keys = (full * local.chunk**2 + rest**2) / (2 * t)
+    else:
+        w = min(local.window, t)
+        local_keys = w - w * w / (2 * t)
+    keys = {"global": t / 2, "local": local_keys}
+    return tuple(keys[KINDS[kind]] for kind in kind_per_layer(cfg))
+
+
 def chunk_segments(segment_ids: jax.Array, positions: jax.Array, chunk: int) -> jax.Array:
     """[B, T] -> [B, T]: ids that change wherever the document does or a position is a multiple
     of `chunk` (positions restart in every packed document, so chunks follow the document)."""
