@@ -179,6 +179,9 @@ class ModelArchitecture(Section):
     # Which dims rotate together: false pairs dim i with i + H/2 (Llama, Qwen); true pairs
     # 2i with 2i + 1 (DeepSeek checkpoints).
     rope_interleaved: bool = False
+    # Partial RoPE (GLM-4.5: 0.5): the first partial_rotary_factor x head_dim dims of each
+    # query/key head rotate (pairing as above, among themselves); the rest carry no position.
+    partial_rotary_factor: float = Field(default=1.0, gt=0, le=1)
     # gqa: grouped-query attention (model/layers/attention.py); mla: multi-head latent attention
     # (model/layers/mla.py), shaped by the `mla` section (num_kv_heads and head_dim are then
     # unused).
@@ -233,7 +236,22 @@ class ModelArchitecture(Section):
                 f"model.emb_dim ({self.emb_dim}) is not divisible by model.num_heads "
                 f"({self.num_heads}); set model.head_dim explicitly"
             )
+        if self.partial_rotary_factor != 1:
+            self._check_partial_rotary()
         return self
+
+    def _check_partial_rotary(self) -> None:
+        if self.attention_type == "mla":
+            raise ValueError(
+                "model.partial_rotary_factor applies to attention_type gqa; multi-head latent "
+                "attention rotates model.mla.qk_rope_head_dim dims"
+            )
+        rotated = self.resolved_head_dim * self.partial_rotary_factor
+        if rotated != int(rotated) or int(rotated) % 2:
+            raise ValueError(
+                f"model.partial_rotary_factor ({self.partial_rotary_factor}) x head_dim "
+                f"({self.resolved_head_dim}) = {rotated:g} dims to rotate, not an even number"
+            )
 
     def layer_attention(self, layer: int) -> str:
         """Model layer `layer`'s (0-based) attention kind: "global" or "local"."""

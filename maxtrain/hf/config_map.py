@@ -81,6 +81,7 @@ def model_config(hf: dict[str, Any], family: Family, where: str) -> ModelConfig:
     num_layers = value("num_hidden_layers")
     theta, scaling = _rope(hf, family, where, value("max_position_embeddings"))
     mla = {key: value(key) for key in family.mla_keys} or None
+    biases = family.attention_bias if family.attention_bias and value("attention_bias") else "none"
     fields = dict(
         vocab_size=value("vocab_size"),
         emb_dim=value("hidden_size"),
@@ -93,10 +94,12 @@ def model_config(hf: dict[str, Any], family: Family, where: str) -> ModelConfig:
         attention_type="mla" if mla else "gqa",
         mla=mla,
         rope_interleaved=value("rope_interleave") if mla else False,
+        partial_rotary_factor=_partial_rotary_factor(hf, family, where),
         mlp_dim=value("intermediate_size"),
         rope_theta=theta,
         rope_scaling=scaling,
-        qk_norm=family.qk_norm,
+        qk_norm=value(family.qk_norm_key) if family.qk_norm_key else family.qk_norm,
+        attention_bias=biases,
         tie_embeddings=value("tie_word_embeddings"),
         norm_eps=value("rms_norm_eps"),
         max_seq_len=value("max_position_embeddings"),
@@ -170,7 +173,14 @@ def hf_config(cfg: ModelConfig, family: Family, dtype: str) -> dict[str, Any]:
         out.update({key: getattr(cfg.mla, key) for key in family.mla_keys})
         out["head_dim"] = cfg.mla.qk_rope_head_dim  # what transformers sets it to
         out["rope_interleave"] = cfg.rope_interleaved
-        out["num_nextn_predict_layers"] = 0  # no multi-token prediction module is written
+    if family.nextn_key:
+        out[family.nextn_key] = 0  # no multi-token prediction module is written
+    if family.qk_norm_key:
+        out[family.qk_norm_key] = cfg.qk_norm
+    if family.attention_bias:
+        out["attention_bias"] = cfg.attention_bias != "none"
+    if "partial_rotary_factor" in family.defaults:  # top level, as published GLM-4.5 has it
+        out["partial_rotary_factor"] = cfg.partial_rotary_factor
     m = cfg.moe
     if m is not None:
         out[family.expert_count_keys[0]] = m.num_experts
@@ -210,11 +220,6 @@ def _rope(
     if any(isinstance(v, dict) for v in params.values()):
         raise ConversionError(f"{where}: per-layer-type RoPE parameters are not supported")
     theta = params.get("rope_theta", hf.get("rope_theta", family.defaults["rope_theta"]))
-    partial = params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
-    if partial != 1.0:
-        raise ConversionError(
-            f"{where}: partial_rotary_factor={partial} is not supported (RoPE on every dim only)"
-        )
     kind = params.get("rope_type", params.get("type", "default"))
     if kind == "default":
         return theta, None
@@ -240,6 +245,21 @@ def _rope(
     scaling = {key: params[key] for key in _SCALING_KEYS[kind] if params.get(key) is not None}
     original = params.get("original_max_position_embeddings", max_position)
     return theta, dict(type=kind, **scaling, original_max_position=original)
+
+
+def _partial_rotary_factor(hf: dict[str, Any], family: Family, where: str) -> float:
+    """The fraction of each head that RoPE rotates, found where _rope finds the RoPE keys (or
+    at top level, as published GLM-4.5 configs have it); only a family whose defaults name it
+    (GLM-4.5) rotates part of a head."""
+    params = hf.get("rope_scaling") or hf.get("rope_parameters") or {}
+    default = family.defaults.get("partial_rotary_factor", 1.0)
+    partial = params.get("partial_rotary_factor", hf.get("partial_rotary_factor", default))
+    if partial != 1.0 and "partial_rotary_factor" not in family.defaults:
+        raise ConversionError(
+            f"{where}: partial_rotary_factor={partial} is not supported for "
+            f"{family.model_type} (RoPE on every dim only)"
+        )
+    return partial
 
 
 def _hf_sparse_layers(
@@ -298,6 +318,10 @@ def _check_exportable(cfg: ModelConfig, family: Family) -> None:
     unsupported += _unexportable_pattern(cfg, family)
     if cfg.rope_interleaved and not family.mla_keys:
         unsupported.append("model.rope_interleaved=true")
+    if cfg.attention_bias not in ("none", family.attention_bias):
+        unsupported.append(f"model.attention_bias={cfg.attention_bias}")
+    if cfg.partial_rotary_factor != 1 and "partial_rotary_factor" not in family.defaults:
+        unsupported.append(f"model.partial_rotary_factor={cfg.partial_rotary_factor}")
     scaling = cfg.rope_scaling
     if scaling is not None and scaling.type == "yarn" and not family.mla_keys:
         unsupported.append("model.rope_scaling.type=yarn")

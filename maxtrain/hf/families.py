@@ -1,6 +1,6 @@
 """The Hugging Face architectures we read and write, described as data.
 
-Six transformers families compute exactly our decoder (pre-norm RMSNorm, RoPE, grouped-query
+Seven transformers families compute exactly our decoder (pre-norm RMSNorm, RoPE, grouped-query
 or multi-head latent attention, SwiGLU feed-forward or routed SwiGLU experts). They differ
 only in a few config.json keys and tensor names, which is all this module holds:
 
@@ -15,12 +15,21 @@ only in a few config.json keys and tensor names, which is all this module holds:
                                     interleaved RoPE pairs, YaRN; sigmoid routing with a
                                     correction bias, shared experts, first_k_dense_replace
                                     dense layers, routed_scaling_factor, group-limited routing
+    glm4_moe   Glm4MoeForCausalLM   GLM-4.5: DeepSeek-V3's router and experts under grouped-query
+                                    attention with partial RoPE (partial_rotary_factor, 0.5
+                                    when absent), q/k/v biases (attention_bias), optional qk-norm
+                                    (use_qk_norm)
 
 Router semantics match ours for both MoE families: transformers takes the softmax over all
 experts, keeps the top k, and (Mixtral always, Qwen3-MoE iff norm_topk_prob) divides by their
 sum; Mixtral's "softmax over the top-k logits" is the same number. DeepSeek-V3 takes sigmoid
 scores, picks by score + e_score_correction_bias (our aux-loss-free bias), weighs by the
 unbiased scores, optionally renormalised, times routed_scaling_factor: model.moe's sigmoid mode.
+GLM-4.5's router is the same computation under the same keys.
+
+Multi-token prediction layers (DeepSeek-V3's layer 61, GLM-4.5's 92 and GLM-4.5-Air's 46, past
+num_hidden_layers) are skipped on import, as transformers 5.23 skips them (it has no module to
+run them, so nothing checks a conversion), and export writes none (`nextn_key` = 0).
 """
 
 from __future__ import annotations
@@ -61,6 +70,12 @@ class Family:
     shared_block: str | None = None  # the shared experts' SwiGLU, inside moe_block
     # Multi-head latent attention (model.mla, its keys named alike); empty: GQA.
     mla_keys: tuple[str, ...] = ()
+    # A config.json key that switches qk-norm (its default in `defaults`); None: `qk_norm`.
+    qk_norm_key: str | None = None
+    # model.attention_bias of config.json's `attention_bias: true`; None: no biases.
+    attention_bias: str | None = None
+    # The config.json key counting the multi-token prediction layers a checkpoint holds.
+    nextn_key: str | None = None
     # The config.json key of a sliding window on every layer (null in it: no window), which is
     # model.layer_pattern [local] with model.local_attention.window; None: the family has none.
     window_key: str | None = None
@@ -214,16 +229,63 @@ DEEPSEEK_V3 = Family(
     router_bias="e_score_correction_bias",
     shared_block="shared_experts",
     mla_keys=("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"),
+    nextn_key="num_nextn_predict_layers",
 )
-FAMILIES = {f.model_type: f for f in (LLAMA, MISTRAL, QWEN3, MIXTRAL, QWEN3_MOE, DEEPSEEK_V3)}
+
+GLM4_MOE = Family(
+    model_type="glm4_moe",
+    architecture="Glm4MoeForCausalLM",
+    qk_norm=False,
+    defaults={
+        **_BASE_DEFAULTS,
+        "rms_norm_eps": 1e-5,
+        "max_position_embeddings": 131072,
+        "num_key_value_heads": 8,
+        "head_dim": None,
+        "partial_rotary_factor": 0.5,  # Glm4MoeConfig sets it when absent
+        "use_qk_norm": False,
+        "attention_bias": False,
+    },
+    required={"hidden_act": "silu"},
+    moe_block="mlp",
+    expert_names=("gate_proj", "up_proj", "down_proj"),
+    expert_count_keys=("n_routed_experts", "num_local_experts"),
+    expert_width_key="moe_intermediate_size",
+    renormalize_key="norm_topk_prob",
+    moe_defaults={
+        "n_routed_experts": 128,
+        "num_experts_per_tok": 8,
+        "moe_intermediate_size": 1408,
+        "norm_topk_prob": True,
+        "routed_scaling_factor": 1.0,
+        "n_shared_experts": 1,
+        "first_k_dense_replace": 1,
+        "n_group": 1,
+        "topk_group": 1,
+    },
+    score="sigmoid",
+    aux_loss_key=None,
+    moe_keys=DEEPSEEK_V3.moe_keys,
+    router_bias="e_score_correction_bias",
+    shared_block="shared_experts",
+    qk_norm_key="use_qk_norm",
+    attention_bias="qkv",  # o_proj never has one
+    nextn_key="num_nextn_predict_layers",
+)
+FAMILIES = {
+    f.model_type: f for f in (LLAMA, MISTRAL, QWEN3, MIXTRAL, QWEN3_MOE, DEEPSEEK_V3, GLM4_MOE)
+}
 
 
 def family_for(cfg: ModelConfig) -> Family:
     """The family a model of ours exports as: the only one with its attention, qk-norm and
-    MoE choice (multi-head latent attention: DeepSeek-V3, whose layers are MoE), a model with
-    local layers as Mistral (config_map refuses what it cannot express)."""
+    MoE choice (multi-head latent attention: DeepSeek-V3, whose layers are MoE; grouped-query
+    attention with sigmoid routing: GLM-4.5, qk-normed or not), a dense model with local layers
+    as Mistral (config_map refuses what it cannot express)."""
     if cfg.attention_type == "mla":
         return DEEPSEEK_V3
+    if cfg.moe is not None and cfg.moe.score == "sigmoid":
+        return GLM4_MOE
     if cfg.moe is None:
         if cfg.qk_norm:
             return QWEN3

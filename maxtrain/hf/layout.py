@@ -6,7 +6,8 @@ operands with the input axes first and heads kept apart (layers/): q [D, N, H], 
 gate [D, F], down [F, D], router [D, E], lm_head [D, V]. So one rule converts every linear
 weight: ours = W.T reshaped to our axes, W = ours flattened to [in, out] and transposed. No
 q/k permutation is needed: our RoPE pairs dim i with i + H/2 ("rotate half"), as transformers
-does. Embedding and norm scales have the same layout on both sides.
+does. Embedding and norm scales have the same layout on both sides; a bias is the flattened
+output of its projection (q_proj.bias: [N*H], ours [N, H]).
 
 Our per-layer parameters are stacked: model layer i is row stack_positions(...)[i] of its
 kind's stack (model/stacks.py), and a MoE layer's experts add one more axis. A Slot names one
@@ -49,6 +50,13 @@ _MLA = (
     (("attn", "kv_b", "kernel"), "self_attn.kv_b_proj.weight", 1),
     (("attn", "o", "kernel"), "self_attn.o_proj.weight", 2),
 )
+# Attention biases (model.attention_bias): input axes 0, as a bias has none.
+_QKV_BIAS = (
+    (("attn", "q", "bias"), "self_attn.q_proj.bias", 0),
+    (("attn", "k", "bias"), "self_attn.k_proj.bias", 0),
+    (("attn", "v", "bias"), "self_attn.v_proj.bias", 0),
+)
+_O_BIAS = ((("attn", "o", "bias"), "self_attn.o_proj.bias", 0),)
 _QK_NORM = (
     (("attn", "q_norm", "scale"), "self_attn.q_norm.weight", None),
     (("attn", "k_norm", "scale"), "self_attn.k_norm.weight", None),
@@ -70,12 +78,15 @@ class Slot:
     hf_name: str
     path: tuple[str, ...]
     index: tuple[int, ...]
-    in_axes: int | None  # a linear weight: leading input axes of our kernel; None: same layout
+    # A linear weight: leading input axes of our kernel (0: a bias, flattened); None: same layout
+    in_axes: int | None
 
     def hf_shape(self, block_shape: tuple[int, ...]) -> tuple[int, ...]:
         """The Hugging Face shape of a tensor whose block of our parameter has block_shape."""
         if self.in_axes is None:
             return tuple(block_shape)
+        if self.in_axes == 0:
+            return (math.prod(block_shape),)
         return (math.prod(block_shape[self.in_axes :]), math.prod(block_shape[: self.in_axes]))
 
     def to_ours(self, tensor: np.ndarray, block_shape: tuple[int, ...]) -> np.ndarray:
@@ -84,13 +95,16 @@ class Slot:
     def to_hf(self, block: np.ndarray) -> np.ndarray:
         if self.in_axes is None:
             return block
+        if self.in_axes == 0:
+            return block.reshape(-1)
         return block.reshape(math.prod(block.shape[: self.in_axes]), -1).T
 
 
 def _attention(cfg: ModelConfig) -> tuple:
     """A layer's attention and norm tensors: (our path, Hugging Face name, input axes)."""
     if cfg.mla is None:
-        return _NORMS + _ATTENTION + (_QK_NORM if cfg.qk_norm else ())
+        biases = {"none": (), "qkv": _QKV_BIAS, "qkvo": _QKV_BIAS + _O_BIAS}[cfg.attention_bias]
+        return _NORMS + _ATTENTION + biases + (_QK_NORM if cfg.qk_norm else ())
     return _NORMS + (_MLA_Q if cfg.mla.q_lora_rank is None else _MLA_Q_LORA) + _MLA
 
 

@@ -71,7 +71,7 @@ REMAT_POLICIES: dict[str, Callable | None] = {
 type Kind = int | jax.Array
 
 
-def layer_kinds(kinds: tuple[int, ...]) -> Kind | jax.Array:
+def run_kinds(kinds: tuple[int, ...]) -> Kind:
     """A run's per-layer attention kinds as run_stack takes them: one constant if all alike."""
     return kinds[0] if len(set(kinds)) == 1 else jnp.asarray(kinds, jnp.int32)
 
@@ -191,7 +191,7 @@ def run_stack(
         return jax.checkpoint(apply_one, policy=REMAT_POLICIES[remat], prevent_cse=not scan)
 
     if scan:
-        per_layer_kind = layer_kinds(kinds)
+        per_layer_kind = run_kinds(kinds)
         if isinstance(per_layer_kind, int):
             return jax.lax.scan(layer_fn(per_layer_kind), x, stacked)
         return jax.lax.scan(layer_fn(None), x, (stacked, per_layer_kind))

@@ -64,6 +64,9 @@ def transform(params: Any, source: ModelConfig, cfg: Config) -> Any:
     """The pure transform init.mode names, from `source`'s parameters to cfg.model's."""
     init = cfg.init
     if init.mode == "upcycle":
+        _check_attention(
+            source, cfg.model, [source.layer_attention(i) for i in range(source.num_layers)]
+        )
         return upcycle(
             params,
             source,
@@ -81,6 +84,7 @@ def transform(params: Any, source: ModelConfig, cfg: Config) -> Any:
                 f"source layers it copies), but model.moe makes layers "
                 f"{_moe_indices(is_moe_per_layer(cfg.model))} MoE"
             )
+        _check_attention(source, cfg.model, [source.layer_attention(i) for i in init.layer_map])
         return depth_upscale(params, source, init.layer_map)
     raise ValueError(f"init.mode {init.mode!r} has no transform")
 
@@ -113,6 +117,29 @@ def check_fits(cfg: Config, produced: Any, target: Any) -> None:
 
 def _shape(shape: tuple[int, ...] | None) -> str:
     return "absent" if shape is None else str(list(shape))
+
+
+def _check_attention(source: ModelConfig, model: ModelConfig, copied: list[str]) -> None:
+    """Raises ConfigError unless every new layer has the attention of the source layer it
+    copies (`copied`: their kinds, global or local), local layers alike: a transform carries
+    the attention pattern, it does not change it."""
+    wanted = [model.layer_attention(i) for i in range(model.num_layers)]
+    if copied != wanted:
+        raise ConfigError(
+            f"the layers copied from {source.num_layers} source layers have attention kinds "
+            f"{_pattern(copied)}, but model.layer_pattern gives {_pattern(wanted)}; set "
+            "model.layer_pattern to the copies' kinds"
+        )
+    if "local" in copied and source.local_attention != model.local_attention:
+        raise ConfigError(
+            f"model.local_attention ({model.local_attention}) differs from the source model's "
+            f"({source.local_attention}); the copied local layers keep theirs"
+        )
+
+
+def _pattern(kinds: list[str]) -> str:
+    """Kinds as a short string: 'global' when all are, else the list."""
+    return "all global" if set(kinds) == {"global"} else "[" + ", ".join(kinds) + "]"
 
 
 def _moe_indices(kinds: tuple[bool, ...]) -> list[int]:

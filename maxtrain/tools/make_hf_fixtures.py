@@ -76,6 +76,20 @@ _DEEPSEEK = dict(
     n_group=1,
     topk_group=1,
 )
+# GLM-4.5 shapes: grouped-query attention with q/k/v biases and partial RoPE, DeepSeek-V3's
+# router (sigmoid scores, correction bias, shared expert), a first dense layer.
+_GLM4_MOE = dict(
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    attention_bias=True,
+    n_routed_experts=8,
+    num_experts_per_tok=2,
+    moe_intermediate_size=16,
+    n_shared_experts=1,
+    first_k_dense_replace=1,
+    norm_topk_prob=True,
+)
 _YARN = dict(
     rope_type="yarn",
     factor=8.0,  # = max_position_embeddings / original_max_position_embeddings
@@ -212,6 +226,31 @@ CASES: dict[str, tuple[str, dict, dict]] = {
             **{**_DEEPSEEK, "n_group": 4, "topk_group": 2},
             q_lora_rank=24,
             rope_parameters=dict(rope_theta=10000.0, **_YARN),
+        ),
+        dict(layout="legacy"),
+    ),
+    # GLM-4.5's options: qk-norm, routed_scaling_factor 2.5; a head wider than hidden / heads,
+    # a quarter of it rotated (not GLM's half, so that the fraction is read, not assumed).
+    "glm4_moe_qk_norm_quarter_rope_v5": (
+        "glm4_moe",
+        dict(
+            **_GLM4_MOE,
+            head_dim=16,
+            use_qk_norm=True,
+            routed_scaling_factor=2.5,
+            rope_parameters=dict(rope_theta=1000000.0, partial_rotary_factor=0.25),
+        ),
+        dict(layout="v5"),
+    ),
+    # GLM-4.5-Air's: no qk-norm, half of each head rotated, partial_rotary_factor at top level
+    # as the published config.json has it; routing within the best 2 of 4 groups.
+    "glm4_moe_air_grouped_legacy": (
+        "glm4_moe",
+        dict(
+            **_GLM4_MOE,
+            n_group=4,
+            topk_group=2,
+            rope_parameters=dict(rope_theta=1000000.0, partial_rotary_factor=0.5),
         ),
         dict(layout="legacy"),
     ),
@@ -366,10 +405,11 @@ def _randomize(model, torch) -> None:
 
 
 def _router_margins(model, torch) -> list[float] | None:
-    """DeepSeek-V3 only: random correction biases (a buffer, not a parameter), and hooks that
-    record, per router call, the smallest gap between a token's k-th and (k+1)-th selection
-    score (after group masking), so that rounding cannot flip a choice in our port."""
-    routers = [m for m in model.modules() if type(m).__name__ == "DeepseekV3TopkRouter"]
+    """DeepSeek-V3 and GLM-4.5 only: random correction biases (a buffer, not a parameter), and
+    hooks that record, per router call, the smallest gap between a token's k-th and (k+1)-th
+    selection score (after group masking), so that rounding cannot flip a choice in our port."""
+    kinds = ("DeepseekV3TopkRouter", "Glm4MoeTopkRouter")  # the same router
+    routers = [m for m in model.modules() if type(m).__name__ in kinds]
     if not routers:
         return None
     margins: list[float] = []
@@ -402,10 +442,13 @@ def _router_margins(model, torch) -> list[float] | None:
 
 def _legacy_layout(cfg: dict) -> dict:
     """transformers 5's config.json rewritten as transformers 4 wrote it: rope_theta and
-    rope_scaling at top level, torch_dtype, and Qwen3-MoE's num_experts."""
+    rope_scaling at top level (GLM-4.5's partial_rotary_factor too), torch_dtype, and
+    Qwen3-MoE's num_experts."""
     cfg = dict(cfg)
     rope = dict(cfg.pop("rope_parameters"))
     cfg["rope_theta"] = rope.pop("rope_theta")
+    if "partial_rotary_factor" in rope:
+        cfg["partial_rotary_factor"] = rope.pop("partial_rotary_factor")
     cfg["rope_scaling"] = None if rope.get("rope_type", "default") == "default" else rope
     cfg["torch_dtype"] = cfg.pop("dtype")
     if cfg["model_type"] == "qwen3_moe":

@@ -152,6 +152,8 @@ def test_export_reproduces_the_original_files(case, tmp_path):
         "deepseek-v3-671b",
         "kimi-k2-1t",
         "tiny-mla",
+        "glm-4.5",
+        "glm-4.5-air",
     ],
 )
 def test_preset_configs_round_trip(preset):
@@ -215,6 +217,37 @@ def test_mla_slots_cover_every_parameter_once(q_lora_rank):
             node = node[key]
         node[slot.index] += 1
     assert all(np.all(c == 1) for c in jax.tree.leaves(counts))
+
+
+def test_multi_token_prediction_layers_past_the_decoder_are_skipped(tmp_path):
+    """GLM-4.5's checkpoints hold a multi-token prediction layer after the decoder's
+    (model.layers.92 of 92 layers), which transformers does not load: import skips it, and
+    the export says it holds none."""
+    case = "glm4_moe_qk_norm_quarter_rope_v5"
+    model_dir = Path(shutil.copytree(FIXTURES / case, tmp_path / "in"))
+    layers = json.loads((model_dir / "config.json").read_text())["num_hidden_layers"]
+    mtp = {
+        f"model.layers.{layers}.{name}": np.ones(shape, np.float32)
+        for name, shape in [("eh_proj.weight", (32, 64)), ("enorm.weight", (32,))]
+    }
+    edit_tensors(model_dir, lambda t: t.update(mtp))
+    cfg, params = read_hf_model(model_dir)
+    assert cfg.mtp.depth == 0
+    assert_trees_equal(params, read_hf_model(FIXTURES / case)[1])
+    write_hf_model(cfg, params, tmp_path / "out")
+    exported = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert exported["num_nextn_predict_layers"] == 0
+
+
+def test_partial_rope_defaults_to_half_for_glm_only(tmp_path):
+    """A glm4_moe config.json without partial_rotary_factor rotates half of each head, as
+    transformers' Glm4MoeConfig assumes; another family's partial RoPE is refused."""
+    hf = json.loads((FIXTURES / "glm4_moe_air_grouped_legacy" / "config.json").read_text())
+    del hf["partial_rotary_factor"]
+    assert model_config(hf, FAMILIES["glm4_moe"], "config.json").partial_rotary_factor == 0.5
+    llama = json.loads((FIXTURES / "llama_gqa_untied_sharded" / "config.json").read_text())
+    with pytest.raises(ConversionError, match="partial_rotary_factor=0.5 is not supported for"):
+        model_config({**llama, "partial_rotary_factor": 0.5}, FAMILIES["llama"], "config.json")
 
 
 def test_cli_import_trains_from_and_exports_back(tmp_path, capsys):
@@ -438,7 +471,6 @@ def test_failed_export_leaves_no_directory(tmp_path, monkeypatch):
         (dict(shared_experts=1), "model.moe.shared_experts=1"),
         (dict(renormalize=False), "model.moe.renormalize=false"),  # Mixtral always renormalises
         (dict(first_dense_layers=1), "dense layers between MoE layers"),
-        (dict(score="sigmoid"), "model.moe.score=sigmoid"),
     ],
 )
 def test_unexportable_models_are_refused(moe, expected):
@@ -447,6 +479,28 @@ def test_unexportable_models_are_refused(moe, expected):
     ).model
     cfg = cfg.model_copy(update={"moe": cfg.moe.model_copy(update=moe)})
     with pytest.raises(ConversionError, match="cannot export as MixtralForCausalLM") as e:
+        hf_config(cfg, family_for(cfg), "float32")
+    assert expected in str(e.value)
+
+
+GLM = ["model.moe.score=sigmoid", "model.moe.bias_update_rate=0.001"]  # exports as GLM-4.5
+
+
+@pytest.mark.parametrize(
+    "overrides, family, expected",
+    [
+        # GLM-4.5 has no o_proj bias, and its router always has the correction bias.
+        ([*GLM, "model.attention_bias=qkvo"], "Glm4MoeForCausalLM", "model.attention_bias=qkvo"),
+        (GLM[:1], "Glm4MoeForCausalLM", "model.moe.bias_update_rate=0.0"),
+        # Only GLM-4.5 rotates part of a head or has attention biases.
+        (["model.partial_rotary_factor=0.5"], "MixtralForCausalLM", "partial_rotary_factor=0.5"),
+        (["model.attention_bias=qkv"], "MixtralForCausalLM", "model.attention_bias=qkv"),
+    ],
+)
+def test_what_a_family_cannot_express_is_refused(overrides, family, expected):
+    tiny_moe = ["model_name=tiny-moe", "model.num_layers=3"]
+    cfg = config_lib.load(config_lib.CONFIGS_DIR / "base.yml", [*tiny_moe, *overrides]).model
+    with pytest.raises(ConversionError, match=f"cannot export as {family}") as e:
         hf_config(cfg, family_for(cfg), "float32")
     assert expected in str(e.value)
 
@@ -500,6 +554,7 @@ FAMILY_CASES = {
     "mixtral": "mixtral_top2_v5",
     "qwen3_moe": "qwen3_moe_top3_sparse_step_v5",
     "deepseek_v3": "deepseek_v3_grouped",
+    "glm4_moe": "glm4_moe_qk_norm_quarter_rope_v5",
 }
 TEXTS = ["The", "Q: What is 12 + 34?\nA:", " two  spaces", "def main(\n    x\t1", "é 中"]
 
@@ -516,7 +571,7 @@ print(json.dumps({d: [tokenizer.encode(t) for t in texts] for d, tokenizer in to
 # Mistral, transformers 5 has no tokenizer class of its own without mistral-common: its generic
 # backend reads the file through sentencepiece and protobuf (Llama's class converts it without).
 TOKENIZER_READERS = {
-    ("transformers",): ["llama", "qwen3", "mixtral", "qwen3_moe", "deepseek_v3"],
+    ("transformers",): ["llama", "qwen3", "mixtral", "qwen3_moe", "deepseek_v3", "glm4_moe"],
     ("transformers", "sentencepiece", "google.protobuf"): ["mistral"],
 }
 

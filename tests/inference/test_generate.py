@@ -1,7 +1,7 @@
 """Generation: the cached decode equals the full forward pass, a multi-head latent attention
 model caches its latent only and a local layer its window, and greedy generation from imported
-Hugging Face models (GQA, Mistral's sliding window and DeepSeek-V3's MLA) is token-identical to
-transformers' generate().
+Hugging Face models (GQA, GLM-4.5's, Mistral's sliding window and DeepSeek-V3's MLA) is
+token-identical to transformers' generate().
 
 The oracle for the second is tests/fixtures/hf/*/generate.json (maxtrain.tools.make_hf_fixtures
 generate): the tokens transformers' greedy generate() appended to each prompt, one prompt at a
@@ -142,6 +142,9 @@ def test_a_local_layer_caches_its_window_not_the_generation(make_cfg, overrides,
         # with rotate-half pairs.
         ("deepseek_v3_q_lora_yarn_v5", ["--devices", "1"]),
         ("deepseek_v3_plain_q_half_rope_legacy", ["mesh.fsdp=4", "mesh.tensor=2"]),
+        # GLM-4.5: q/k/v biases, qk-norm, a quarter of each head rotated, sigmoid routing with
+        # a shared expert after a dense layer; 16 new tokens, weights split over fsdp x tensor.
+        ("glm4_moe_qk_norm_quarter_rope_v5", ["mesh.fsdp=4", "mesh.tensor=2"]),
         # Mistral's window of 4 from a ring of 4 positions, 16 new tokens: every prompt and
         # the second one's prefill (29 tokens) run past the window.
         ("mistral_window4_v5", ["mesh.fsdp=4", "mesh.tensor=2"]),

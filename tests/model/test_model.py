@@ -68,6 +68,21 @@ def test_rope_rotates_pairs_by_position_and_restarts_per_document():
     np.testing.assert_allclose(jnp.linalg.norm(out), jnp.linalg.norm(x), rtol=1e-5)
 
 
+def test_partial_rope_rotates_the_first_dims_among_themselves():
+    """GLM-4.5's partial RoPE: Rope of 4 dims on a head of 12 rotates dims (i, i + 2) of the
+    first 4 by position x theta^(-2i/4) and leaves the other 8 as they are."""
+    x = jax.random.normal(jax.random.key(1), (1, 2, 3, 12))
+    positions = jnp.array([[0, 5]])
+    out = np.asarray(Rope(4, 1000000.0)(x, positions))
+    np.testing.assert_array_equal(out[..., 4:], np.asarray(x)[..., 4:])
+    angle = 5 * 1000000.0 ** (-np.arange(0, 4, 2) / 4)
+    a, b = np.asarray(x)[0, 1, :, :2], np.asarray(x)[0, 1, :, 2:4]
+    c, s = np.cos(angle), np.sin(angle)
+    rotated = np.concatenate([a * c - b * s, b * c + a * s], axis=-1)
+    np.testing.assert_allclose(out[0, 1, :, :4], rotated, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(out[0, 0], np.asarray(x)[0, 0], atol=1e-6)  # position 0
+
+
 def test_qk_norm_tied_preset_builds_and_uses_the_embedding_as_head():
     cfg = load(CONFIGS_DIR / "base.yml", ["model_name=tiny-qk"]).model
     model = model_lib.build(cfg)

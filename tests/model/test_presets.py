@@ -68,6 +68,7 @@ DESIGNED = [
 
 ALL_PRESETS = sorted({name for name, *_ in PUBLISHED} | {name for name, _ in DESIGNED})
 MLA_PRESETS = ["deepseek-v3-671b", "kimi-k2-1t", "deepseek-v2-lite-16b", "tiny-mla"]
+GQA_MOE_PRESETS = ["glm-4.5", "glm-4.5-air"]
 
 
 def closed_form_params(m: ModelConfig) -> int:
@@ -142,7 +143,7 @@ def test_model_matches_closed_form(name: str, tmp_path: Path) -> None:
     assert model_params(m) == closed_form_params(m)
 
 
-@pytest.mark.parametrize("name", ALL_PRESETS + MLA_PRESETS)
+@pytest.mark.parametrize("name", ALL_PRESETS + MLA_PRESETS + GQA_MOE_PRESETS)
 def test_load_keeps_preset_shape(name: str, tmp_path: Path) -> None:
     """base.yml must not override a shape key that the model file sets."""
     preset = yaml.safe_load((MODELS_DIR / f"{name}.yml").read_text())
@@ -237,3 +238,51 @@ def test_mla_presets_match_published_counts(case, tmp_path: Path) -> None:
 def test_tiny_mla_designed_count(tmp_path: Path) -> None:
     m = load_preset("tiny-mla", tmp_path)
     assert model_params(m) == mla_moe_closed_form(m)[0] == 901_296
+
+
+# ---- GLM-4.5 presets (grouped-query attention with biases, MoE) -------------------------------
+
+
+def gqa_moe_closed_form(m: ModelConfig) -> tuple[int, int]:
+    """(total, one MoE layer's) parameters of a GLM-4.5-shaped model, from its shape keys:
+    grouped-query attention with q/k/v biases and optional qk-norm, dense first layers, routed
+    + shared SwiGLU experts behind a router with its correction bias, an untied head."""
+    e, d, hd = m.moe, m.emb_dim, m.resolved_head_dim
+    q, kv = m.num_heads * hd, m.num_kv_heads * hd
+    attention = 2 * d * q + 2 * d * kv + 2 * d  # q and o, k and v, the two block norms
+    attention += (q + 2 * kv) * (m.attention_bias != "none") + 2 * hd * m.qk_norm
+    router = d * e.num_experts + e.num_experts
+    moe_layer = attention + router + (e.num_experts + e.shared_experts) * 3 * d * e.expert_mlp_dim
+    dense_layer = attention + 3 * d * m.mlp_dim
+    dense = e.first_dense_layers
+    layers = dense * dense_layer + (m.num_layers - dense) * moe_layer
+    return 2 * m.vocab_size * d + layers + d, moe_layer
+
+
+# (preset, published total, published active, relative tolerance of the total, of the active
+# count). GLM-4.5's report (arXiv 2508.06471) and model cards give totals and activated
+# counts rounded to whole billions, without the multi-token prediction layer (GLM-4.5-Air's
+# total with it would be 109.2B, 3% over) and with activated counts that leave out the
+# embedding and the output head (32.08B and 12.18B; with the head, 32.86B and 12.80B would not
+# round to 32B and 12B). "12B" covers +-4%, hence the wider active tolerance.
+PUBLISHED_GQA_MOE = [
+    ("glm-4.5", 355e9, 32e9, 0.01, 0.015),
+    ("glm-4.5-air", 106e9, 12e9, 0.01, 0.025),
+]
+
+
+@pytest.mark.parametrize("case", PUBLISHED_GQA_MOE, ids=[p[0] for p in PUBLISHED_GQA_MOE])
+def test_gqa_moe_presets_match_published_counts(case, tmp_path: Path) -> None:
+    from maxtrain.model import active_param_count
+
+    name, total, active, rel_tol, active_tol = case
+    m = load_preset(name, tmp_path)
+    closed, moe_layer = gqa_moe_closed_form(m)
+    assert model_params(m) == closed
+    assert_close(closed, int(total), rel_tol, f"{name} total")
+    embedding_and_head = 2 * m.vocab_size * m.emb_dim
+    assert_close(active_param_count(m) - embedding_and_head, int(active), active_tol, name)
+    # One MTP module (model.mtp.depth 1, left out of the published total): a MoE layer, its
+    # [2D -> D] projection and three norms.
+    with_mtp = m.model_copy(update={"mtp": m.mtp.model_copy(update={"depth": 1})})
+    assert model_params(with_mtp) - closed == moe_layer + 2 * m.emb_dim**2 + 3 * m.emb_dim

@@ -179,3 +179,34 @@ def test_tool_writes_exact_copies_atomically_or_nothing(make_cfg, tmp_path, caps
     err = capsys.readouterr().err
     assert err == "depth_upscale: error: no space left on device\n"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["deep", "source"]  # no partial output
+
+
+LOCAL_GLOBAL = ("model.layer_pattern=[local, global]", "model.local_attention.window=4")
+
+
+@pytest.mark.parametrize(
+    ("target_overrides", "message"),
+    [
+        (LOCAL_GLOBAL, r"attention kinds \[local, global, global\].*gives \[local, global, local"),
+        (
+            ("model.layer_pattern=[local, global, global]", "model.local_attention.window=8"),
+            "the copied local layers keep theirs",
+        ),  # fmt: skip
+        ((), r"\[local, global, global\], but model.layer_pattern gives all global"),
+    ],
+)
+def test_copies_keep_the_attention_of_their_source_layers(make_cfg, target_overrides, message):
+    """A copied layer keeps its attention kind (a sliding window stays a sliding window): the
+    new model's layer_pattern must say so, or the transform names both patterns."""
+    source = make_cfg("model.num_layers=2", *LOCAL_GLOBAL)
+    depth = ("init.mode=depth_upscale", "init.source_model=tiny", "model.num_layers=3",
+             "init.layer_map=[0, 1, 1]", "checkpoint.load_parameters_path=unused")  # fmt: skip
+    mesh = build_mesh(source.mesh)
+    upscale = lambda cfg: jax.eval_shape(  # noqa: E731
+        lambda p: transform(p, source.model, cfg), abstract_params(source, mesh)
+    )
+    with pytest.raises(ConfigError, match=message):
+        upscale(make_cfg(*depth, *target_overrides))
+    carried = make_cfg(*depth, "model.layer_pattern=[local, global, global]",
+                       "model.local_attention.window=4")  # fmt: skip
+    check_fits(carried, upscale(carried), abstract_params(carried, mesh))

@@ -75,6 +75,16 @@ VARIANTS = {
             "model.moe.bias_update_rate=0.01",
         ),
     ),
+    # a sliding window every second layer and attention biases: carried as they are
+    "softmax-sliding-window-qkv-bias": (
+        "tiny",
+        (
+            "model.layer_pattern=[local, global]",
+            "model.local_attention.window=4",
+            "model.attention_bias=qkv",
+        ),
+        (MOE_4_OF_8,),
+    ),  # fmt: skip
 }
 
 

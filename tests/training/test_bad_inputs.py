@@ -76,6 +76,8 @@ ROWS = [
      "config key 'optim.lr' must be a finite number (got inf)"),
     ("rope_theta 0", "maxtrain", [*TINY, "model.rope_theta=0"],
      "config key 'model.rope_theta' must be > 0 (got 0)"),
+    ("partial RoPE of an odd count", "maxtrain", [*TINY, "model.partial_rotary_factor=0.3"],
+     "model.partial_rotary_factor (0.3) x head_dim (16) = 4.8 dims to rotate, not an even"),
     ("b1 1.5", "maxtrain", [*TINY, "optim.b1=1.5"], "config key 'optim.b1' must be < 1 (got 1.5)"),
     ("eps nan", "maxtrain", [*TINY, "optim.eps=.nan"], "'optim.eps' must be a finite number"),
     ("mesh degree 0", "maxtrain", [*TINY, "mesh.fsdp=0"],

@@ -90,3 +90,39 @@ def test_four_micro_batches_equal_one_big_batch(make_cfg):
     np.testing.assert_allclose(metrics_4["grad_norm"], metrics_1["grad_norm"], rtol=1e-5)
     assert metrics_4["tokens"] == metrics_1["tokens"]
     assert_trees_close(params_4, params_1, rtol=1e-5, atol=1e-6)
+
+
+# Local layers beside global ones: a sliding window (with attention biases) or Llama 4's chunks.
+PATTERNS = {
+    "window": ["model.layer_pattern=[local, global]", "model.local_attention.window=8",
+               "model.attention_bias=qkvo"],
+    "chunk": ["model.layer_pattern=[local, local, global]", "model.local_attention.chunk=8",
+              "model.num_layers=3"],
+}  # fmt: skip
+
+
+@pytest.fixture(scope="module", params=list(PATTERNS))
+def patterned_reference(request, tmp_path_factory):
+    """A model with local layers on one device."""
+    from maxtrain import config as config_lib
+
+    overrides = [
+        "model_name=tiny", "data.kind=synthetic", "train.global_batch_size=8",
+        "train.seq_len=32", "mesh.fsdp=1", *PATTERNS[request.param],
+        f"run.output_dir={tmp_path_factory.mktemp('pattern')}",
+    ]  # fmt: skip
+    cfg = config_lib.load(config_lib.CONFIGS_DIR / "base.yml", overrides)
+    trainer = build_trainer(cfg, devices=jax.devices()[:1])
+    return overrides, loss_and_grads(trainer, synthetic_batch(cfg))
+
+
+@pytest.mark.parametrize("mesh", [["mesh.fsdp=4", "mesh.tensor=2"]], ids=["fsdp4xtensor2"])
+def test_local_attention_layers_train_on_eight_devices_like_one(patterned_reference, mesh):
+    from maxtrain import config as config_lib
+
+    overrides, (ref_loss, ref_grads) = patterned_reference
+    cfg = config_lib.load(config_lib.CONFIGS_DIR / "base.yml", [*overrides, *mesh])
+    trainer = build_trainer(cfg)
+    loss, grads = loss_and_grads(trainer, synthetic_batch(cfg))
+    np.testing.assert_allclose(loss, ref_loss, rtol=1e-6)
+    assert_trees_close(grads, ref_grads)

@@ -47,13 +47,14 @@ class AttentionVariant:
 
 def variants(cfg: ModelArchitecture, head_dim: int) -> tuple[AttentionVariant, ...]:
     """Per kind of KINDS, its variant for a model (a local one only if the model has one)."""
-    rope = Rope(head_dim, cfg.rope_theta, cfg.rope_scaling, cfg.rope_interleaved)
+    rotated = round(head_dim * cfg.partial_rotary_factor)  # the config checked it is whole
+    rope = Rope(rotated, cfg.rope_theta, cfg.rope_scaling, cfg.rope_interleaved)
     found = [AttentionVariant(rope=rope)]
     local = cfg.local_attention
     if local is not None:
         local_rope = rope
         if local.rope_theta is not None:
-            local_rope = Rope(head_dim, local.rope_theta, None, cfg.rope_interleaved)
+            local_rope = Rope(rotated, local.rope_theta, None, cfg.rope_interleaved)
         found.append(AttentionVariant(window=local.span, chunk=local.chunk, rope=local_rope))
     return tuple(found)
 

@@ -4,6 +4,8 @@ Positions come from the batch (they restart at 0 in every packed document), not 
 `arange(T)`. Two pairings of the rotated dims exist in published checkpoints: "rotate half"
 pairs dim i with dim i + H/2 (Llama, Qwen), "interleaved" pairs 2i with 2i + 1 (DeepSeek).
 `Rope(interleaved=...)` follows the checkpoint, so imported weights need no permutation.
+Partial RoPE (GLM-4.5) rotates only the first `head_dim` dims of a wider head, paired among
+themselves as above; the dims after them pass through without position.
 
 YaRN (Peng et al. 2023) keeps the high frequencies (more than beta_fast rotations over the
 original context), divides the low ones (fewer than beta_slow) by `factor`, and ramps linearly
@@ -59,7 +61,8 @@ def yarn_temperature(factor: float, m: float) -> float:
 
 @dataclass(frozen=True)
 class Rope:
-    """The rotary embedding of `head_dim` dims: static, so frequencies are built at trace."""
+    """The rotary embedding of `head_dim` dims (a head's first ones: all of it, unless partial):
+    static, so frequencies are built at trace."""
 
     head_dim: int
     theta: float
@@ -98,8 +101,12 @@ class Rope:
         return yarn_temperature(s.factor, s.mscale_all_dim) ** 2
 
     def __call__(self, x: jax.Array, positions: jax.Array) -> jax.Array:
-        """x: [B, T, heads, H], positions: [B, T] -> x rotated, same dtype. Interleaved input
-        comes out in rotate-half order: queries and keys both do, so their products agree."""
+        """x: [B, T, heads, >= H], positions: [B, T] -> x with its first H dims rotated, same
+        dtype. Interleaved input comes out in rotate-half order: queries and keys both do, so
+        their products agree."""
+        if x.shape[-1] > self.head_dim:  # partial: the rest pass through
+            rotated = self(x[..., : self.head_dim], positions)
+            return jnp.concatenate([rotated, x[..., self.head_dim :]], axis=-1)
         angles = positions[..., None].astype(jnp.float32) * jnp.asarray(self.inverse_frequencies())
         sin = jnp.sin(angles)[:, :, None, :] * self.magnitude  # [B, T, 1, H/2]
         cos = jnp.cos(angles)[:, :, None, :] * self.magnitude
