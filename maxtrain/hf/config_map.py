@@ -9,7 +9,8 @@ Both config.json layouts in the wild are read:
 
 Export writes the older layout, which transformers 4 and 5 both read. A key that is absent
 takes the value transformers' config class gives it (Family.defaults); an option we do not model
-(sliding windows, biases, other RoPE types, quantization) is a ConversionError naming the key.
+(a sliding window outside Mistral, biases, other RoPE types, quantization) is a ConversionError
+naming the key.
 """
 
 from __future__ import annotations
@@ -106,6 +107,9 @@ def model_config(hf: dict[str, Any], family: Family, where: str) -> ModelConfig:
     )
     if family.chunked_nope:
         fields.update(_chunked_nope(value, num_layers, where))
+    window = value(family.window_key) if family.window_key else None
+    if window is not None:
+        fields.update(layer_pattern=["local"], local_attention=dict(window=window))
     hf_layers = None  # Qwen3-MoE, Llama 4: which layers transformers makes MoE
     if family.is_moe:
         count_key = next((k for k in family.expert_count_keys if k in hf), None)
@@ -210,6 +214,8 @@ def hf_config(cfg: ModelConfig, family: Family, dtype: str) -> dict[str, Any]:
         "torch_dtype": dtype,
         **family.required,
     }
+    if family.window_key:
+        out[family.window_key] = cfg.local_attention.window if cfg.local_attention else None
     if cfg.mla is not None:
         out.update({key: getattr(cfg.mla, key) for key in family.mla_keys})
         out["head_dim"] = cfg.mla.qk_rope_head_dim  # what transformers sets it to
@@ -392,6 +398,7 @@ def _check_exportable(cfg: ModelConfig, family: Family) -> None:
         unsupported.append("a dense model (its MoE layers are required)")
     if cfg.rope_interleaved != family.rope_interleaved and not family.mla_keys:
         unsupported.append(f"model.rope_interleaved={_shown(cfg.rope_interleaved)}")
+    unsupported += _unexportable_pattern(cfg, family)
     if cfg.attention_bias not in ("none", family.attention_bias):
         unsupported.append(f"model.attention_bias={cfg.attention_bias}")
     if cfg.partial_rotary_factor != 1 and "partial_rotary_factor" not in family.defaults:
@@ -431,6 +438,23 @@ def _unexpressed_attention(cfg: ModelConfig, family: Family) -> list[str]:
 
 def _shown(value: Any) -> str:
     return json.dumps(value) if isinstance(value, bool) else str(value)
+
+
+def _unexportable_pattern(cfg: ModelConfig, family: Family) -> list[str]:
+    """What of the layers' attention kinds `family` cannot write: a family with a window key
+    has one sliding window on every layer, the others have no local layers."""
+    local = cfg.local_attention
+    if local is None or family.chunked_nope:  # Llama 4's chunks: _unexpressed_attention
+        return []
+    if not family.window_key:
+        return ["model.layer_pattern with local layers"]
+    if {cfg.layer_attention(i) for i in range(cfg.num_layers)} != {"local"}:
+        return [f"model.layer_pattern={cfg.layer_pattern} (global layers beside local ones)"]
+    if local.chunk is not None:
+        return [f"model.local_attention.chunk={local.chunk}"]
+    if local.rope_theta is not None:
+        return [f"model.local_attention.rope_theta={local.rope_theta}"]
+    return []
 
 
 def _indices(flags: tuple[bool, ...]) -> list[int]:

@@ -5,6 +5,8 @@ or multi-head latent attention, SwiGLU feed-forward or routed SwiGLU experts). T
 only in a few config.json keys and tensor names, which is all this module holds:
 
     llama      LlamaForCausalLM     Llama 2/3 (Llama-3 RoPE scaling), Kanana, tied or not
+    mistral    MistralForCausalLM   Llama's layers, every one with a sliding window
+                                    (sliding_window; null: none)
     qwen3      Qwen3ForCausalLM     qk-norm; head_dim is its own key (default 128)
     mixtral    MixtralForCausalLM   every layer MoE; top-k weights always renormalised
     qwen3_moe  Qwen3MoeForCausalLM  qk-norm; renormalisation optional (norm_topk_prob); dense
@@ -109,6 +111,10 @@ class Family:
         fixed = {**MOE_FIXED, **self.moe_fixed}
         return {key: want for key, want in fixed.items() if key not in mapped}
 
+    # The config.json key of a sliding window on every layer (null in it: no window), which is
+    # model.layer_pattern [local] with model.local_attention.window; None: the family has none.
+    window_key: str | None = None
+
     @property
     def is_moe(self) -> bool:
         return self.moe_block is not None
@@ -140,6 +146,24 @@ LLAMA = Family(
         "head_dim": None,  # None: hidden_size // num_attention_heads
     },
     required={"hidden_act": "silu", "attention_bias": False, "mlp_bias": False},
+)
+
+# transformers' Mistral: a query sees itself and the sliding_window - 1 keys before it
+# (masking_utils.sliding_window_overlay: kv_idx > q_idx - sliding_window), as our window does.
+MISTRAL = Family(
+    model_type="mistral",
+    architecture="MistralForCausalLM",
+    qk_norm=False,
+    defaults={
+        **_BASE_DEFAULTS,
+        "rms_norm_eps": 1e-6,
+        "max_position_embeddings": 131072,
+        "num_key_value_heads": 8,
+        "head_dim": None,
+        "sliding_window": 4096,
+    },
+    required={"hidden_act": "silu"},
+    window_key="sliding_window",
 )
 
 QWEN3 = Family(
@@ -340,7 +364,8 @@ LLAMA4 = Family(
     chunked_nope=True,
 )
 FAMILIES = {
-    f.model_type: f for f in (LLAMA, QWEN3, MIXTRAL, QWEN3_MOE, DEEPSEEK_V3, GLM4_MOE, LLAMA4)
+    f.model_type: f
+    for f in (LLAMA, MISTRAL, QWEN3, MIXTRAL, QWEN3_MOE, DEEPSEEK_V3, GLM4_MOE, LLAMA4)
 }
 
 
@@ -348,7 +373,8 @@ def family_for(cfg: ModelConfig) -> Family:
     """The family a model of ours exports as: the only one with its attention, qk-norm and
     MoE choice (multi-head latent attention: DeepSeek-V3, whose layers are MoE; experts weighing
     their inputs: Llama 4; other grouped-query attention with sigmoid routing: GLM-4.5,
-    qk-normed or not)."""
+    qk-normed or not), a dense model with local layers as Mistral (config_map refuses what it
+    cannot express)."""
     if cfg.attention_type == "mla":
         return DEEPSEEK_V3
     if cfg.moe is not None and cfg.moe.weight_on == "input":
@@ -356,5 +382,7 @@ def family_for(cfg: ModelConfig) -> Family:
     if cfg.moe is not None and cfg.moe.score == "sigmoid":
         return GLM4_MOE
     if cfg.moe is None:
-        return QWEN3 if cfg.qk_norm else LLAMA
+        if cfg.qk_norm:
+            return QWEN3
+        return MISTRAL if cfg.local_attention is not None else LLAMA
     return QWEN3_MOE if cfg.qk_norm else MIXTRAL

@@ -1,11 +1,12 @@
 """Batched generation: a jitted prefill of the prompts, then a jitted one-token decode step.
 
 Prompts of different lengths share a batch right-padded to the longest: the prefill runs every
-row over the padded length, writes what attention keeps of all of it into the cache (keys and
-values, or multi-head latent attention's latents: model/kv_cache.py), and takes each row's next
-token from the logits at its own last prompt token. Each decode step then feeds one token per
-row at that row's next position, overwriting the padding's cache entries before any query could
-see them. The batch is padded to a multiple of the mesh's data-parallel degree with rows whose
+row over the padded length, the padding at position -1, writes what attention keeps into the
+cache (keys and values, or multi-head latent attention's latents: model/kv_cache.py; a local
+layer's ring keeps a window's and no padding), and takes each row's next token from the logits
+at its own last prompt token. Each decode step then feeds one token per row at that row's next
+position, overwriting the padding's entries of a full-length cache before any query could see
+them. The batch is padded to a multiple of the mesh's data-parallel degree with rows whose
 output is dropped.
 
 Both functions are compiled ahead of the timed work, so the printed tokens/s are of running,
@@ -32,6 +33,7 @@ from maxtrain.inference.loading import LoadedModel
 from maxtrain.inference.sampling import Sampling, next_tokens
 from maxtrain.model import compute_dtype
 from maxtrain.model.kv_cache import cache_shardings, init_cache
+from maxtrain.model.layers.attention_pattern import KINDS, kind_per_layer
 from maxtrain.model.stacks import DENSE_STACK, MOE_STACK, is_moe_per_layer
 from maxtrain.parallel.mesh import batch_degree, logical_to_spec, sharding_rules
 
@@ -65,11 +67,14 @@ class Generation:
         )
 
 
-def cache_stacks(model_cfg: ModelConfig) -> dict[str, int]:
-    """{params key of a layer stack: its layers} for the stacks the model has."""
-    kinds = is_moe_per_layer(model_cfg)
-    stacks = {DENSE_STACK: kinds.count(False), MOE_STACK: kinds.count(True)}
-    return {stack: layers for stack, layers in stacks.items() if layers}
+def cache_stacks(model_cfg: ModelConfig) -> dict[str, dict[str, int]]:
+    """{params key of a layer stack: {attention kind: its layers of that kind}} for the stacks
+    and kinds the model has: the decode cache's arrays (model/kv_cache.py)."""
+    stacks: dict[str, dict[str, int]] = {}
+    for is_moe, kind in zip(is_moe_per_layer(model_cfg), kind_per_layer(model_cfg), strict=True):
+        per_kind = stacks.setdefault(MOE_STACK if is_moe else DENSE_STACK, {})
+        per_kind[KINDS[kind]] = per_kind.get(KINDS[kind], 0) + 1
+    return stacks
 
 
 def _padded_batch(prompts: Sequence[Sequence[int]], degree: int) -> tuple[np.ndarray, np.ndarray]:
@@ -131,7 +136,8 @@ def generate(
         return wrapped
 
     def prefill(params, tokens, lengths, cache, rng):
-        positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
+        positions = jnp.arange(tokens.shape[1], dtype=jnp.int32)[None, :]
+        positions = jnp.where(positions < lengths[:, None], positions, -1)  # -1: padding
         logits, cache = model.mdef.decode(params, tokens, positions, cache)
         last = jnp.take_along_axis(logits, (lengths - 1)[:, None, None], axis=1)[:, 0]
         return next_tokens(last, rng, sampling), cache

@@ -18,9 +18,9 @@ import jax.numpy as jnp
 from flax import nnx
 
 from maxtrain.config import ModelConfig
-from maxtrain.model.kv_cache import Cache
+from maxtrain.model.kv_cache import Cache, StackCache
 from maxtrain.model.layers import embedding
-from maxtrain.model.layers.attention_pattern import kind_per_layer
+from maxtrain.model.layers.attention_pattern import KINDS, kind_per_layer
 from maxtrain.model.layers.attention_types import attention_type
 from maxtrain.model.layers.base import Projection, make_param
 from maxtrain.model.layers.mlp import MLP
@@ -114,7 +114,7 @@ class DecoderBlock(nnx.Module):
         return constrain(x, ("batch", "length", "act_embed")), stats
 
     def cached(
-        self, x: jax.Array, positions: jax.Array, cache: Cache, kind: Kind = 0
+        self, x: jax.Array, positions: jax.Array, cache: Cache, kind: int = 0
     ) -> tuple[jax.Array, Cache]:
         """The block on new tokens with the layer's decode cache (generation); the
         feed-forward's statistics are of no use there."""
@@ -209,28 +209,62 @@ def run_stack_cached(
     length: int,
     x: jax.Array,
     positions: jax.Array,
-    cache: Cache,
+    cache: StackCache,
     kinds: tuple[int, ...],
-) -> tuple[jax.Array, Cache]:
-    """Layers [start, start + length) of a stack on new tokens, scanned over the layers'
-    parameters and their slices of the stack's cache ([L, ...]); returns the updated cache."""
+    ranks: tuple[int, ...],
+) -> tuple[jax.Array, StackCache]:
+    """Layers [start, start + length) of a stack on new tokens; returns the updated caches.
+    `cache` holds the stack's caches per attention kind ([L_kind, ...], model/kv_cache.py), of
+    which layer i of the run (kind kinds[i]) owns entry ranks[i] of its kind's.
+
+    The scan runs over the layers' parameters and carries the caches: the kinds' caches differ
+    in length (a global layer's all positions, a local one's a window), so they cannot be
+    scanned over together. Each layer (picked by lax.switch on its kind where a run mixes
+    kinds) reads its own entry and writes it back in place: per layer, the work and memory
+    traffic of its own cache alone, and no second copy of the whole cache."""
     whole = length == jax.tree.leaves(stacked)[0].shape[0]
     layers = lambda tree: tree if whole else jax.tree.map(lambda a: a[start : start + length], tree)
-    per_layer_kind = run_kinds(kinds)
-    constant = isinstance(per_layer_kind, int)
+    constant = len(set(kinds)) == 1
 
-    def apply_one(x, layer):
-        layer_state, layer_cache, kind = layer
+    def apply_one(carry, layer):
+        x, caches = carry
+        layer_state, kind, rank = layer
         block = nnx.merge(graphdef, dequantized(layer_state))
-        return block.cached(x, positions, layer_cache, per_layer_kind if constant else kind)
 
-    scanned_kinds = jnp.zeros(length, jnp.int32) if constant else per_layer_kind
-    x, updated = jax.lax.scan(apply_one, x, (layers(stacked), layers(cache), scanned_kinds))
-    if not whole:
-        updated = jax.tree.map(
-            lambda c, u: jax.lax.dynamic_update_slice_in_dim(c, u, start, axis=0), cache, updated
-        )
-    return x, updated
+        def of_kind(k: int) -> Callable:
+            name = KINDS[k]
+
+            def run(x, caches):
+                own = jax.tree.map(lambda a: a[rank], caches[name])
+                x, own = block.cached(x, positions, own, k)
+                put = lambda c, u: jax.lax.dynamic_update_index_in_dim(c, u, rank, axis=0)
+                return x, {**caches, name: jax.tree.map(put, caches[name], own)}
+
+            return run
+
+        if constant:
+            return of_kind(kinds[0])(x, caches), None
+        return jax.lax.switch(kind, [of_kind(k) for k in range(len(KINDS))], x, caches), None
+
+    per_layer = (jnp.asarray(kinds, jnp.int32), jnp.asarray(ranks, jnp.int32))
+    (x, cache), _ = jax.lax.scan(apply_one, (x, cache), (layers(stacked), *per_layer))
+    return x, cache
+
+
+def cache_ranks(
+    runs: tuple[tuple[str, int, int, tuple[int, ...]], ...],
+) -> tuple[tuple[int, ...], ...]:
+    """Per run of runs_with_attention (in model order), each layer's rank among its stack's
+    layers of its attention kind: its entry in that kind's cache (model/kv_cache.py)."""
+    seen: dict[tuple[str, int], int] = {}
+    found = []
+    for stack, _, _, kinds in runs:
+        ranks = []
+        for kind in kinds:
+            ranks.append(seen.get((stack, kind), 0))
+            seen[stack, kind] = ranks[-1] + 1
+        found.append(tuple(ranks))
+    return tuple(found)
 
 
 def runs_with_attention(
@@ -325,16 +359,19 @@ class Decoder(nnx.Module):
         return self._head(self.final_norm(hidden)), stats
 
     def decode(
-        self, tokens: jax.Array, positions: jax.Array, cache: dict[str, Cache]
-    ) -> tuple[jax.Array, dict[str, Cache]]:
-        """Generation: new tokens [B, T] at positions [B, T] (consecutive per row) -> their
-        logits [B, T, V] and the cache (maxtrain/model/kv_cache.py) with their entries (keys
-        and values, or MLA's latents) added. A token sees every cached position before its own."""
+        self, tokens: jax.Array, positions: jax.Array, cache: dict[str, StackCache]
+    ) -> tuple[jax.Array, dict[str, StackCache]]:
+        """Generation: new tokens [B, T] at positions [B, T] (consecutive per row; -1: a
+        prefill's right padding) -> their logits [B, T, V] and the cache
+        (maxtrain/model/kv_cache.py) with their entries (keys and values, or MLA's latents)
+        added. A token sees the cached positions before its own that its layer's kind lets it."""
         x, cache = self._embed(tokens), dict(cache)
-        for stack, start, length, kinds in self.runs:
+        for (stack, start, length, kinds), ranks in zip(
+            self.runs, cache_ranks(self.runs), strict=True
+        ):
             graphdef, stacked = nnx.split(getattr(self, stack))
             x, cache[stack] = run_stack_cached(
-                graphdef, stacked, start, length, x, positions, cache[stack], kinds
+                graphdef, stacked, start, length, x, positions, cache[stack], kinds, ranks
             )
         return self._head(self.final_norm(x)), cache
 

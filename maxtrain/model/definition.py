@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from maxtrain.config import ModelConfig
-from maxtrain.model.kv_cache import Cache
+from maxtrain.model.kv_cache import StackCache
 from maxtrain.model.layers.base import ADAPTER_A, ADAPTER_B
 from maxtrain.model.mtp import MultiTokenTraining
 from maxtrain.model.router_training import AuxiliaryTraining, NoAuxiliary, RouterTraining, Stats
@@ -57,10 +57,11 @@ class ModelDef:
         return ModelOutput(logits, self.auxiliary.aux_loss(stats), stats)
 
     def decode(
-        self, params: Any, tokens, positions, cache: dict[str, Cache]
-    ) -> tuple[jax.Array, dict[str, Cache]]:
-        """Generation's forward: new tokens [B, T] at positions [B, T] -> their logits and the
-        decode cache with them added (model/decoder.py Decoder.decode)."""
+        self, params: Any, tokens, positions, cache: dict[str, StackCache]
+    ) -> tuple[jax.Array, dict[str, StackCache]]:
+        """Generation's forward: new tokens [B, T] at positions [B, T] (-1: a prefill's
+        padding) -> their logits and the decode cache with them added (model/decoder.py
+        Decoder.decode)."""
         return self._module(params).decode(tokens, positions, cache)
 
     def _module(self, params: Any) -> nnx.Module:

@@ -2,14 +2,29 @@
 
 Entry s of a row holds position s of that row, so prompts of different lengths share one batch
 without left padding: each row's new tokens are written at its own positions, and attention
-masks by position (model/kernels/attention.py cached_attention). Layers are stored stacked, as their
-parameters are ([L, B, S, ...] per stack, model/stacks.py), so the decoder scans over
-parameters and cache together. On a mesh the cache is split like the activations it comes from:
-the batch over the data-parallel axes, grouped-query attention's key/value heads over `tensor`.
+masks by position (model/kernels/attention.py cached_attention). Layers are stored stacked, as
+their parameters are ([L, B, S, ...] per stack and kind, model/stacks.py), and the decoder's
+scan over a stack's parameters carries them. On a mesh the cache is split like the activations
+it comes from: the batch over the data-parallel axes, grouped-query attention's key/value heads
+over `tensor`.
 
 What a position keeps depends on the attention (`init_cache` picks by model.attention_type):
 grouped-query attention its keys and values (`LayerCache`), multi-head latent attention only the
 compressed latent and the shared rotary key its keys and values are made from (`LatentCache`).
+
+How many positions a layer keeps depends on its kind (model/layers/attention_pattern.py): a
+global layer every position of the generation, a local one only the last `span` (its window or
+chunk: no query reaches further back), in a ring (`WindowCache`), so that its memory is
+O(window), not O(length). A stack's layers may mix kinds (Gemma 3's 5 local : 1 global), so a
+stack's cache is one array per kind, {kind name: [L_kind, B, ...]}, each layer owning the entry
+of its rank among the stack's layers of its kind (model/decoder.py run_stack_cached). One array
+per layer of the stack would hold the same but be scanned over by no lax.scan; both kinds at
+full length would spend the memory a window saves.
+
+Padding: a prefill's rows are right-padded to the longest prompt, the padding's positions -1.
+A full-length cache stores it (at the row's next positions, overwritten by its decode steps
+before any query sees them); a ring drops it, which it must, as the padding would overwrite
+the last prompt positions.
 """
 
 from __future__ import annotations
@@ -44,12 +59,68 @@ class LayerCache(NamedTuple):
         shape = (layers, batch, length, cfg.num_kv_heads, cfg.resolved_head_dim)
         return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
 
-    def write(self, k: jax.Array, v: jax.Array, positions: jax.Array) -> LayerCache:
-        """The cache with k/v [B, T, K, H] stored at positions [B, T] (consecutive per row)."""
-        return LayerCache(
+    def update(
+        self, k: jax.Array, v: jax.Array, positions: jax.Array
+    ) -> tuple[LayerCache, tuple[jax.Array, jax.Array, None]]:
+        """The cache with k/v [B, T, K, H] stored at positions [B, T] (consecutive per row),
+        and what the new queries attend over: all of it, entry s at position s."""
+        written = LayerCache(
             _write_rows(self.k, k, positions, self.axes[1:]),
             _write_rows(self.v, v, positions, self.axes[1:]),
         )
+        return written, (written.k, written.v, None)
+
+
+def _ring_positions(last: jax.Array, size: int) -> jax.Array:
+    """[B] -> [B, size]: the position entry s of a ring holds once positions 0..last[b] of row b
+    have been written (the newest congruent to s modulo size); negative: none yet."""
+    return last[:, None] - (last[:, None] - jnp.arange(size, dtype=last.dtype)) % size
+
+
+class WindowCache(NamedTuple):
+    """A local layer's keys and values of its last `size` positions ([B, size, K, H] each, or
+    [L, ...] stacked): entry s holds the newest position p written with p % size == s. Which
+    position an entry holds follows from the row's next position (`_ring_positions`), since a
+    row's positions are written in order, each once: nothing records it."""
+
+    k: jax.Array
+    v: jax.Array
+
+    axes = LayerCache.axes
+
+    @classmethod
+    def zeros(cls, cfg: ModelConfig, layers: int, batch: int, length: int, dtype) -> WindowCache:
+        """A ring of the positions a local query reaches back (its window or chunk), or of
+        the whole generation if shorter."""
+        assert cfg.local_attention is not None  # a local layer implies it (config validation)
+        size = min(cfg.local_attention.span, length)
+        return cls(*LayerCache.zeros(cfg, layers, batch, size, dtype))
+
+    def update(
+        self, k: jax.Array, v: jax.Array, positions: jax.Array
+    ) -> tuple[WindowCache, tuple[jax.Array, jax.Array, jax.Array]]:
+        """New keys/values [B, T, K, H] at positions [B, T] (consecutive per row from the
+        row's next position; -1: padding) -> (the ring with them written, what their queries
+        attend over: the ring's entries as they were and the new keys, side by side, with each
+        one's position, [B, size + T], negative where empty or padding). A prefill longer than
+        the ring keeps only the last `size` positions, yet its queries see every new key."""
+        size = self.k.shape[1]
+        k, v = k.astype(self.k.dtype), v.astype(self.v.dtype)
+        held = _ring_positions(positions[:, 0] - 1, size)
+        keys = jnp.concatenate([self.k, k], axis=1)
+        values = jnp.concatenate([self.v, v], axis=1)
+        visible = (keys, values, jnp.concatenate([held, positions], axis=1))
+        # Entry s takes the new token of the newest position congruent to s, if one is new.
+        newest = _ring_positions(positions.max(axis=1), size)
+        index = newest - positions[:, :1]  # into the new tokens; negative: keep the entry
+        take = lambda new, old: jnp.where(
+            (index >= 0)[:, :, None, None],
+            jnp.take_along_axis(new, jnp.maximum(index, 0)[:, :, None, None], axis=1),
+            old,
+        )
+        axes = self.axes[1:]
+        ring = WindowCache(constrain(take(k, self.k), axes), constrain(take(v, self.v), axes))
+        return ring, visible
 
 
 class LatentCache(NamedTuple):
@@ -75,24 +146,31 @@ class LatentCache(NamedTuple):
         return LatentCache(_write_rows(self.key, key, positions, self.axes[1:]))
 
 
-type Cache = LayerCache | LatentCache
+type Cache = LayerCache | LatentCache | WindowCache
+type StackCache = dict[str, Cache]  # a layer stack's caches per attention kind (KINDS' names)
 CACHES: dict[str, type[LayerCache] | type[LatentCache]] = {"gqa": LayerCache, "mla": LatentCache}
 
 
 def init_cache(
-    cfg: ModelConfig, stacks: dict[str, int], batch: int, length: int, dtype
-) -> dict[str, Cache]:
-    """Zeroed caches of the model's attention for `stacks` (params key -> layers in it) of
-    `length` positions."""
-    kind = CACHES[cfg.attention_type]
-    return {stack: kind.zeros(cfg, n, batch, length, dtype) for stack, n in stacks.items()}
+    cfg: ModelConfig, stacks: dict[str, dict[str, int]], batch: int, length: int, dtype
+) -> dict[str, StackCache]:
+    """Zeroed caches for a generation of `length` positions: per params key of a layer stack,
+    per attention kind of its layers ({stack: {kind name: layers of that kind}}), the
+    model's attention's full-length cache for global layers, a ring for local ones."""
+    kinds = {"global": CACHES[cfg.attention_type], "local": WindowCache}
+    return {
+        stack: {kind: kinds[kind].zeros(cfg, n, batch, length, dtype) for kind, n in per.items()}
+        for stack, per in stacks.items()
+    }
 
 
 def cache_shardings(
-    cache: dict[str, Cache], mesh: Mesh, rules: dict[str, list[str]]
-) -> dict[str, Cache]:
-    def shardings(stack: Cache) -> Cache:
-        spec = lambda a: logical_to_spec(stack.axes, rules, mesh, a.shape)
-        return type(stack)(*(NamedSharding(mesh, spec(a)) for a in stack))
+    cache: dict[str, StackCache], mesh: Mesh, rules: dict[str, list[str]]
+) -> dict[str, StackCache]:
+    def shardings(held: Cache) -> Cache:
+        spec = lambda a: logical_to_spec(held.axes, rules, mesh, a.shape)
+        return type(held)(*(NamedSharding(mesh, spec(a)) for a in held))
 
-    return {name: shardings(stack) for name, stack in cache.items()}
+    return {
+        stack: {kind: shardings(held) for kind, held in per.items()} for stack, per in cache.items()
+    }

@@ -278,6 +278,24 @@ CASES: dict[str, tuple[str, dict, dict]] = {
         ),
         dict(layout="v5", seed=12),
     ),
+    # Mistral: every layer's query sees itself and the 3 keys before it, fewer than the 12
+    # tokens, so the window decides the logits; generate.json goes 16 tokens past it.
+    "mistral_window4_v5": (
+        "mistral",
+        dict(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, sliding_window=4),
+        dict(layout="v5", seed=14),
+    ),
+    "mistral_no_window_legacy": (
+        "mistral",
+        dict(
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=1,
+            sliding_window=None,
+            rope_parameters=dict(rope_type="default", rope_theta=1000000.0),
+        ),
+        dict(layout="legacy", seed=15),
+    ),
 }
 
 

@@ -144,6 +144,7 @@ def test_export_reproduces_the_original_files(case, tmp_path):
     "preset",
     [
         "llama3.2-1b",
+        "mistral-7b",
         "qwen3-0.6b",
         "kanana-nano-2.1b",
         "mixtral-8x7b",
@@ -631,6 +632,30 @@ def test_unexportable_llama4_models_are_refused(changes, expected):
     assert expected in str(e.value)
 
 
+@pytest.mark.parametrize(
+    "overrides, family, expected",
+    [
+        (["model.layer_pattern=[local,global]", "model.local_attention.window=4"],
+         "MistralForCausalLM", "model.layer_pattern=['local', 'global'] (global layers beside"),
+        (["model.layer_pattern=[local]", "model.local_attention.chunk=4"],
+         "MistralForCausalLM", "model.local_attention.chunk=4"),
+        (["model.layer_pattern=[local]", "model.local_attention.window=4",
+          "model.local_attention.rope_theta=500.0"],
+         "MistralForCausalLM", "model.local_attention.rope_theta=500.0"),
+        (["model_name=tiny-qk", "model.layer_pattern=[local]", "model.local_attention.window=4"],
+         "Qwen3ForCausalLM", "model.layer_pattern with local layers"),
+    ],
+)  # fmt: skip
+def test_unexportable_attention_patterns_are_refused(make_cfg, overrides, family, expected):
+    """Mistral writes one sliding window for every layer; what else a layer pattern says
+    (global layers among local ones, chunks, a RoPE base of their own), or local layers in a
+    family without a window, would be dropped from the export: refused, naming the key."""
+    cfg = make_cfg(*overrides).model
+    with pytest.raises(ConversionError, match=f"cannot export as {family}") as e:
+        hf_config(cfg, family_for(cfg), "float32")
+    assert expected in str(e.value)
+
+
 def test_what_only_llama4_expresses_is_refused_elsewhere():
     plain = config_lib.load(config_lib.CONFIGS_DIR / "base.yml", ["model_name=tiny-qk"]).model
     for changes, expected in [
@@ -662,6 +687,7 @@ def hf_python(*modules: str) -> str:
 # One fixture of every family an export writes; each carries the run's tokenizer.
 FAMILY_CASES = {
     "llama": "llama_gqa_untied_sharded",
+    "mistral": "mistral_window4_v5",
     "qwen3": "qwen3_gqa4_untied_v5",
     "mixtral": "mixtral_top2_v5",
     "qwen3_moe": "qwen3_moe_top3_sparse_step_v5",
@@ -680,13 +706,25 @@ print(json.dumps({d: [tokenizer.encode(t) for t in texts] for d, tokenizer in to
 """
 
 
-def test_transformers_encodes_an_exported_tokenizer_as_maxtrain_does(tmp_path):
+# The modules transformers needs to read an export's tokenizer.model -> those families. For
+# Mistral, transformers 5 has no tokenizer class of its own without mistral-common: its generic
+# backend reads the file through sentencepiece and protobuf (Llama's class converts it without).
+TOKENIZER_READERS = {
+    ("transformers",): ["llama", "qwen3", "mixtral", "qwen3_moe", "deepseek_v3", "glm4_moe"],
+    ("transformers", "sentencepiece", "google.protobuf"): ["mistral"],
+}
+
+
+@pytest.mark.parametrize("modules", TOKENIZER_READERS, ids=lambda m: "+".join(m))
+def test_transformers_encodes_an_exported_tokenizer_as_maxtrain_does(tmp_path, modules):
     """AutoTokenizer on an export encodes as maxtrain's sentencepiece tokenizer, for every
     family: the Llama export put a space piece before the text ("The": 673, not 435), as
     transformers' Llama tokenizer does unless told the model adds no space."""
-    python = hf_python("transformers")
     assert sorted(FAMILY_CASES) == sorted(FAMILIES)
-    for family, case in FAMILY_CASES.items():
+    assert sorted(sum(TOKENIZER_READERS.values(), [])) == sorted(FAMILIES)
+    python = hf_python(*modules)
+    families = TOKENIZER_READERS[modules]
+    for family, case in ((f, FAMILY_CASES[f]) for f in families):
         ckpt, out = tmp_path / f"{family}-ckpt", tmp_path / family
         assert cli.main(["import", "--hf-dir", str(FIXTURES / case), "--output", str(ckpt)]) == 0
         export = ["export", "--checkpoint", str(ckpt), "--output", str(out)]
@@ -695,7 +733,7 @@ def test_transformers_encodes_an_exported_tokenizer_as_maxtrain_does(tmp_path):
     expected = load_tokenizer(DEFAULT_TOKENIZER).encode(TEXTS)
     sp = spm.SentencePieceProcessor(model_file=str(DEFAULT_TOKENIZER))
     assert expected[0] == [sp.piece_to_id("The")]  # one piece, no space before it
-    dirs = [str(tmp_path / family) for family in FAMILY_CASES]
+    dirs = [str(tmp_path / family) for family in families]
     result = subprocess.run(
         [python, "-c", ENCODE_IN_TRANSFORMERS, json.dumps(TEXTS), *dirs],
         capture_output=True,

@@ -1,7 +1,7 @@
 """Generation: the cached decode equals the full forward pass, a multi-head latent attention
-model caches its latent only, and greedy generation from imported Hugging Face models (GQA,
-GLM-4.5's, DeepSeek-V3's MLA, Llama 4's chunked and NoPE layers) is token-identical to
-transformers' generate().
+model caches its latent only and a local layer its window, and greedy generation from imported
+Hugging Face models (GQA, GLM-4.5's, Mistral's sliding window, Llama 4's chunked and NoPE
+layers, DeepSeek-V3's MLA) is token-identical to transformers' generate().
 
 The oracle for the second is tests/fixtures/hf/*/generate.json (maxtrain.tools.make_hf_fixtures
 generate): the tokens transformers' greedy generate() appended to each prompt, one prompt at a
@@ -36,19 +36,33 @@ FIXTURES = support.FIXTURES / "hf"
 TOLERANCE = 2e-5  # float32 rounding: the cache path sums attention over more (masked) keys
 
 
+WINDOW_3 = ("model.local_attention.window=3",)
+
+
 @pytest.mark.parametrize(
     "overrides",
     [
         ("model_name=tiny-qk",),
-        ("model_name=tiny-moe", "model.moe.first_dense_layers=1", "model.moe.capacity_factor=null"),
+        # A dense first layer, then MoE layers of both kinds: a global one between two local
+        # ones, whose ring of 3 positions is shorter than row 0's 5-token prompt.
+        (
+            "model_name=tiny-moe", "model.num_layers=4", "model.moe.first_dense_layers=1",
+            "model.moe.capacity_factor=null", "model.layer_pattern=[global,local]", *WINDOW_3,
+        ),
         ("model_name=tiny-mla",),
+        # Every layer local (Mistral); local and global alternating in one stack; Llama 4's
+        # local layers, chunks of 4.
+        ("model.layer_pattern=[local]", *WINDOW_3),
+        ("model.num_layers=3", "model.layer_pattern=[local,global]", *WINDOW_3),
+        ("model.layer_pattern=[local,global]", "model.local_attention.chunk=4"),
     ],
-    ids=["dense-qk-norm", "moe-after-dense", "mla"],
-)
+    ids=["dense-qk-norm", "moe-after-dense-mixed", "mla", "window", "window-mixed", "chunk"],
+)  # fmt: skip
 def test_cached_decode_equals_the_full_forward(make_cfg, overrides):
-    """A prefill of padded prompts (row 1's is 3 tokens, padded to 5 with other tokens) then
-    one token per step at each row's own position gives, at every real position, the logits
-    the uncached model computes for the whole sequence."""
+    """A prefill of padded prompts (row 1's is 3 tokens, padded to 5 with other tokens at
+    position -1, as generate's prefill gives them) then one token per step at each row's own
+    position gives, at every real position, the logits the uncached model computes for the
+    whole sequence."""
     cfg = make_cfg(*overrides)
     mdef = run_model.model_def(cfg, pipelined=False)
     params = nnx.to_pure_dict(nnx.state(model_lib.build(cfg.model, seed=3), nnx.Param))
@@ -61,7 +75,7 @@ def test_cached_decode_equals_the_full_forward(make_cfg, overrides):
     cache = init_cache(cfg.model, cache_stacks(cfg.model), 2, T, jnp.float32)
     decode = jax.jit(mdef.decode)
     padded = tokens[:, :5].at[1, 3:].set(7)  # row 1: its 3 prompt tokens, then padding
-    logits, cache = decode(params, padded, positions[:, :5], cache)
+    logits, cache = decode(params, padded, positions[:, :5].at[1, 3:].set(-1), cache)
     got = [[logits[0, p] for p in range(5)], [logits[1, p] for p in range(3)]]
     for step in range(T - 5):
         pos = jnp.asarray(lengths + step)[:, None]
@@ -88,6 +102,37 @@ def test_an_mla_cache_holds_only_the_latent_and_the_rope_key(model_name):
 
 
 @pytest.mark.parametrize(
+    "overrides, local, length",
+    [
+        # Mistral 7B: 32 layers, each a window of 4096, generating 32768 positions.
+        (["model_name=mistral-7b"], 4096, 32768),
+        # A shorter generation than the window: the ring holds the generation (5 positions).
+        (["model.layer_pattern=[local]", *WINDOW_3, "model.local_attention.window=8"], 5, 5),
+        # Local and global layers in a dense and a MoE stack: each stack keeps one array per kind.
+        (["model_name=tiny-moe", "model.num_layers=5", "model.moe.first_dense_layers=2",
+          "model.layer_pattern=[local,local,global]", *WINDOW_3], 3, 40),
+    ],
+    ids=["mistral-7b", "shorter-than-the-window", "mixed-stacks"],
+)  # fmt: skip
+def test_a_local_layer_caches_its_window_not_the_generation(make_cfg, overrides, local, length):
+    """The decode cache of a local layer is a ring of its window's positions: per stack, the
+    local layers' keys and values [L_local, B, window, K, H], the global layers'
+    [L_global, B, length, K, H]; memory O(window), not O(length), for local layers."""
+    model, B = make_cfg(*overrides).model, 2
+    cache = jax.eval_shape(lambda: init_cache(model, cache_stacks(model), B, length, jnp.bfloat16))
+    K, H = model.num_kv_heads, model.resolved_head_dim
+    kinds = [(model.moe is not None and model.moe.is_moe_layer(i), model.layer_attention(i))
+             for i in range(model.num_layers)]  # fmt: skip
+    for stack, is_moe in (("layers", False), ("moe_layers", True)):
+        for kind, positions in (("local", local), ("global", length)):
+            layers = kinds.count((is_moe, kind))
+            held = cache.get(stack, {}).get(kind)
+            assert (held is None) == (layers == 0), (stack, kind)
+            if layers:
+                assert held.k.shape == held.v.shape == (layers, B, positions, K, H), (stack, kind)
+
+
+@pytest.mark.parametrize(
     "case, mesh",
     [
         ("llama_gqa_untied_sharded", ["--devices", "1"]),
@@ -103,6 +148,9 @@ def test_an_mla_cache_holds_only_the_latent_and_the_rope_key(model_name):
         # Llama 4, 16 new tokens: chunks of 4 on the RoPE layers, the NoPE layer's temperature
         # changing every 4 positions, experts weighing their inputs, split over 8 devices.
         ("llama4_chunked_nope_moe_v5", ["mesh.fsdp=4", "mesh.tensor=2"]),
+        # Mistral's window of 4 from a ring of 4 positions, 16 new tokens: every prompt and
+        # the second one's prefill (29 tokens) run past the window.
+        ("mistral_window4_v5", ["mesh.fsdp=4", "mesh.tensor=2"]),
     ],
 )
 def test_greedy_generation_from_an_import_equals_transformers(case, mesh, tmp_path, capsys):

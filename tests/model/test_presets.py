@@ -40,6 +40,9 @@ PUBLISHED = [
     # keras-hub preset qwen3_0.6b_en metadata "params" (keras_hub/src/models/qwen3/
     # qwen3_presets.py). Qwen3-0.6B model card: 0.6B total, 0.44B non-embedding.
     ("qwen3-0.6b", 596_049_920, 0.0),
+    # HF safetensors metadata of mistralai/Mistral-7B-v0.1: 7.24B (rounded to 0.01B). The
+    # sliding window (layer_pattern [local]) adds no parameter.
+    ("mistral-7b", 7_241_732_096, 0.001),
     # Kanana report (arXiv 2502.18934) and model name: 2.1B, no exact integer published. The
     # single bf16 model.safetensors of kakaocorp/kanana-nano-2.1b-base is 4.17 GB -> 2.085e9
     # parameters (an untied head would make it 2.32e9).

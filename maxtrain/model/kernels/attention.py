@@ -127,14 +127,19 @@ def cached_attention(
     *,
     window: int | None = None,
     chunk: int | None = None,
+    k_positions: jax.Array | None = None,
 ) -> jax.Array:
     """Attention of new queries [B, T, N, H] over a key/value cache [B, S, K, H] whose entry s
     holds position s: a query at position p sees the entries 0..p (generation's cache path,
     maxtrain/inference/), of them only the last `window` or those of its `chunk`. Entries beyond
-    p may hold anything; they are masked out exactly."""
-    key_positions = jnp.arange(k.shape[1], dtype=q_positions.dtype)[None, None, :]
+    p may hold anything; they are masked out exactly. k_positions [B, S]: each entry's position
+    instead (a local layer's ring, model/kv_cache.py), negative where it holds none."""
+    if k_positions is None:
+        key_positions = jnp.arange(k.shape[1], dtype=q_positions.dtype)[None, None, :]
+    else:
+        key_positions = k_positions[:, None, :]
     q_positions = q_positions[:, :, None]
-    mask = key_positions <= q_positions
+    mask = (key_positions >= 0) & (key_positions <= q_positions)
     if window is not None:
         mask &= q_positions - key_positions < window
     if chunk is not None:

@@ -11,7 +11,7 @@ from flax import nnx
 
 from maxtrain.config import ModelConfig
 from maxtrain.model.kernels.attention import attention_kernel, cached_attention
-from maxtrain.model.kv_cache import LayerCache
+from maxtrain.model.kv_cache import LayerCache, WindowCache
 from maxtrain.model.layers.attention_pattern import AttentionVariant, variants
 from maxtrain.model.layers.base import Projection
 from maxtrain.model.layers.norms import RMSNorm
@@ -85,23 +85,22 @@ class Attention(nnx.Module):
         return self.o(self._switch(kind, attend, zip(self.variants, self.kernels, strict=True)))
 
     def cached(
-        self, x: jax.Array, positions: jax.Array, cache: LayerCache, kind: int | jax.Array = 0
-    ) -> tuple[jax.Array, LayerCache]:
+        self, x: jax.Array, positions: jax.Array, cache: LayerCache | WindowCache, kind: int = 0
+    ) -> tuple[jax.Array, LayerCache | WindowCache]:
         """Generation's path (maxtrain/inference/): the new tokens' keys and values are written
-        into the layer's cache at their positions ([B, T], consecutive per row), and the queries
-        attend over the cache. Same projections, norms and RoPE as the training path."""
+        into the layer's cache at their positions ([B, T], consecutive per row; -1: a prefill's
+        padding), and the queries attend over what the cache gives them: all of a global
+        layer's, a local layer's ring and the new keys (model/kv_cache.py). `kind` is a
+        constant: the cache is of its kind. Same projections, norms and RoPE as the training
+        path."""
         q, k, v = self._project(x)
-
-        def attend(variant: AttentionVariant) -> tuple[jax.Array, LayerCache]:
-            rotated_q, rotated_k = self._as_scored(variant, q, k, positions)
-            written = cache.write(rotated_k, v, positions)
-            out = cached_attention(
-                rotated_q, written.k, written.v, positions, window=variant.window,
-                chunk=variant.chunk,
-            )  # fmt: skip
-            return out, written
-
-        out, cache = self._switch(kind, attend, zip(self.variants))
+        variant = self.variants[kind]
+        q, k = self._as_scored(variant, q, k, positions)
+        cache, (keys, values, key_positions) = cache.update(k, v, positions)
+        out = cached_attention(
+            q, keys, values, positions, window=variant.window, chunk=variant.chunk,
+            k_positions=key_positions,
+        )  # fmt: skip
         return self.o(out), cache
 
     @staticmethod
