@@ -3,6 +3,7 @@ kernels/, the layer kinds (global, sliding-window or chunked local) in attention
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import jax
@@ -56,10 +57,14 @@ class Attention(nnx.Module):
             "btnh,nhd->btd", (N, H, D), ("heads", "head_dim", "embed"), bias=o_bias, **kw
         )
         if cfg.qk_norm:
-            self.q_norm = RMSNorm(H, eps=cfg.norm_eps, param_dtype=param_dtype, rngs=rngs)
-            self.k_norm = RMSNorm(H, eps=cfg.norm_eps, param_dtype=param_dtype, rngs=rngs)
+            norm_kw = dict(eps=cfg.norm_eps, param_dtype=param_dtype, rngs=rngs)
+            self.q_norm = RMSNorm(H, **norm_kw, plus_one=cfg.norm_scale_plus_one)
+            self.k_norm = RMSNorm(H, **norm_kw, plus_one=cfg.norm_scale_plus_one)
         else:
             self.q_norm = self.k_norm = None
+        # The kernels divide the logits by sqrt(H); queries scaled by this divide them by
+        # sqrt(model.softmax_scale_dim) instead, in every kernel and the decode path alike.
+        self.q_scale = math.sqrt(H / (cfg.softmax_scale_dim or H))
         # The layer kinds this model has (attention_pattern.KINDS order), each with its kernel,
         # picked once, and the exchange that runs it on a sequence split over mesh.context.
         self.variants = variants(cfg, H)
@@ -120,6 +125,8 @@ class Attention(nnx.Module):
         v = constrain(self.v(x), ("batch", "length", "kv_heads", "head_dim"))  # [B, T, K, H]
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
+        if self.q_scale != 1.0:
+            q = q * self.q_scale  # a weak-typed float: q keeps its dtype
         return q, k, v
 
     @staticmethod

@@ -1,4 +1,10 @@
-"""RMSNorm, computed in float32 whatever the compute dtype (variance of bf16 is too coarse)."""
+"""RMSNorm, computed in float32 whatever the compute dtype (variance of bf16 is too coarse).
+
+Gemma's variant (`plus_one`, model.norm_scale_plus_one) scales by 1 + w with w starting at 0,
+where Llama's scales by w starting at 1: the same function at initialisation, different stored
+weights (a checkpoint's norms convert as they are). Both take the product in float32 and cast
+after, as transformers' Gemma3RMSNorm does.
+"""
 
 from __future__ import annotations
 
@@ -6,15 +12,26 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from maxtrain.model.layers.base import make_param
-
 
 class RMSNorm(nnx.Module):
-    def __init__(self, dim: int, *, eps: float, param_dtype: jnp.dtype, rngs: nnx.Rngs):
+    def __init__(
+        self,
+        dim: int,
+        *,
+        eps: float,
+        param_dtype: jnp.dtype,
+        rngs: nnx.Rngs,  # unused (the scale starts constant); every layer takes one
+        plus_one: bool = False,
+    ):
         self.eps = eps
-        self.scale = make_param(rngs, (dim,), ("norm",), std=None, dtype=param_dtype)
+        self.offset = 1.0 if plus_one else 0.0
+        self.scale = nnx.Param(
+            jnp.full((dim,), 1.0 - self.offset, param_dtype),
+            out_sharding=("norm",),
+            eager_sharding=False,
+        )
 
     def __call__(self, x: jax.Array) -> jax.Array:
         x32 = x.astype(jnp.float32)
         normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-        return (normed * self.scale[...].astype(jnp.float32)).astype(x.dtype)
+        return (normed * (self.offset + self.scale[...].astype(jnp.float32))).astype(x.dtype)
