@@ -31,6 +31,14 @@ _NORMS = (
     (("attn_norm", "scale"), "input_layernorm.weight", None),
     (("mlp_norm", "scale"), "post_attention_layernorm.weight", None),
 )
+# model.block_norms sandwich (Gemma 3): post_attention_layernorm is there the attention
+# output's norm, and the feed-forward's input norm is pre_feedforward_layernorm.
+_SANDWICH_NORMS = (
+    (("attn_norm", "scale"), "input_layernorm.weight", None),
+    (("attn_post_norm", "scale"), "post_attention_layernorm.weight", None),
+    (("mlp_norm", "scale"), "pre_feedforward_layernorm.weight", None),
+    (("mlp_post_norm", "scale"), "post_feedforward_layernorm.weight", None),
+)
 _ATTENTION = (
     (("attn", "q", "kernel"), "self_attn.q_proj.weight", 1),
     (("attn", "k", "kernel"), "self_attn.k_proj.weight", 1),
@@ -102,10 +110,11 @@ class Slot:
 
 def _attention(cfg: ModelConfig) -> tuple:
     """A layer's attention and norm tensors: (our path, Hugging Face name, input axes)."""
+    norms = _SANDWICH_NORMS if cfg.block_norms == "sandwich" else _NORMS
     if cfg.mla is None:
         biases = {"none": (), "qkv": _QKV_BIAS, "qkvo": _QKV_BIAS + _O_BIAS}[cfg.attention_bias]
-        return _NORMS + _ATTENTION + biases + (_QK_NORM if cfg.qk_norm else ())
-    return _NORMS + (_MLA_Q if cfg.mla.q_lora_rank is None else _MLA_Q_LORA) + _MLA
+        return norms + _ATTENTION + biases + (_QK_NORM if cfg.qk_norm else ())
+    return norms + (_MLA_Q if cfg.mla.q_lora_rank is None else _MLA_Q_LORA) + _MLA
 
 
 def slots(cfg: ModelConfig, family: Family) -> list[Slot]:

@@ -1,6 +1,7 @@
 """Generation: the cached decode equals the full forward pass, a multi-head latent attention
 model caches its latent only, and greedy generation from imported Hugging Face models (GQA,
-GLM-4.5's and DeepSeek-V3's MLA) is token-identical to transformers' generate().
+GLM-4.5's, DeepSeek-V3's MLA, Gemma 3's sliding windows) is token-identical to transformers'
+generate().
 
 The oracle for the second is tests/fixtures/hf/*/generate.json (maxtrain.tools.make_hf_fixtures
 generate): the tokens transformers' greedy generate() appended to each prompt, one prompt at a
@@ -99,6 +100,10 @@ def test_an_mla_cache_holds_only_the_latent_and_the_rope_key(model_name):
         # GLM-4.5: q/k/v biases, qk-norm, a quarter of each head rotated, sigmoid routing with
         # a shared expert after a dense layer; 16 new tokens, weights split over fsdp x tensor.
         ("glm4_moe_qk_norm_quarter_rope_v5", ["mesh.fsdp=4", "mesh.tensor=2"]),
+        # Gemma 3, 16 new tokens, prompts of 1 to 29 tokens: sliding windows of 4 and 3 keys,
+        # far shorter than prompt + generation, over a cache of every position.
+        ("gemma3_window4_linear_rope_v5", ["--devices", "1"]),
+        ("gemma3_period3_mqa_untied_legacy_bf16", ["mesh.fsdp=4", "mesh.tensor=2"]),
     ],
 )
 def test_greedy_generation_from_an_import_equals_transformers(case, mesh, tmp_path, capsys):
