@@ -15,9 +15,10 @@ class RopeScaling(Section):
     """RoPE frequency scaling for a longer context (absent = no scaling); `type` picks the
     method, and with it which of the other keys apply (model/layers/rope.py)."""
 
-    type: Literal["llama3", "yarn"] = "llama3"
-    factor: PositiveFloat = 8.0  # both: how much longer than original_max_position
-    original_max_position: PositiveInt = 8192  # both: the context the model was trained at
+    # linear: every frequency divided by factor (Gemma 3's global layers)
+    type: Literal["llama3", "yarn", "linear"] = "llama3"
+    factor: PositiveFloat = 8.0  # all: how much longer than original_max_position
+    original_max_position: PositiveInt = 8192  # llama3, yarn: the context the model was trained at
     low_freq_factor: PositiveFloat = 1.0  # llama3
     # llama3; equal to low_freq_factor: no blended band (Llama 4 Scout's 1 and 1)
     high_freq_factor: PositiveFloat = 4.0
@@ -208,6 +209,9 @@ class ModelArchitecture(Section):
     qk_norm: bool = False
     # false: the qk-norm has no learned scale (Llama 4's, an RMS norm of each head alone).
     qk_norm_scale: bool = True
+    # The attention logits are divided by sqrt(this) instead of sqrt(head_dim) (Gemma 3's
+    # query_pre_attn_scalar; grouped-query attention); null: sqrt(head_dim).
+    softmax_scale_dim: PositiveInt | None = None
     # Which projections of (grouped-query) attention carry a bias: GLM-4.5 and Qwen2 have q, k
     # and v biases; GPT-OSS has the output's too.
     attention_bias: Literal["none", "qkv", "qkvo"] = "none"
@@ -218,7 +222,17 @@ class ModelArchitecture(Section):
     local_attention: LocalAttention | None = None
     global_attention: GlobalAttention | None = None  # null: as the model's defaults say
     tie_embeddings: bool = False
+    # The token embeddings multiplied by sqrt(emb_dim), in the compute dtype (Gemma).
+    scale_embeddings: bool = False
     norm_eps: PositiveFloat = 1e-5
+    # Every RMSNorm scales by 1 + w instead of w, w starting at 0 (Gemma's RMSNorm).
+    norm_scale_plus_one: bool = False
+    # pre: a norm before attention and before the feed-forward (Llama). sandwich: their outputs
+    # normed too, before they join the residual stream (Gemma 2 and 3).
+    block_norms: Literal["pre", "sandwich"] = "pre"
+    # The dense feed-forward's gate activation: silu (SwiGLU) or tanh-approximated gelu (GeGLU,
+    # Gemma's gelu_pytorch_tanh).
+    mlp_activation: Literal["silu", "gelu_tanh"] = "silu"
     max_seq_len: PositiveInt = 8192
     moe: MoeConfig | None = None
     mtp: MtpConfig = MtpConfig()
@@ -232,6 +246,13 @@ class ModelArchitecture(Section):
             )
         if self.mla is not None and self.qk_norm:
             raise ValueError("model.qk_norm is not supported with attention_type mla")
+        if self.mla is not None and self.softmax_scale_dim is not None:
+            raise ValueError("model.softmax_scale_dim is not supported with attention_type mla")
+        if self.moe is not None and self.mlp_activation != "silu":
+            raise ValueError(
+                f"model.mlp_activation {self.mlp_activation} is not supported with model.moe "
+                "(the experts are SwiGLU)"
+            )
         uses_local = "local" in (self.layer_pattern or ())
         if uses_local != (self.local_attention is not None):
             raise ValueError(

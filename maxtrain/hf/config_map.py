@@ -23,7 +23,7 @@ from pydantic import ValidationError
 
 from maxtrain.config import GlobalAttention, ModelConfig
 from maxtrain.hf.errors import ConversionError
-from maxtrain.hf.families import FAMILIES, Family
+from maxtrain.hf.families import FAMILIES, FEATURE_DEFAULTS, Family
 from maxtrain.model.stacks import is_moe_per_layer
 
 CONFIG_JSON = "config.json"
@@ -34,8 +34,19 @@ _NO_DEFAULT = object()
 _SCALING_KEYS = {
     "llama3": ("factor", "low_freq_factor", "high_freq_factor"),
     "yarn": ("factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim"),
+    "linear": ("factor",),
 }
-_REQUIRED_SCALING_KEYS = {"llama3": _SCALING_KEYS["llama3"], "yarn": ("factor",)}
+_REQUIRED_SCALING_KEYS = {
+    "llama3": _SCALING_KEYS["llama3"],
+    "yarn": ("factor",),
+    "linear": ("factor",),
+}
+# Scaling types checked against transformers for some families only: type -> those families.
+_SCALING_FAMILIES = {"yarn": ("deepseek_v3",), "linear": ("gemma3_text",)}
+# The scaling types that scale relative to an original context (original_max_position).
+_EXTENDS_A_CONTEXT = ("llama3", "yarn")
+# transformers' layer_types -> our model.layer_pattern kinds.
+_LAYER_KINDS = {"full_attention": "global", "sliding_attention": "local"}
 # YaRN options of transformers we do not model, with the value we compute.
 _YARN_FIXED = {"attention_factor": None, "truncate": True}
 # The aux-loss-free bias update rate an imported routing bias trains with: DeepSeek-V3's
@@ -82,6 +93,7 @@ def model_config(hf: dict[str, Any], family: Family, where: str) -> ModelConfig:
     theta, scaling = _rope(hf, family, where, value("max_position_embeddings"))
     mla = {key: value(key) for key in family.mla_keys} or None
     biases = family.attention_bias if family.attention_bias and value("attention_bias") else "none"
+    pattern = _layer_pattern(hf, where, value, num_layers) if family.layer_types else {}
     fields = dict(
         vocab_size=value("vocab_size"),
         emb_dim=value("hidden_size"),
@@ -110,6 +122,9 @@ def model_config(hf: dict[str, Any], family: Family, where: str) -> ModelConfig:
     window = value(family.window_key) if family.window_key else None
     if window is not None:
         fields.update(layer_pattern=["local"], local_attention=dict(window=window))
+    fields.update(**pattern, **family.features)
+    if family.softmax_scale_key:
+        fields["softmax_scale_dim"] = value(family.softmax_scale_key)
     hf_layers = None  # Qwen3-MoE, Llama 4: which layers transformers makes MoE
     if family.is_moe:
         count_key = next((k for k in family.expert_count_keys if k in hf), None)
@@ -207,7 +222,11 @@ def hf_config(cfg: ModelConfig, family: Family, dtype: str) -> dict[str, Any]:
         else {
             "rope_type": scaling.type,
             **{key: getattr(scaling, key) for key in _SCALING_KEYS[scaling.type]},
-            "original_max_position_embeddings": scaling.original_max_position,
+            **(
+                {"original_max_position_embeddings": scaling.original_max_position}
+                if scaling.type in _EXTENDS_A_CONTEXT
+                else {}
+            ),
         },
         "tie_word_embeddings": cfg.tie_embeddings,
         "initializer_range": cfg.init_std,
@@ -216,6 +235,10 @@ def hf_config(cfg: ModelConfig, family: Family, dtype: str) -> dict[str, Any]:
     }
     if family.window_key:
         out[family.window_key] = cfg.local_attention.window if cfg.local_attention else None
+    if family.layer_types:
+        out.update(_layer_types_keys(cfg))
+    if family.softmax_scale_key:
+        out[family.softmax_scale_key] = cfg.softmax_scale_dim or cfg.resolved_head_dim
     if cfg.mla is not None:
         out.update({key: getattr(cfg.mla, key) for key in family.mla_keys})
         out["head_dim"] = cfg.mla.qk_rope_head_dim  # what transformers sets it to
@@ -284,15 +307,19 @@ def _rope(
     `rope_scaling` wins over `rope_parameters`, and a theta inside them over the top-level
     `rope_theta`."""
     params = hf.get("rope_scaling") or hf.get("rope_parameters") or {}
+    if family.layer_types and isinstance(params.get("full_attention"), dict):
+        params = params["full_attention"]  # the global layers' (_local_rope_theta: the others')
     if any(isinstance(v, dict) for v in params.values()):
         raise ConversionError(f"{where}: per-layer-type RoPE parameters are not supported")
     theta = params.get("rope_theta", hf.get("rope_theta", family.defaults["rope_theta"]))
     kind = params.get("rope_type", params.get("type", "default"))
     if kind == "default":
         return theta, None
-    if kind == "yarn" and not family.mla_keys:  # checked against transformers for DeepSeek only
+    checked_for = _SCALING_FAMILIES.get(kind, (family.model_type,))
+    if family.model_type not in checked_for:
         raise ConversionError(
-            f"{where}: RoPE type 'yarn' is supported for deepseek_v3 only, not {family.model_type}"
+            f"{where}: RoPE type {kind!r} is supported for {', '.join(checked_for)} only, not "
+            f"{family.model_type}"
         )
     if kind not in _SCALING_KEYS:
         raise ConversionError(
@@ -310,8 +337,83 @@ def _rope(
                     f"(only {json.dumps(want)})"
                 )
     scaling = {key: params[key] for key in _SCALING_KEYS[kind] if params.get(key) is not None}
-    original = params.get("original_max_position_embeddings", max_position)
-    return theta, dict(type=kind, **scaling, original_max_position=original)
+    if kind in _EXTENDS_A_CONTEXT:
+        scaling["original_max_position"] = params.get(
+            "original_max_position_embeddings", max_position
+        )
+    return theta, dict(type=kind, **scaling)
+
+
+def _layer_pattern(hf: dict[str, Any], where: str, value, num_layers: int) -> dict[str, Any]:
+    """model.layer_pattern and local_attention of a config.json with sliding-window layers:
+    layer_types, else every sliding_window_pattern-th layer global (as transformers derives
+    it), written as the shortest pattern that repeats into them; none for all-global layers."""
+    types = hf.get("layer_types")
+    if types is None:
+        period = value("sliding_window_pattern")
+        if not isinstance(period, int) or period < 1:
+            raise ConversionError(f"{where}: sliding_window_pattern={period!r} is not supported")
+        kinds = _every_nth_global(period, num_layers)
+    else:
+        unknown = sorted(set(types) - set(_LAYER_KINDS))
+        if unknown:
+            raise ConversionError(
+                f"{where}: layer_types holds {unknown[0]!r}; supported: {', '.join(_LAYER_KINDS)}"
+            )
+        if len(types) != num_layers:
+            raise ConversionError(
+                f"{where}: layer_types names {len(types)} layers, num_hidden_layers is {num_layers}"
+            )
+        kinds = [_LAYER_KINDS[t] for t in types]
+    if "local" not in kinds:
+        return {}
+    period = next(p for p in range(1, num_layers + 1) if kinds == _repeated(kinds[:p], num_layers))
+    window = value("sliding_window")
+    if window is None:
+        raise ConversionError(f"{where}: layer_types has sliding layers but sliding_window is null")
+    local = dict(window=window, rope_theta=_local_rope_theta(hf, where, value))
+    return dict(layer_pattern=kinds[:period], local_attention=local)
+
+
+def _every_nth_global(period: int, num_layers: int) -> list[str]:
+    """Gemma's sliding_window_pattern: layer i global iff (i + 1) % period == 0."""
+    return ["global" if (i + 1) % period == 0 else "local" for i in range(num_layers)]
+
+
+def _repeated(pattern: list[str], num_layers: int) -> list[str]:
+    return [pattern[i % len(pattern)] for i in range(num_layers)]
+
+
+def _local_rope_theta(hf: dict[str, Any], where: str, value) -> float:
+    """The sliding layers' RoPE base: rope_parameters' sliding_attention (transformers 5),
+    else rope_local_base_freq; unscaled, as transformers computes it."""
+    local = (hf.get("rope_parameters") or {}).get("sliding_attention")
+    if not isinstance(local, dict):
+        return value("rope_local_base_freq")
+    kind = local.get("rope_type", local.get("type", "default"))
+    if kind != "default":
+        raise ConversionError(
+            f"{where}: sliding_attention RoPE type {kind!r} is not supported (only default)"
+        )
+    return local.get("rope_theta", value("rope_local_base_freq"))
+
+
+def _layer_types_keys(cfg: ModelConfig) -> dict[str, Any]:
+    """The config.json keys of cfg's attention pattern as Gemma 3 states it (what
+    _layer_pattern reads back), with sliding_window_pattern too where that period expresses
+    it, for transformers versions that read no layer_types."""
+    kinds = [cfg.layer_attention(i) for i in range(cfg.num_layers)]
+    local = cfg.local_attention
+    hf_names = {kind: name for name, kind in _LAYER_KINDS.items()}
+    out = {
+        "layer_types": [hf_names[kind] for kind in kinds],
+        "sliding_window": local.window if local else None,
+        "rope_local_base_freq": local.rope_theta if local and local.rope_theta else cfg.rope_theta,
+    }
+    period = len(cfg.layer_pattern or ["global"])
+    if kinds == _every_nth_global(period, cfg.num_layers):
+        out["sliding_window_pattern"] = period
+    return out
 
 
 def _partial_rotary_factor(hf: dict[str, Any], family: Family, where: str) -> float:
@@ -405,8 +507,26 @@ def _check_exportable(cfg: ModelConfig, family: Family) -> None:
         unsupported.append(f"model.partial_rotary_factor={cfg.partial_rotary_factor}")
     unsupported += _unexpressed_attention(cfg, family)
     scaling = cfg.rope_scaling
-    if scaling is not None and scaling.type == "yarn" and not family.mla_keys:
-        unsupported.append("model.rope_scaling.type=yarn")
+    if scaling is not None and family.model_type not in _SCALING_FAMILIES.get(
+        scaling.type, (family.model_type,)
+    ):
+        unsupported.append(f"model.rope_scaling.type={scaling.type}")
+    for key, default in {**FEATURE_DEFAULTS, **family.features}.items():
+        want = family.features.get(key, default)
+        if getattr(cfg, key) != want:
+            unsupported.append(f"model.{key}={getattr(cfg, key)} (the family's is {want})")
+    if cfg.softmax_scale_dim is not None and not family.softmax_scale_key:
+        unsupported.append(f"model.softmax_scale_dim={cfg.softmax_scale_dim}")
+    local = cfg.local_attention
+    if local is not None and not family.layer_types:
+        unsupported.append("model.layer_pattern's local layers")
+    elif local is not None and local.chunk is not None:
+        unsupported.append(f"model.local_attention.chunk={local.chunk} (windows only)")
+    elif local is not None and local.rope_theta is None and scaling is not None:
+        unsupported.append(
+            "model.local_attention.rope_theta=null with model.rope_scaling (local layers' RoPE "
+            "is unscaled)"
+        )
     if unsupported:
         raise ConversionError(
             f"cannot export as {name} (the family for attention_type={cfg.attention_type}, "
@@ -444,8 +564,8 @@ def _unexportable_pattern(cfg: ModelConfig, family: Family) -> list[str]:
     """What of the layers' attention kinds `family` cannot write: a family with a window key
     has one sliding window on every layer, the others have no local layers."""
     local = cfg.local_attention
-    if local is None or family.chunked_nope:  # Llama 4's chunks: _unexpressed_attention
-        return []
+    if local is None or family.chunked_nope or family.layer_types:
+        return []  # Llama 4's chunks: _unexpressed_attention; Gemma 3's layer_types: its own
     if not family.window_key:
         return ["model.layer_pattern with local layers"]
     if {cfg.layer_attention(i) for i in range(cfg.num_layers)} != {"local"}:

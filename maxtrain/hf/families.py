@@ -1,8 +1,8 @@
 """The Hugging Face architectures we read and write, described as data.
 
-These transformers families compute exactly our decoder (pre-norm RMSNorm, RoPE, grouped-query
-or multi-head latent attention, SwiGLU feed-forward or routed SwiGLU experts). They differ
-only in a few config.json keys and tensor names, which is all this module holds:
+These transformers families compute exactly our decoder (RMSNorm, RoPE, grouped-query or
+multi-head latent attention, gated feed-forward or routed SwiGLU experts). They differ only
+in a few config.json keys, model options and tensor names, which is all this module holds:
 
     llama      LlamaForCausalLM     Llama 2/3 (Llama-3 RoPE scaling), Kanana, tied or not
     mistral    MistralForCausalLM   Llama's layers, every one with a sliding window
@@ -25,6 +25,12 @@ only in a few config.json keys and tensor names, which is all this module holds:
                                     whose weight scales the expert's input, one shared expert,
                                     MoE layers by moe_layers / interleave_moe_layer_step, experts
                                     stored stacked (gate_up_proj [E, D, 2F], down_proj [E, F, D])
+    gemma3_text  Gemma3ForCausalLM  Gemma 3: norms before and after attention and the MLP
+                                    ("sandwich"), RMSNorm scaling by 1 + w, qk-norm, embeddings
+                                    times sqrt(hidden_size), GeGLU (gelu_pytorch_tanh),
+                                    query_pre_attn_scalar; sliding-window layers (layer_types or
+                                    sliding_window_pattern) with their own RoPE base, linear
+                                    RoPE scaling on the global ones
 
 Router semantics match ours for both MoE families: transformers takes the softmax over all
 experts, keeps the top k, and (Mixtral always, Qwen3-MoE iff norm_topk_prob) divides by their
@@ -46,7 +52,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from maxtrain.config import ModelConfig
+from maxtrain.config import ModelArchitecture, ModelConfig
 
 
 @dataclass(frozen=True)
@@ -114,6 +120,14 @@ class Family:
     # The config.json key of a sliding window on every layer (null in it: no window), which is
     # model.layer_pattern [local] with model.local_attention.window; None: the family has none.
     window_key: str | None = None
+    # Our model keys (ModelArchitecture) the family fixes; the others of FEATURE_DEFAULTS stay
+    # at their defaults: import sets them, export refuses a model without them.
+    features: Mapping[str, Any] = field(default_factory=dict)
+    # Sliding-window layers as Gemma 3 states them: layer_types (else every
+    # sliding_window_pattern-th layer global), sliding_window, the local layers' RoPE base in
+    # rope_local_base_freq or rope_parameters' sliding_attention (config_map.py).
+    layer_types: bool = False
+    softmax_scale_key: str | None = None  # config.json's model.softmax_scale_dim
 
     @property
     def is_moe(self) -> bool:
@@ -363,22 +377,65 @@ LLAMA4 = Family(
     moe_layer_list=True,
     chunked_nope=True,
 )
+
+
+GEMMA3 = Family(
+    model_type="gemma3_text",
+    architecture="Gemma3ForCausalLM",
+    qk_norm=True,
+    defaults={
+        **_BASE_DEFAULTS,
+        "rope_theta": 1000000.0,
+        "rope_local_base_freq": 10000.0,
+        "tie_word_embeddings": True,
+        "rms_norm_eps": 1e-6,
+        "max_position_embeddings": 131072,
+        "num_key_value_heads": 4,
+        "head_dim": 256,
+        "query_pre_attn_scalar": 256,
+        "sliding_window": 4096,
+        "sliding_window_pattern": 6,
+    },
+    required={
+        "hidden_activation": "gelu_pytorch_tanh",
+        "attention_bias": False,
+        "final_logit_softcapping": None,
+        "attn_logit_softcapping": None,
+        "use_bidirectional_attention": False,
+    },
+    features={
+        "qk_norm": True,
+        "block_norms": "sandwich",
+        "norm_scale_plus_one": True,
+        "scale_embeddings": True,
+        "mlp_activation": "gelu_tanh",
+    },
+    layer_types=True,
+    softmax_scale_key="query_pre_attn_scalar",
+)
 FAMILIES = {
     f.model_type: f
-    for f in (LLAMA, MISTRAL, QWEN3, MIXTRAL, QWEN3_MOE, DEEPSEEK_V3, GLM4_MOE, LLAMA4)
+    for f in (LLAMA, MISTRAL, QWEN3, MIXTRAL, QWEN3_MOE, DEEPSEEK_V3, GLM4_MOE, LLAMA4, GEMMA3)
+}
+# The model keys a Family's `features` may fix, at the value every other family has.
+FEATURE_DEFAULTS = {
+    key: ModelArchitecture.model_fields[key].default
+    for key in ("block_norms", "norm_scale_plus_one", "scale_embeddings", "mlp_activation")
 }
 
 
 def family_for(cfg: ModelConfig) -> Family:
     """The family a model of ours exports as: the only one with its attention, qk-norm and
     MoE choice (multi-head latent attention: DeepSeek-V3, whose layers are MoE; experts weighing
-    their inputs: Llama 4; other grouped-query attention with sigmoid routing: GLM-4.5,
-    qk-normed or not), a dense model with local layers as Mistral (config_map refuses what it
-    cannot express)."""
+    their inputs: Llama 4; sandwich norms: Gemma 3; other grouped-query attention with sigmoid
+    routing: GLM-4.5, qk-normed or not), a dense model with local layers as Mistral
+    (config_map refuses what it cannot express)."""
     if cfg.attention_type == "mla":
         return DEEPSEEK_V3
     if cfg.moe is not None and cfg.moe.weight_on == "input":
         return LLAMA4
+    if cfg.block_norms == "sandwich":
+        return GEMMA3
     if cfg.moe is not None and cfg.moe.score == "sigmoid":
         return GLM4_MOE
     if cfg.moe is None:

@@ -33,6 +33,14 @@ _NORMS = (
     (("attn_norm", "scale"), "input_layernorm.weight", None),
     (("mlp_norm", "scale"), "post_attention_layernorm.weight", None),
 )
+# model.block_norms sandwich (Gemma 3): post_attention_layernorm is there the attention
+# output's norm, and the feed-forward's input norm is pre_feedforward_layernorm.
+_SANDWICH_NORMS = (
+    (("attn_norm", "scale"), "input_layernorm.weight", None),
+    (("attn_post_norm", "scale"), "post_attention_layernorm.weight", None),
+    (("mlp_norm", "scale"), "pre_feedforward_layernorm.weight", None),
+    (("mlp_post_norm", "scale"), "post_feedforward_layernorm.weight", None),
+)
 _ATTENTION = (
     (("attn", "q", "kernel"), "self_attn.q_proj.weight", 1),
     (("attn", "k", "kernel"), "self_attn.k_proj.weight", 1),
@@ -106,11 +114,12 @@ class Slot:
 
 def _attention(cfg: ModelConfig) -> tuple:
     """A layer's attention and norm tensors: (our path, Hugging Face name, input axes)."""
+    norms = _SANDWICH_NORMS if cfg.block_norms == "sandwich" else _NORMS
     if cfg.mla is None:
         biases = {"none": (), "qkv": _QKV_BIAS, "qkvo": _QKV_BIAS + _O_BIAS}[cfg.attention_bias]
         qk_norm = _QK_NORM if cfg.qk_norm and cfg.qk_norm_scale else ()
-        return _NORMS + _ATTENTION + biases + qk_norm
-    return _NORMS + (_MLA_Q if cfg.mla.q_lora_rank is None else _MLA_Q_LORA) + _MLA
+        return norms + _ATTENTION + biases + qk_norm
+    return norms + (_MLA_Q if cfg.mla.q_lora_rank is None else _MLA_Q_LORA) + _MLA
 
 
 def _experts(family: Family, block: str, stack: str, j: int, num_experts: int) -> list[Slot]:

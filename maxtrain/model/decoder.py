@@ -92,25 +92,33 @@ BLOCK_KINDS = {False: DENSE, True: MOE}  # is_moe -> kind
 
 
 class DecoderBlock(nnx.Module):
-    """Pre-norm attention then the feed-forward block this kind of layer was built with."""
+    """Pre-norm attention then the feed-forward block this kind of layer was built with; with
+    model.block_norms sandwich, each one's output is normed too before it joins the residual
+    stream (attn_post_norm, mlp_post_norm)."""
 
     def __init__(self, cfg: ModelConfig, kind: BlockKind, *, param_dtype, compute_dtype, rngs):
-        norm_kw = dict(eps=cfg.norm_eps, param_dtype=param_dtype, rngs=rngs)
+        norm_kw = dict(
+            eps=cfg.norm_eps, param_dtype=param_dtype, rngs=rngs, plus_one=cfg.norm_scale_plus_one
+        )
         dtypes = dict(param_dtype=param_dtype, compute_dtype=compute_dtype)
         self.attn_norm = RMSNorm(cfg.emb_dim, **norm_kw)
         self.attn = attention_type(cfg)(cfg, **dtypes, rngs=rngs)
         self.mlp_norm = RMSNorm(cfg.emb_dim, **norm_kw)
         self.ffn_name = kind.ffn_name
         setattr(self, kind.ffn_name, kind.make_ffn(cfg, **dtypes, rngs=rngs))
+        sandwich = cfg.block_norms == "sandwich"
+        self.attn_post_norm = RMSNorm(cfg.emb_dim, **norm_kw) if sandwich else None
+        self.mlp_post_norm = RMSNorm(cfg.emb_dim, **norm_kw) if sandwich else None
 
     def __call__(
         self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array, kind: Kind = 0
     ) -> tuple[jax.Array, dict[str, jax.Array]]:
         """Returns the new residual stream [B, T, D] and the feed-forward's statistics; `kind`
         is the layer's attention kind (model/layers/attention_pattern.py)."""
-        x = x + self.attn(self.attn_norm(x), positions, segment_ids, kind)
+        attn_out = self.attn(self.attn_norm(x), positions, segment_ids, kind)
+        x = x + _normed(self.attn_post_norm, attn_out)
         ffn_out, stats = getattr(self, self.ffn_name)(self.mlp_norm(x))
-        x = x + ffn_out
+        x = x + _normed(self.mlp_post_norm, ffn_out)
         return constrain(x, ("batch", "length", "act_embed")), stats
 
     def cached(
@@ -119,9 +127,16 @@ class DecoderBlock(nnx.Module):
         """The block on new tokens with the layer's decode cache (generation); the
         feed-forward's statistics are of no use there."""
         attn_out, cache = self.attn.cached(self.attn_norm(x), positions, cache, kind)
-        x = x + attn_out
+        x = x + _normed(self.attn_post_norm, attn_out)
         ffn_out, _ = getattr(self, self.ffn_name)(self.mlp_norm(x))
-        return constrain(x + ffn_out, ("batch", "length", "act_embed")), cache
+        x = x + _normed(self.mlp_post_norm, ffn_out)
+        return constrain(x, ("batch", "length", "act_embed")), cache
+
+
+def _normed(norm: RMSNorm | None, x: jax.Array) -> jax.Array:
+    """A sublayer's output as it joins the residual stream: normed where the block has a
+    post-norm (sandwich), else as it is."""
+    return x if norm is None else norm(x)
 
 
 def stacked_blocks(
@@ -299,7 +314,16 @@ class Decoder(nnx.Module):
         )
         dtypes = dict(param_dtype=param_dtype, compute_dtype=compute_dtype)
         self._build_layers(cfg, dtypes, rngs)
-        self.final_norm = RMSNorm(D, eps=cfg.norm_eps, param_dtype=param_dtype, rngs=rngs)
+        self.final_norm = RMSNorm(
+            D,
+            eps=cfg.norm_eps,
+            param_dtype=param_dtype,
+            rngs=rngs,
+            plus_one=cfg.norm_scale_plus_one,
+        )
+        # Gemma: the embeddings times sqrt(D), the factor rounded to the compute dtype first
+        # (transformers rounds it to the weights' dtype: sqrt(5376) is 73.5 in bfloat16).
+        self.embed_scale = math.sqrt(D) if cfg.scale_embeddings else None
         self.lm_head = (
             None
             if cfg.tie_embeddings
@@ -376,7 +400,10 @@ class Decoder(nnx.Module):
         return self._head(self.final_norm(x)), cache
 
     def _embed(self, tokens: jax.Array) -> jax.Array:
-        return embedding.lookup(self.embedding[...], tokens, self.compute_dtype)
+        embedded = embedding.lookup(self.embedding[...], tokens, self.compute_dtype)
+        if self.embed_scale is None:
+            return embedded
+        return embedded * jnp.asarray(self.embed_scale, self.compute_dtype)
 
     def _head(self, x: jax.Array) -> jax.Array:
         """Normalised states [B, T, D] -> logits [B, T, V]."""

@@ -52,7 +52,9 @@ class MtpModule(nnx.Module):
         self, cfg: ModelConfig, make_block: BlockFactory, *, param_dtype, compute_dtype, rngs
     ):
         D = cfg.emb_dim
-        norm_kw = dict(eps=cfg.norm_eps, param_dtype=param_dtype, rngs=rngs)
+        norm_kw = dict(
+            eps=cfg.norm_eps, param_dtype=param_dtype, rngs=rngs, plus_one=cfg.norm_scale_plus_one
+        )
         self.embed_norm = RMSNorm(D, **norm_kw)
         self.hidden_norm = RMSNorm(D, **norm_kw)
         self.project = Projection(

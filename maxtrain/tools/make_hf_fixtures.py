@@ -296,6 +296,46 @@ CASES: dict[str, tuple[str, dict, dict]] = {
         ),
         dict(layout="legacy", seed=15),
     ),
+    # Gemma 3: 5 sliding layers (window 4, shorter than the 12 tokens) : 1 global, the softmax
+    # scale of query_pre_attn_scalar (12, not head_dim 8), linear RoPE scaling on the global
+    # layer, a different base on the local ones; tied, as Gemma is.
+    "gemma3_window4_linear_rope_v5": (
+        "gemma3_text",
+        dict(
+            num_hidden_layers=6,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=8,
+            sliding_window=4,
+            query_pre_attn_scalar=12,
+            rope_parameters=dict(
+                full_attention=dict(rope_type="linear", factor=8.0, rope_theta=1000.0),
+                sliding_attention=dict(rope_type="default", rope_theta=10.0),
+            ),
+        ),
+        dict(layout="v5", seed=14),
+    ),
+    # As published Gemma 3 configs read (sliding_window_pattern, rope_local_base_freq): every
+    # third layer global over 5 layers (the pattern does not divide them), window 3, one
+    # key/value head of 16 dims (!= 32 / 4), untied, bfloat16.
+    "gemma3_period3_mqa_untied_legacy_bf16": (
+        "gemma3_text",
+        dict(
+            num_hidden_layers=5,
+            num_attention_heads=4,
+            num_key_value_heads=1,
+            head_dim=16,
+            sliding_window=3,
+            sliding_window_pattern=3,
+            query_pre_attn_scalar=24,
+            tie_word_embeddings=False,
+            rope_parameters=dict(
+                full_attention=dict(rope_type="default", rope_theta=10000.0),
+                sliding_attention=dict(rope_type="default", rope_theta=100.0),
+            ),
+        ),
+        dict(layout="legacy", dtype="bfloat16", seed=15),
+    ),
 }
 
 
@@ -480,10 +520,16 @@ def _top_k_gap(scores, k: int) -> float:
 
 def _legacy_layout(cfg: dict) -> dict:
     """transformers 5's config.json rewritten as transformers 4 wrote it: rope_theta and
-    rope_scaling at top level (GLM-4.5's partial_rotary_factor too), torch_dtype, and
-    Qwen3-MoE's num_experts."""
+    rope_scaling at top level (GLM-4.5's partial_rotary_factor too), torch_dtype, Qwen3-MoE's
+    num_experts, and Gemma 3's sliding_window_pattern and rope_local_base_freq (no
+    layer_types)."""
     cfg = dict(cfg)
     rope = dict(cfg.pop("rope_parameters"))
+    if cfg["model_type"] == "gemma3_text":
+        cfg["rope_local_base_freq"] = rope["sliding_attention"]["rope_theta"]
+        rope = dict(rope["full_attention"])
+        cfg["sliding_window_pattern"] = cfg.pop("_sliding_window_pattern")
+        del cfg["layer_types"]
     cfg["rope_theta"] = rope.pop("rope_theta")
     if "partial_rotary_factor" in rope:
         cfg["partial_rotary_factor"] = rope.pop("partial_rotary_factor")

@@ -154,6 +154,8 @@ def test_export_reproduces_the_original_files(case, tmp_path):
         "tiny-mla",
         "glm-4.5",
         "glm-4.5-air",
+        "gemma3-1b",
+        "gemma3-27b",
         "llama4-scout-17b-16e",
     ],
 )
@@ -532,6 +534,32 @@ BAD_IMPORTS = {
         lambda d: edit_config(d, moe_layers=[1, 2]),
         "moe_layers [1, 2] makes layers [1, 2] MoE",
     ),
+    "logit soft-capping (Gemma 2's, unmodelled)": (
+        "gemma3_window4_linear_rope_v5",
+        lambda d: edit_config(d, final_logit_softcapping=30.0),
+        "final_logit_softcapping=30.0 is not supported",
+    ),
+    "a layer type we do not model": (
+        "gemma3_window4_linear_rope_v5",
+        lambda d: edit_config(d, layer_types=["chunked_attention"] * 5 + ["full_attention"]),
+        "layer_types holds 'chunked_attention'",
+    ),
+    "scaled RoPE on the sliding layers": (
+        "gemma3_window4_linear_rope_v5",
+        lambda d: edit_config(
+            d,
+            rope_parameters={
+                "full_attention": {"rope_type": "default", "rope_theta": 1000.0},
+                "sliding_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 10.0},
+            },
+        ),
+        "sliding_attention RoPE type 'linear' is not supported",
+    ),
+    "linear RoPE where no fixture checks it": (
+        "llama3_mqa_tied_rope_scaling",
+        lambda d: edit_config(d, rope_scaling={"rope_type": "linear", "factor": 4.0}),
+        "RoPE type 'linear' is supported for gemma3_text only, not llama",
+    ),
 }
 
 
@@ -667,6 +695,48 @@ def test_what_only_llama4_expresses_is_refused_elsewhere():
             hf_config(cfg, family_for(cfg), "float32")
 
 
+LOCAL_ROPE_UNSET = dict(local_attention=dict(window=512, rope_theta=None))
+LINEAR = dict(rope_scaling=dict(type="linear", factor=8.0))
+
+
+@pytest.mark.parametrize(
+    "preset, update, architecture, expected",
+    [
+        ("gemma3-1b", dict(mlp_activation="silu"), "Gemma3", "model.mlp_activation=silu"),
+        ("gemma3-1b", dict(norm_scale_plus_one=False), "Gemma3", "model.norm_scale_plus_one"),
+        (
+            "gemma3-1b",
+            dict(local_attention=dict(chunk=8)),
+            "Gemma3",
+            "model.local_attention.chunk=8 (windows only)",
+        ),
+        (
+            "gemma3-1b",
+            {**LOCAL_ROPE_UNSET, **LINEAR},  # the local layers would take the scaling
+            "Gemma3",
+            "model.local_attention.rope_theta=null with model.rope_scaling",
+        ),
+        ("llama3.2-1b", dict(softmax_scale_dim=96), "Llama", "model.softmax_scale_dim=96"),
+        ("llama3.2-1b", dict(scale_embeddings=True), "Llama", "model.scale_embeddings=True"),
+        (
+            "llama3.2-1b",
+            dict(layer_pattern=["local", "global"], local_attention=dict(window=8)),
+            "Llama",
+            "model.layer_pattern's local layers",
+        ),
+        ("llama3.2-1b", LINEAR, "Llama", "model.rope_scaling.type=linear"),
+    ],
+)
+def test_gemma_3_options_export_only_as_gemma_3(preset, update, architecture, expected):
+    """Export writes a family's config.json only for a model it computes: Gemma 3's fixed
+    features, a window (not a chunk) with an unscaled local RoPE; none of them elsewhere."""
+    cfg = config_lib.load(config_lib.CONFIGS_DIR / "base.yml", [f"model_name={preset}"]).model
+    cfg = ModelConfig.model_validate({**cfg.model_dump(), **update})
+    with pytest.raises(ConversionError, match=f"cannot export as {architecture}") as e:
+        hf_config(cfg, family_for(cfg), "float32")
+    assert expected in str(e.value)
+
+
 # ---- transformers as the oracle (needs torch + transformers) ------------------------------
 
 
@@ -693,6 +763,7 @@ FAMILY_CASES = {
     "qwen3_moe": "qwen3_moe_top3_sparse_step_v5",
     "deepseek_v3": "deepseek_v3_grouped",
     "glm4_moe": "glm4_moe_qk_norm_quarter_rope_v5",
+    "gemma3_text": "gemma3_window4_linear_rope_v5",
     "llama4_text": "llama4_chunked_nope_moe_v5",
 }
 TEXTS = ["The", "Q: What is 12 + 34?\nA:", " two  spaces", "def main(\n    x\t1", "é 中"]

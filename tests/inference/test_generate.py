@@ -1,7 +1,8 @@
 """Generation: the cached decode equals the full forward pass, a multi-head latent attention
 model caches its latent only and a local layer its window, and greedy generation from imported
 Hugging Face models (GQA, GLM-4.5's, Mistral's sliding window, Llama 4's chunked and NoPE
-layers, DeepSeek-V3's MLA) is token-identical to transformers' generate().
+layers, Gemma 3's sliding windows, DeepSeek-V3's MLA) is token-identical to transformers'
+generate().
 
 The oracle for the second is tests/fixtures/hf/*/generate.json (maxtrain.tools.make_hf_fixtures
 generate): the tokens transformers' greedy generate() appended to each prompt, one prompt at a
@@ -151,6 +152,10 @@ def test_a_local_layer_caches_its_window_not_the_generation(make_cfg, overrides,
         # Mistral's window of 4 from a ring of 4 positions, 16 new tokens: every prompt and
         # the second one's prefill (29 tokens) run past the window.
         ("mistral_window4_v5", ["mesh.fsdp=4", "mesh.tensor=2"]),
+        # Gemma 3, 16 new tokens, prompts of 1 to 29 tokens: sliding windows of 4 and 3 keys,
+        # far shorter than prompt + generation, each layer from a ring of its window.
+        ("gemma3_window4_linear_rope_v5", ["--devices", "1"]),
+        ("gemma3_period3_mqa_untied_legacy_bf16", ["mesh.fsdp=4", "mesh.tensor=2"]),
     ],
 )
 def test_greedy_generation_from_an_import_equals_transformers(case, mesh, tmp_path, capsys):

@@ -1,4 +1,4 @@
-"""Attention (GQA with RoPE and qk-norm, MLA), the SwiGLU MLP and RMSNorm against NumPy
+"""Attention (GQA with RoPE and qk-norm, MLA), the SwiGLU and GeGLU MLPs and RMSNorm against NumPy
 written from the papers' formulas, on random parameters and a batch of two packed documents
 (positions restart and attention stops at the boundary)."""
 
@@ -51,12 +51,13 @@ def rope(x, positions, theta):
     return np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
 
 
-def attend(q, k, v, chunk=None):
+def attend(q, k, v, chunk=None, scale_dim=None):
     """Causal softmax attention within each document (and chunk of positions, if given);
-    query head n reads kv head n // G."""
+    query head n reads kv head n // G; the logits divided by sqrt(scale_dim), by default the
+    head size."""
     group = q.shape[2] // k.shape[2]
     k, v = np.repeat(k, group, axis=2), np.repeat(v, group, axis=2)
-    scores = np.einsum("btnh,bsnh->bnts", q, k) / np.sqrt(q.shape[-1])
+    scores = np.einsum("btnh,bsnh->bnts", q, k) / np.sqrt(scale_dim or q.shape[-1])
     causal = np.tril(np.ones((T, T), bool))
     allowed = causal & (SEGMENTS[:, :, None] == SEGMENTS[:, None, :])  # [B, T, S]
     if chunk is not None:
@@ -71,28 +72,51 @@ def _run(layer, x):
     return np.asarray(layer(x, POSITIONS, SEGMENTS))
 
 
-def test_rms_norm():
-    layer = RMSNorm(32, eps=1e-5, param_dtype=np.float32, rngs=nnx.Rngs(0))
-    scale = _randomised(layer)["scale"]
+@pytest.mark.parametrize("plus_one", [False, True], ids=["llama", "gemma"])
+def test_rms_norm(plus_one):
+    """Llama's scales by w, Gemma's by 1 + w; both start as the plain normalisation."""
+    layer = RMSNorm(32, eps=1e-5, param_dtype=np.float32, rngs=nnx.Rngs(0), plus_one=plus_one)
     x = RNG.standard_normal((B, T, 32)).astype(np.float32)
+    np.testing.assert_allclose(np.asarray(layer(x)), rms_norm(x, 1.0, 1e-5), rtol=1e-5)
+    w = _randomised(layer)["scale"]
+    scale = 1 + w if plus_one else w
     np.testing.assert_allclose(np.asarray(layer(x)), rms_norm(x, scale, 1e-5), rtol=1e-5)
 
 
-def test_swiglu_mlp(make_cfg):
-    cfg = make_cfg("model_name=tiny").model
+def gelu_tanh(x):
+    """GELU's tanh approximation (Hendrycks and Gimpel 2016), transformers' gelu_pytorch_tanh."""
+    return 0.5 * x * (1 + np.tanh(np.sqrt(2 / np.pi) * (x + 0.044715 * x**3)))
+
+
+@pytest.mark.parametrize(
+    "activation, gate_fn",
+    [("silu", lambda g: g / (1 + np.exp(-g))), ("gelu_tanh", gelu_tanh)],
+    ids=["swiglu", "geglu"],
+)
+def test_swiglu_mlp(make_cfg, activation, gate_fn):
+    cfg = make_cfg("model_name=tiny", f"model.mlp_activation={activation}").model
     layer = _layer(MLP, cfg)
     p = _randomised(layer)
     x = RNG.standard_normal((B, T, cfg.emb_dim)).astype(np.float32)
     gate, up = x @ p["gate"]["kernel"], x @ p["up"]["kernel"]
-    expected = (gate / (1 + np.exp(-gate)) * up) @ p["down"]["kernel"]  # silu(gate) * up
+    expected = (gate_fn(gate) * up) @ p["down"]["kernel"]  # act(gate) * up
     out, stats = layer(x)
     assert stats == {}
     np.testing.assert_allclose(np.asarray(out), expected, rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize("model_name", ["tiny", "tiny-qk"])
-def test_grouped_query_attention(make_cfg, model_name):
-    cfg = make_cfg(f"model_name={model_name}", "model.attention=xla").model
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ("model_name=tiny",),
+        ("model_name=tiny-qk",),
+        # Gemma 3: 1 + w qk-norms, logits over sqrt(24) where the head size is 32
+        ("model_name=tiny-qk", "model.norm_scale_plus_one=true", "model.softmax_scale_dim=24"),
+    ],
+    ids=["tiny", "tiny-qk", "gemma-qk-norm-softmax-scale"],
+)
+def test_grouped_query_attention(make_cfg, overrides):
+    cfg = make_cfg(*overrides, "model.attention=xla").model
     layer = _layer(Attention, cfg)
     p = _randomised(layer)
     x = RNG.standard_normal((B, T, cfg.emb_dim)).astype(np.float32)
@@ -100,10 +124,12 @@ def test_grouped_query_attention(make_cfg, model_name):
     k = np.einsum("btd,dkh->btkh", x, p["k"]["kernel"])
     v = np.einsum("btd,dkh->btkh", x, p["v"]["kernel"])
     if cfg.qk_norm:
-        q = rms_norm(q, p["q_norm"]["scale"], cfg.norm_eps)
-        k = rms_norm(k, p["k_norm"]["scale"], cfg.norm_eps)
+        offset = 1.0 if cfg.norm_scale_plus_one else 0.0
+        q = rms_norm(q, offset + p["q_norm"]["scale"], cfg.norm_eps)
+        k = rms_norm(k, offset + p["k_norm"]["scale"], cfg.norm_eps)
     q, k = rope(q, POSITIONS, cfg.rope_theta), rope(k, POSITIONS, cfg.rope_theta)
-    expected = np.einsum("btnh,nhd->btd", attend(q, k, v), p["o"]["kernel"])
+    out = attend(q, k, v, scale_dim=cfg.softmax_scale_dim)
+    expected = np.einsum("btnh,nhd->btd", out, p["o"]["kernel"])
     np.testing.assert_allclose(_run(layer, x), expected, rtol=1e-4, atol=1e-5)
 
 

@@ -51,6 +51,14 @@ PUBLISHED = [
     # (kakaocorp/kanana-1.5-8b-base): 8B, no exact integer published. A weak check: the preset's
     # widths are assumed (Llama-3-8B's), see the header of configs/models/kanana-8b.yml.
     ("kanana-8b", 8_000_000_000, 0.005),
+    # keras-hub preset gemma3_1b metadata "params" (keras_hub/src/models/gemma3/
+    # gemma3_presets.py); Gemma 3 report (arXiv 2503.19786) table 1: 302M + 698M.
+    ("gemma3-1b", 999_885_952, 0.0),
+    # The language model alone, as the dry-run counts it: keras-hub preset gemma3_27b_text's
+    # 27,009,002,240 (a 262,144-row table) plus the 64 more rows (x 5376) of the HF
+    # checkpoint's 262,208-row table that the preset keeps. Not HF's 27.4B: that adds the
+    # SigLIP vision encoder (417M in the report's table 1) and the image projector.
+    ("gemma3-27b", 27_009_002_240 + 64 * 5376, 0.0),
 ]
 
 # Non-embedding counts stated separately by a model card: (preset, count, tolerance, source).
@@ -73,7 +81,8 @@ LLAMA4_PRESETS = ["llama4-scout-17b-16e"]
 
 
 def closed_form_params(m: ModelConfig) -> int:
-    """Parameters of a pre-norm decoder with GQA attention and a SwiGLU MLP, no biases."""
+    """Parameters of a pre-norm (or sandwich-norm) decoder with GQA attention and a gated MLP,
+    no biases."""
     d, hd = m.emb_dim, m.resolved_head_dim
     attention = (
         d * m.num_heads * hd  # q
@@ -83,6 +92,8 @@ def closed_form_params(m: ModelConfig) -> int:
     )
     mlp = 3 * d * m.mlp_dim  # gate, up, down
     norms = 2 * d  # pre-attention and pre-MLP RMSNorm scales
+    if m.block_norms == "sandwich":
+        norms += 2 * d  # and the scales of the attention's and the MLP's output norms
     if m.qk_norm:
         norms += 2 * hd  # q-norm and k-norm scales, shared across heads
     embedding = m.vocab_size * d

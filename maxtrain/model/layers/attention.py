@@ -4,6 +4,7 @@ qk-norm and query temperature) in attention_pattern.py."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import jax
@@ -57,11 +58,15 @@ class Attention(nnx.Module):
             "btnh,nhd->btd", (N, H, D), ("heads", "head_dim", "embed"), bias=o_bias, **kw
         )
         if cfg.qk_norm:
-            norm_kw = dict(eps=cfg.norm_eps, param_dtype=param_dtype, scaled=cfg.qk_norm_scale)
-            self.q_norm = RMSNorm(H, **norm_kw, rngs=rngs)
-            self.k_norm = RMSNorm(H, **norm_kw, rngs=rngs)
+            norm_kw = dict(eps=cfg.norm_eps, param_dtype=param_dtype, rngs=rngs)
+            norm_kw.update(scaled=cfg.qk_norm_scale, plus_one=cfg.norm_scale_plus_one)
+            self.q_norm = RMSNorm(H, **norm_kw)
+            self.k_norm = RMSNorm(H, **norm_kw)
         else:
             self.q_norm = self.k_norm = None
+        # The kernels divide the logits by sqrt(H); queries scaled by this divide them by
+        # sqrt(model.softmax_scale_dim) instead, in every kernel and the decode path alike.
+        self.q_scale = math.sqrt(H / (cfg.softmax_scale_dim or H))
         # The layer kinds this model has (attention_pattern.KINDS order), each with its kernel,
         # picked once, and the exchange that runs it on a sequence split over mesh.context.
         self.variants = variants(cfg, H)
@@ -130,4 +135,6 @@ class Attention(nnx.Module):
             q, k = variant.rope(q, positions), variant.rope(k, positions)
         if variant.temperature is not None:
             q = variant.temperature(q, positions)
+        if self.q_scale != 1.0:
+            q = q * self.q_scale  # a weak-typed float: q keeps its dtype
         return q, k

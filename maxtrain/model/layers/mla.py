@@ -75,7 +75,12 @@ class MLA(nnx.Module):
         kw = dict(
             init_std=cfg.init_std, param_dtype=param_dtype, compute_dtype=compute_dtype, rngs=rngs
         )
-        norm_kw = dict(eps=LATENT_NORM_EPS, param_dtype=param_dtype, rngs=rngs)
+        norm_kw = dict(
+            eps=LATENT_NORM_EPS,
+            param_dtype=param_dtype,
+            rngs=rngs,
+            plus_one=cfg.norm_scale_plus_one,
+        )
         heads = ("heads", "head_dim")
         if m.q_lora_rank is None:
             self.q = Projection("btd,dnh->btnh", (D, N, H), ("embed", *heads), **kw)

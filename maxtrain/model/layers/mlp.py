@@ -1,4 +1,5 @@
-"""SwiGLU feed-forward: down(silu(gate(x)) * up(x)), and the dense layers' block built on it."""
+"""Gated feed-forward: down(act(gate(x)) * up(x)), act silu (SwiGLU) or tanh-approximated gelu
+(GeGLU, Gemma), and the dense layers' block built on it."""
 
 from __future__ import annotations
 
@@ -8,9 +9,15 @@ from flax import nnx
 from maxtrain.config import ModelConfig
 from maxtrain.model.layers.base import Projection
 
+# model.mlp_activation -> the gate's activation. gelu_tanh is transformers' gelu_pytorch_tanh.
+ACTIVATIONS = {"silu": jax.nn.silu, "gelu_tanh": lambda x: jax.nn.gelu(x, approximate=True)}
+
 
 class SwiGLU(nnx.Module):
-    def __init__(self, emb_dim: int, mlp_dim: int, *, rngs: nnx.Rngs, **proj_kwargs):
+    def __init__(
+        self, emb_dim: int, mlp_dim: int, *, rngs: nnx.Rngs, activation="silu", **proj_kwargs
+    ):
+        self.activation = activation
         self.gate = Projection(
             "btd,df->btf", (emb_dim, mlp_dim), ("embed", "mlp"), rngs=rngs, **proj_kwargs
         )
@@ -22,11 +29,11 @@ class SwiGLU(nnx.Module):
         )
 
     def __call__(self, x: jax.Array) -> jax.Array:  # [B, T, D] -> [B, T, D]
-        return self.down(jax.nn.silu(self.gate(x)) * self.up(x))
+        return self.down(ACTIVATIONS[self.activation](self.gate(x)) * self.up(x))
 
 
 class MLP(SwiGLU):
-    """A dense layer's feed-forward block: a SwiGLU of width model.mlp_dim.
+    """A dense layer's feed-forward block: a SwiGLU (or GeGLU) of width model.mlp_dim.
 
     It answers like the MoE layer, (output, statistics), so a decoder block calls whichever
     feed-forward it was built with the same way; a dense block has no statistics.
@@ -36,6 +43,7 @@ class MLP(SwiGLU):
         super().__init__(
             cfg.emb_dim,
             cfg.mlp_dim,
+            activation=cfg.mlp_activation,
             init_std=cfg.init_std,
             param_dtype=param_dtype,
             compute_dtype=compute_dtype,

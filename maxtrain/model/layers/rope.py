@@ -1,4 +1,4 @@
-"""Rotary position embeddings, with optional Llama-3 or YaRN frequency scaling.
+"""Rotary position embeddings, with optional linear, Llama-3 or YaRN frequency scaling.
 
 Positions come from the batch (they restart at 0 in every packed document), not from
 `arange(T)`. Two pairings of the rotated dims exist in published checkpoints: "rotate half"
@@ -80,6 +80,8 @@ class Rope:
             return inv_freq.astype(np.float32)
         if self.scaling.type == "llama3":
             return _llama3(inv_freq, self.scaling).astype(np.float32)
+        if self.scaling.type == "linear":  # positions divided by factor
+            return (inv_freq / self.scaling.factor).astype(np.float32)
         return _yarn(inv_freq, self.scaling, H, self.theta).astype(np.float32)
 
     @property
