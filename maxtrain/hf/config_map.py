@@ -517,12 +517,15 @@ def _check_exportable(cfg: ModelConfig, family: Family) -> None:
             unsupported.append(f"model.{key}={getattr(cfg, key)} (the family's is {want})")
     if cfg.softmax_scale_dim is not None and not family.softmax_scale_key:
         unsupported.append(f"model.softmax_scale_dim={cfg.softmax_scale_dim}")
-    local = cfg.local_attention
-    if local is not None and not family.layer_types:
-        unsupported.append("model.layer_pattern's local layers")
-    elif local is not None and local.chunk is not None:
+    local = cfg.local_attention  # other families' local layers: _unexportable_pattern
+    if local is not None and family.layer_types and local.chunk is not None:
         unsupported.append(f"model.local_attention.chunk={local.chunk} (windows only)")
-    elif local is not None and local.rope_theta is None and scaling is not None:
+    elif (
+        local is not None
+        and family.layer_types
+        and local.rope_theta is None
+        and scaling is not None
+    ):
         unsupported.append(
             "model.local_attention.rope_theta=null with model.rope_scaling (local layers' RoPE "
             "is unscaled)"

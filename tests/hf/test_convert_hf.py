@@ -721,8 +721,8 @@ LINEAR = dict(rope_scaling=dict(type="linear", factor=8.0))
         (
             "llama3.2-1b",
             dict(layer_pattern=["local", "global"], local_attention=dict(window=8)),
-            "Llama",
-            "model.layer_pattern's local layers",
+            "Mistral",
+            "(global layers beside local ones)",
         ),
         ("llama3.2-1b", LINEAR, "Llama", "model.rope_scaling.type=linear"),
     ],
@@ -781,7 +781,16 @@ print(json.dumps({d: [tokenizer.encode(t) for t in texts] for d, tokenizer in to
 # Mistral, transformers 5 has no tokenizer class of its own without mistral-common: its generic
 # backend reads the file through sentencepiece and protobuf (Llama's class converts it without).
 TOKENIZER_READERS = {
-    ("transformers",): ["llama", "qwen3", "mixtral", "qwen3_moe", "deepseek_v3", "glm4_moe"],
+    ("transformers",): [
+        "llama",
+        "qwen3",
+        "mixtral",
+        "qwen3_moe",
+        "deepseek_v3",
+        "glm4_moe",
+        "llama4_text",
+        "gemma3_text",
+    ],  # fmt: skip
     ("transformers", "sentencepiece", "google.protobuf"): ["mistral"],
 }
 
