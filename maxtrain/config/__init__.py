@@ -28,6 +28,7 @@ from maxtrain.config.loading import (
 )
 from maxtrain.config.lora import LoraConfig
 from maxtrain.config.model import (
+    ClampedSwiglu,
     LocalAttention,
     MlaConfig,
     ModelArchitecture,
@@ -57,6 +58,7 @@ __all__ = [
     "CheckpointTier",
     "Config",
     "DataConfig",
+    "ClampedSwiglu",
     "DataSource",
     "DcnAxes",
     "DistributedConfig",

@@ -32,11 +32,13 @@ _NO_DEFAULT = object()
 # as in transformers. A rope type we do not list is a ConversionError.
 _SCALING_KEYS = {
     "llama3": ("factor", "low_freq_factor", "high_freq_factor"),
-    "yarn": ("factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim"),
+    "yarn": ("factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim", "truncate"),
 }
 _REQUIRED_SCALING_KEYS = {"llama3": _SCALING_KEYS["llama3"], "yarn": ("factor",)}
 # YaRN options of transformers we do not model, with the value we compute.
-_YARN_FIXED = {"attention_factor": None, "truncate": True}
+_YARN_FIXED = {"attention_factor": None}
+# layer_types' names of our attention kinds (model.layer_pattern).
+_LAYER_TYPES = {"sliding_attention": "local", "full_attention": "global"}
 # The aux-loss-free bias update rate an imported routing bias trains with: DeepSeek-V3's
 # published gamma (its paper, section 2.1.2); the checkpoint does not record it.
 IMPORTED_BIAS_UPDATE_RATE = 0.001
@@ -101,6 +103,11 @@ def model_config(hf: dict[str, Any], family: Family, where: str) -> ModelConfig:
         max_seq_len=value("max_position_embeddings"),
         init_std=value("initializer_range"),
     )
+    if family.attention_bias:
+        fields["attention_bias"] = family.attention_bias if value("attention_bias") else "none"
+    fields["attention_sinks"] = family.attention_sinks
+    if family.layer_types:
+        fields.update(_layer_pattern(hf, family, num_layers, value("sliding_window"), where))
     hf_layers = None  # Qwen3-MoE: which layers transformers makes MoE
     if family.is_moe:
         count_key = next((k for k in family.expert_count_keys if k in hf), None)
@@ -116,6 +123,12 @@ def model_config(hf: dict[str, Any], family: Family, where: str) -> ModelConfig:
         )
         if family.router_bias:
             fields["moe"]["bias_update_rate"] = IMPORTED_BIAS_UPDATE_RATE
+        if family.expert_layout == "gpt_oss":
+            fields["moe"].update(
+                router_bias=True,
+                expert_bias=True,
+                clamped_swiglu=dict(alpha=value("swiglu_alpha"), limit=value("swiglu_limit")),
+            )
         if family.sparse_layer_keys:
             step = value("decoder_sparse_step")
             hf_layers = _hf_sparse_layers(value("mlp_only_layers"), step, num_layers, where)
@@ -148,13 +161,7 @@ def hf_config(cfg: ModelConfig, family: Family, dtype: str) -> dict[str, Any]:
         "rms_norm_eps": cfg.norm_eps,
         "max_position_embeddings": cfg.max_seq_len,
         "rope_theta": cfg.rope_theta,
-        "rope_scaling": None
-        if scaling is None
-        else {
-            "rope_type": scaling.type,
-            **{key: getattr(scaling, key) for key in _SCALING_KEYS[scaling.type]},
-            "original_max_position_embeddings": scaling.original_max_position,
-        },
+        "rope_scaling": _hf_rope_scaling(scaling, family),
         "tie_word_embeddings": cfg.tie_embeddings,
         "initializer_range": cfg.init_std,
         "torch_dtype": dtype,
@@ -165,7 +172,16 @@ def hf_config(cfg: ModelConfig, family: Family, dtype: str) -> dict[str, Any]:
         out["head_dim"] = cfg.mla.qk_rope_head_dim  # what transformers sets it to
         out["rope_interleave"] = cfg.rope_interleaved
         out["num_nextn_predict_layers"] = 0  # no multi-token prediction module is written
+    if family.attention_bias:
+        out["attention_bias"] = cfg.attention_bias != "none"
+    if family.layer_types:
+        local = cfg.local_attention
+        out["layer_types"] = [_hf_layer_type(cfg.layer_attention(i)) for i in range(cfg.num_layers)]
+        # transformers builds the sliding mask whether a layer uses it or not: never null
+        out["sliding_window"] = family.defaults["sliding_window"] if local is None else local.window
     m = cfg.moe
+    if m is not None and m.clamped_swiglu is not None:
+        out["swiglu_alpha"], out["swiglu_limit"] = m.clamped_swiglu.alpha, m.clamped_swiglu.limit
     if m is not None:
         out[family.expert_count_keys[0]] = m.num_experts
         out["num_experts_per_tok"] = m.top_k
@@ -182,9 +198,17 @@ def hf_config(cfg: ModelConfig, family: Family, dtype: str) -> dict[str, Any]:
 
 
 def _check_supported(hf: dict[str, Any], family: Family, where: str) -> None:
-    if hf.get("quantization_config"):
+    if quantization := hf.get("quantization_config"):
+        # MXFP4 (GPT-OSS on the hub): transformers dequantizes it; we would need an oracle for
+        # its packed blocks and scales, which no small fixture of ours can give.
+        hint = (
+            "; dequantize it first: transformers' from_pretrained(..., quantization_config="
+            "Mxfp4Config(dequantize=True)) then save_pretrained"
+            if isinstance(quantization, dict) and quantization.get("quant_method") == "mxfp4"
+            else ""
+        )
         raise ConversionError(
-            f"{where}: quantization_config is set; quantized checkpoints are not supported"
+            f"{where}: quantization_config is set; quantized checkpoints are not supported{hint}"
         )
     for key, want in family.required.items():
         if key in hf and hf[key] != want:
@@ -200,7 +224,11 @@ def _rope(
     """(theta, the model.rope_scaling keys or None) from either layout. As in transformers,
     `rope_scaling` wins over `rope_parameters`, and a theta inside them over the top-level
     `rope_theta`."""
-    params = hf.get("rope_scaling") or hf.get("rope_parameters") or {}
+    params = (
+        hf.get("rope_scaling")
+        or hf.get("rope_parameters")
+        or family.defaults.get("rope_parameters")
+    ) or {}
     if any(isinstance(v, dict) for v in params.values()):
         raise ConversionError(f"{where}: per-layer-type RoPE parameters are not supported")
     theta = params.get("rope_theta", hf.get("rope_theta", family.defaults["rope_theta"]))
@@ -212,9 +240,10 @@ def _rope(
     kind = params.get("rope_type", params.get("type", "default"))
     if kind == "default":
         return theta, None
-    if kind == "yarn" and not family.mla_keys:  # checked against transformers for DeepSeek only
+    if kind == "yarn" and not family.yarn:  # checked against transformers where set
+        yarn = ", ".join(f.model_type for f in FAMILIES.values() if f.yarn)
         raise ConversionError(
-            f"{where}: RoPE type 'yarn' is supported for deepseek_v3 only, not {family.model_type}"
+            f"{where}: RoPE type 'yarn' is supported for {yarn} only, not {family.model_type}"
         )
     if kind not in _SCALING_KEYS:
         raise ConversionError(
@@ -234,6 +263,49 @@ def _rope(
     scaling = {key: params[key] for key in _SCALING_KEYS[kind] if params.get(key) is not None}
     original = params.get("original_max_position_embeddings", max_position)
     return theta, dict(type=kind, **scaling, original_max_position=original)
+
+
+def _hf_rope_scaling(scaling, family: Family) -> dict[str, Any] | None:
+    """config.json's rope_scaling for model.rope_scaling. None where transformers reads null as
+    plain RoPE; {"rope_type": "default"} where it reads null as its family's default scaling."""
+    if scaling is None:
+        return {"rope_type": "default"} if "rope_parameters" in family.defaults else None
+    return {
+        "rope_type": scaling.type,
+        **{key: getattr(scaling, key) for key in _SCALING_KEYS[scaling.type]},
+        "original_max_position_embeddings": scaling.original_max_position,
+    }
+
+
+def _layer_pattern(
+    hf: dict[str, Any], family: Family, num_layers: int, window: int | None, where: str
+) -> dict[str, Any]:
+    """model.layer_pattern and local_attention from `layer_types` (else the family's pattern
+    repeated, as transformers makes it) and `sliding_window`: the shortest pattern whose
+    repetition gives every layer's kind; no sliding window (null) makes every layer global."""
+    types = hf.get("layer_types") or [
+        family.layer_types[i % len(family.layer_types)] for i in range(num_layers)
+    ]
+    unknown = sorted(set(types) - set(_LAYER_TYPES))
+    if unknown:
+        raise ConversionError(
+            f"{where}: layer_types {unknown[0]!r} is not supported; supported: "
+            + ", ".join(_LAYER_TYPES)
+        )
+    if len(types) != num_layers:
+        raise ConversionError(
+            f"{where}: layer_types names {len(types)} layers, num_hidden_layers is {num_layers}"
+        )
+    kinds = [_LAYER_TYPES[t] for t in types]
+    if window is None or "local" not in kinds:
+        return {}
+    repeats = lambda p: all(kinds[i] == kinds[i % p] for i in range(num_layers))  # noqa: E731
+    period = next(p for p in range(1, num_layers + 1) if repeats(p))
+    return {"layer_pattern": kinds[:period], "local_attention": {"window": window}}
+
+
+def _hf_layer_type(kind: str) -> str:
+    return next(hf for hf, ours in _LAYER_TYPES.items() if ours == kind)
 
 
 def _hf_sparse_layers(
@@ -292,14 +364,41 @@ def _check_exportable(cfg: ModelConfig, family: Family) -> None:
     if cfg.rope_interleaved and not family.mla_keys:
         unsupported.append("model.rope_interleaved=true")
     scaling = cfg.rope_scaling
-    if scaling is not None and scaling.type == "yarn" and not family.mla_keys:
+    if scaling is not None and scaling.type == "yarn" and not family.yarn:
         unsupported.append("model.rope_scaling.type=yarn")
+    unsupported += _unexportable_options(cfg, family)
     if unsupported:
         raise ConversionError(
             f"cannot export as {name} (the family for attention_type={cfg.attention_type}, "
             f"qk_norm={cfg.qk_norm}, {'MoE' if m else 'dense'}): {unsupported[0]} is not "
             "supported"
         )
+
+
+def _unexportable_options(cfg: ModelConfig, family: Family) -> list[str]:
+    """The attention biases, sinks, sliding windows, router and expert biases and clamped
+    SwiGLU `family` cannot express, each as the key and value a message names."""
+    out = []
+    if cfg.attention_bias not in ("none", family.attention_bias):
+        out.append(f"model.attention_bias={cfg.attention_bias}")
+    if cfg.attention_sinks != family.attention_sinks:
+        out.append(f"model.attention_sinks={str(cfg.attention_sinks).lower()}")
+    local = cfg.local_attention
+    if local is not None and not family.layer_types:
+        out.append("model.layer_pattern with local layers")
+    if local is not None and local.chunk is not None:
+        out.append(f"model.local_attention.chunk={local.chunk}")
+    if local is not None and local.rope_theta is not None:
+        out.append(f"model.local_attention.rope_theta={local.rope_theta}")
+    m = cfg.moe
+    if m is not None:
+        fused = family.expert_layout == "gpt_oss"  # has all of them, and plain SwiGLU none
+        for key in ("router_bias", "expert_bias"):
+            if getattr(m, key) != fused:
+                out.append(f"model.moe.{key}={str(getattr(m, key)).lower()}")
+        if (m.clamped_swiglu is not None) != fused:
+            out.append(f"model.moe.clamped_swiglu={'set' if m.clamped_swiglu else 'null'}")
+    return out
 
 
 def _indices(flags: tuple[bool, ...]) -> list[int]:

@@ -46,7 +46,7 @@ from maxtrain.config import ModelArchitecture, ModelConfig
 from maxtrain.hf.config_map import CONFIG_JSON, hf_config, model_config, read_config_json
 from maxtrain.hf.errors import ConversionError
 from maxtrain.hf.families import Family, family_for
-from maxtrain.hf.layout import Slot, slots
+from maxtrain.hf.layout import Slot, join_parts, slots
 from maxtrain.hf.safetensors_io import OutputTensor, TensorReader, write_safetensors
 from maxtrain.hf.tokenizer_files import run_tokenizer, special_ids, tokenizer_files
 from maxtrain.posttrain import partial_checkpoint
@@ -135,17 +135,20 @@ def write_hf_model(
     config_json = {**hf_config(cfg, family, dtype), **(extra_config or {})}
     arrays = jax.tree.map(np.asarray, params)  # no copy for arrays already on the host
 
-    def produce(slot: Slot) -> np.ndarray:
-        return slot.to_hf(_at(arrays, slot.path)[slot.index])
+    def produce(parts: list[Slot]) -> np.ndarray:
+        return join_parts([slot.to_hf(_at(arrays, slot.path)[slot.index]) for slot in parts])
 
+    by_name: dict[str, list[Slot]] = {}  # a tensor's slots: one, or its interleaved parts
+    for slot in slots(cfg, family):
+        by_name.setdefault(slot.hf_name, []).append(slot)
     tensors = [
         OutputTensor(
-            slot.hf_name,
-            slot.hf_shape(_at(arrays, slot.path).shape[len(slot.index) :]),
+            name,
+            parts[0].hf_shape(_at(arrays, parts[0].path).shape[len(parts[0].index) :]),
             DTYPES[dtype],
-            functools.partial(produce, slot),
+            functools.partial(produce, parts),
         )
-        for slot in slots(cfg, family)
+        for name, parts in by_name.items()
     ]
     with atomic_directory(output) as staging:
         staging.mkdir(parents=True)

@@ -13,12 +13,17 @@ only in a few config.json keys and tensor names, which is all this module holds:
                                     interleaved RoPE pairs, YaRN; sigmoid routing with a
                                     correction bias, shared experts, first_k_dense_replace
                                     dense layers, routed_scaling_factor, group-limited routing
+    gpt_oss    GptOssForCausalLM    q/k/v/o biases, attention sinks, sliding-window layers
+                                    (layer_types), YaRN (untruncated); every layer MoE: a router
+                                    with a bias, experts with biases and a clamped SwiGLU, stored
+                                    fused (expert_layout "gpt_oss")
 
 Router semantics match ours for both MoE families: transformers takes the softmax over all
 experts, keeps the top k, and (Mixtral always, Qwen3-MoE iff norm_topk_prob) divides by their
 sum; Mixtral's "softmax over the top-k logits" is the same number. DeepSeek-V3 takes sigmoid
 scores, picks by score + e_score_correction_bias (our aux-loss-free bias), weighs by the
 unbiased scores, optionally renormalised, times routed_scaling_factor: model.moe's sigmoid mode.
+GPT-OSS takes the softmax over the top-k biased logits: softmax mode, renormalised.
 """
 
 from __future__ import annotations
@@ -59,6 +64,21 @@ class Family:
     shared_block: str | None = None  # the shared experts' SwiGLU, inside moe_block
     # Multi-head latent attention (model.mla, its keys named alike); empty: GQA.
     mla_keys: tuple[str, ...] = ()
+    yarn: bool = False  # YaRN RoPE scaling, checked against transformers for this family
+    # What config.json's `attention_bias: true` means (model.attention_bias); None: the key is
+    # in `required` or absent.
+    attention_bias: str | None = None
+    attention_sinks: bool = False  # self_attn.sinks [N] in every layer (model.attention_sinks)
+    # Sliding-window layers, named by config.json's `layer_types` (sliding_attention or
+    # full_attention per layer) with `sliding_window`; the pattern transformers repeats when
+    # layer_types is absent. Empty: the family has none.
+    layer_types: tuple[str, ...] = ()
+    # How a MoE layer's experts are stored: "per_expert" (experts.<e>.<expert_names>.weight,
+    # the router `gate`) or "gpt_oss" (the router `router` with a bias; every expert's weights
+    # and biases fused per layer: experts.gate_up_proj [E, D, 2F] with the gate's and up
+    # projection's columns interleaved, experts.down_proj [E, F, D]; the clamped SwiGLU's
+    # swiglu_alpha and swiglu_limit).
+    expert_layout: str = "per_expert"
 
     @property
     def is_moe(self) -> bool:
@@ -191,15 +211,56 @@ DEEPSEEK_V3 = Family(
     router_bias="e_score_correction_bias",
     shared_block="shared_experts",
     mla_keys=("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"),
+    yarn=True,
 )
-FAMILIES = {f.model_type: f for f in (LLAMA, QWEN3, MIXTRAL, QWEN3_MOE, DEEPSEEK_V3)}
+
+GPT_OSS = Family(
+    model_type="gpt_oss",
+    architecture="GptOssForCausalLM",
+    qk_norm=False,
+    defaults={
+        **_BASE_DEFAULTS,
+        "rope_theta": 150000.0,
+        "rms_norm_eps": 1e-5,
+        "max_position_embeddings": 131072,
+        "num_key_value_heads": 8,
+        "head_dim": 64,
+        "attention_bias": True,
+        "sliding_window": 128,
+        "swiglu_alpha": 1.702,
+        "swiglu_limit": 7.0,
+        # transformers' RoPE when config.json states none
+        "rope_parameters": {
+            "rope_type": "yarn",
+            "factor": 32.0,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "truncate": False,
+            "original_max_position_embeddings": 4096,
+        },
+    },
+    required={},
+    moe_block="mlp",
+    expert_count_keys=("num_local_experts",),
+    expert_width_key="intermediate_size",
+    moe_defaults={"num_local_experts": 128, "num_experts_per_tok": 4, "router_aux_loss_coef": 1e-3},
+    yarn=True,
+    attention_bias="qkvo",
+    attention_sinks=True,
+    layer_types=("sliding_attention", "full_attention"),
+    expert_layout="gpt_oss",
+)
+FAMILIES = {f.model_type: f for f in (LLAMA, QWEN3, MIXTRAL, QWEN3_MOE, DEEPSEEK_V3, GPT_OSS)}
 
 
 def family_for(cfg: ModelConfig) -> Family:
     """The family a model of ours exports as: the only one with its attention, qk-norm and
-    MoE choice (multi-head latent attention: DeepSeek-V3, whose layers are MoE)."""
+    MoE choice (multi-head latent attention: DeepSeek-V3, whose layers are MoE; attention
+    sinks: GPT-OSS)."""
     if cfg.attention_type == "mla":
         return DEEPSEEK_V3
+    if cfg.attention_sinks:
+        return GPT_OSS
     if cfg.moe is None:
         return QWEN3 if cfg.qk_norm else LLAMA
     return QWEN3_MOE if cfg.qk_norm else MIXTRAL

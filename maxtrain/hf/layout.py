@@ -8,9 +8,14 @@ weight: ours = W.T reshaped to our axes, W = ours flattened to [in, out] and tra
 q/k permutation is needed: our RoPE pairs dim i with i + H/2 ("rotate half"), as transformers
 does. Embedding and norm scales have the same layout on both sides.
 
+Biases have our output axes flattened (q_proj.bias: [N*H]). GPT-OSS stores each layer's
+experts fused, in our [E, in, out] layout already, but with the gate's and up projection's
+columns interleaved in one tensor (gate_up_proj [E, D, 2F]: gate at even columns, up at odd):
+two Slots name that tensor, each its `part` of the columns.
+
 Our per-layer parameters are stacked: model layer i is row stack_positions(...)[i] of its
 kind's stack (model/stacks.py), and a MoE layer's experts add one more axis. A Slot names one
-Hugging Face tensor and that position.
+Hugging Face tensor (or its part) and that position.
 """
 
 from __future__ import annotations
@@ -59,6 +64,22 @@ _DENSE_MLP = (
     (("mlp", "down", "kernel"), "mlp.down_proj.weight", 1),
 )
 _EXPERTS = ("gate", "up", "down")  # ours, in the order of Family.expert_names
+# GPT-OSS's fused experts inside the MoE block (Family.expert_layout "gpt_oss"): (our path
+# inside `moe`, Hugging Face name, part of the interleaved columns or None).
+_GPT_OSS_MOE = (
+    (("router", "kernel"), "router.weight", 1, None),
+    (("router", "logit_bias"), "router.bias", None, None),
+    (("gate", "kernel"), "experts.gate_up_proj", None, (0, 2)),
+    (("up", "kernel"), "experts.gate_up_proj", None, (1, 2)),
+    (("gate", "bias"), "experts.gate_up_proj_bias", None, (0, 2)),
+    (("up", "bias"), "experts.gate_up_proj_bias", None, (1, 2)),
+    (("down", "kernel"), "experts.down_proj", None, None),
+    (("down", "bias"), "experts.down_proj_bias", None, None),
+)
+_ATTENTION_BIAS = {
+    name: (("attn", name, "bias"), f"self_attn.{name}_proj.bias", 0) for name in "qkvo"
+}
+_SINKS = (("attn", "sinks"), "self_attn.sinks", None)
 _SHARED = tuple((("moe", "shared", ours, "kernel"), f"{ours}_proj.weight", 1) for ours in _EXPERTS)
 
 
@@ -70,27 +91,55 @@ class Slot:
     hf_name: str
     path: tuple[str, ...]
     index: tuple[int, ...]
-    in_axes: int | None  # a linear weight: leading input axes of our kernel; None: same layout
+    # A linear weight: leading input axes of our kernel; 0: a bias, our axes flattened; None:
+    # same layout.
+    in_axes: int | None
+    # (p, n): our block is columns p, p + n, p + 2n, ... of the tensor's last axis, the other
+    # parts are other Slots' (join_parts); None: the whole tensor.
+    part: tuple[int, int] | None = None
 
     def hf_shape(self, block_shape: tuple[int, ...]) -> tuple[int, ...]:
         """The Hugging Face shape of a tensor whose block of our parameter has block_shape."""
         if self.in_axes is None:
-            return tuple(block_shape)
-        return (math.prod(block_shape[self.in_axes :]), math.prod(block_shape[: self.in_axes]))
+            shape = tuple(block_shape)
+        elif self.in_axes == 0:
+            shape = (math.prod(block_shape),)
+        else:
+            shape = (math.prod(block_shape[self.in_axes :]), math.prod(block_shape[: self.in_axes]))
+        return shape if self.part is None else (*shape[:-1], shape[-1] * self.part[1])
 
     def to_ours(self, tensor: np.ndarray, block_shape: tuple[int, ...]) -> np.ndarray:
-        return tensor if self.in_axes is None else tensor.T.reshape(block_shape)
+        if self.part is not None:
+            first, step = self.part
+            tensor = tensor[..., first::step]
+        if self.in_axes is None:
+            return tensor
+        return tensor.reshape(block_shape) if self.in_axes == 0 else tensor.T.reshape(block_shape)
 
     def to_hf(self, block: np.ndarray) -> np.ndarray:
+        """Our block in the Hugging Face layout (of its part only: join_parts joins them)."""
         if self.in_axes is None:
             return block
+        if self.in_axes == 0:
+            return block.reshape(-1)
         return block.reshape(math.prod(block.shape[: self.in_axes]), -1).T
+
+
+def join_parts(parts: list[np.ndarray]) -> np.ndarray:
+    """The tensor whose last axis interleaves `parts` (Slot.part (p, n): parts[p] = columns
+    p, p + n, ...); one part is the tensor itself."""
+    if len(parts) == 1:
+        return parts[0]
+    return np.stack(parts, axis=-1).reshape(*parts[0].shape[:-1], -1)
 
 
 def _attention(cfg: ModelConfig) -> tuple:
     """A layer's attention and norm tensors: (our path, Hugging Face name, input axes)."""
     if cfg.mla is None:
-        return _NORMS + _ATTENTION + (_QK_NORM if cfg.qk_norm else ())
+        biased = "" if cfg.attention_bias == "none" else cfg.attention_bias  # "qkv", "qkvo"
+        extra = tuple(_ATTENTION_BIAS[name] for name in biased)
+        extra += (_SINKS,) if cfg.attention_sinks else ()
+        return _NORMS + _ATTENTION + extra + (_QK_NORM if cfg.qk_norm else ())
     return _NORMS + (_MLA_Q if cfg.mla.q_lora_rank is None else _MLA_Q_LORA) + _MLA
 
 
@@ -105,7 +154,13 @@ def slots(cfg: ModelConfig, family: Family) -> list[Slot]:
         if not is_moe:
             per_layer += _DENSE_MLP
         out += [Slot(prefix + name, (stack, *path), (j,), ax) for path, name, ax in per_layer]
-        if is_moe:
+        if is_moe and family.expert_layout == "gpt_oss":
+            block = f"{prefix}{family.moe_block}."
+            out += [
+                Slot(block + name, (stack, "moe", *path), (j,), ax, part)
+                for path, name, ax, part in _GPT_OSS_MOE
+            ]
+        elif is_moe:
             block = f"{prefix}{family.moe_block}."
             out.append(Slot(block + "gate.weight", (stack, "moe", "router", "kernel"), (j,), 1))
             if family.router_bias:

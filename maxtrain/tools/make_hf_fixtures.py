@@ -86,10 +86,39 @@ _YARN = dict(
     mscale_all_dim=1.0,
 )
 
+# GPT-OSS shapes: layers alternating a sliding window of 4 (< the 12 tokens) and full attention,
+# 4 experts of which 2 per token, biases everywhere, attention sinks. The clamp's limit (0.8) is
+# low enough that it clips many gate and up values; YaRN's ramp ends fall between frequency
+# pairs at 8 dims (theta 100, original context 64), so its untruncated ramp (GPT-OSS's
+# truncate: false) differs from the rounded one.
+_GPT_OSS = dict(
+    num_hidden_layers=3,
+    num_attention_heads=6,  # 6 x 8 and 2 x 24 unlike the width 32: a transposition shows
+    num_key_value_heads=2,
+    head_dim=8,
+    sliding_window=4,
+    num_local_experts=4,
+    num_experts_per_tok=2,
+    intermediate_size=24,
+    swiglu_alpha=1.5,
+    swiglu_limit=0.8,
+    max_position_embeddings=512,
+    rope_parameters=dict(
+        rope_type="yarn",
+        rope_theta=100.0,
+        factor=8.0,
+        original_max_position_embeddings=64,
+        beta_fast=32.0,
+        beta_slow=1.0,
+        truncate=False,
+    ),
+)
+
 # name -> (model_type, config keys, options). Options: layout "v5" keeps the config.json
 # transformers 5 writes, "legacy" rewrites it the way most published checkpoints read;
 # dtype: the stored weights (the oracle computes in float32 either way); head_dim_null: write
-# head_dim as null; shard_bytes: save sharded with an index.
+# head_dim as null; shard_bytes: save sharded with an index; seed: the random seed (default:
+# the case's place in CASES).
 CASES: dict[str, tuple[str, dict, dict]] = {
     "llama_gqa_untied_sharded": (
         "llama",
@@ -215,6 +244,7 @@ CASES: dict[str, tuple[str, dict, dict]] = {
         ),
         dict(layout="legacy"),
     ),
+    "gpt_oss_window_sinks_yarn_v5": ("gpt_oss", _GPT_OSS, dict(layout="v5", seed=2)),
 }
 
 
@@ -225,6 +255,7 @@ def build(output: Path, names: list[str]) -> None:
     for seed, (name, (model_type, keys, options)) in enumerate(CASES.items()):
         if names and name not in names:
             continue
+        seed = options.get("seed", seed)
         torch.manual_seed(seed)
         config = AutoConfig.for_model(model_type, **{**_SMALL, **keys})
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
@@ -348,13 +379,22 @@ def _randomize(model, torch) -> None:
 
 
 def _router_margins(model, torch) -> list[float] | None:
-    """DeepSeek-V3 only: random correction biases (a buffer, not a parameter), and hooks that
-    record, per router call, the smallest gap between a token's k-th and (k+1)-th selection
-    score (after group masking), so that rounding cannot flip a choice in our port."""
+    """DeepSeek-V3 and GPT-OSS: hooks that record, per router call, the smallest gap between a
+    token's k-th and (k+1)-th selection score (DeepSeek-V3: after group masking, with random
+    correction biases, a buffer rather than a parameter), so that rounding cannot flip a choice
+    in our port."""
+    margins: list[float] = []
+    gpt_oss = [m for m in model.modules() if type(m).__name__ == "GptOssTopKRouter"]
+
+    def record_logits(router, inputs, output):
+        ranked = output[0].detach().float().sort(-1, descending=True)[0]
+        margins.append(float((ranked[:, router.top_k - 1] - ranked[:, router.top_k]).min()))
+
+    for router in gpt_oss:
+        router.register_forward_hook(record_logits)
     routers = [m for m in model.modules() if type(m).__name__ == "DeepseekV3TopkRouter"]
     if not routers:
-        return None
-    margins: list[float] = []
+        return margins if gpt_oss else None
 
     def record(router, inputs, output):
         _, _, chosen = output

@@ -1,6 +1,6 @@
 """Generation: the cached decode equals the full forward pass, a multi-head latent attention
-model caches its latent only, and greedy generation from imported Hugging Face models (GQA and
-DeepSeek-V3's MLA) is token-identical to transformers' generate().
+model caches its latent only, and greedy generation from imported Hugging Face models (GQA,
+DeepSeek-V3's MLA, GPT-OSS's windows and sinks) is token-identical to transformers' generate().
 
 The oracle for the second is tests/fixtures/hf/*/generate.json (maxtrain.tools.make_hf_fixtures
 generate): the tokens transformers' greedy generate() appended to each prompt, one prompt at a
@@ -96,6 +96,11 @@ def test_an_mla_cache_holds_only_the_latent_and_the_rope_key(model_name):
         # with rotate-half pairs.
         ("deepseek_v3_q_lora_yarn_v5", ["--devices", "1"]),
         ("deepseek_v3_plain_q_half_rope_legacy", ["mesh.fsdp=4", "mesh.tensor=2"]),
+        # GPT-OSS: sliding windows of 4 (prompts of 1 to 29 tokens, 16 new), attention sinks,
+        # biases, untruncated YaRN; on 8 devices the heads, sinks and experts' hidden units
+        # split over tensor.
+        ("gpt_oss_window_sinks_yarn_v5", ["--devices", "1"]),
+        ("gpt_oss_window_sinks_yarn_v5", ["mesh.fsdp=4", "mesh.tensor=2"]),
     ],
 )
 def test_greedy_generation_from_an_import_equals_transformers(case, mesh, tmp_path, capsys):

@@ -1,11 +1,12 @@
-"""Grouped-query self-attention with optional qk-norm, biases and RoPE; the kernel lives in
-kernels/, the layer kinds (global, sliding-window or chunked local) in attention_pattern.py."""
+"""Grouped-query self-attention with optional qk-norm, biases, sinks and RoPE; the kernel lives
+in kernels/, the layer kinds (global, sliding-window or chunked local) in attention_pattern.py."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 
 from maxtrain.config import ModelConfig
@@ -55,6 +56,13 @@ class Attention(nnx.Module):
         self.o = Projection(
             "btnh,nhd->btd", (N, H, D), ("heads", "head_dim", "embed"), bias=o_bias, **kw
         )
+        # GPT-OSS's attention sinks: one logit per query head in every softmax's denominator
+        # (the kernels take it as `sinks`), starting at zero.
+        self.sinks = (
+            nnx.Param(jnp.zeros((N,), param_dtype), out_sharding=("heads",), eager_sharding=False)
+            if cfg.attention_sinks
+            else None
+        )
         if cfg.qk_norm:
             self.q_norm = RMSNorm(H, eps=cfg.norm_eps, param_dtype=param_dtype, rngs=rngs)
             self.k_norm = RMSNorm(H, eps=cfg.norm_eps, param_dtype=param_dtype, rngs=rngs)
@@ -79,8 +87,10 @@ class Attention(nnx.Module):
             if context_degree() > 1:
                 if variant.window is not None:
                     raise NotImplementedError("local attention with mesh.context > 1")
+                if self.sinks is not None:
+                    raise NotImplementedError("attention sinks with mesh.context > 1")
                 return self.attend_split(rotated_q, rotated_k, v, segments)
-            return kernel(rotated_q, rotated_k, v, segments)  # [B, T, N, H]
+            return kernel(rotated_q, rotated_k, v, segments, self._sinks())  # [B, T, N, H]
 
         return self.o(self._switch(kind, attend, zip(self.variants, self.kernels, strict=True)))
 
@@ -96,7 +106,7 @@ class Attention(nnx.Module):
             rotated_q, rotated_k = self._rotate(variant, q, k, positions)
             written = cache.write(rotated_k, v, positions)
             out = cached_attention(
-                rotated_q, written.k, written.v, positions, window=variant.window,
+                rotated_q, written.k, written.v, positions, self._sinks(), window=variant.window,
                 chunk=variant.chunk,
             )  # fmt: skip
             return out, written
@@ -112,6 +122,9 @@ class Attention(nnx.Module):
         if isinstance(kind, int):
             return branch(*per_kind[kind])
         return jax.lax.switch(kind, [lambda args=args: branch(*args) for args in per_kind])
+
+    def _sinks(self) -> jax.Array | None:
+        return None if self.sinks is None else self.sinks[...]
 
     def _project(self, x: jax.Array) -> tuple[jax.Array, ...]:
         """Queries, keys and values of x [B, T, D], qk-normed."""
