@@ -28,6 +28,7 @@ from maxtrain.config.loading import (
 )
 from maxtrain.config.lora import LoraConfig
 from maxtrain.config.model import (
+    ClampedSwiglu,
     GlobalAttention,
     LocalAttention,
     MlaConfig,
@@ -58,6 +59,7 @@ __all__ = [
     "CheckpointTier",
     "Config",
     "DataConfig",
+    "ClampedSwiglu",
     "DataSource",
     "DcnAxes",
     "DistributedConfig",

@@ -29,6 +29,9 @@ class RopeScaling(Section):
     # softmax scale of multi-head latent attention. mscale_all_dim 0: DeepSeek's term is off.
     mscale: NonNegativeFloat = 1.0
     mscale_all_dim: NonNegativeFloat = 0.0
+    # yarn: round the ramp's ends outward to whole frequency pairs (the published YaRN, DeepSeek);
+    # false: the exact ends (GPT-OSS).
+    truncate: bool = True
 
     @model_validator(mode="after")
     def _check_band(self) -> RopeScaling:
@@ -38,6 +41,15 @@ class RopeScaling(Section):
                 f"model.rope_scaling.low_freq_factor ({self.low_freq_factor})"
             )
         return self
+
+
+class ClampedSwiglu(Section):
+    """GPT-OSS's experts' activation in place of SwiGLU's silu(gate) * up: the gate clamped
+    above at `limit`, the up projection to [-limit, limit], then
+    (up + 1) * gate * sigmoid(alpha * gate) (model/layers/activations.py)."""
+
+    alpha: PositiveFloat = 1.702
+    limit: PositiveFloat = 7.0
 
 
 class MoeConfig(Section):
@@ -63,6 +75,13 @@ class MoeConfig(Section):
     # (i + 1) % interval == 0. interval 1 = every layer; 2 = every second layer (1, 3, ...).
     first_dense_layers: int = Field(default=0, ge=0)
     interval: int = Field(default=1, gt=0)
+    # GPT-OSS: the router's linear map has a bias, added to its logits and trained like a
+    # weight (not bias_update_rate's selection-only balancing bias).
+    router_bias: bool = False
+    # GPT-OSS: every expert's gate, up and down projections carry a bias. Needs every routed
+    # assignment computed (dropless: capacity_factor null, ep_overflow rounds).
+    expert_bias: bool = False
+    clamped_swiglu: ClampedSwiglu | None = None  # null: the experts are plain SwiGLU
     aux_loss_weight: NonNegativeFloat = 0.0  # Switch-style load-balancing loss
     router_z_loss_weight: NonNegativeFloat = 0.0  # ST-MoE router logit z-loss
     # Aux-loss-free balancing (DeepSeek-V3): a per-expert bias added to the scores for top-k
@@ -101,6 +120,12 @@ class MoeConfig(Section):
             raise ValueError(
                 f"model.moe.topk_group ({self.topk_group}) exceeds model.moe.n_group "
                 f"({self.n_group})"
+            )
+        if self.expert_bias and (self.capacity_factor is not None or self.ep_overflow == "drop"):
+            raise ValueError(
+                "model.moe.expert_bias needs every routed assignment computed: "
+                "model.moe.capacity_factor null and model.moe.ep_overflow rounds, not "
+                f"capacity_factor {self.capacity_factor} and ep_overflow {self.ep_overflow}"
             )
         reachable = self.topk_group * self.experts_per_group
         if self.n_group > 1 and self.top_k > reachable:
@@ -215,6 +240,9 @@ class ModelArchitecture(Section):
     # Which projections of (grouped-query) attention carry a bias: GLM-4.5 and Qwen2 have q, k
     # and v biases; GPT-OSS has the output's too.
     attention_bias: Literal["none", "qkv", "qkvo"] = "none"
+    # GPT-OSS: a learned logit per query head that joins the softmax's denominator and carries
+    # no value (model/kernels/attention.py masked_attention), so a head may attend to nothing.
+    attention_sinks: bool = False
     # The layers' attention kinds, repeated over the layers: e.g. [local, local, local, local,
     # local, global] is Gemma 3's "5 local : 1 global". Absent: every layer global (causal over
     # its whole document). `local` is shaped by local_attention.
@@ -253,6 +281,8 @@ class ModelArchitecture(Section):
                 f"model.mlp_activation {self.mlp_activation} is not supported with model.moe "
                 "(the experts are SwiGLU)"
             )
+        if self.mla is not None and self.attention_sinks:
+            raise ValueError("model.attention_sinks needs attention_type gqa, not mla")
         uses_local = "local" in (self.layer_pattern or ())
         if uses_local != (self.local_attention is not None):
             raise ValueError(

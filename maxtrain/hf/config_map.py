@@ -33,7 +33,7 @@ _NO_DEFAULT = object()
 # as in transformers. A rope type we do not list is a ConversionError.
 _SCALING_KEYS = {
     "llama3": ("factor", "low_freq_factor", "high_freq_factor"),
-    "yarn": ("factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim"),
+    "yarn": ("factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim", "truncate"),
     "linear": ("factor",),
 }
 _REQUIRED_SCALING_KEYS = {
@@ -42,13 +42,13 @@ _REQUIRED_SCALING_KEYS = {
     "linear": ("factor",),
 }
 # Scaling types checked against transformers for some families only: type -> those families.
-_SCALING_FAMILIES = {"yarn": ("deepseek_v3",), "linear": ("gemma3_text",)}
+_SCALING_FAMILIES = {"yarn": ("deepseek_v3", "gpt_oss"), "linear": ("gemma3_text",)}
 # The scaling types that scale relative to an original context (original_max_position).
 _EXTENDS_A_CONTEXT = ("llama3", "yarn")
 # transformers' layer_types -> our model.layer_pattern kinds.
 _LAYER_KINDS = {"full_attention": "global", "sliding_attention": "local"}
 # YaRN options of transformers we do not model, with the value we compute.
-_YARN_FIXED = {"attention_factor": None, "truncate": True}
+_YARN_FIXED = {"attention_factor": None}
 # The aux-loss-free bias update rate an imported routing bias trains with: DeepSeek-V3's
 # published gamma (its paper, section 2.1.2); the checkpoint does not record it.
 IMPORTED_BIAS_UPDATE_RATE = 0.001
@@ -93,7 +93,7 @@ def model_config(hf: dict[str, Any], family: Family, where: str) -> ModelConfig:
     theta, scaling = _rope(hf, family, where, value("max_position_embeddings"))
     mla = {key: value(key) for key in family.mla_keys} or None
     biases = family.attention_bias if family.attention_bias and value("attention_bias") else "none"
-    pattern = _layer_pattern(hf, where, value, num_layers) if family.layer_types else {}
+    pattern = _layer_pattern(hf, family, where, value, num_layers) if family.layer_types else {}
     fields = dict(
         vocab_size=value("vocab_size"),
         emb_dim=value("hidden_size"),
@@ -125,6 +125,7 @@ def model_config(hf: dict[str, Any], family: Family, where: str) -> ModelConfig:
     fields.update(**pattern, **family.features)
     if family.softmax_scale_key:
         fields["softmax_scale_dim"] = value(family.softmax_scale_key)
+    fields["attention_sinks"] = family.attention_sinks
     hf_layers = None  # Qwen3-MoE, Llama 4: which layers transformers makes MoE
     if family.is_moe:
         count_key = next((k for k in family.expert_count_keys if k in hf), None)
@@ -141,6 +142,12 @@ def model_config(hf: dict[str, Any], family: Family, where: str) -> ModelConfig:
             fields["moe"]["renormalize"] = value(family.renormalize_key)
         if family.router_bias:
             fields["moe"]["bias_update_rate"] = IMPORTED_BIAS_UPDATE_RATE
+        if family.expert_layout == "gpt_oss":
+            fields["moe"].update(
+                router_bias=True,
+                expert_bias=True,
+                clamped_swiglu=dict(alpha=value("swiglu_alpha"), limit=value("swiglu_limit")),
+            )
         if family.sparse_layer_keys or family.moe_layer_list:
             hf_layers, step, chosen_by = _hf_moe_layers(family, value, num_layers, where)
             fields["moe"].update(_sparse_layer_keys(hf_layers, step))
@@ -217,17 +224,7 @@ def hf_config(cfg: ModelConfig, family: Family, dtype: str) -> dict[str, Any]:
         "rms_norm_eps": cfg.norm_eps,
         "max_position_embeddings": cfg.max_seq_len,
         "rope_theta": cfg.rope_theta,
-        "rope_scaling": None
-        if scaling is None
-        else {
-            "rope_type": scaling.type,
-            **{key: getattr(scaling, key) for key in _SCALING_KEYS[scaling.type]},
-            **(
-                {"original_max_position_embeddings": scaling.original_max_position}
-                if scaling.type in _EXTENDS_A_CONTEXT
-                else {}
-            ),
-        },
+        "rope_scaling": _hf_rope_scaling(scaling, family),
         "tie_word_embeddings": cfg.tie_embeddings,
         "initializer_range": cfg.init_std,
         "torch_dtype": dtype,
@@ -236,7 +233,7 @@ def hf_config(cfg: ModelConfig, family: Family, dtype: str) -> dict[str, Any]:
     if family.window_key:
         out[family.window_key] = cfg.local_attention.window if cfg.local_attention else None
     if family.layer_types:
-        out.update(_layer_types_keys(cfg))
+        out.update(_layer_types_keys(cfg, family))
     if family.softmax_scale_key:
         out[family.softmax_scale_key] = cfg.softmax_scale_dim or cfg.resolved_head_dim
     if cfg.mla is not None:
@@ -252,6 +249,8 @@ def hf_config(cfg: ModelConfig, family: Family, dtype: str) -> dict[str, Any]:
     if "partial_rotary_factor" in family.defaults:  # top level, as published GLM-4.5 has it
         out["partial_rotary_factor"] = cfg.partial_rotary_factor
     m = cfg.moe
+    if m is not None and m.clamped_swiglu is not None:
+        out["swiglu_alpha"], out["swiglu_limit"] = m.clamped_swiglu.alpha, m.clamped_swiglu.limit
     if m is not None:
         out[family.expert_count_keys[0]] = m.num_experts
         out["num_experts_per_tok"] = m.top_k
@@ -288,9 +287,17 @@ def _chunked_nope_keys(cfg: ModelConfig, family: Family) -> dict[str, Any]:
 
 
 def _check_supported(hf: dict[str, Any], family: Family, where: str) -> None:
-    if hf.get("quantization_config"):
+    if quantization := hf.get("quantization_config"):
+        # MXFP4 (GPT-OSS on the hub): transformers dequantizes it; we would need an oracle for
+        # its packed blocks and scales, which no small fixture of ours can give.
+        hint = (
+            "; dequantize it first: transformers' from_pretrained(..., quantization_config="
+            "Mxfp4Config(dequantize=True)) then save_pretrained"
+            if isinstance(quantization, dict) and quantization.get("quant_method") == "mxfp4"
+            else ""
+        )
         raise ConversionError(
-            f"{where}: quantization_config is set; quantized checkpoints are not supported"
+            f"{where}: quantization_config is set; quantized checkpoints are not supported{hint}"
         )
     for key, want in family.required.items():
         if key in hf and hf[key] != want:
@@ -306,7 +313,12 @@ def _rope(
     """(theta, the model.rope_scaling keys or None) from either layout. As in transformers,
     `rope_scaling` wins over `rope_parameters`, and a theta inside them over the top-level
     `rope_theta`."""
-    params = hf.get("rope_scaling") or hf.get("rope_parameters") or {}
+    params = (
+        hf.get("rope_scaling")
+        or hf.get("rope_parameters")
+        or family.defaults.get("rope_parameters")
+        or {}
+    )
     if family.layer_types and isinstance(params.get("full_attention"), dict):
         params = params["full_attention"]  # the global layers' (_local_rope_theta: the others')
     if any(isinstance(v, dict) for v in params.values()):
@@ -344,13 +356,16 @@ def _rope(
     return theta, dict(type=kind, **scaling)
 
 
-def _layer_pattern(hf: dict[str, Any], where: str, value, num_layers: int) -> dict[str, Any]:
+def _layer_pattern(
+    hf: dict[str, Any], family: Family, where: str, value, num_layers: int
+) -> dict[str, Any]:
     """model.layer_pattern and local_attention of a config.json with sliding-window layers:
-    layer_types, else every sliding_window_pattern-th layer global (as transformers derives
-    it), written as the shortest pattern that repeats into them; none for all-global layers."""
+    layer_types, else every global_period-th layer global (sliding_window_pattern-th for
+    Gemma 3, as transformers derives it), written as the shortest pattern that repeats into
+    them; none for all-global layers."""
     types = hf.get("layer_types")
     if types is None:
-        period = value("sliding_window_pattern")
+        period = family.global_period or value("sliding_window_pattern")
         if not isinstance(period, int) or period < 1:
             raise ConversionError(f"{where}: sliding_window_pattern={period!r} is not supported")
         kinds = _every_nth_global(period, num_layers)
@@ -371,12 +386,14 @@ def _layer_pattern(hf: dict[str, Any], where: str, value, num_layers: int) -> di
     window = value("sliding_window")
     if window is None:
         raise ConversionError(f"{where}: layer_types has sliding layers but sliding_window is null")
-    local = dict(window=window, rope_theta=_local_rope_theta(hf, where, value))
+    local = dict(window=window)
+    if family.local_rope_key:  # else the model's RoPE, scaled as the global layers'
+        local["rope_theta"] = _local_rope_theta(hf, family, where, value)
     return dict(layer_pattern=kinds[:period], local_attention=local)
 
 
 def _every_nth_global(period: int, num_layers: int) -> list[str]:
-    """Gemma's sliding_window_pattern: layer i global iff (i + 1) % period == 0."""
+    """Layer i global iff (i + 1) % period == 0 (Gemma's sliding_window_pattern)."""
     return ["global" if (i + 1) % period == 0 else "local" for i in range(num_layers)]
 
 
@@ -384,34 +401,37 @@ def _repeated(pattern: list[str], num_layers: int) -> list[str]:
     return [pattern[i % len(pattern)] for i in range(num_layers)]
 
 
-def _local_rope_theta(hf: dict[str, Any], where: str, value) -> float:
+def _local_rope_theta(hf: dict[str, Any], family: Family, where: str, value) -> float:
     """The sliding layers' RoPE base: rope_parameters' sliding_attention (transformers 5),
     else rope_local_base_freq; unscaled, as transformers computes it."""
     local = (hf.get("rope_parameters") or {}).get("sliding_attention")
     if not isinstance(local, dict):
-        return value("rope_local_base_freq")
+        return value(family.local_rope_key)
     kind = local.get("rope_type", local.get("type", "default"))
     if kind != "default":
         raise ConversionError(
             f"{where}: sliding_attention RoPE type {kind!r} is not supported (only default)"
         )
-    return local.get("rope_theta", value("rope_local_base_freq"))
+    return local.get("rope_theta", value(family.local_rope_key))
 
 
-def _layer_types_keys(cfg: ModelConfig) -> dict[str, Any]:
-    """The config.json keys of cfg's attention pattern as Gemma 3 states it (what
-    _layer_pattern reads back), with sliding_window_pattern too where that period expresses
-    it, for transformers versions that read no layer_types."""
+def _layer_types_keys(cfg: ModelConfig, family: Family) -> dict[str, Any]:
+    """The config.json keys of cfg's attention pattern as Gemma 3 and GPT-OSS state it (what
+    _layer_pattern reads back), with Gemma's sliding_window_pattern too where that period
+    expresses it, for transformers versions that read no layer_types."""
     kinds = [cfg.layer_attention(i) for i in range(cfg.num_layers)]
     local = cfg.local_attention
     hf_names = {kind: name for name, kind in _LAYER_KINDS.items()}
     out = {
         "layer_types": [hf_names[kind] for kind in kinds],
-        "sliding_window": local.window if local else None,
-        "rope_local_base_freq": local.rope_theta if local and local.rope_theta else cfg.rope_theta,
+        # transformers builds the sliding mask whether a layer uses it or not: never null
+        "sliding_window": local.window if local else family.defaults["sliding_window"],
     }
+    if family.local_rope_key:
+        theta = local.rope_theta if local and local.rope_theta else cfg.rope_theta
+        out[family.local_rope_key] = theta
     period = len(cfg.layer_pattern or ["global"])
-    if kinds == _every_nth_global(period, cfg.num_layers):
+    if not family.global_period and kinds == _every_nth_global(period, cfg.num_layers):
         out["sliding_window_pattern"] = period
     return out
 
@@ -429,6 +449,22 @@ def _partial_rotary_factor(hf: dict[str, Any], family: Family, where: str) -> fl
             f"{family.model_type} (RoPE on every dim only)"
         )
     return partial
+
+
+def _hf_rope_scaling(scaling, family: Family) -> dict[str, Any] | None:
+    """config.json's rope_scaling for model.rope_scaling. None where transformers reads null as
+    plain RoPE; {"rope_type": "default"} where it reads null as its family's default scaling."""
+    if scaling is None:
+        return {"rope_type": "default"} if "rope_parameters" in family.defaults else None
+    return {
+        "rope_type": scaling.type,
+        **{key: getattr(scaling, key) for key in _SCALING_KEYS[scaling.type]},
+        **(
+            {"original_max_position_embeddings": scaling.original_max_position}
+            if scaling.type in _EXTENDS_A_CONTEXT
+            else {}
+        ),
+    }
 
 
 def _hf_sparse_layers(
@@ -517,19 +553,8 @@ def _check_exportable(cfg: ModelConfig, family: Family) -> None:
             unsupported.append(f"model.{key}={getattr(cfg, key)} (the family's is {want})")
     if cfg.softmax_scale_dim is not None and not family.softmax_scale_key:
         unsupported.append(f"model.softmax_scale_dim={cfg.softmax_scale_dim}")
-    local = cfg.local_attention  # other families' local layers: _unexportable_pattern
-    if local is not None and family.layer_types and local.chunk is not None:
-        unsupported.append(f"model.local_attention.chunk={local.chunk} (windows only)")
-    elif (
-        local is not None
-        and family.layer_types
-        and local.rope_theta is None
-        and scaling is not None
-    ):
-        unsupported.append(
-            "model.local_attention.rope_theta=null with model.rope_scaling (local layers' RoPE "
-            "is unscaled)"
-        )
+    unsupported += _unexportable_layer_types(cfg, family)
+    unsupported += _unexportable_sinks_and_biases(cfg, family)
     if unsupported:
         raise ConversionError(
             f"cannot export as {name} (the family for attention_type={cfg.attention_type}, "
@@ -578,6 +603,42 @@ def _unexportable_pattern(cfg: ModelConfig, family: Family) -> list[str]:
     if local.rope_theta is not None:
         return [f"model.local_attention.rope_theta={local.rope_theta}"]
     return []
+
+
+def _unexportable_layer_types(cfg: ModelConfig, family: Family) -> list[str]:
+    """What of the local layers a family with layer_types cannot write: chunks, and a local
+    RoPE base unlike its own (Gemma 3: one of their own, unscaled; GPT-OSS: the model's)."""
+    local = cfg.local_attention  # other families' local layers: _unexportable_pattern
+    if local is None or not family.layer_types:
+        return []
+    if local.chunk is not None:
+        return [f"model.local_attention.chunk={local.chunk} (windows only)"]
+    if not family.local_rope_key and local.rope_theta is not None:
+        return [f"model.local_attention.rope_theta={local.rope_theta} (the model's RoPE only)"]
+    if family.local_rope_key and local.rope_theta is None and cfg.rope_scaling is not None:
+        return [
+            "model.local_attention.rope_theta=null with model.rope_scaling (local layers' RoPE "
+            "is unscaled)"
+        ]
+    return []
+
+
+def _unexportable_sinks_and_biases(cfg: ModelConfig, family: Family) -> list[str]:
+    """The attention sinks, router and expert biases and clamped SwiGLU `family` cannot
+    express (GPT-OSS has all of them, every other family none), as the key and value a message
+    names."""
+    out = []
+    if cfg.attention_sinks != family.attention_sinks:
+        out.append(f"model.attention_sinks={_shown(cfg.attention_sinks)}")
+    m = cfg.moe
+    if m is not None:
+        fused = family.expert_layout == "gpt_oss"
+        for key in ("router_bias", "expert_bias"):
+            if getattr(m, key) != fused:
+                out.append(f"model.moe.{key}={_shown(getattr(m, key))}")
+        if (m.clamped_swiglu is not None) != fused:
+            out.append(f"model.moe.clamped_swiglu={'set' if m.clamped_swiglu else 'null'}")
+    return out
 
 
 def _indices(flags: tuple[bool, ...]) -> list[int]:

@@ -31,6 +31,10 @@ in a few config.json keys, model options and tensor names, which is all this mod
                                     query_pre_attn_scalar; sliding-window layers (layer_types or
                                     sliding_window_pattern) with their own RoPE base, linear
                                     RoPE scaling on the global ones
+    gpt_oss    GptOssForCausalLM    q/k/v/o biases, attention sinks, sliding-window layers
+                                    (layer_types), YaRN (untruncated); every layer MoE: a router
+                                    with a bias, experts with biases and a clamped SwiGLU, stored
+                                    fused (expert_layout "gpt_oss")
 
 Router semantics match ours for both MoE families: transformers takes the softmax over all
 experts, keeps the top k, and (Mixtral always, Qwen3-MoE iff norm_topk_prob) divides by their
@@ -39,7 +43,8 @@ scores, picks by score + e_score_correction_bias (our aux-loss-free bias), weigh
 unbiased scores, optionally renormalised, times routed_scaling_factor: model.moe's sigmoid mode.
 GLM-4.5's router is the same computation under the same keys. Llama 4 takes the top k of the
 logits (the same experts as of their sigmoids), and each chosen expert computes
-SwiGLU(sigmoid(logit) * x), unrenormalised: model.moe.weight_on input.
+SwiGLU(sigmoid(logit) * x), unrenormalised: model.moe.weight_on input. GPT-OSS takes the
+softmax over the top-k biased logits: softmax mode, renormalised.
 
 Multi-token prediction layers (DeepSeek-V3's layer 61, GLM-4.5's 92 and GLM-4.5-Air's 46, past
 num_hidden_layers) are skipped on import, as transformers 5.23 skips them (it has no module to
@@ -123,11 +128,23 @@ class Family:
     # Our model keys (ModelArchitecture) the family fixes; the others of FEATURE_DEFAULTS stay
     # at their defaults: import sets them, export refuses a model without them.
     features: Mapping[str, Any] = field(default_factory=dict)
-    # Sliding-window layers as Gemma 3 states them: layer_types (else every
-    # sliding_window_pattern-th layer global), sliding_window, the local layers' RoPE base in
-    # rope_local_base_freq or rope_parameters' sliding_attention (config_map.py).
+    # Sliding-window layers named by config.json's layer_types (sliding_attention or
+    # full_attention per layer) with sliding_window; without layer_types every
+    # global_period-th layer is global (GPT-OSS: 2), or, global_period None, every
+    # sliding_window_pattern-th (Gemma 3). local_rope_key: the config.json key of the local
+    # layers' own RoPE base (Gemma 3's rope_local_base_freq, or rope_parameters'
+    # sliding_attention), None: they use the model's RoPE (config_map.py).
     layer_types: bool = False
+    global_period: int | None = None
+    local_rope_key: str | None = None
     softmax_scale_key: str | None = None  # config.json's model.softmax_scale_dim
+    attention_sinks: bool = False  # self_attn.sinks [N] in every layer (model.attention_sinks)
+    # How a MoE layer's experts are stored: "per_expert" (experts.<e>.<expert_names>.weight,
+    # the router `gate`) or "gpt_oss" (the router `router` with a bias; every expert's weights
+    # and biases fused per layer: experts.gate_up_proj [E, D, 2F] with the gate's and up
+    # projection's columns interleaved, experts.down_proj [E, F, D]; the clamped SwiGLU's
+    # swiglu_alpha and swiglu_limit).
+    expert_layout: str = "per_expert"
 
     @property
     def is_moe(self) -> bool:
@@ -411,11 +428,60 @@ GEMMA3 = Family(
         "mlp_activation": "gelu_tanh",
     },
     layer_types=True,
+    local_rope_key="rope_local_base_freq",
     softmax_scale_key="query_pre_attn_scalar",
+)
+
+GPT_OSS = Family(
+    model_type="gpt_oss",
+    architecture="GptOssForCausalLM",
+    qk_norm=False,
+    defaults={
+        **_BASE_DEFAULTS,
+        "rope_theta": 150000.0,
+        "rms_norm_eps": 1e-5,
+        "max_position_embeddings": 131072,
+        "num_key_value_heads": 8,
+        "head_dim": 64,
+        "attention_bias": True,
+        "sliding_window": 128,
+        "swiglu_alpha": 1.702,
+        "swiglu_limit": 7.0,
+        # transformers' RoPE when config.json states none
+        "rope_parameters": {
+            "rope_type": "yarn",
+            "factor": 32.0,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "truncate": False,
+            "original_max_position_embeddings": 4096,
+        },
+    },
+    required={},
+    moe_block="mlp",
+    expert_count_keys=("num_local_experts",),
+    expert_width_key="intermediate_size",
+    moe_defaults={"num_local_experts": 128, "num_experts_per_tok": 4, "router_aux_loss_coef": 1e-3},
+    attention_bias="qkvo",
+    attention_sinks=True,
+    layer_types=True,
+    global_period=2,
+    expert_layout="gpt_oss",
 )
 FAMILIES = {
     f.model_type: f
-    for f in (LLAMA, MISTRAL, QWEN3, MIXTRAL, QWEN3_MOE, DEEPSEEK_V3, GLM4_MOE, LLAMA4, GEMMA3)
+    for f in (
+        LLAMA,
+        MISTRAL,
+        QWEN3,
+        MIXTRAL,
+        QWEN3_MOE,
+        DEEPSEEK_V3,
+        GLM4_MOE,
+        LLAMA4,
+        GEMMA3,
+        GPT_OSS,
+    )
 }
 # The model keys a Family's `features` may fix, at the value every other family has.
 FEATURE_DEFAULTS = {
@@ -426,12 +492,15 @@ FEATURE_DEFAULTS = {
 
 def family_for(cfg: ModelConfig) -> Family:
     """The family a model of ours exports as: the only one with its attention, qk-norm and
-    MoE choice (multi-head latent attention: DeepSeek-V3, whose layers are MoE; experts weighing
-    their inputs: Llama 4; sandwich norms: Gemma 3; other grouped-query attention with sigmoid
-    routing: GLM-4.5, qk-normed or not), a dense model with local layers as Mistral
+    MoE choice (multi-head latent attention: DeepSeek-V3, whose layers are MoE; attention
+    sinks: GPT-OSS; experts weighing their inputs: Llama 4; sandwich norms: Gemma 3; other
+    grouped-query attention with sigmoid routing: GLM-4.5, qk-normed or not), a dense model
+    with local layers as Mistral
     (config_map refuses what it cannot express)."""
     if cfg.attention_type == "mla":
         return DEEPSEEK_V3
+    if cfg.attention_sinks:
+        return GPT_OSS
     if cfg.moe is not None and cfg.moe.weight_on == "input":
         return LLAMA4
     if cfg.block_norms == "sandwich":

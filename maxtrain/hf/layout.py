@@ -11,21 +11,39 @@ output of its projection (q_proj.bias: [N*H], ours [N, H]).
 
 Our per-layer parameters are stacked: model layer i is row stack_positions(...)[i] of its
 kind's stack (model/stacks.py), and a MoE layer's experts add one more axis. A Slot names one
-Hugging Face tensor and that position. A family may store all of a layer's experts as one
-tensor, in our layout, with two projections side by side (Llama 4's gate_up_proj [E, D, 2F]):
-each of ours is then a Slot of one part of the tensor's last axis.
+Hugging Face tensor (or its part) and that position. A family may store all of a layer's
+experts as one tensor, in our layout, with two projections side by side (Llama 4's
+gate_up_proj [E, D, 2F]) or interleaved (GPT-OSS's): each of ours is then a Slot of one Part
+of the tensor's last axis.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
 from maxtrain.config import ModelConfig
 from maxtrain.hf.families import Family
 from maxtrain.model.stacks import STACKS, is_moe_per_layer, stack_positions
+
+
+class Part(NamedTuple):
+    """Part `index` of `count` equal ones along a tensor's last axis: a contiguous block
+    (Llama 4's gate_up_proj: the gate's columns, then the up projection's) or, interleaved,
+    columns index, index + count, ... (GPT-OSS's: the gate's at even columns)."""
+
+    index: int
+    count: int
+    interleaved: bool = False
+
+    def of(self, tensor: np.ndarray) -> np.ndarray:
+        if self.interleaved:
+            return tensor[..., self.index :: self.count]
+        return np.split(tensor, self.count, axis=-1)[self.index]
+
 
 # (our path inside a layer, Hugging Face name inside `model.layers.<i>.`, input axes of a
 # linear weight or None)
@@ -74,6 +92,20 @@ _QK_NORM = (
 _EXPERTS = ("gate", "up", "down")  # ours, in the order of Family.expert_names
 # A dense layer's SwiGLU, inside Family.dense_block.
 _DENSE_MLP = tuple((("mlp", ours, "kernel"), f"{ours}_proj.weight", 1) for ours in _EXPERTS)
+# GPT-OSS's fused experts inside the MoE block (Family.expert_layout "gpt_oss"): (our path
+# inside `moe`, Hugging Face name, input axes, Part of the interleaved columns or None).
+_GATE, _UP = Part(0, 2, interleaved=True), Part(1, 2, interleaved=True)
+_GPT_OSS_MOE = (
+    (("router", "kernel"), "router.weight", 1, None),
+    (("router", "logit_bias"), "router.bias", None, None),
+    (("gate", "kernel"), "experts.gate_up_proj", None, _GATE),
+    (("up", "kernel"), "experts.gate_up_proj", None, _UP),
+    (("gate", "bias"), "experts.gate_up_proj_bias", None, _GATE),
+    (("up", "bias"), "experts.gate_up_proj_bias", None, _UP),
+    (("down", "kernel"), "experts.down_proj", None, None),
+    (("down", "bias"), "experts.down_proj_bias", None, None),
+)
+_SINKS = ((("attn", "sinks"), "self_attn.sinks", None),)
 _SHARED = tuple((("moe", "shared", ours, "kernel"), f"{ours}_proj.weight", 1) for ours in _EXPERTS)
 
 
@@ -87,24 +119,25 @@ class Slot:
     index: tuple[int, ...]
     # A linear weight: leading input axes of our kernel (0: a bias, flattened); None: same layout
     in_axes: int | None
-    # Our block is part `part` of `parts` equal ones along the tensor's last axis (in_axes None).
-    part: int = 0
-    parts: int = 1
+    part: Part | None = None  # our block is this part of the tensor's last axis; None: all of it
 
     def hf_shape(self, block_shape: tuple[int, ...]) -> tuple[int, ...]:
         """The Hugging Face shape of a tensor whose block of our parameter has block_shape."""
         if self.in_axes is None:
-            return (*block_shape[:-1], block_shape[-1] * self.parts)
-        if self.in_axes == 0:
-            return (math.prod(block_shape),)
-        return (math.prod(block_shape[self.in_axes :]), math.prod(block_shape[: self.in_axes]))
+            shape = tuple(block_shape)
+        elif self.in_axes == 0:
+            shape = (math.prod(block_shape),)
+        else:
+            shape = (math.prod(block_shape[self.in_axes :]), math.prod(block_shape[: self.in_axes]))
+        return shape if self.part is None else (*shape[:-1], shape[-1] * self.part.count)
 
     def to_ours(self, tensor: np.ndarray, block_shape: tuple[int, ...]) -> np.ndarray:
-        if self.parts > 1:
-            tensor = np.split(tensor, self.parts, axis=-1)[self.part]
+        if self.part is not None:
+            tensor = self.part.of(tensor)
         return tensor if self.in_axes is None else tensor.T.reshape(block_shape)
 
     def to_hf(self, block: np.ndarray) -> np.ndarray:
+        """Our block in the Hugging Face layout (of its part only: join_parts joins them)."""
         if self.in_axes is None:
             return block
         if self.in_axes == 0:
@@ -112,13 +145,24 @@ class Slot:
         return block.reshape(math.prod(block.shape[: self.in_axes]), -1).T
 
 
+def join_parts(blocks: list[np.ndarray], part: Part | None) -> np.ndarray:
+    """The tensor whose Parts along the last axis are `blocks`, in order (one block: the
+    tensor itself)."""
+    if part is None:
+        return blocks[0]
+    if part.interleaved:
+        return np.stack(blocks, axis=-1).reshape(*blocks[0].shape[:-1], -1)
+    return np.concatenate(blocks, axis=-1)
+
+
 def _attention(cfg: ModelConfig) -> tuple:
     """A layer's attention and norm tensors: (our path, Hugging Face name, input axes)."""
     norms = _SANDWICH_NORMS if cfg.block_norms == "sandwich" else _NORMS
     if cfg.mla is None:
         biases = {"none": (), "qkv": _QKV_BIAS, "qkvo": _QKV_BIAS + _O_BIAS}[cfg.attention_bias]
+        sinks = _SINKS if cfg.attention_sinks else ()
         qk_norm = _QK_NORM if cfg.qk_norm and cfg.qk_norm_scale else ()
-        return norms + _ATTENTION + biases + qk_norm
+        return norms + _ATTENTION + biases + sinks + qk_norm
     return norms + (_MLA_Q if cfg.mla.q_lora_rank is None else _MLA_Q_LORA) + _MLA
 
 
@@ -127,8 +171,8 @@ def _experts(family: Family, block: str, stack: str, j: int, num_experts: int) -
     if family.stacked_experts:
         moe = (stack, "moe")
         return [
-            Slot(f"{block}experts.gate_up_proj", (*moe, "gate", "kernel"), (j,), None, 0, 2),
-            Slot(f"{block}experts.gate_up_proj", (*moe, "up", "kernel"), (j,), None, 1, 2),
+            Slot(f"{block}experts.gate_up_proj", (*moe, "gate", "kernel"), (j,), None, Part(0, 2)),
+            Slot(f"{block}experts.gate_up_proj", (*moe, "up", "kernel"), (j,), None, Part(1, 2)),
             Slot(f"{block}experts.down_proj", (*moe, "down", "kernel"), (j,), None),
         ]
     return [
@@ -149,7 +193,13 @@ def slots(cfg: ModelConfig, family: Family) -> list[Slot]:
         if not is_moe:
             dense = f"{prefix}{family.dense_block}."
             out += [Slot(dense + name, (stack, *path), (j,), ax) for path, name, ax in _DENSE_MLP]
-        if is_moe:
+        if is_moe and family.expert_layout == "gpt_oss":
+            block = f"{prefix}{family.moe_block}."
+            out += [
+                Slot(block + name, (stack, "moe", *path), (j,), ax, part)
+                for path, name, ax, part in _GPT_OSS_MOE
+            ]
+        elif is_moe:
             block = f"{prefix}{family.moe_block}."
             router, router_path = f"{block}{family.router_name}.", (stack, "moe", "router")
             out.append(Slot(router + "weight", (*router_path, "kernel"), (j,), 1))

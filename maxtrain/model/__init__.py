@@ -15,6 +15,7 @@ from maxtrain.model.build import (
     active_param_count,
     build,
     compute_dtype,
+    embedding_lookup_params,
     param_count,
     platform_choices,
 )
@@ -28,6 +29,7 @@ __all__ = [
     "build",
     "compute_dtype",
     "define",
+    "embedding_lookup_params",
     "param_count",
     "platform_choices",
 ]

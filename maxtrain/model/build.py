@@ -89,11 +89,15 @@ def active_param_count(cfg: ModelConfig) -> int:
         m = cfg.moe
         kinds = is_moe_per_layer(cfg)
         mtp_moe_blocks = cfg.mtp.depth if kinds[-1] else 0  # model/mtp.py: last layer's kind
-        idle = (
-            (sum(kinds) + mtp_moe_blocks)
-            * (m.num_experts - m.top_k)
-            * 3
-            * cfg.emb_dim
-            * m.expert_mlp_dim
-        )
+        expert = 3 * cfg.emb_dim * m.expert_mlp_dim
+        if m.expert_bias:  # gate, up and down biases
+            expert += 2 * m.expert_mlp_dim + cfg.emb_dim
+        idle = (sum(kinds) + mtp_moe_blocks) * (m.num_experts - m.top_k) * expert
     return param_count(cfg) - idle
+
+
+def embedding_lookup_params(cfg: ModelConfig) -> int:
+    """The input embedding's parameters where only a lookup reads them (untied: a tied one is
+    the head's matmul too). Published active counts differ on them: OpenAI's gpt-oss and
+    DeepSeek-V3 count active parameters without them, Mistral and Qwen with them."""
+    return 0 if cfg.tie_embeddings else cfg.vocab_size * cfg.emb_dim

@@ -94,6 +94,12 @@ def check_upcycle(dense_cfg: ModelConfig, moe_cfg: ModelConfig) -> None:
             "upcycling does not support shared experts (the routed experts already hold the "
             "whole dense MLP); set model.moe.shared_experts=0"
         )
+    gpt_oss = [k for k in ("router_bias", "expert_bias", "clamped_swiglu") if getattr(m, k)]
+    if gpt_oss:
+        raise ConfigError(
+            f"upcycling copies the source's SwiGLU MLPs into SwiGLU experts without biases; "
+            f"model.moe.{gpt_oss[0]} is not supported"
+        )
     f, g = dense_cfg.mlp_dim, m.top_k
     if f % g:
         raise ConfigError(

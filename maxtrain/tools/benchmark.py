@@ -282,6 +282,9 @@ def dry_run(
         "mesh": {k: v for k, v in sizes.items() if v > 1},
         "total_params": model_lib.param_count(cfg.model),
         "active_params": model_lib.active_param_count(cfg.model),
+        # the convention of OpenAI's and DeepSeek's published active counts
+        "active_params_without_embedding": model_lib.active_param_count(cfg.model)
+        - model_lib.embedding_lookup_params(cfg.model),
         "compute_dtype": cfg.model.compute_dtype,
         "attention": cfg.model.attention,
         "remat": cfg.model.remat,

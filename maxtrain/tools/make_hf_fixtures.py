@@ -100,6 +100,34 @@ _YARN = dict(
     mscale_all_dim=1.0,
 )
 
+# GPT-OSS shapes: layers alternating a sliding window of 4 (< the 12 tokens) and full attention,
+# 4 experts of which 2 per token, biases everywhere, attention sinks. The clamp's limit (0.8) is
+# low enough that it clips many gate and up values; YaRN's ramp ends fall between frequency
+# pairs at 8 dims (theta 100, original context 64), so its untruncated ramp (GPT-OSS's
+# truncate: false) differs from the rounded one.
+_GPT_OSS = dict(
+    num_hidden_layers=3,
+    num_attention_heads=6,  # 6 x 8 and 2 x 24 unlike the width 32: a transposition shows
+    num_key_value_heads=2,
+    head_dim=8,
+    sliding_window=4,
+    num_local_experts=4,
+    num_experts_per_tok=2,
+    intermediate_size=24,
+    swiglu_alpha=1.5,
+    swiglu_limit=0.8,
+    max_position_embeddings=512,
+    rope_parameters=dict(
+        rope_type="yarn",
+        rope_theta=100.0,
+        factor=8.0,
+        original_max_position_embeddings=64,
+        beta_fast=32.0,
+        beta_slow=1.0,
+        truncate=False,
+    ),
+)
+
 # name -> (model_type, config keys, options). Options: layout "v5" keeps the config.json
 # transformers 5 writes, "legacy" rewrites it the way most published checkpoints read;
 # dtype: the stored weights (the oracle computes in float32 either way); head_dim_null: write
@@ -336,6 +364,7 @@ CASES: dict[str, tuple[str, dict, dict]] = {
         ),
         dict(layout="legacy", dtype="bfloat16", seed=15),
     ),
+    "gpt_oss_window_sinks_yarn_v5": ("gpt_oss", _GPT_OSS, dict(layout="v5", seed=2)),
 }
 
 
@@ -471,20 +500,24 @@ def _randomize(model, torch) -> None:
 
 def _router_margins(model, torch) -> list[float] | None:
     """Hooks that record, per router call, the smallest gap between a token's k-th and
-    (k+1)-th selection score, so that rounding cannot flip a choice in our port: Llama 4's
-    (top-k of the logits) and DeepSeek-V3's and GLM-4.5's (the same router), whose correction
-    biases (a buffer, not a parameter) are randomised first (its scores compared after group
-    masking)."""
+    (k+1)-th selection score, so that rounding cannot flip a choice in our port: Llama 4's and
+    GPT-OSS's (top-k of the logits) and DeepSeek-V3's and GLM-4.5's (the same router), whose
+    correction biases (a buffer, not a parameter) are randomised first (its scores compared
+    after group masking)."""
     margins: list[float] = []
-    llama4 = [m for m in model.modules() if type(m).__name__ == "Llama4Router"]
-    for router in llama4:
+    by_logits = {"Llama4Router": 1, "GptOssTopKRouter": 0}  # where its output holds the logits
+    top_k_of_logits = [m for m in model.modules() if type(m).__name__ in by_logits]
+    for router in top_k_of_logits:
+        at = by_logits[type(router).__name__]
         router.register_forward_hook(
-            lambda router, inputs, output: margins.append(_top_k_gap(output[1], router.top_k))
+            lambda router, inputs, output, at=at: margins.append(
+                _top_k_gap(output[at], router.top_k)
+            )
         )
     kinds = ("DeepseekV3TopkRouter", "Glm4MoeTopkRouter")  # the same router
     routers = [m for m in model.modules() if type(m).__name__ in kinds]
     if not routers:
-        return margins if llama4 else None
+        return margins if top_k_of_logits else None
 
     def record(router, inputs, output):
         _, _, chosen = output

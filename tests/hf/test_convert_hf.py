@@ -157,6 +157,8 @@ def test_export_reproduces_the_original_files(case, tmp_path):
         "gemma3-1b",
         "gemma3-27b",
         "llama4-scout-17b-16e",
+        "gpt-oss-20b",
+        "gpt-oss-120b",
     ],
 )
 def test_preset_configs_round_trip(preset):
@@ -267,8 +269,28 @@ def llama4_test_config(**changes) -> ModelConfig:
             ),
         ),
         llama4_test_config(),  # experts stacked, a fused gate_up_proj
+        ModelConfig(  # experts fused, gate and up interleaved, with biases; sinks
+            vocab_size=16,
+            emb_dim=8,
+            num_layers=3,
+            num_heads=2,
+            num_kv_heads=1,
+            mlp_dim=12,
+            attention_bias="qkvo",
+            attention_sinks=True,
+            layer_pattern=["local", "global"],
+            local_attention=LocalAttention(window=4),
+            moe=MoeConfig(
+                num_experts=3,
+                top_k=2,
+                expert_mlp_dim=4,
+                router_bias=True,
+                expert_bias=True,
+                clamped_swiglu={"limit": 7.0},
+            ),
+        ),
     ],
-    ids=["per_expert", "llama4_stacked_experts"],
+    ids=["per_expert", "llama4_stacked_experts", "gpt_oss_fused_experts"],
 )
 def test_slots_cover_every_parameter_once(cfg):
     counts = jax.tree.map(lambda a: np.zeros(a.shape, int), abstract_params(cfg))
@@ -560,6 +582,17 @@ BAD_IMPORTS = {
         lambda d: edit_config(d, rope_scaling={"rope_type": "linear", "factor": 4.0}),
         "RoPE type 'linear' is supported for gemma3_text only, not llama",
     ),
+    "MXFP4 (GPT-OSS on the hub)": (
+        "gpt_oss_window_sinks_yarn_v5",
+        lambda d: edit_config(d, quantization_config={"quant_method": "mxfp4"}),
+        "quantized checkpoints are not supported; dequantize it first: transformers' "
+        "from_pretrained(..., quantization_config=Mxfp4Config(dequantize=True))",
+    ),
+    "layer_types of another length": (
+        "gpt_oss_window_sinks_yarn_v5",
+        lambda d: edit_config(d, layer_types=["sliding_attention", "full_attention"]),
+        "layer_types names 2 layers, num_hidden_layers is 3",
+    ),
 }
 
 
@@ -602,6 +635,50 @@ def test_failed_export_leaves_no_directory(tmp_path, monkeypatch):
     with pytest.raises(OSError, match="disk full"):
         write_hf_model(cfg, params, tmp_path / "out")
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_gpt_oss_config_reads_as_transformers_fills_it_in():
+    """What config.json leaves out, transformers' GptOssConfig fills in: layer_types
+    alternating sliding and full from layer 0, sliding_window 128, YaRN (factor 32 over 4096,
+    untruncated), the clamp's alpha 1.702 and limit 7.0, biases."""
+    hf = json.loads((FIXTURES / "gpt_oss_window_sinks_yarn_v5" / "config.json").read_text())
+    for key in ("layer_types", "sliding_window", "rope_parameters", "swiglu_alpha"):
+        hf.pop(key)
+    hf.pop("swiglu_limit")
+    cfg = model_config(hf, FAMILIES["gpt_oss"], "config.json")
+    assert cfg.layer_pattern == ["local", "global"] and cfg.local_attention.window == 128
+    assert cfg.rope_theta == 150000.0
+    assert cfg.rope_scaling == config_lib.RopeScaling(
+        type="yarn", factor=32.0, original_max_position=4096, truncate=False
+    )
+    assert cfg.moe.clamped_swiglu == config_lib.ClampedSwiglu(alpha=1.702, limit=7.0)
+    assert cfg.attention_bias == "qkvo" and cfg.attention_sinks
+    assert cfg.moe.router_bias and cfg.moe.expert_bias and cfg.moe.renormalize
+    # transformers builds no sliding mask without a window (it raises): neither do we
+    with pytest.raises(ConversionError, match="sliding layers but sliding_window is null"):
+        model_config({**hf, "sliding_window": None}, FAMILIES["gpt_oss"], "config.json")
+
+
+@pytest.mark.parametrize(
+    "change, expected",
+    [
+        (dict(attention_sinks=False), "cannot export as MixtralForCausalLM"),  # no longer GPT-OSS
+        (dict(moe=dict(clamped_swiglu=None)), "model.moe.clamped_swiglu=null"),
+        (dict(moe=dict(expert_bias=False)), "model.moe.expert_bias=false"),
+        (dict(attention_bias="qkv"), "model.attention_bias=qkv"),
+        (dict(local_attention=dict(window=4, rope_theta=10.0)), "local_attention.rope_theta=10.0"),
+    ],
+)
+def test_what_gpt_oss_cannot_express_is_refused(change, expected):
+    cfg, _ = read_hf_model(FIXTURES / "gpt_oss_window_sinks_yarn_v5")
+    moe = cfg.moe.model_copy(update=change.pop("moe", {}))
+    local = change.pop("local_attention", None)
+    if local is not None:
+        change["local_attention"] = config_lib.LocalAttention(**local)
+    cfg = cfg.model_copy(update={"moe": moe, **change})
+    with pytest.raises(ConversionError, match="cannot export as") as e:
+        hf_config(cfg, family_for(cfg), "float32")
+    assert expected in str(e.value)
 
 
 @pytest.mark.parametrize(
@@ -765,6 +842,7 @@ FAMILY_CASES = {
     "glm4_moe": "glm4_moe_qk_norm_quarter_rope_v5",
     "gemma3_text": "gemma3_window4_linear_rope_v5",
     "llama4_text": "llama4_chunked_nope_moe_v5",
+    "gpt_oss": "gpt_oss_window_sinks_yarn_v5",
 }
 TEXTS = ["The", "Q: What is 12 + 34?\nA:", " two  spaces", "def main(\n    x\t1", "é 中"]
 
@@ -790,6 +868,7 @@ TOKENIZER_READERS = {
         "glm4_moe",
         "llama4_text",
         "gemma3_text",
+        "gpt_oss",
     ],  # fmt: skip
     ("transformers", "sentencepiece", "google.protobuf"): ["mistral"],
 }
@@ -833,6 +912,22 @@ def upcycled(case: str, moe: MoeConfig) -> tuple[ModelConfig, dict]:
     return cfg, upcycle(params, dense, cfg, noise_std=0.3, router_init_std=0.5, seed=1)
 
 
+def gpt_oss_plain() -> tuple[ModelConfig, dict]:
+    """The GPT-OSS fixture without what its family's config class would otherwise fill in:
+    no sliding window (layer_types all full_attention), no attention biases, plain RoPE
+    (transformers reads an absent or null rope_scaling as YaRN)."""
+    cfg, params = read_hf_model(FIXTURES / "gpt_oss_window_sinks_yarn_v5")
+    cfg = cfg.model_copy(
+        update=dict(
+            layer_pattern=None, local_attention=None, attention_bias="none", rope_scaling=None
+        )
+    )
+    attn = params["moe_layers"]["attn"]
+    for name in "qkvo":
+        attn[name].pop("bias")
+    return cfg, params
+
+
 def test_transformers_loads_our_exports_with_the_same_logits(tmp_path):
     python = hf_python()
     regenerated = tmp_path / "fixtures"
@@ -860,6 +955,7 @@ def test_transformers_loads_our_exports_with_the_same_logits(tmp_path):
                 num_experts=6, top_k=2, expert_mlp_dim=32, renormalize=False, first_dense_layers=1
             ),
         ),
+        "gpt_oss_plain": gpt_oss_plain(),
     }.items():
         models_out[name] = (cfg, params, tokens, logits(cfg, params, tokens))
 

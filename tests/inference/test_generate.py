@@ -1,8 +1,8 @@
 """Generation: the cached decode equals the full forward pass, a multi-head latent attention
 model caches its latent only and a local layer its window, and greedy generation from imported
 Hugging Face models (GQA, GLM-4.5's, Mistral's sliding window, Llama 4's chunked and NoPE
-layers, Gemma 3's sliding windows, DeepSeek-V3's MLA) is token-identical to transformers'
-generate().
+layers, Gemma 3's sliding windows, GPT-OSS's windows and sinks, DeepSeek-V3's MLA) is
+token-identical to transformers' generate().
 
 The oracle for the second is tests/fixtures/hf/*/generate.json (maxtrain.tools.make_hf_fixtures
 generate): the tokens transformers' greedy generate() appended to each prompt, one prompt at a
@@ -156,6 +156,11 @@ def test_a_local_layer_caches_its_window_not_the_generation(make_cfg, overrides,
         # far shorter than prompt + generation, each layer from a ring of its window.
         ("gemma3_window4_linear_rope_v5", ["--devices", "1"]),
         ("gemma3_period3_mqa_untied_legacy_bf16", ["mesh.fsdp=4", "mesh.tensor=2"]),
+        # GPT-OSS: sliding windows of 4 (prompts of 1 to 29 tokens, 16 new), attention sinks,
+        # biases, untruncated YaRN; on 8 devices the heads, sinks and experts' hidden units
+        # split over tensor.
+        ("gpt_oss_window_sinks_yarn_v5", ["--devices", "1"]),
+        ("gpt_oss_window_sinks_yarn_v5", ["mesh.fsdp=4", "mesh.tensor=2"]),
     ],
 )
 def test_greedy_generation_from_an_import_equals_transformers(case, mesh, tmp_path, capsys):

@@ -29,6 +29,24 @@ def test_yarn_keeps_fast_pairs_divides_slow_ones_and_blends_between():
     assert np.all((yarn[middle] < plain[middle]) & (yarn[middle] > plain[middle] / 40.0))
 
 
+def test_untruncated_yarn_ramps_between_the_exact_ends():
+    """GPT-OSS's YaRN (truncate: false, 64 dims, base 150000, factor 32 over 4096): pair j
+    keeps the share 1 - clip((j - low) / (high - low), 0, 1) of its frequency, low and high
+    the exact pair indices of beta_fast (32) and beta_slow (1) turns (8.09 and 17.40), not
+    their floor and ceiling (8 and 18, the truncated ramp's)."""
+    scaling = RopeScaling(type="yarn", factor=32.0, original_max_position=4096, truncate=False)
+    plain = Rope(64, 150000.0).inverse_frequencies().astype(np.float64)
+    pair = lambda turns: 64 * np.log(4096 / (turns * 2 * np.pi)) / (2 * np.log(150000.0))  # noqa: E731
+    low, high = pair(32.0), pair(1.0)
+    assert 8 < low < 8.1 and 17.3 < high < 17.5
+    kept = 1 - np.clip((np.arange(32) - low) / (high - low), 0, 1)
+    expected = plain * kept + plain / 32.0 * (1 - kept)
+    got = Rope(64, 150000.0, scaling).inverse_frequencies()
+    np.testing.assert_allclose(got, expected, rtol=1e-6)
+    truncated = Rope(64, 150000.0, scaling.model_copy(update={"truncate": True}))
+    assert not np.allclose(truncated.inverse_frequencies(), got, rtol=1e-3)
+
+
 def test_interleaved_pairs_rotate_like_rotate_half_on_deinterleaved_dims():
     x = jax.random.normal(jax.random.key(0), (1, 5, 2, 8))
     positions = jax.numpy.arange(5)[None]

@@ -43,22 +43,46 @@ def moe_model_cfg(**moe) -> config_lib.ModelConfig:
     )
 
 
+# GPT-OSS's experts: a router with a bias, biased experts, the clamped SwiGLU (a limit low
+# enough that it clips).
+GPT_OSS = dict(
+    router_bias=True,
+    expert_bias=True,
+    clamped_swiglu=config_lib.ClampedSwiglu(alpha=1.702, limit=0.7),
+)
+
+
 def make_layer(seed: int = 0, **moe) -> MoE:
     cfg = moe_model_cfg(**moe)
     layer = MoE(cfg, param_dtype=jnp.float32, compute_dtype=jnp.float32, rngs=nnx.Rngs(seed))
     # A router with real preferences (the 0.02 init makes routing nearly uniform).
     layer.router.kernel[...] = jax.random.normal(jax.random.key(seed + 1), (D, E))
+    if moe.get("expert_bias"):  # biases start at zero; experts of the biases' scale
+        keys = iter(jax.random.split(jax.random.key(seed + 2), 7))
+        for m in (layer.router.logit_bias, layer.gate.bias, layer.up.bias, layer.down.bias):
+            m[...] = jax.random.normal(next(keys), m.shape)
+        for m in (layer.gate.kernel, layer.up.kernel, layer.down.kernel):
+            m[...] = jax.random.normal(next(keys), m.shape) / math.sqrt(m.shape[1])
     return layer
 
 
-def reference(layer: MoE, x: jax.Array, keep: np.ndarray | None = None) -> jax.Array:
+def reference(
+    layer: MoE,
+    x: jax.Array,
+    keep: np.ndarray | None = None,
+    clamped: config_lib.ClampedSwiglu | None = None,
+) -> jax.Array:
     """Every expert on every token, then each token's top-k mixed by its weights.
 
     Routing is recomputed here with numpy (argsort, not lax.top_k); `keep` [N, K] masks
-    assignments a capacity limit dropped.
+    assignments a capacity limit dropped. Biases where the layer has them and the `clamped`
+    SwiGLU, as GPT-OSS states them (transformers' GptOssExperts).
     """
     flat = np.asarray(x.reshape(-1, D), np.float64)
-    logits = flat @ np.asarray(layer.router.kernel[...], np.float64)
+    value = lambda p: 0.0 if p is None else np.asarray(p[...], np.float64)  # noqa: E731
+    logits = flat @ np.asarray(layer.router.kernel[...], np.float64) + value(
+        layer.router.logit_bias
+    )
     probs = np.exp(logits - logits.max(-1, keepdims=True))
     probs /= probs.sum(-1, keepdims=True)
     chosen = np.argsort(-probs, axis=-1, kind="stable")[:, :K]
@@ -69,9 +93,14 @@ def reference(layer: MoE, x: jax.Array, keep: np.ndarray | None = None) -> jax.A
     gate, up, down = (
         np.asarray(m.kernel[...], np.float64) for m in (layer.gate, layer.up, layer.down)
     )
-    h = np.einsum("nd,edf->nef", flat, gate)
-    silu = h / (1 + np.exp(-h))
-    every_expert = np.einsum("nef,efd->ned", silu * np.einsum("nd,edf->nef", flat, up), down)
+    h = np.einsum("nd,edf->nef", flat, gate) + value(layer.gate.bias)
+    u = np.einsum("nd,edf->nef", flat, up) + value(layer.up.bias)
+    if clamped is None:
+        hidden = h / (1 + np.exp(-h)) * u
+    else:
+        h, u = np.minimum(h, clamped.limit), np.clip(u, -clamped.limit, clamped.limit)
+        hidden = (u + 1) * h / (1 + np.exp(-clamped.alpha * h))
+    every_expert = np.einsum("nef,efd->ned", hidden, down) + value(layer.down.bias)
     mix = np.zeros((flat.shape[0], E))
     np.put_along_axis(mix, chosen, weights, -1)
     return np.einsum("ne,ned->nd", mix, every_expert).reshape(x.shape), chosen
@@ -88,30 +117,37 @@ def test_grouped_matmul_multiplies_each_row_by_its_groups_matrix():
     np.testing.assert_array_equal(out[7:], 0.0)
 
 
-def test_dropless_forward_matches_the_dense_per_token_reference():
-    layer = make_layer()
+@pytest.mark.parametrize("moe", [{}, GPT_OSS], ids=["swiglu", "gpt-oss"])
+def test_dropless_forward_matches_the_dense_per_token_reference(moe):
+    layer = make_layer(**moe)
     x = jax.random.normal(jax.random.key(2), (2, 8, D))
     y, stats = layer(x)
-    expected, _ = reference(layer, x)
+    expected, _ = reference(layer, x, clamped=moe.get("clamped_swiglu"))
     np.testing.assert_allclose(y, expected, rtol=1e-5, atol=1e-5)
     assert float(stats["dropped"]) == 0.0
+    if moe:  # the clamp clips: some hidden pre-activations pass the limit
+        h = jnp.einsum("btd,edf->btef", x, layer.gate.kernel[...]) + layer.gate.bias[...]
+        assert 0.1 < float(jnp.mean(h > moe["clamped_swiglu"].limit)) < 0.9
 
 
-def test_dropless_gradients_match_the_dense_reference():
-    layer = make_layer()
+@pytest.mark.parametrize("moe", [{}, GPT_OSS], ids=["swiglu", "gpt-oss"])
+def test_dropless_gradients_match_the_dense_reference(moe):
+    layer = make_layer(**moe)
     x = jax.random.normal(jax.random.key(3), (2, 8, D))
     graphdef, params = nnx.split(layer)
+    bias = lambda p: 0.0 if p is None else p[...]  # noqa: E731
 
     def dense_mixture(params, x):
         """The same function in jnp, with every expert computed for every token."""
         m = nnx.merge(graphdef, params)
-        logits = x @ m.router.kernel[...]
+        logits = x @ m.router.kernel[...] + bias(m.router.logit_bias)
         probs = jax.nn.softmax(logits, -1)
         top, idx = jax.lax.top_k(probs, K)
         mix = jnp.sum(jax.nn.one_hot(idx, E) * (top / top.sum(-1, keepdims=True))[..., None], -2)
-        h = jax.nn.silu(jnp.einsum("btd,edf->btef", x, m.gate.kernel[...]))
-        h = h * jnp.einsum("btd,edf->btef", x, m.up.kernel[...])
-        return jnp.einsum("bte,btef,efd->btd", mix, h, m.down.kernel[...])
+        gate = jnp.einsum("btd,edf->btef", x, m.gate.kernel[...]) + bias(m.gate.bias)
+        up = jnp.einsum("btd,edf->btef", x, m.up.kernel[...]) + bias(m.up.bias)
+        out = jnp.einsum("btef,efd->bted", m.activation(gate, up), m.down.kernel[...])
+        return jnp.einsum("bte,bted->btd", mix, out + bias(m.down.bias))
 
     def loss(fn):
         return lambda p, x: jnp.sum(jnp.sin(fn(p, x)))
@@ -141,12 +177,20 @@ NO_DROPS = dict(ep_capacity_factor=8.0)
         ({"data": 2, "fsdp": 4}, 8, {}),  # experts replicated, gathered from FSDP shards
         ({"expert": 4, "fsdp": 2}, 1, {}),  # batch too small to split: tokens replicated
         ({"expert": 4, "fsdp": 2}, 8, dict(capacity_factor=8.0)),  # GShard blocks, no drops
+        # GPT-OSS's biases: the gate's and up's travel with the experts' hidden units, the
+        # down projection's is added once per token whatever splits the hidden units
+        (
+            {"expert": 2, "tensor": 2, "fsdp": 2},
+            8,
+            dict(ep_dispatch="ragged", **GPT_OSS, **NO_DROPS),
+        ),
+        ({"expert": 4, "fsdp": 2}, 1, GPT_OSS),
         # Llama 4's weights on the experts' inputs: a row per assignment, sent to its expert
         ({"expert": 2, "tensor": 2, "fsdp": 2}, 8, dict(weight_on="input", **NO_DROPS)),
     ],
 )
 def test_sharded_layer_equals_the_single_device_result(mesh_axes, batch, moe):
-    single_layer = make_layer(weight_on=moe.get("weight_on", "output"))
+    single_layer = make_layer(**{k: v for k, v in moe.items() if k in {*GPT_OSS, "weight_on"}})
     layer = make_layer(**moe)
     if moe.get("ep_dispatch") == "ragged":  # XLA:CPU lacks the op: its documented semantics
         layer.dispatch = Ragged(moe["ep_capacity_factor"], exchange=emulated_ragged_all_to_all)
@@ -407,6 +451,20 @@ def test_bias_balancing_moves_load_toward_the_mean(make_cfg):
     assert (share != 1 / 8).any()
     # Busy experts become less attractive, idle ones more; the optimizer leaves it alone.
     np.testing.assert_allclose(after - before, 0.1 * np.sign(1 / 8 - share), atol=1e-6)
+
+
+def test_expert_biases_where_assignments_may_drop_are_a_config_error(make_cfg):
+    """The down projection's bias is added per routed assignment outside the exchanges, so
+    every assignment must be computed."""
+    with pytest.raises(ConfigError, match="model.moe.expert_bias needs every routed assignment"):
+        make_cfg("model_name=tiny-moe", "model.moe.expert_bias=true", "model.moe.capacity_factor=2")
+    with pytest.raises(ConfigError, match="ep_overflow drop"):
+        make_cfg(
+            "model_name=tiny-moe",
+            "model.moe.expert_bias=true",
+            "model.moe.capacity_factor=null",
+            "model.moe.ep_overflow=drop",
+        )
 
 
 def test_top_k_above_expert_count_is_a_config_error(make_cfg):

@@ -78,6 +78,7 @@ ALL_PRESETS = sorted({name for name, *_ in PUBLISHED} | {name for name, _ in DES
 MLA_PRESETS = ["deepseek-v3-671b", "kimi-k2-1t", "deepseek-v2-lite-16b", "tiny-mla"]
 GQA_MOE_PRESETS = ["glm-4.5", "glm-4.5-air"]
 LLAMA4_PRESETS = ["llama4-scout-17b-16e"]
+GPT_OSS_PRESETS = ["gpt-oss-120b", "gpt-oss-20b"]
 
 
 def closed_form_params(m: ModelConfig) -> int:
@@ -155,7 +156,9 @@ def test_model_matches_closed_form(name: str, tmp_path: Path) -> None:
     assert model_params(m) == closed_form_params(m)
 
 
-@pytest.mark.parametrize("name", ALL_PRESETS + MLA_PRESETS + GQA_MOE_PRESETS + LLAMA4_PRESETS)
+@pytest.mark.parametrize(
+    "name", ALL_PRESETS + MLA_PRESETS + GQA_MOE_PRESETS + LLAMA4_PRESETS + GPT_OSS_PRESETS
+)
 def test_load_keeps_preset_shape(name: str, tmp_path: Path) -> None:
     """base.yml must not override a shape key that the model file sets."""
     preset = yaml.safe_load((MODELS_DIR / f"{name}.yml").read_text())
@@ -345,3 +348,42 @@ def test_llama4_presets_match_published_counts(case, tmp_path: Path) -> None:
     assert (model_params(m), active_param_count(m)) == (closed_total, closed_active)
     assert_close(closed_total, int(total), rel_tol, f"{name} total")
     assert_close(closed_active, int(active), rel_tol, f"{name} active")
+
+
+# ---- GPT-OSS presets (attention sinks, biases, MoE with biased experts) ----------------------
+
+
+def gpt_oss_closed_form(m: ModelConfig) -> int:
+    """Parameters of a GPT-OSS-shaped model from its shape keys: grouped-query attention with
+    q/k/v/o biases and a sink per head, every layer a mixture of experts whose router and
+    experts (gate, up, down) carry biases."""
+    d, hd, e = m.emb_dim, m.resolved_head_dim, m.moe
+    q, kv = m.num_heads * hd, m.num_kv_heads * hd
+    attention = 2 * d * q + 2 * d * kv + (q + 2 * kv + d) + m.num_heads  # + biases, sinks
+    router = d * e.num_experts + e.num_experts
+    experts = e.num_experts * (3 * d * e.expert_mlp_dim + 2 * e.expert_mlp_dim + d)
+    layer = attention + router + experts + 2 * d  # + the two block norms
+    return 2 * m.vocab_size * d + m.num_layers * layer + d
+
+
+# (preset, published total, published active) from OpenAI's gpt-oss model card (arXiv
+# 2508.10925, table 1): 116.83B and 20.91B total; 5.13B and 3.61B active, which it counts
+# without the input embedding (the unembedding included), as the dry-run's
+# active_params_without_embedding does.
+PUBLISHED_GPT_OSS = [
+    ("gpt-oss-120b", 116.83e9, 5.13e9),
+    ("gpt-oss-20b", 20.91e9, 3.61e9),
+]
+
+
+@pytest.mark.parametrize("case", PUBLISHED_GPT_OSS, ids=[p[0] for p in PUBLISHED_GPT_OSS])
+def test_gpt_oss_presets_match_published_counts(case, tmp_path: Path) -> None:
+    from maxtrain.model import active_param_count, embedding_lookup_params
+
+    name, total, active = case
+    m = load_preset(name, tmp_path)
+    assert model_params(m) == gpt_oss_closed_form(m)
+    assert_close(model_params(m), int(total), 0.001, f"{name} total")
+    without_embedding = active_param_count(m) - embedding_lookup_params(m)
+    assert_close(without_embedding, int(active), 0.002, f"{name} active")
+    assert m.layer_pattern == ["local", "global"] and m.local_attention.window == 128

@@ -21,6 +21,7 @@ from support.ragged_all_to_all_reference import emulated_ragged_all_to_all
 
 from maxtrain.analysis.program import collective_bytes
 from maxtrain.model.kernels.grouped_matmul import xla_grouped_matmul
+from maxtrain.model.layers.activations import ClampedSwiglu
 from maxtrain.model.layers.moe_dispatch import (
     ExpertBlocks,
     ExpertWeights,
@@ -82,24 +83,16 @@ def sharded(dispatch, peers: int):
     mesh = jax.make_mesh((peers,), ("expert",), devices=jax.devices()[:peers])
     par = Parallelism(("expert",), peers)
 
-    def per_device(x, ids, mix, gate, up, down):
-        y, counts = dispatch(
-            x,
-            ids,
-            mix,
-            ExpertWeights(gate, up, down),
-            num_experts=E,
-            par=par,
-            gmm=xla_grouped_matmul,
-        )
+    def per_device(x, ids, mix, w):
+        y, counts = dispatch(x, ids, mix, w, num_experts=E, par=par, gmm=xla_grouped_matmul)
         return y, (jax.lax.psum(counts.dropped, "expert"), jax.lax.pmax(counts.rounds, "expert"))
 
     split = P("expert")
-    fn = jax.shard_map(per_device, mesh=mesh, in_specs=(split,) * 6, out_specs=(split, P()))
+    fn = jax.shard_map(per_device, mesh=mesh, in_specs=(split,) * 4, out_specs=(split, P()))
 
     def run(x, ids, mix, w):
         put = lambda a: jax.device_put(a, NamedSharding(mesh, split))  # noqa: E731
-        return fn(*map(put, (x, ids, mix, w.gate, w.up, w.down)))
+        return fn(*map(put, (x, ids, mix)), jax.tree.map(put, w))  # w: every expert array
 
     return run
 
@@ -156,6 +149,27 @@ def test_default_exchange_drops_nothing_and_equals_one_device(exchange, case, pe
     assert int(rounds) == expected_rounds(exchange, np.asarray(data[1]), peers, 1.25)
     assert int(rounds) == 1 or case != "balanced"
     np.testing.assert_allclose(y, y_ref, rtol=1e-5, atol=1e-5)
+    for got, want in zip(jax.tree.leaves(grads), jax.tree.leaves(grads_ref), strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("exchange", ["all_to_all", "all_gather"])  # ragged: tests/model/test_moe
+def test_expert_biases_and_activation_travel_with_the_experts(exchange):
+    """GPT-OSS's experts (gate and up biases, the clamped SwiGLU) through the exchanges, over
+    several rounds (every token's first choice is one expert): the single device's values
+    and gradients, biases' included."""
+    x, ids, mix, w = inputs("one_expert", 4, 2)
+    keys = jax.random.split(jax.random.key(7), 2)
+    biases = [jax.random.normal(key, (E, F)) for key in keys]
+    w = ExpertWeights(w.gate, w.up, w.down, *biases, activation=ClampedSwiglu(1.702, 0.7))
+    data = (x, ids, mix, w)
+    (y, (dropped, rounds)), grads = value_and_grads(
+        sharded(EXCHANGES[exchange](capacity_factor=1.25), 4), *data
+    )
+    (y_ref, _), grads_ref = value_and_grads(single_device, *data)
+    assert int(dropped) == 0 and int(rounds) > 1
+    np.testing.assert_allclose(y, y_ref, rtol=1e-5, atol=1e-5)
+    assert jnp.any(grads_ref[2].gate_bias != 0)
     for got, want in zip(jax.tree.leaves(grads), jax.tree.leaves(grads_ref), strict=True):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 

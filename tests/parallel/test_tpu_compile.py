@@ -284,10 +284,11 @@ def test_windowed_splash_does_sequence_times_window_work():
 
 
 def test_local_layers_compile_to_windowed_splash(make_cfg):
-    """A model of [local, global] layers, a window of 256 over 2048 tokens (4 blocks of 512),
-    compiled on fsdp 2 x tensor 2: the layer scan's switch holds both kinds' kernels, the
-    global layers' stepping over every key block (4 x 4) and the local layers' over the two a
-    window reaches (4 x 2), in the forward and both backward kernels."""
+    """A model of [local, global] layers, a window of 256 over 2048 tokens (4 blocks of 512)
+    and GPT-OSS's attention sinks, compiled on fsdp 2 x tensor 2 (the sinks split with the
+    heads): the layer scan's switch holds both kinds' kernels, the global layers' stepping over
+    every key block (4 x 4) and the local layers' over the two a window reaches (4 x 2), in the
+    forward and both backward kernels."""
     _, hlo, found = _compile(
         make_cfg,
         "mesh.fsdp=2",
@@ -297,6 +298,7 @@ def test_local_layers_compile_to_windowed_splash(make_cfg):
         "train.global_batch_size=4",
         "model.layer_pattern=[local,global]",
         "model.local_attention.window=256",
+        "model.attention_sinks=true",
     )
     _has(found, ATTENTION)
     grids = _splash_grids(hlo)

@@ -147,6 +147,7 @@ def test_experts_are_copies_of_the_dense_slices_and_noise_breaks_the_symmetry(ma
         ((MOE_2_OF_8, "model.moe.shared_experts=1"), "does not support shared experts"),
         (("model.num_layers=3",), "needs a mixture-of-experts target"),
         ((MOE_2_OF_8, "model.num_layers=3"), "keeps the depth"),
+        ((MOE_2_OF_8, "model.moe.clamped_swiglu={limit: 7}"), "clamped_swiglu is not supported"),
     ],
 )
 def test_shapes_that_do_not_split_are_config_errors(make_cfg, target, message):

@@ -1,5 +1,5 @@
-"""Grouped-query self-attention with optional qk-norm, biases and RoPE; the kernel lives in
-kernels/, the layer kinds (global, sliding-window or chunked local; with or without RoPE,
+"""Grouped-query self-attention with optional qk-norm, biases, sinks and RoPE; the kernel lives
+in kernels/, the layer kinds (global, sliding-window or chunked local; with or without RoPE,
 qk-norm and query temperature) in attention_pattern.py."""
 
 from __future__ import annotations
@@ -8,6 +8,7 @@ import math
 from dataclasses import dataclass
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 
 from maxtrain.config import ModelConfig
@@ -57,6 +58,13 @@ class Attention(nnx.Module):
         self.o = Projection(
             "btnh,nhd->btd", (N, H, D), ("heads", "head_dim", "embed"), bias=o_bias, **kw
         )
+        # GPT-OSS's attention sinks: one logit per query head in every softmax's denominator
+        # (the kernels take it as `sinks`), starting at zero.
+        self.sinks = (
+            nnx.Param(jnp.zeros((N,), param_dtype), out_sharding=("heads",), eager_sharding=False)
+            if cfg.attention_sinks
+            else None
+        )
         if cfg.qk_norm:
             norm_kw = dict(eps=cfg.norm_eps, param_dtype=param_dtype, rngs=rngs)
             norm_kw.update(scaled=cfg.qk_norm_scale, plus_one=cfg.norm_scale_plus_one)
@@ -84,8 +92,10 @@ class Attention(nnx.Module):
             rotated_q, rotated_k = self._as_scored(variant, q, k, positions)
             segments = variant.segments(segment_ids, positions)
             if context_degree() > 1:
-                return self.attend_split(rotated_q, rotated_k, v, segments, window=variant.window)
-            return kernel(rotated_q, rotated_k, v, segments)  # [B, T, N, H]
+                return self.attend_split(
+                    rotated_q, rotated_k, v, segments, self._sinks(), window=variant.window
+                )
+            return kernel(rotated_q, rotated_k, v, segments, self._sinks())  # [B, T, N, H]
 
         return self.o(self._switch(kind, attend, zip(self.variants, self.kernels, strict=True)))
 
@@ -103,7 +113,7 @@ class Attention(nnx.Module):
         q, k = self._as_scored(variant, q, k, positions)
         cache, (keys, values, key_positions) = cache.update(k, v, positions)
         out = cached_attention(
-            q, keys, values, positions, window=variant.window, chunk=variant.chunk,
+            q, keys, values, positions, self._sinks(), window=variant.window, chunk=variant.chunk,
             k_positions=key_positions,
         )  # fmt: skip
         return self.o(out), cache
@@ -116,6 +126,9 @@ class Attention(nnx.Module):
         if isinstance(kind, int):
             return branch(*per_kind[kind])
         return jax.lax.switch(kind, [lambda args=args: branch(*args) for args in per_kind])
+
+    def _sinks(self) -> jax.Array | None:
+        return None if self.sinks is None else self.sinks[...]
 
     def _project(self, x: jax.Array) -> tuple[jax.Array, ...]:
         """Queries, keys and values of x [B, T, D]."""

@@ -7,6 +7,12 @@ parallelism: rows travel to their experts by one of the exchanges of parallel/ex
 and the `tensor` axis (each device computes a slice of every expert's hidden units; the partial
 outputs are summed).
 
+GPT-OSS's experts (moe.router_bias, expert_bias, clamped_swiglu): a bias on the router's logits;
+the gate's and up projection's biases and the activation travel with the expert weights through
+the exchanges (moe_dispatch.ExpertWeights); the down projection's bias is added per token from
+its routing weights, outside them, so that experts whose hidden units are split over `tensor`
+add it once.
+
 Besides its output the layer returns router statistics, for the auxiliary losses, the
 aux-loss-free bias update and the metrics (model/router_training.py turns them into those). They are
 sums over the batch's tokens, so the statistics of several micro-batches (gradient
@@ -33,6 +39,7 @@ from jax.sharding import PartitionSpec as P
 from maxtrain.config import ModelConfig
 from maxtrain.model.kernels.grouped_matmul import grouped_matmul_kernel
 from maxtrain.model.layers import moe_dispatch
+from maxtrain.model.layers.activations import gated_activation
 from maxtrain.model.layers.base import make_param
 from maxtrain.model.layers.mlp import SwiGLU
 from maxtrain.parallel.experts import make_dispatch
@@ -47,11 +54,21 @@ _OUT_AXES = ("exp", "mlp", "embed")
 
 
 class ExpertKernel(nnx.Module):
-    """The stacked [E, in, out] weights of one projection of every expert, and their low-rank
-    adapters when a run trains adapters (maxtrain/posttrain/ sets them)."""
+    """The stacked [E, in, out] weights of one projection of every expert, their [E, out] biases
+    where the model has them (moe.expert_bias, starting at zero), and their low-rank adapters
+    when a run trains adapters (maxtrain/posttrain/ sets them)."""
 
-    def __init__(self, shape, axes, *, init_std: float, param_dtype, rngs: nnx.Rngs):
+    def __init__(self, shape, axes, *, init_std: float, param_dtype, bias: bool, rngs: nnx.Rngs):
         self.kernel = make_param(rngs, shape, axes, std=init_std, dtype=param_dtype)
+        self.bias = (
+            nnx.Param(
+                jnp.zeros((shape[0], shape[2]), param_dtype),
+                out_sharding=(axes[0], axes[2]),
+                eager_sharding=False,
+            )
+            if bias
+            else None
+        )
         # Declared as data (nnx.data), so that adapter parameters may replace them.
         self.kernel_lora_a: nnx.LoRAParam | None = nnx.data(None)  # [E, in, rank]
         self.kernel_lora_b: nnx.LoRAParam | None = nnx.data(None)  # [E, rank, out]
@@ -68,11 +85,22 @@ class ExpertKernel(nnx.Module):
 
 
 class Router(nnx.Module):
-    """Token -> expert logits, plus the optional load-balancing bias (aux-loss-free mode)."""
+    """Token -> expert logits (plus the logits' own bias where moe.router_bias), and the
+    optional load-balancing bias (aux-loss-free mode)."""
 
-    def __init__(self, emb_dim: int, num_experts: int, *, init_std, param_dtype, use_bias, rngs):
+    def __init__(
+        self, emb_dim: int, num_experts: int, *, init_std, param_dtype, use_bias, logit_bias, rngs
+    ):
         self.kernel = make_param(
             rngs, (emb_dim, num_experts), ("embed", None), std=init_std, dtype=param_dtype
+        )
+        # Trained like the kernel; starts at zero.
+        self.logit_bias = (
+            nnx.Param(
+                jnp.zeros((num_experts,), param_dtype), out_sharding=(None,), eager_sharding=False
+            )
+            if logit_bias
+            else None
         )
         # Not trained by the optimizer: model/moe.py moves it toward equal expert load.
         self.bias = (
@@ -98,10 +126,11 @@ class MoE(nnx.Module):
         self.compute_dtype = compute_dtype
         std = cfg.init_std
         kw = dict(init_std=std, param_dtype=param_dtype, rngs=rngs)
-        self.router = Router(D, E, use_bias=m.bias_update_rate > 0, **kw)
-        self.gate = ExpertKernel((E, D, F), _IN_AXES, **kw)
-        self.up = ExpertKernel((E, D, F), _IN_AXES, **kw)
-        self.down = ExpertKernel((E, F, D), _OUT_AXES, **kw)
+        self.router = Router(D, E, use_bias=m.bias_update_rate > 0, logit_bias=m.router_bias, **kw)
+        self.gate = ExpertKernel((E, D, F), _IN_AXES, bias=m.expert_bias, **kw)
+        self.up = ExpertKernel((E, D, F), _IN_AXES, bias=m.expert_bias, **kw)
+        self.down = ExpertKernel((E, F, D), _OUT_AXES, bias=m.expert_bias, **kw)
+        self.activation = gated_activation(m.clamped_swiglu)  # picked once
         self.shared = (
             SwiGLU(D, m.shared_experts * F, compute_dtype=compute_dtype, **kw)
             if m.shared_experts
@@ -113,11 +142,20 @@ class MoE(nnx.Module):
         logits = jnp.einsum(
             "btd,de->bte", x.astype(jnp.float32), self.router.kernel[...].astype(jnp.float32)
         )
+        if self.router.logit_bias is not None:
+            logits = logits + self.router.logit_bias[...].astype(jnp.float32)
         probs, expert_ids, weights = self._route(logits)
         if self.weigh_inputs:
             y, counts = self._experts_on_weighted_inputs(x, expert_ids, weights)
         else:
             y, counts = self._experts(x.astype(self.compute_dtype), expert_ids, weights)
+        if self.down.bias is not None:  # sum_k weight_k * down bias of expert_k, per token
+            routed = jnp.einsum(
+                "btk,btke->bte", weights, jax.nn.one_hot(expert_ids, self.num_experts)
+            )
+            y = y + jnp.einsum(
+                "bte,ed->btd", routed.astype(y.dtype), self.down.bias[...].astype(y.dtype)
+            )
         if self.shared is not None:
             y = y + self.shared(x)
         stats = router_stats(logits, probs, expert_ids, self.num_experts)
@@ -162,8 +200,14 @@ class MoE(nnx.Module):
     def _experts(self, x, expert_ids, weights) -> tuple[jax.Array, moe_dispatch.DispatchCounts]:
         """Runs the routed experts on each device's own tokens; returns (y, dropped, rounds)."""
         dt = self.compute_dtype
+        bias = lambda kernel: None if kernel.bias is None else kernel.bias[...].astype(dt)  # noqa: E731
         w = moe_dispatch.ExpertWeights(
-            self.gate.weight(dt), self.up.weight(dt), self.down.weight(dt)
+            self.gate.weight(dt),
+            self.up.weight(dt),
+            self.down.weight(dt),
+            bias(self.gate),
+            bias(self.up),
+            self.activation,
         )
         active = active_rules()
         if active is None:  # no mesh: one device holds everything
@@ -176,6 +220,7 @@ class MoE(nnx.Module):
         route_spec = logical_to_spec(_ROUTES, rules, mesh, expert_ids.shape)
         in_spec = logical_to_spec(_IN_AXES, gathered, mesh, w.gate.shape)
         out_spec = logical_to_spec(_OUT_AXES, gathered, mesh, w.down.shape)
+        bias_spec = None if w.gate_bias is None else P(in_spec[0], in_spec[2])
         expert_axes, tensor_axes = spec_axes(in_spec[0]), spec_axes(in_spec[2])
         token_axes = tuple(a for part in x_spec for a in spec_axes(part))
         par = moe_dispatch.Parallelism(expert_axes, math.prod(mesh.shape[a] for a in expert_axes))
@@ -189,10 +234,11 @@ class MoE(nnx.Module):
         # exchange's rounds, whose number may differ between the devices of these axes.
         shared_axes = tuple(a for a in token_axes if a not in expert_axes + tensor_axes)
 
-        def per_device(x, expert_ids, weights, gate, up, down):
+        def per_device(x, expert_ids, weights, gate, up, down, gate_bias, up_bias):
+            weights_and_biases = (gate, up, down, gate_bias, up_bias)
             if shared_axes:
-                gate, up, down = jax.lax.pcast((gate, up, down), shared_axes, to="varying")
-            w = moe_dispatch.ExpertWeights(gate, up, down)
+                weights_and_biases = jax.lax.pcast(weights_and_biases, shared_axes, to="varying")
+            w = moe_dispatch.ExpertWeights(*weights_and_biases, self.activation)
             num_experts = self.num_experts
             if replicated:
                 # Mark the shared inputs as per-device: their gradients then get summed over
@@ -221,9 +267,10 @@ class MoE(nnx.Module):
         return jax.shard_map(
             per_device,
             mesh=mesh,
-            in_specs=(x_spec, route_spec, route_spec, in_spec, in_spec, out_spec),
+            in_specs=(x_spec, route_spec, route_spec, in_spec, in_spec, out_spec)
+            + (bias_spec, bias_spec),
             out_specs=(x_spec, P()),
-        )(x, expert_ids, weights, w.gate, w.up, w.down)
+        )(x, expert_ids, weights, w.gate, w.up, w.down, w.gate_bias, w.up_bias)
 
     def _local(
         self, x, expert_ids, weights, w, num_experts, par, partial_axes

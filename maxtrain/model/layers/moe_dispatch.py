@@ -18,6 +18,7 @@ Shape letters are the package's (maxtrain/__init__.py).
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import NamedTuple, Protocol
@@ -25,15 +26,28 @@ from typing import NamedTuple, Protocol
 import jax
 import jax.numpy as jnp
 
-from maxtrain.model.kernels.grouped_matmul import GroupedMatmul
+from maxtrain.model.kernels.grouped_matmul import GroupedMatmul, grouped_bias
+from maxtrain.model.layers.activations import GatedActivation, swiglu
 
 
-class ExpertWeights(NamedTuple):
-    """One device's share of the experts' SwiGLU weights: [EL, D, F], [EL, D, F], [EL, F, D]."""
+@functools.partial(
+    jax.tree_util.register_dataclass,
+    data_fields=["gate", "up", "down", "gate_bias", "up_bias"],
+    meta_fields=["activation"],
+)
+@dataclass(frozen=True)
+class ExpertWeights:
+    """One device's share of the experts' gated feed-forward: weights [EL, D, F], [EL, D, F],
+    [EL, F, D], the gate and up projections' biases [EL, F] where the model has them (the down
+    projection's is added by the MoE layer, outside the exchanges: it does not depend on the
+    row), and the activation joining gate and up (static: it travels as the pytree's data)."""
 
     gate: jax.Array
     up: jax.Array
     down: jax.Array
+    gate_bias: jax.Array | None = None
+    up_bias: jax.Array | None = None
+    activation: GatedActivation = swiglu
 
 
 @dataclass(frozen=True)
@@ -84,17 +98,22 @@ def keep_local_experts(
 
 
 def swiglu_grouped(rows: jax.Array, group_sizes: jax.Array, w: ExpertWeights, gmm: GroupedMatmul):
-    """Each row through its expert's SwiGLU; rows past sum(group_sizes) come out zero."""
+    """Each row through its expert's gated feed-forward (SwiGLU or w.activation, with w's
+    biases); rows past sum(group_sizes) come out zero."""
     gate = gmm(rows, w.gate, group_sizes)
     up = gmm(rows, w.up, group_sizes)
-    return gmm(jax.nn.silu(gate) * up, w.down, group_sizes)
+    if w.gate_bias is not None:
+        gate = gate + grouped_bias(w.gate_bias, group_sizes, rows.shape[0])
+        up = up + grouped_bias(w.up_bias, group_sizes, rows.shape[0])
+    return gmm(w.activation(gate, up), w.down, group_sizes)
 
 
 def _swiglu_batched(blocks: jax.Array, w: ExpertWeights) -> jax.Array:
-    """[..., EL, C, D] blocks through their experts' SwiGLU as one batched matmul."""
+    """[..., EL, C, D] blocks through their experts' gated feed-forward as one batched matmul
+    (no biases: config validation keeps expert biases off the capacity mode)."""
     gate = jnp.einsum("...ecd,edf->...ecf", blocks, w.gate)
     up = jnp.einsum("...ecd,edf->...ecf", blocks, w.up)
-    return jnp.einsum("...ecf,efd->...ecd", jax.nn.silu(gate) * up, w.down)
+    return jnp.einsum("...ecf,efd->...ecd", w.activation(gate, up), w.down)
 
 
 def sort_by_expert(

@@ -44,14 +44,17 @@ def _llama3(inv_freq: np.ndarray, scaling: RopeScaling) -> np.ndarray:
 
 def _yarn(inv_freq: np.ndarray, scaling: RopeScaling, head_dim: int, theta: float) -> np.ndarray:
     """YaRN: frequency pair j is kept, divided by `factor`, or a blend, by how many rotations
-    it makes over the original context (the ramp's ends rounded outward, as published)."""
+    it makes over the original context (the ramp's ends rounded outward, as published, unless
+    scaling.truncate is false: GPT-OSS ramps between the exact ends)."""
 
     def pair_index(rotations: float) -> float:  # the pair making `rotations` turns
         turns = scaling.original_max_position / (rotations * 2 * math.pi)
         return head_dim * math.log(turns) / (2 * math.log(theta))
 
-    low = max(math.floor(pair_index(scaling.beta_fast)), 0)
-    high = min(math.ceil(pair_index(scaling.beta_slow)), head_dim - 1)
+    low, high = pair_index(scaling.beta_fast), pair_index(scaling.beta_slow)
+    if scaling.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
     ramp = (np.arange(head_dim // 2) - low) / max(high - low, 1e-3)
     kept = 1 - np.clip(ramp, 0, 1)  # 1: the original frequency, 0: divided by factor
     return inv_freq / scaling.factor * (1 - kept) + inv_freq * kept
