@@ -1,5 +1,5 @@
 """What a traced or compiled training step really does: the operand dtypes of its matmuls, the
-bytes its collectives move, the copies it makes of its inputs.
+bytes its collectives move, the copies it makes of its inputs, its matmul FLOPs.
 
 `maxtrain.tools.benchmark` prints it beside the step time, and the quantization tests assert it,
 so a
@@ -9,6 +9,7 @@ quantization rule that silently matches nothing shows up as float matmuls.
 from __future__ import annotations
 
 import collections
+import math
 import re
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -181,9 +182,8 @@ def _trip_count(attributes: str, computations: dict[str, list[str]]) -> int | No
     return None
 
 
-def _collectives(hlo_text: str) -> Iterator[tuple[str, int, str]]:
-    """(kind, bytes moved per device and step, HLO attributes) of every collective a compiled
-    program runs, a loop's counted once per trip (see `collective_bytes`)."""
+def _computations(hlo_text: str) -> tuple[dict[str, list[str]], str]:
+    """A compiled program's computations (name -> its instruction lines) and the ENTRY's name."""
     computations: dict[str, list[str]] = {}
     entry, current = None, None
     for line in hlo_text.splitlines():
@@ -197,6 +197,21 @@ def _collectives(hlo_text: str) -> Iterator[tuple[str, int, str]]:
             computations[current].append(line)
     if entry is None:
         raise ValueError("no ENTRY computation in the HLO text")
+    return computations, entry
+
+
+def _callees(attributes: str) -> list[str]:
+    """The computations an instruction runs: a loop's body, a fusion's or call's, the branches."""
+    callees = _CALLEE.findall(attributes)
+    for branches in _BRANCHES.findall(attributes):
+        callees += re.findall(r"%([\w.\-]+)", branches)
+    return callees
+
+
+def _collectives(hlo_text: str) -> Iterator[tuple[str, int, str]]:
+    """(kind, bytes moved per device and step, HLO attributes) of every collective a compiled
+    program runs, a loop's counted once per trip (see `collective_bytes`)."""
+    computations, entry = _computations(hlo_text)
 
     def visit(name: str, times: int, suffix: str = "") -> Iterator[tuple[str, int, str]]:
         shapes: dict[str, list[int]] = {}
@@ -221,13 +236,49 @@ def _collectives(hlo_text: str) -> Iterator[tuple[str, int, str]]:
             trips = _trip_count(rest, computations) if opcode == "while" else None
             repeat = trips or 1
             inner = " per loop trip" if opcode == "while" and trips is None else suffix
-            callees = _CALLEE.findall(rest)
-            for branches in _BRANCHES.findall(rest):
-                callees += re.findall(r"%([\w.\-]+)", branches)
-            for callee in callees:
+            for callee in _callees(rest):
                 yield from visit(callee, times * repeat, inner)
 
     yield from visit(entry, 1)
+
+
+# ---- matmul FLOPs of a compiled program -------------------------------------------------------
+
+_DIMS = re.compile(r"^[a-z][a-z0-9]*\[([0-9,]*)\]")
+_LHS_CONTRACTING = re.compile(r"\blhs_contracting_dims=\{([\d,]*)\}")
+
+
+def matmul_flops(hlo_text: str) -> int:
+    """FLOPs of the dots one execution of a compiled program runs (2 per multiply-add), a loop's
+    counted once per trip, fusions' and every branch's included.
+
+    XLA's cost analysis (`compiled.cost_analysis()["flops"]`) counts a while loop's body once,
+    whatever its trip count, so the work of a scan (over layers, or over a sequence's chunks:
+    model/kernels/gated_delta_rule.py) does not grow with its length there; this does. A loop
+    whose trip count only the run knows counts once. Custom calls (Pallas kernels, LAPACK's
+    triangular solve on CPU) are not dots and count nothing."""
+    computations, entry = _computations(hlo_text)
+
+    def visit(name: str, times: int) -> int:
+        dims: dict[str, list[int]] = {}
+        total = 0
+        for line in computations.get(name, []):
+            match = _INSTRUCTION.match(line)
+            if match is None:
+                continue
+            result, shape, opcode, rest = match.groups()
+            if array := _DIMS.match(shape):
+                dims[result] = [int(d) for d in array.group(1).split(",") if d]
+            if opcode == "dot":
+                lhs = dims[re.match(r"\s*%([\w.\-]+)", rest).group(1)]
+                contracted = _LHS_CONTRACTING.search(rest).group(1).split(",")
+                depth = math.prod(lhs[int(i)] for i in contracted if i)
+                total += times * 2 * math.prod(dims[result]) * depth
+            trips = _trip_count(rest, computations) if opcode == "while" else None
+            total += sum(visit(callee, times * (trips or 1)) for callee in _callees(rest))
+        return total
+
+    return visit(entry, 1)
 
 
 _GROUPS = re.compile(r"\b(?:replica_groups|source_target_pairs)=(\{\{[\d,{}\s]*\}\}|\{\})")

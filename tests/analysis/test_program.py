@@ -1,0 +1,26 @@
+"""What a compiled program does (maxtrain/analysis/program.py): the matmul FLOPs counted per
+loop trip."""
+
+import jax
+import jax.numpy as jnp
+
+from maxtrain.analysis.program import matmul_flops
+
+
+def _product_chain(length: int) -> jax.stages.Compiled:
+    """A scan of `length` [64, 64] matrix products, compiled for CPU."""
+
+    def chain(x, weights):
+        return jax.lax.scan(lambda c, w: (jnp.tanh(c @ w), None), x, weights)[0]
+
+    square = jax.ShapeDtypeStruct((64, 64), jnp.float32)
+    stacked = jax.ShapeDtypeStruct((length, 64, 64), jnp.float32)
+    return jax.jit(chain).lower(square, stacked).compile()
+
+
+def test_matmul_flops_count_each_trip_of_a_loop():
+    """8 and 16 products of 2 x 64^3 FLOPs each, exactly (XLA's cost analysis counts the loop's
+    body once for either length)."""
+    short, long = _product_chain(8), _product_chain(16)
+    assert matmul_flops(short.as_text()) == 8 * 2 * 64**3
+    assert matmul_flops(long.as_text()) == 16 * 2 * 64**3
