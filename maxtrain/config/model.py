@@ -59,6 +59,8 @@ class MoeConfig(Section):
     top_k: int = Field(gt=0)
     expert_mlp_dim: int = Field(gt=0)  # hidden size of each routed expert (SwiGLU)
     shared_experts: int = Field(default=0, ge=0)  # always-on experts, fused into one SwiGLU
+    # Qwen3-Next: the shared experts' output times sigmoid(x w), w [D] learned per layer.
+    shared_expert_gate: bool = False
     score: Literal["softmax", "sigmoid"] = "softmax"  # router score function
     renormalize: bool = True  # rescale the top-k weights to sum to 1
     routed_scale: PositiveFloat = 1.0  # multiplies the routed experts' output
@@ -121,6 +123,8 @@ class MoeConfig(Section):
                 f"model.moe.topk_group ({self.topk_group}) exceeds model.moe.n_group "
                 f"({self.n_group})"
             )
+        if self.shared_expert_gate and not self.shared_experts:
+            raise ValueError("model.moe.shared_expert_gate needs model.moe.shared_experts >= 1")
         if self.expert_bias and (self.capacity_factor is not None or self.ep_overflow == "drop"):
             raise ValueError(
                 "model.moe.expert_bias needs every routed assignment computed: "
@@ -243,6 +247,9 @@ class ModelArchitecture(Section):
     # GPT-OSS: a learned logit per query head that joins the softmax's denominator and carries
     # no value (model/kernels/attention.py masked_attention), so a head may attend to nothing.
     attention_sinks: bool = False
+    # Qwen3-Next: the attention output, per head and dim, times sigmoid of a gate projected
+    # from the layer's input (x W_gate [D, N, H]), before the output projection.
+    attention_output_gate: bool = False
     # The layers' attention kinds, repeated over the layers: e.g. [local, local, local, local,
     # local, global] is Gemma 3's "5 local : 1 global". Absent: every layer global (causal over
     # its whole document). `local` is shaped by local_attention.
@@ -283,6 +290,8 @@ class ModelArchitecture(Section):
             )
         if self.mla is not None and self.attention_sinks:
             raise ValueError("model.attention_sinks needs attention_type gqa, not mla")
+        if self.mla is not None and self.attention_output_gate:
+            raise ValueError("model.attention_output_gate needs attention_type gqa, not mla")
         uses_local = "local" in (self.layer_pattern or ())
         if uses_local != (self.local_attention is not None):
             raise ValueError(

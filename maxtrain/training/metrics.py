@@ -48,7 +48,8 @@ def active_moe_params(model: ModelConfig) -> int:
     m = model.moe
     assert m is not None
     expert = 3 * model.emb_dim * m.expert_mlp_dim
-    return model.emb_dim * m.num_experts + (m.top_k + m.shared_experts) * expert
+    shared_gate = model.emb_dim if m.shared_expert_gate else 0
+    return model.emb_dim * m.num_experts + (m.top_k + m.shared_experts) * expert + shared_gate
 
 
 def head_params(model: ModelConfig) -> int:

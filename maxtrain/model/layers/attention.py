@@ -37,11 +37,12 @@ class Attention(nnx.Module):
     @staticmethod
     def counts(cfg: ModelConfig) -> AttentionCounts:
         D, N, K, H = cfg.emb_dim, cfg.num_heads, cfg.num_kv_heads, cfg.resolved_head_dim
+        gate = N * H if cfg.attention_output_gate else 0  # the output gate's projection
         return AttentionCounts(
-            matmul_params=2 * D * N * H + 2 * D * K * H,  # q and o; k and v
+            matmul_params=2 * D * N * H + 2 * D * K * H + D * gate,  # q and o; k and v; gate
             qk_width=N * H,
             v_width=N * H,
-            saved=2 * N * H + 2 * K * H + D,  # q, k, v, the kernel's output, o
+            saved=2 * N * H + 2 * K * H + D + gate,  # q, k, v, the kernel's output, o, gate
         )
 
     def __init__(self, cfg: ModelConfig, *, param_dtype, compute_dtype, rngs: nnx.Rngs):
@@ -57,6 +58,12 @@ class Attention(nnx.Module):
         o_bias = cfg.attention_bias == "qkvo"
         self.o = Projection(
             "btnh,nhd->btd", (N, H, D), ("heads", "head_dim", "embed"), bias=o_bias, **kw
+        )
+        # Qwen3-Next's output gate: the kernel's output times sigmoid(x W_gate), per head and dim.
+        self.output_gate = (
+            Projection("btd,dnh->btnh", (D, N, H), q_axes, **kw)
+            if cfg.attention_output_gate
+            else None
         )
         # GPT-OSS's attention sinks: one logit per query head in every softmax's denominator
         # (the kernels take it as `sinks`), starting at zero.
@@ -97,7 +104,8 @@ class Attention(nnx.Module):
                 )
             return kernel(rotated_q, rotated_k, v, segments, self._sinks())  # [B, T, N, H]
 
-        return self.o(self._switch(kind, attend, zip(self.variants, self.kernels, strict=True)))
+        out = self._switch(kind, attend, zip(self.variants, self.kernels, strict=True))
+        return self._output(x, out)
 
     def cached(
         self, x: jax.Array, positions: jax.Array, cache: LayerCache | WindowCache, kind: int = 0
@@ -116,7 +124,7 @@ class Attention(nnx.Module):
             q, keys, values, positions, self._sinks(), window=variant.window, chunk=variant.chunk,
             k_positions=key_positions,
         )  # fmt: skip
-        return self.o(out), cache
+        return self._output(x, out), cache
 
     @staticmethod
     def _switch(kind, branch, per_kind):
@@ -126,6 +134,14 @@ class Attention(nnx.Module):
         if isinstance(kind, int):
             return branch(*per_kind[kind])
         return jax.lax.switch(kind, [lambda args=args: branch(*args) for args in per_kind])
+
+    def _output(self, x: jax.Array, out: jax.Array) -> jax.Array:
+        """The attention output [B, T, N, H] of input x projected back to [B, T, D], gated
+        first where the model has an output gate."""
+        if self.output_gate is not None:
+            gate = constrain(self.output_gate(x), ("batch", "length", "heads", "head_dim"))
+            out = out * jax.nn.sigmoid(gate.astype(jnp.float32)).astype(out.dtype)
+        return self.o(out)
 
     def _sinks(self) -> jax.Array | None:
         return None if self.sinks is None else self.sinks[...]

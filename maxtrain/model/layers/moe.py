@@ -40,7 +40,7 @@ from maxtrain.config import ModelConfig
 from maxtrain.model.kernels.grouped_matmul import grouped_matmul_kernel
 from maxtrain.model.layers import moe_dispatch
 from maxtrain.model.layers.activations import gated_activation
-from maxtrain.model.layers.base import make_param
+from maxtrain.model.layers.base import Projection, make_param
 from maxtrain.model.layers.mlp import SwiGLU
 from maxtrain.parallel.experts import make_dispatch
 from maxtrain.parallel.mesh import active_rules, logical_to_spec, spec_axes
@@ -136,6 +136,12 @@ class MoE(nnx.Module):
             if m.shared_experts
             else None
         )
+        # Qwen3-Next: the shared experts' output times sigmoid(x w) per token.
+        self.shared_gate = (
+            Projection("btd,do->bto", (D, 1), ("embed", None), compute_dtype=compute_dtype, **kw)
+            if m.shared_expert_gate
+            else None
+        )
 
     def __call__(self, x: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
         """x [B, T, D] -> (y [B, T, D], router statistics)."""
@@ -157,7 +163,12 @@ class MoE(nnx.Module):
                 "bte,ed->btd", routed.astype(y.dtype), self.down.bias[...].astype(y.dtype)
             )
         if self.shared is not None:
-            y = y + self.shared(x)
+            shared = self.shared(x)
+            if self.shared_gate is not None:
+                shared = shared * jax.nn.sigmoid(self.shared_gate(x).astype(jnp.float32)).astype(
+                    shared.dtype
+                )
+            y = y + shared
         stats = router_stats(logits, probs, expert_ids, self.num_experts)
         stats["dropped"] = counts.dropped.astype(jnp.float32)
         stats["rounds"] = counts.rounds.astype(jnp.float32) * stats["tokens"]
