@@ -248,7 +248,8 @@ def _activation_bytes(
         runs = [(kinds, batch, 1)]
     else:
         micro = batch // layout.microbatches
-        runs = [(kinds[: layout.prologue], batch, 1), (layout.group, micro, layout.iterations)]
+        group = tuple(kind.is_moe for kind in layout.group)
+        runs = [(kinds[: len(layout.prologue)], batch, 1), (group, micro, layout.iterations)]
     kept = working = scores = dispatch = 0
     for layers, rows, passes in runs:
         if not layers:

@@ -10,6 +10,9 @@ from pydantic import Field, model_validator
 
 from maxtrain.config.domains import NonNegativeFloat, PositiveFloat, PositiveInt, Section
 
+# A layer's token mixer (ModelArchitecture.layer_mixer).
+type Mixer = Literal["attention", "linear"]
+
 
 class RopeScaling(Section):
     """RoPE frequency scaling for a longer context (absent = no scaling); `type` picks the
@@ -340,6 +343,12 @@ class ModelArchitecture(Section):
         """Model layer `layer`'s (0-based) attention kind: "global" or "local"."""
         pattern = self.layer_pattern or ("global",)
         return pattern[layer % len(pattern)]
+
+    def layer_mixer(self, layer: int) -> Mixer:
+        """Model layer `layer`'s (0-based) token mixer, which picks its parameter stack
+        (model/stacks.py): softmax "attention", or "linear" attention (a recurrence). Every
+        layer attends for now; the hybrid families' keys will make some linear."""
+        return "attention"
 
     @property
     def resolved_head_dim(self) -> int:

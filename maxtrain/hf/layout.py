@@ -27,7 +27,7 @@ import numpy as np
 
 from maxtrain.config import ModelConfig
 from maxtrain.hf.families import Family
-from maxtrain.model.stacks import STACKS, is_moe_per_layer, stack_positions
+from maxtrain.model.stacks import STACKS, layer_kinds, stack_positions
 
 
 class Part(NamedTuple):
@@ -186,9 +186,9 @@ def slots(cfg: ModelConfig, family: Family) -> list[Slot]:
     """Every tensor of `cfg` as a `family` checkpoint, in model order (embedding, layers,
     final norm, head)."""
     out = [Slot("model.embed_tokens.weight", ("embedding",), (), None)]
-    kinds = is_moe_per_layer(cfg)
-    for i, (is_moe, j) in enumerate(zip(kinds, stack_positions(kinds), strict=True)):
-        stack, prefix = STACKS[is_moe], f"model.layers.{i}."
+    kinds = layer_kinds(cfg)
+    for i, (kind, j) in enumerate(zip(kinds, stack_positions(kinds), strict=True)):
+        is_moe, stack, prefix = kind.is_moe, STACKS[kind], f"model.layers.{i}."
         out += [Slot(prefix + name, (stack, *path), (j,), ax) for path, name, ax in _attention(cfg)]
         if not is_moe:
             dense = f"{prefix}{family.dense_block}."

@@ -34,7 +34,7 @@ from maxtrain.inference.sampling import Sampling, next_tokens
 from maxtrain.model import compute_dtype
 from maxtrain.model.kv_cache import cache_shardings, init_cache
 from maxtrain.model.layers.attention_pattern import KINDS, kind_per_layer
-from maxtrain.model.stacks import DENSE_STACK, MOE_STACK, is_moe_per_layer
+from maxtrain.model.stacks import STACKS, layer_kinds
 from maxtrain.parallel.mesh import batch_degree, logical_to_spec, sharding_rules
 
 GREEDY = Sampling()
@@ -71,8 +71,8 @@ def cache_stacks(model_cfg: ModelConfig) -> dict[str, dict[str, int]]:
     """{params key of a layer stack: {attention kind: its layers of that kind}} for the stacks
     and kinds the model has: the decode cache's arrays (model/kv_cache.py)."""
     stacks: dict[str, dict[str, int]] = {}
-    for is_moe, kind in zip(is_moe_per_layer(model_cfg), kind_per_layer(model_cfg), strict=True):
-        per_kind = stacks.setdefault(MOE_STACK if is_moe else DENSE_STACK, {})
+    for layer_kind, kind in zip(layer_kinds(model_cfg), kind_per_layer(model_cfg), strict=True):
+        per_kind = stacks.setdefault(STACKS[layer_kind], {})
         per_kind[KINDS[kind]] = per_kind.get(KINDS[kind], 0) + 1
     return stacks
 

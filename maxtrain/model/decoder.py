@@ -1,4 +1,4 @@
-"""The decoder: embed -> L x (attention, SwiGLU or MoE) pre-norm blocks -> norm -> logits.
+"""The decoder: embed -> L x (token mixer, SwiGLU or MoE) pre-norm blocks -> norm -> logits.
 
 Layer parameters are stored stacked, with a leading `layers` axis, whether the layers run under
 `jax.lax.scan` (compile time independent of depth) or in an unrolled Python loop. One
@@ -27,13 +27,7 @@ from maxtrain.model.layers.mlp import MLP
 from maxtrain.model.layers.moe import MoE
 from maxtrain.model.layers.norms import RMSNorm
 from maxtrain.model.mtp import MultiTokenPrediction
-from maxtrain.model.stacks import (
-    DENSE_STACK,
-    MOE_STACK,
-    STAGES,
-    is_moe_per_layer,
-    layer_runs,
-)
+from maxtrain.model.stacks import STACKS, STAGES, LayerKind, layer_kinds, layer_runs
 from maxtrain.parallel import pipeline
 from maxtrain.parallel.mesh import constrain
 from maxtrain.parallel.pipeline import StageLayout
@@ -78,23 +72,41 @@ def run_kinds(kinds: tuple[int, ...]) -> Kind:
 
 @dataclass(frozen=True)
 class BlockKind:
-    """A kind of decoder layer: the params key of its stack (model/stacks.py) and its
-    feed-forward block, kept under the attribute `ffn_name` (a key of the checkpoint format)."""
+    """A kind of decoder layer: the params key of its stack (model/stacks.py), its token mixer
+    and its feed-forward block, kept under the attributes `mixer_name` and `ffn_name` (keys of
+    the checkpoint format). Factories: (cfg, *, param_dtype, compute_dtype, rngs) -> module."""
 
     stack: str
+    mixer_name: str
+    make_mixer: Callable[..., nnx.Module]
     ffn_name: str
-    make_ffn: Callable[..., nnx.Module]  # (cfg, *, param_dtype, compute_dtype, rngs)
+    make_ffn: Callable[..., nnx.Module]
 
 
-DENSE = BlockKind(DENSE_STACK, "mlp", MLP)
-MOE = BlockKind(MOE_STACK, "moe", MoE)
-BLOCK_KINDS = {False: DENSE, True: MOE}  # is_moe -> kind
+def _attention(cfg: ModelConfig, **kwargs) -> nnx.Module:
+    """The softmax attention the config names (GQA or MLA)."""
+    return attention_type(cfg)(cfg, **kwargs)
+
+
+def _linear_attention(cfg: ModelConfig, **kwargs) -> nnx.Module:
+    raise NotImplementedError(
+        "linear-attention layers have no mixer yet: the lead plugs the DeltaNet in (issue 37)"
+    )
+
+
+_MIXERS = {"attention": ("attn", _attention), "linear": ("linear_attn", _linear_attention)}
+_FFNS = {False: ("mlp", MLP), True: ("moe", MoE)}  # is_moe -> (attribute, factory)
+# LayerKind -> BlockKind, in the order of STACKS (the order the decoder creates its stacks in).
+BLOCK_KINDS = {
+    kind: BlockKind(stack, *_MIXERS[kind.mixer], *_FFNS[kind.is_moe])
+    for kind, stack in STACKS.items()
+}
 
 
 class DecoderBlock(nnx.Module):
-    """Pre-norm attention then the feed-forward block this kind of layer was built with; with
-    model.block_norms sandwich, each one's output is normed too before it joins the residual
-    stream (attn_post_norm, mlp_post_norm)."""
+    """Pre-norm token mixer then feed-forward block, those this kind of layer was built with;
+    with model.block_norms sandwich, each one's output is normed too before it joins the
+    residual stream (attn_post_norm, mlp_post_norm)."""
 
     def __init__(self, cfg: ModelConfig, kind: BlockKind, *, param_dtype, compute_dtype, rngs):
         norm_kw = dict(
@@ -102,7 +114,8 @@ class DecoderBlock(nnx.Module):
         )
         dtypes = dict(param_dtype=param_dtype, compute_dtype=compute_dtype)
         self.attn_norm = RMSNorm(cfg.emb_dim, **norm_kw)
-        self.attn = attention_type(cfg)(cfg, **dtypes, rngs=rngs)
+        self.mixer_name = kind.mixer_name
+        setattr(self, kind.mixer_name, kind.make_mixer(cfg, **dtypes, rngs=rngs))
         self.mlp_norm = RMSNorm(cfg.emb_dim, **norm_kw)
         self.ffn_name = kind.ffn_name
         setattr(self, kind.ffn_name, kind.make_ffn(cfg, **dtypes, rngs=rngs))
@@ -115,7 +128,8 @@ class DecoderBlock(nnx.Module):
     ) -> tuple[jax.Array, dict[str, jax.Array]]:
         """Returns the new residual stream [B, T, D] and the feed-forward's statistics; `kind`
         is the layer's attention kind (model/layers/attention_pattern.py)."""
-        attn_out = self.attn(self.attn_norm(x), positions, segment_ids, kind)
+        mixer = getattr(self, self.mixer_name)
+        attn_out = mixer(self.attn_norm(x), positions, segment_ids, kind)
         x = x + _normed(self.attn_post_norm, attn_out)
         ffn_out, stats = getattr(self, self.ffn_name)(self.mlp_norm(x))
         x = x + _normed(self.mlp_post_norm, ffn_out)
@@ -126,7 +140,8 @@ class DecoderBlock(nnx.Module):
     ) -> tuple[jax.Array, Cache]:
         """The block on new tokens with the layer's decode cache (generation); the
         feed-forward's statistics are of no use there."""
-        attn_out, cache = self.attn.cached(self.attn_norm(x), positions, cache, kind)
+        mixer = getattr(self, self.mixer_name)
+        attn_out, cache = mixer.cached(self.attn_norm(x), positions, cache, kind)
         x = x + _normed(self.attn_post_norm, attn_out)
         ffn_out, _ = getattr(self, self.ffn_name)(self.mlp_norm(x))
         x = x + _normed(self.mlp_post_norm, ffn_out)
@@ -283,14 +298,14 @@ def cache_ranks(
 
 
 def runs_with_attention(
-    runs: list[tuple[bool, int, int]], attention: tuple[int, ...]
+    runs: list[tuple[LayerKind, int, int]], attention: tuple[int, ...]
 ) -> tuple[tuple[str, int, int, tuple[int, ...]], ...]:
     """stacks.layer_runs of consecutive layers -> (stack, start, length, their attention kinds);
     `attention` holds the kind of each layer the runs cover, in order."""
     found, first = [], 0
-    for is_moe, start, length in runs:
+    for layer_kind, start, length in runs:
         kinds = attention[first : first + length]
-        found.append((BLOCK_KINDS[is_moe].stack, start, length, kinds))
+        found.append((STACKS[layer_kind], start, length, kinds))
         first += length
     return tuple(found)
 
@@ -342,9 +357,7 @@ class Decoder(nnx.Module):
             MultiTokenPrediction(
                 cfg,
                 # A block of the kind of the last layer (DeepSeek-V3's is MoE).
-                lambda: DecoderBlock(
-                    cfg, BLOCK_KINDS[is_moe_per_layer(cfg)[-1]], **dtypes, rngs=rngs
-                ),
+                lambda: DecoderBlock(cfg, BLOCK_KINDS[layer_kinds(cfg)[-1]], **dtypes, rngs=rngs),
                 **dtypes,
                 rngs=rngs,
             )
@@ -354,11 +367,11 @@ class Decoder(nnx.Module):
 
     def _build_layers(self, cfg: ModelConfig, dtypes: dict, rngs: nnx.Rngs) -> None:
         """One stack per kind of layer (model/stacks.py), run as consecutive runs."""
-        kinds = is_moe_per_layer(cfg)
+        kinds = layer_kinds(cfg)
         self.runs = runs_with_attention(layer_runs(kinds), kind_per_layer(cfg))
         # Created in this order (dense stack first) so the random initialisation stays the same.
-        for is_moe, kind in BLOCK_KINDS.items():
-            counts = (("layers", kinds.count(is_moe)),)
+        for layer_kind, kind in BLOCK_KINDS.items():
+            counts = (("layers", kinds.count(layer_kind)),)
             setattr(self, kind.stack, stacked_blocks(cfg, kind, counts, dtypes=dtypes, rngs=rngs))
 
     def __call__(
@@ -418,8 +431,14 @@ class Decoder(nnx.Module):
     head_batch = "batch"  # the logical axis the head's batch dim is split over
 
     def _layers(self, x, positions, segment_ids) -> tuple[jax.Array, dict[str, jax.Array]]:
+        return self._run_layers(self.runs, x, positions, segment_ids)
+
+    def _run_layers(
+        self, runs, x, positions, segment_ids
+    ) -> tuple[jax.Array, dict[str, jax.Array]]:
+        """Runs of runs_with_attention, in order, from this module's stacks."""
         per_run = []
-        for stack, start, length, kinds in self.runs:
+        for stack, start, length, kinds in runs:
             graphdef, stacked = nnx.split(getattr(self, stack))
             x, stats = run_stack(
                 graphdef, stacked, start, length, x, positions, segment_ids, kinds=kinds,
@@ -437,19 +456,20 @@ class Stages(nnx.Module):
     """The pipelined stacks (parallel/pipeline.py): per kind of layer, [R, S, per group] blocks."""
 
     def __init__(self, cfg: ModelConfig, layout: StageLayout, dtypes: dict, rngs: nnx.Rngs):
-        for is_moe, kind in BLOCK_KINDS.items():
+        for layer_kind, kind in BLOCK_KINDS.items():
             counts = (
                 ("repeats", layout.repeats),
                 (STAGES, layout.stages),
-                ("layers", layout.per_group(is_moe)),
+                ("layers", layout.per_group(layer_kind)),
             )
             setattr(self, kind.stack, stacked_blocks(cfg, kind, counts, dtypes=dtypes, rngs=rngs))
 
 
 class PipelinedDecoder(Decoder):
-    """The decoder with its layers in pipeline stages: the leading dense layers (prologue) as a
-    stack run on every stage, the rest in `stages` (parallel/pipeline.py). Its parameters are
-    parallel/pipeline.py to_stages of the Decoder's; it is never initialised itself."""
+    """The decoder with its layers in pipeline stages: the leading dense layers (prologue) in
+    their stacks, run on every stage, the rest in `stages` (parallel/pipeline.py). Its
+    parameters are parallel/pipeline.py to_stages of the Decoder's; it is never initialised
+    itself."""
 
     # After the pipeline the batch is split over the stages too: each computes the logits of
     # its share instead of all of them.
@@ -460,20 +480,18 @@ class PipelinedDecoder(Decoder):
         super().__init__(cfg, **kwargs)
 
     def _build_layers(self, cfg: ModelConfig, dtypes: dict, rngs: nnx.Rngs) -> None:
-        prologue = (("layers", self.layout.prologue),)
-        setattr(self, DENSE_STACK, stacked_blocks(cfg, DENSE, prologue, dtypes=dtypes, rngs=rngs))
+        prologue = self.layout.prologue
+        for layer_kind, kind in BLOCK_KINDS.items():
+            counts = (("layers", prologue.count(layer_kind)),)
+            setattr(self, kind.stack, stacked_blocks(cfg, kind, counts, dtypes=dtypes, rngs=rngs))
         self.stages = Stages(cfg, self.layout, dtypes, rngs)
         self.group_runs = runs_with_attention(layer_runs(self.layout.group), self.layout.attention)
-        self.prologue_kinds = kind_per_layer(cfg)[: self.layout.prologue]
+        attention = kind_per_layer(cfg)[: len(prologue)]
+        self.prologue_runs = runs_with_attention(layer_runs(prologue), attention)
 
     def _layers(self, x, positions, segment_ids) -> tuple[jax.Array, dict[str, jax.Array]]:
-        prologue = getattr(self, DENSE_STACK)
-        if prologue is not None:  # dense layers: no statistics
-            graphdef, stacked = nnx.split(prologue)
-            x, _ = run_stack(
-                graphdef, stacked, 0, self.layout.prologue, x, positions, segment_ids,
-                kinds=self.prologue_kinds, **self._run_options,
-            )  # fmt: skip
+        # dense layers: no statistics
+        x, _ = self._run_layers(self.prologue_runs, x, positions, segment_ids)
         stacks = {
             kind.stack: getattr(self.stages, kind.stack)
             for kind in BLOCK_KINDS.values()

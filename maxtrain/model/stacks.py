@@ -1,31 +1,54 @@
-"""Where a decoder's layers live: one stack of blocks per kind of layer, dense and MoE.
+"""Where a decoder's layers live: one stack of blocks per kind of layer.
 
-A model's layers are dense (attention + SwiGLU) or mixtures of experts (attention + experts),
-as `model.moe`'s first_dense_layers and interval say. Blocks of one kind are stored stacked on a
+A layer's kind is its token mixer (softmax attention, or a linear-attention recurrence such as
+Gated DeltaNet) and whether its feed-forward block is dense or a mixture of experts
+(`model.moe`'s first_dense_layers and interval). Blocks of one kind are stored stacked on a
 leading `layers` axis under their own key of the parameter tree, in the order the layers run:
 
-    params["layers"]       the dense blocks
-    params["moe_layers"]   the MoE blocks
+    params["layers"]             attention + dense feed-forward
+    params["moe_layers"]         attention + MoE
+    params["linear_layers"]      linear attention + dense feed-forward
+    params["linear_moe_layers"]  linear attention + MoE
 
 These keys are part of the checkpoint format (and of the module paths quantization rules match),
 so they are named here once. The decoder runs the model as consecutive runs of one kind
 (`layer_runs`); the transforms and converters think in model layer indices (layer 7 of 32) and
-translate to positions in the stacks with these helpers.
+translate to positions in the stacks with these helpers, which take any hashable kind.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Hashable, Sequence
+from typing import Any, NamedTuple
 
 import jax
 import numpy as np
 
 from maxtrain.config import ModelConfig
+from maxtrain.config.model import Mixer
 
+
+class LayerKind(NamedTuple):
+    """What a layer's block holds: its token mixer and whether its feed-forward is MoE."""
+
+    mixer: Mixer
+    is_moe: bool
+
+
+ATTENTION = LayerKind("attention", False)
+ATTENTION_MOE = LayerKind("attention", True)
+LINEAR = LayerKind("linear", False)
+LINEAR_MOE = LayerKind("linear", True)
 DENSE_STACK = "layers"
 MOE_STACK = "moe_layers"
-STACKS = {False: DENSE_STACK, True: MOE_STACK}  # is_moe -> the params key of that stack
+# kind -> the params key of its stack. In this order the decoder creates its stacks, so that a
+# model of attention layers initialises as it did before the linear kinds existed.
+STACKS = {
+    ATTENTION: DENSE_STACK,
+    ATTENTION_MOE: MOE_STACK,
+    LINEAR: "linear_layers",
+    LINEAR_MOE: "linear_moe_layers",
+}
 # A pipelined run keeps each stack's layers after the leading dense ones in params[STAGES][stack],
 # [R, S, per group, ...]: a reshape of the layers in model order (parallel/pipeline.py).
 STAGES = "stages"
@@ -42,15 +65,29 @@ def is_moe_per_layer(cfg: ModelConfig) -> tuple[bool, ...]:
     return tuple(cfg.moe is not None and cfg.moe.is_moe_layer(i) for i in range(cfg.num_layers))
 
 
-def stack_members(kinds: Sequence[bool]) -> dict[bool, list[int]]:
-    """{is_moe: the model layer indices that stack holds, in stack order}."""
-    members: dict[bool, list[int]] = {False: [], True: []}
-    for i, is_moe in enumerate(kinds):
-        members[is_moe].append(i)
+def mixer_per_layer(cfg: ModelConfig) -> tuple[Mixer, ...]:
+    """Per layer of the model: its token mixer, as the architecture says (layer_mixer)."""
+    return tuple(cfg.layer_mixer(i) for i in range(cfg.num_layers))
+
+
+def layer_kinds(cfg: ModelConfig) -> tuple[LayerKind, ...]:
+    """Per layer of the model: its kind, hence its stack (STACKS)."""
+    return tuple(
+        LayerKind(mixer, is_moe)
+        for mixer, is_moe in zip(mixer_per_layer(cfg), is_moe_per_layer(cfg), strict=True)
+    )
+
+
+def stack_members[K: Hashable](kinds: Sequence[K]) -> dict[K, list[int]]:
+    """{kind: the model layer indices its stack holds, in stack order}, for the kinds present
+    (in order of first appearance)."""
+    members: dict[K, list[int]] = {}
+    for i, kind in enumerate(kinds):
+        members.setdefault(kind, []).append(i)
     return members
 
 
-def stack_positions(kinds: Sequence[bool]) -> list[int]:
+def stack_positions(kinds: Sequence[Hashable]) -> list[int]:
     """Per model layer: its position in its own stack."""
     positions = [0] * len(kinds)
     for members in stack_members(kinds).values():
@@ -59,20 +96,20 @@ def stack_positions(kinds: Sequence[bool]) -> list[int]:
     return positions
 
 
-def layer_runs(kinds: Sequence[bool]) -> list[tuple[bool, int, int]]:
-    """Consecutive layers of one kind: [(is_moe, start in that kind's stack, length)].
+def layer_runs[K: Hashable](kinds: Sequence[K]) -> list[tuple[K, int, int]]:
+    """Consecutive layers of one kind: [(kind, start in that kind's stack, length)].
 
     Llama is one dense run, Mixtral one MoE run, "first N dense" two.
     """
-    runs: list[tuple[bool, int, int]] = []
-    seen = {False: 0, True: 0}
-    for is_moe in kinds:
-        if runs and runs[-1][0] == is_moe:
-            kind, start, length = runs[-1]
+    runs: list[tuple[K, int, int]] = []
+    seen: dict[K, int] = {}
+    for kind in kinds:
+        if runs and runs[-1][0] == kind:
+            _, start, length = runs[-1]
             runs[-1] = (kind, start, length + 1)
         else:
-            runs.append((is_moe, seen[is_moe], 1))
-        seen[is_moe] += 1
+            runs.append((kind, seen.get(kind, 0), 1))
+        seen[kind] = seen.get(kind, 0) + 1
     return runs
 
 

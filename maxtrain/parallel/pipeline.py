@@ -39,7 +39,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from maxtrain.model.stacks import DENSE_STACK, STACKS, STAGES
+from maxtrain.model.stacks import STACKS, STAGES, LayerKind
 from maxtrain.parallel.mesh import active_rules, constrain, logical_to_spec
 
 
@@ -50,13 +50,14 @@ class StageLayout:
     stages: int  # S
     repeats: int  # R: groups per stage
     microbatches: int  # M
-    prologue: int  # leading dense layers, run before the pipeline
-    group: tuple[bool, ...]  # whether each layer of a group is MoE, in order
+    # the kinds (model/stacks.py) of the leading dense layers, run before the pipeline
+    prologue: tuple[LayerKind, ...]
+    group: tuple[LayerKind, ...]  # the kind of each layer of a group, in order
     # each layer's attention kind (model/layers/attention_pattern.py), alike in every group
     attention: tuple[int, ...]
 
-    def per_group(self, is_moe: bool) -> int:
-        return self.group.count(is_moe)
+    def per_group(self, kind: LayerKind) -> int:
+        return self.group.count(kind)
 
     @property
     def iterations(self) -> int:
@@ -73,11 +74,12 @@ class StageLayout:
 
 def to_stages(params: dict[str, Any], layout: StageLayout) -> dict[str, Any]:
     """A params dict in model order -> the pipelined one: the prologue's dense layers stay in
-    their stack, the rest of each stack becomes params["stages"][stack], [R, S, per group, ...].
+    their stacks, the rest of each stack becomes params["stages"][stack], [R, S, per group, ...].
     The groups are consecutive layers, so this is a reshape (row-major: group r * S + s)."""
     out = {k: v for k, v in params.items() if k not in STACKS.values()}
-    if layout.prologue and DENSE_STACK in params:
-        out[DENSE_STACK] = jax.tree.map(lambda a: a[: layout.prologue], params[DENSE_STACK])
+    for kind, key in STACKS.items():
+        if (count := layout.prologue.count(kind)) and key in params:
+            out[key] = jax.tree.map(lambda a, count=count: a[:count], params[key])
 
     def grouped(stack: Any, skip: int, count: int) -> Any:
         shape = (layout.repeats, layout.stages, count)
@@ -86,9 +88,9 @@ def to_stages(params: dict[str, Any], layout: StageLayout) -> dict[str, Any]:
     # A run's adapters (maxtrain/posttrain/) may sit on one kind of layer only: a stack
     # without any is absent from their tree.
     stages = {
-        key: grouped(params[key], 0 if is_moe else layout.prologue, layout.per_group(is_moe))
-        for is_moe, key in STACKS.items()
-        if layout.per_group(is_moe) and key in params
+        key: grouped(params[key], layout.prologue.count(kind), layout.per_group(kind))
+        for kind, key in STACKS.items()
+        if layout.per_group(kind) and key in params
     }
     return {**out, STAGES: stages} if stages else out
 
@@ -96,10 +98,10 @@ def to_stages(params: dict[str, Any], layout: StageLayout) -> dict[str, Any]:
 def to_model_order(params: dict[str, Any], layout: StageLayout) -> dict[str, Any]:
     """The inverse of to_stages."""
     out = {k: v for k, v in params.items() if k not in (STAGES, *STACKS.values())}
-    for is_moe, key in STACKS.items():
+    for kind, key in STACKS.items():
         parts = []
-        if not is_moe and layout.prologue and DENSE_STACK in params:
-            parts.append(params[DENSE_STACK])
+        if layout.prologue.count(kind) and key in params:
+            parts.append(params[key])
         if key in params.get(STAGES, {}):
             parts.append(jax.tree.map(lambda a: a.reshape(-1, *a.shape[3:]), params[STAGES][key]))
         if parts:

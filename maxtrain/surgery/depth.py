@@ -7,8 +7,9 @@ Any map works here, e.g. one that repeats a single block of middle layers to rea
 depth. Copies are exact: the new model starts where the source left off, except that the
 repeated layers now run twice, so training continues from a perturbed but informed function.
 
-Mixture-of-experts models upscale too: each new layer takes the kind (dense or MoE) of the
-source layer it copies, and the new model's config must give the same kinds (see layer_kinds).
+Mixture-of-experts models upscale too: each new layer takes the kind (token mixer, dense or
+MoE) of the source layer it copies, and the new model's config must give the same kinds (see
+copied_kinds).
 """
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ from typing import Any
 from maxtrain.config import ConfigError, ModelConfig
 from maxtrain.model.stacks import (
     STACKS,
-    is_moe_per_layer,
+    LayerKind,
+    layer_kinds,
     outside_layers,
     stack_members,
     stack_positions,
@@ -34,10 +36,10 @@ def solar_layer_map(num_layers: int, trim: int) -> list[int]:
     return list(range(num_layers - trim)) + list(range(trim, num_layers))
 
 
-def layer_kinds(cfg: ModelConfig, layer_map: Sequence[int]) -> tuple[bool, ...]:
-    """Per new layer: whether it is MoE, i.e. whether the source layer it copies is."""
+def copied_kinds(cfg: ModelConfig, layer_map: Sequence[int]) -> tuple[LayerKind, ...]:
+    """Per new layer: its kind (model/stacks.py), that of the source layer it copies."""
     check_layer_map(cfg, layer_map)
-    kinds = is_moe_per_layer(cfg)
+    kinds = layer_kinds(cfg)
     return tuple(kinds[source] for source in layer_map)
 
 
@@ -60,11 +62,10 @@ def depth_upscale(
 
     Embedding, final norm and LM head are copied; the new model has len(layer_map) layers.
     """
-    kinds = layer_kinds(cfg, layer_map)
-    position = stack_positions(is_moe_per_layer(cfg))
+    kinds = copied_kinds(cfg, layer_map)
+    position = stack_positions(layer_kinds(cfg))
     out = outside_layers(params)
-    for is_moe, members in stack_members(kinds).items():
-        if members:
-            sources = [position[layer_map[i]] for i in members]
-            out[STACKS[is_moe]] = take_layers(params[STACKS[is_moe]], sources)
+    for kind, members in stack_members(kinds).items():
+        sources = [position[layer_map[i]] for i in members]
+        out[STACKS[kind]] = take_layers(params[STACKS[kind]], sources)
     return out

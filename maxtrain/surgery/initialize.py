@@ -26,7 +26,7 @@ from maxtrain.checkpointing import load_parameters
 from maxtrain.checkpointing.integrity import flat_shapes
 from maxtrain.config import Config, ConfigError, ModelConfig
 from maxtrain.model.stacks import is_moe_per_layer
-from maxtrain.surgery.depth import depth_upscale, layer_kinds
+from maxtrain.surgery.depth import copied_kinds, depth_upscale
 from maxtrain.surgery.upcycle import upcycle
 from maxtrain.training.run_model import model_def
 from maxtrain.training.state import param_shardings
@@ -77,7 +77,7 @@ def transform(params: Any, source: ModelConfig, cfg: Config) -> Any:
         )
     if init.mode == "depth_upscale":
         assert init.layer_map is not None  # the config requires it in this mode
-        kinds = layer_kinds(source, init.layer_map)
+        kinds = tuple(kind.is_moe for kind in copied_kinds(source, init.layer_map))
         if kinds != is_moe_per_layer(cfg.model):
             raise ConfigError(
                 f"init.layer_map gives MoE layers {_moe_indices(kinds)} (the kinds of the "

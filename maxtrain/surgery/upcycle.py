@@ -37,9 +37,11 @@ import jax.numpy as jnp
 from maxtrain.config import ConfigError, ModelConfig, MoeConfig
 from maxtrain.model.stacks import (
     STACKS,
-    is_moe_per_layer,
+    layer_kinds,
+    mixer_per_layer,
     outside_layers,
     stack_members,
+    stack_positions,
     take_layers,
 )
 
@@ -63,17 +65,21 @@ def upcycle(
     check_upcycle(dense_cfg, moe_cfg)
     m = moe_cfg.moe
     assert m is not None
-    members = stack_members(is_moe_per_layer(moe_cfg))
-    dense_stack = dense_params[STACKS[False]]
+    position = stack_positions(layer_kinds(dense_cfg))
+    key = jax.random.key(seed)
     out = outside_layers(dense_params)
-    if members[False]:  # the target's dense layers: the source's at the same depth
-        out[STACKS[False]] = take_layers(dense_stack, members[False])
-    blocks = take_layers(dense_stack, members[True])
-    mlp = blocks.pop("mlp")
-    out[STACKS[True]] = {
-        **blocks,
-        "moe": _experts_from_mlp(mlp, m, noise_std, router_init_std, jax.random.key(seed)),
-    }
+    # Each target layer is the source's at the same depth (same mixer, dense), its MLP split into
+    # experts where the target's layer is MoE; the target's dense layers are copied as they are.
+    for kind, members in stack_members(layer_kinds(moe_cfg)).items():
+        source = dense_params[STACKS[kind._replace(is_moe=False)]]
+        blocks = take_layers(source, [position[i] for i in members])
+        if kind.is_moe:
+            # Linear-attention MoE layers draw other noise; the attention ones keep the seed's key.
+            stack_key = key if kind.mixer == "attention" else jax.random.fold_in(key, 1)
+            mlp = blocks.pop("mlp")
+            experts = _experts_from_mlp(mlp, m, noise_std, router_init_std, stack_key)
+            blocks = {**blocks, "moe": experts}
+        out[STACKS[kind]] = blocks
     return out
 
 
@@ -88,6 +94,11 @@ def check_upcycle(dense_cfg: ModelConfig, moe_cfg: ModelConfig) -> None:
         raise ConfigError(
             f"upcycling keeps the depth: the source has {dense_cfg.num_layers} layers, "
             f"model.num_layers is {moe_cfg.num_layers}"
+        )
+    if mixer_per_layer(dense_cfg) != mixer_per_layer(moe_cfg):
+        raise ConfigError(
+            "upcycling keeps each layer's token mixer: the source's attention and "
+            "linear-attention layers must be where the target's are"
         )
     if m.shared_experts:
         raise ConfigError(

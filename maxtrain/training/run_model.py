@@ -17,7 +17,7 @@ from maxtrain.config import Config, ConfigError
 from maxtrain.model import ModelDef
 from maxtrain.model.decoder import Decoder
 from maxtrain.model.layers.attention_pattern import kind_per_layer
-from maxtrain.model.stacks import is_moe_per_layer
+from maxtrain.model.stacks import layer_kinds
 from maxtrain.parallel.pipeline import StageLayout
 from maxtrain.posttrain import parameter_split
 
@@ -39,7 +39,7 @@ def stage_layout(cfg: Config) -> StageLayout | None:
     pipe = cfg.pipeline
     if stages == 1:
         return None
-    kinds = is_moe_per_layer(cfg.model)
+    kinds = layer_kinds(cfg.model)
     prologue = cfg.model.moe.first_dense_layers if cfg.model.moe is not None else 0
     pipelined = len(kinds) - prologue
     groups = stages * pipe.repeats
@@ -77,7 +77,7 @@ def stage_layout(cfg: Config) -> StageLayout | None:
             f"the micro-batch of {cfg.micro_batch_size} sequences (train.global_batch_size / "
             f"train.grad_accum_steps) does not split into pipeline.microbatches={microbatches}"
         )
-    return StageLayout(stages, pipe.repeats, microbatches, prologue, group, group_attention)
+    return StageLayout(stages, pipe.repeats, microbatches, kinds[:prologue], group, group_attention)
 
 
 def build_model(cfg: Config, seed: int = 0, layout: StageLayout | None = None) -> Decoder:
