@@ -30,6 +30,7 @@ from maxtrain.config.lora import LoraConfig
 from maxtrain.config.model import (
     ClampedSwiglu,
     GlobalAttention,
+    LinearAttention,
     LocalAttention,
     MlaConfig,
     ModelArchitecture,
@@ -66,6 +67,7 @@ __all__ = [
     "EMBEDDED_SOURCES",
     "GlobalAttention",
     "InitConfig",
+    "LinearAttention",
     "LocalAttention",
     "MESH_AXES",
     "MeshAxes",

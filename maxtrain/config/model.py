@@ -200,6 +200,29 @@ class LocalAttention(Section):
         return self.window or self.chunk
 
 
+class LinearAttention(Section):
+    """A `linear` layer of model.layer_pattern: Gated DeltaNet (Qwen3-Next), a recurrence over
+    a fixed-size state per head in place of softmax attention (model/layers/gated_deltanet.py),
+    whose cost grows linearly with the sequence. Query/key heads may be fewer than value heads
+    (a divisor of them), as attention's key/value heads are."""
+
+    num_key_heads: PositiveInt  # query and key heads
+    num_value_heads: PositiveInt  # value heads (the state has one [key_head_dim, value_head_dim])
+    key_head_dim: PositiveInt = 128
+    value_head_dim: PositiveInt = 128
+    conv_kernel: PositiveInt = 4  # taps of the causal depthwise convolution over q, k and v
+    chunk: PositiveInt = 64  # training computes the recurrence in chunks of this many tokens
+
+    @model_validator(mode="after")
+    def _check_heads(self) -> LinearAttention:
+        if self.num_value_heads % self.num_key_heads:
+            raise ValueError(
+                f"model.linear_attention.num_value_heads ({self.num_value_heads}) must be a "
+                f"multiple of model.linear_attention.num_key_heads ({self.num_key_heads})"
+            )
+        return self
+
+
 class GlobalAttention(Section):
     """What a `global` layer of model.layer_pattern (every layer, without a pattern) does besides
     attending to its whole document, where a family's global layers differ from the model's
@@ -256,8 +279,13 @@ class ModelArchitecture(Section):
     # The layers' attention kinds, repeated over the layers: e.g. [local, local, local, local,
     # local, global] is Gemma 3's "5 local : 1 global". Absent: every layer global (causal over
     # its whole document). `local` is shaped by local_attention.
-    layer_pattern: list[Literal["global", "local"]] | None = Field(default=None, min_length=1)
+    # `linear` layers are Gated DeltaNet (linear_attention) instead of softmax attention:
+    # Qwen3-Next's [linear, linear, linear, global].
+    layer_pattern: list[Literal["global", "local", "linear"]] | None = Field(
+        default=None, min_length=1
+    )
     local_attention: LocalAttention | None = None
+    linear_attention: LinearAttention | None = None
     global_attention: GlobalAttention | None = None  # null: as the model's defaults say
     tie_embeddings: bool = False
     # The token embeddings multiplied by sqrt(emb_dim), in the compute dtype (Gemma).
@@ -302,6 +330,13 @@ class ModelArchitecture(Section):
                 f"model.local_attention is {'absent' if uses_local else 'set'}; the "
                 "local_attention section goes with local layers"
             )
+        uses_linear = "linear" in (self.layer_pattern or ())
+        if uses_linear != (self.linear_attention is not None):
+            raise ValueError(
+                f"model.layer_pattern {'has' if uses_linear else 'has no'} linear layers but "
+                f"model.linear_attention is {'absent' if uses_linear else 'set'}; the "
+                "linear_attention section goes with linear layers"
+            )
         if uses_local and self.attention_type == "mla":
             raise ValueError("model.layer_pattern's local layers need attention_type gqa, not mla")
         if self.global_attention is not None and self.attention_type == "mla":
@@ -340,15 +375,16 @@ class ModelArchitecture(Section):
             )
 
     def layer_attention(self, layer: int) -> str:
-        """Model layer `layer`'s (0-based) attention kind: "global" or "local"."""
+        """Model layer `layer`'s (0-based) kind in model.layer_pattern: "global", "local" or
+        "linear"."""
         pattern = self.layer_pattern or ("global",)
         return pattern[layer % len(pattern)]
 
     def layer_mixer(self, layer: int) -> Mixer:
         """Model layer `layer`'s (0-based) token mixer, which picks its parameter stack
-        (model/stacks.py): softmax "attention", or "linear" attention (a recurrence). Every
-        layer attends for now; the hybrid families' keys will make some linear."""
-        return "attention"
+        (model/stacks.py): softmax "attention", or "linear" attention (a recurrence) for the
+        `linear` layers of model.layer_pattern."""
+        return "linear" if self.layer_attention(layer) == "linear" else "attention"
 
     @property
     def resolved_head_dim(self) -> int:

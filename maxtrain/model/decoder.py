@@ -23,6 +23,7 @@ from maxtrain.model.layers import embedding
 from maxtrain.model.layers.attention_pattern import KINDS, kind_per_layer
 from maxtrain.model.layers.attention_types import attention_type
 from maxtrain.model.layers.base import Projection, make_param
+from maxtrain.model.layers.gated_deltanet import GatedDeltaNet
 from maxtrain.model.layers.mlp import MLP
 from maxtrain.model.layers.moe import MoE
 from maxtrain.model.layers.norms import RMSNorm
@@ -89,8 +90,20 @@ def _attention(cfg: ModelConfig, **kwargs) -> nnx.Module:
 
 
 def _linear_attention(cfg: ModelConfig, **kwargs) -> nnx.Module:
-    raise NotImplementedError(
-        "linear-attention layers have no mixer yet: the lead plugs the DeltaNet in (issue 37)"
+    """The linear attention of model.linear_attention: Gated DeltaNet."""
+    la = cfg.linear_attention
+    assert la is not None  # a linear layer implies it (config validation)
+    return GatedDeltaNet(
+        cfg.emb_dim,
+        la.num_key_heads,
+        la.num_value_heads,
+        la.key_head_dim,
+        la.value_head_dim,
+        conv_kernel=la.conv_kernel,
+        chunk=la.chunk,
+        norm_eps=cfg.norm_eps,
+        init_std=cfg.init_std,
+        **kwargs,
     )
 
 

@@ -30,6 +30,7 @@ TINY = ["model_name=tiny", "data.kind=synthetic"]
 CONTAINERS = {
     "model.moe": {"num_experts": 4, "top_k": 2, "expert_mlp_dim": 32},
     "model.rope_scaling": {},
+    "model.linear_attention": {"num_key_heads": 1, "num_value_heads": 2},
     "model.mla": {"kv_lora_rank": 4, "qk_nope_head_dim": 4, "qk_rope_head_dim": 2, "v_head_dim": 4},
     "data.sources[*]": {"name": "a", "path": "embedded:prose"},
     "quantization.rules[*]": {"module_path": "lm_head"},

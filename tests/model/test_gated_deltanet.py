@@ -49,7 +49,7 @@ def transformers_layer():
         assert param.shape == value.shape, path
         param[...] = jnp.asarray(value)
     graph, params = nnx.split(layer)
-    call = jax.jit(lambda p, x, segment_ids: nnx.merge(graph, p)(x, segment_ids))
+    call = jax.jit(lambda p, x, segment_ids: nnx.merge(graph, p)(x, None, segment_ids))
     step = jax.jit(lambda p, x, carried: nnx.merge(graph, p).step(x, carried))
     return functools.partial(call, params), functools.partial(step, params), layer.init_state
 
@@ -106,7 +106,7 @@ def _compiled_costs(length: int) -> tuple[int, int]:
     graph, params = nnx.split(layer)
 
     def loss(params, x, segment_ids):
-        return jnp.sum(nnx.merge(graph, params)(x, segment_ids))
+        return jnp.sum(nnx.merge(graph, params)(x, None, segment_ids))
 
     x = jax.ShapeDtypeStruct((1, length, 32), jnp.float32)
     segments = jax.ShapeDtypeStruct((1, length), jnp.int32)

@@ -126,3 +126,38 @@ def test_local_attention_layers_train_on_eight_devices_like_one(patterned_refere
     loss, grads = loss_and_grads(trainer, synthetic_batch(cfg))
     np.testing.assert_allclose(loss, ref_loss, rtol=1e-6)
     assert_trees_close(grads, ref_grads)
+
+
+# Qwen3-Next's shape: Gated DeltaNet layers beside a gated attention layer, MoE with a gated
+# shared expert, packed documents (the synthetic batch's) resetting the recurrence.
+HYBRID = [
+    "model_name=tiny-moe", "data.kind=synthetic", "train.global_batch_size=8",
+    "train.seq_len=32", "mesh.fsdp=1", "model.num_layers=4",
+    "model.layer_pattern=[linear, linear, linear, global]",
+    "model.linear_attention={num_key_heads: 2, num_value_heads: 4, key_head_dim: 8, "
+    "value_head_dim: 8, chunk: 8}",
+    "model.attention_output_gate=true", "model.moe.shared_experts=1",
+    "model.moe.shared_expert_gate=true", "model.partial_rotary_factor=0.25",
+]  # fmt: skip
+
+
+def test_linear_attention_layers_train_on_eight_devices_like_one(tmp_path):
+    """On expert 2 x fsdp 2 x tensor 2, the DeltaNet's heads split over tensor (value heads as
+    attention's heads, query/key heads as its key/value heads), the weights over fsdp, the
+    MoE's experts over expert: the same loss and gradients as one device."""
+    from maxtrain import config as config_lib
+
+    overrides = [*HYBRID, f"run.output_dir={tmp_path}"]
+    reference = config_lib.load(config_lib.CONFIGS_DIR / "base.yml", overrides)
+    ref_loss, ref_grads = loss_and_grads(
+        build_trainer(reference, devices=jax.devices()[:1]), synthetic_batch(reference)
+    )
+    mesh = ["mesh.expert=2", "mesh.fsdp=2", "mesh.tensor=2"]
+    cfg = config_lib.load(config_lib.CONFIGS_DIR / "base.yml", [*overrides, *mesh])
+    trainer = build_trainer(cfg)
+    assert sorted(trainer.state.params) == sorted(
+        ["embedding", "final_norm", "lm_head", "linear_moe_layers", "moe_layers"]
+    )
+    loss, grads = loss_and_grads(trainer, synthetic_batch(cfg))
+    np.testing.assert_allclose(loss, ref_loss, rtol=1e-6)
+    assert_trees_close(grads, ref_grads)

@@ -90,8 +90,10 @@ def variants(cfg: ModelArchitecture, head_dim: int) -> tuple[AttentionVariant, .
 
 
 def kind_per_layer(cfg: ModelArchitecture) -> tuple[int, ...]:
-    """Per model layer: the index in KINDS of its attention kind."""
-    return tuple(KINDS.index(cfg.layer_attention(i)) for i in range(cfg.num_layers))
+    """Per model layer: the index in KINDS of its attention kind; 0 for a linear-attention
+    layer, whose mixer has no kinds (model/layers/gated_deltanet.py)."""
+    kinds = [cfg.layer_attention(i) for i in range(cfg.num_layers)]
+    return tuple(0 if kind == "linear" else KINDS.index(kind) for kind in kinds)
 
 
 def keys_per_query(cfg: ModelArchitecture, seq_len: int) -> tuple[float, ...]:
@@ -100,7 +102,8 @@ def keys_per_query(cfg: ModelArchitecture, seq_len: int) -> tuple[float, ...]:
     continuous half: seq_len / 2 for a global layer, training/metrics.py). A sliding window of
     W < T: W - W^2 / 2T (W keys once the window is full, its triangle over the first W
     queries); chunks of C: the triangles of the T // C full chunks and the last partial one,
-    C^2 / 2 each, over T."""
+    C^2 / 2 each, over T. A linear-attention layer attends to no keys: its recurrence's cost
+    is its own (training/metrics.py)."""
     t = seq_len
     local = cfg.local_attention
     if local is None:
@@ -111,8 +114,8 @@ def keys_per_query(cfg: ModelArchitecture, seq_len: int) -> tuple[float, ...]:
     else:
         w = min(local.window, t)
         local_keys = w - w * w / (2 * t)
-    keys = {"global": t / 2, "local": local_keys}
-    return tuple(keys[KINDS[kind]] for kind in kind_per_layer(cfg))
+    keys = {"global": t / 2, "local": local_keys, "linear": 0.0}
+    return tuple(keys[cfg.layer_attention(i)] for i in range(cfg.num_layers))
 
 
 def chunk_segments(segment_ids: jax.Array, positions: jax.Array, chunk: int) -> jax.Array:

@@ -106,8 +106,12 @@ class GatedDeltaNet(nnx.Module):
         self.norm = RMSNorm(dv, eps=norm_eps, param_dtype=param_dtype, rngs=rngs)
         self.o = Projection("btnh,nhd->btd", (Nv, dv, D), ("heads", "head_dim", "embed"), **kw)
 
-    def __call__(self, x: jax.Array, segment_ids: jax.Array) -> jax.Array:
-        """Training's path: x [B, T, D] of packed documents (segment_ids [B, T]) -> [B, T, D]."""
+    def __call__(
+        self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array, kind: int = 0
+    ) -> jax.Array:
+        """Training's path: x [B, T, D] of packed documents (segment_ids [B, T]) -> [B, T, D].
+        `positions` and `kind` are the token mixers' common arguments (model/decoder.py): the
+        recurrence reads neither, its order is the sequence's."""
         q, k, v, z, g, beta = self._project(x)
         documents = jnp.cumsum(document_starts(segment_ids), axis=1)
         convolved = []
