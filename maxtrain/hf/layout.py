@@ -25,7 +25,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from maxtrain.config import ModelConfig, MoeConfig
+from maxtrain.config import LinearAttention, ModelConfig, MoeConfig
 from maxtrain.hf.families import Family
 from maxtrain.model.stacks import STACKS, layer_kinds, stack_positions
 
@@ -193,6 +193,61 @@ def _attention(cfg: ModelConfig) -> tuple:
     return norms + (_MLA_Q if cfg.mla.q_lora_rank is None else _MLA_Q_LORA) + _MLA
 
 
+def _mixer(cfg: ModelConfig, mixer: str, prefix: str, stack: str, j: int) -> list[Slot]:
+    """A layer's norms and token mixer: attention, or Gated DeltaNet (`linear_attn.`)."""
+    plain = _NORMS if mixer == "linear" else _attention(cfg)
+    table = tuple((path, name, ax, None, None) for path, name, ax in plain)
+    if mixer == "linear":
+        assert cfg.linear_attention is not None  # a linear layer implies it
+        table += _linear_attention(cfg.linear_attention)
+    out = [
+        Slot(prefix + name, (stack, *path), (j,), ax, part, unit_axis)
+        for path, name, ax, part, unit_axis in table
+    ]
+    if cfg.attention_output_gate and mixer == "attention":
+        # q_proj [N 2H, D]: per head its query's H rows, then its output gate's
+        q = next(slot for slot in out if slot.path[-2:] == ("q", "kernel"))
+        widths = (cfg.resolved_head_dim,) * 2
+        gate = Slot(q.hf_name, (stack, "attn", "output_gate", "kernel"), (j,), 1, Part(1, widths))
+        out[out.index(q)] = Slot(q.hf_name, q.path, (j,), 1, Part(0, widths))
+        out.append(gate)
+    return out
+
+
+def _linear_attention(linear: LinearAttention) -> tuple:
+    """A Gated DeltaNet layer's tensors inside `linear_attn.` (transformers' fused layout:
+    maxtrain/hf/gated_deltanet.py): (our path, Hugging Face name, input axes, Part, unit
+    axis)."""
+    nk, nv, dk, dv = (
+        linear.num_key_heads,
+        linear.num_value_heads,
+        linear.key_head_dim,
+        linear.value_head_dim,
+    )
+    group = nv // nk
+    qkvz, ba = (dk, dk, group * dv, group * dv), (group, group)
+    conv = (nk * dk, nk * dk, nv * dv)
+    la = "linear_attn"
+    return (
+        *(
+            ((la, ours, "kernel"), f"{la}.in_proj_qkvz.weight", 1, Part(i, qkvz), None)
+            for i, ours in enumerate("qkvz")
+        ),
+        *(
+            ((la, ours, "kernel"), f"{la}.in_proj_ba.weight", 1, Part(i, ba), None)
+            for i, ours in enumerate("ba")
+        ),
+        *(
+            ((la, f"{ours}_conv"), f"{la}.conv1d.weight", 1, Part(i, conv), 1)
+            for i, ours in enumerate("qkv")
+        ),
+        ((la, "o", "kernel"), f"{la}.out_proj.weight", 2, None, None),
+        ((la, "a_log"), f"{la}.A_log", None, None, None),
+        ((la, "dt_bias"), f"{la}.dt_bias", None, None, None),
+        ((la, "norm", "scale"), f"{la}.norm.weight", None, None, None),
+    )
+
+
 def _experts(family: Family, block: str, stack: str, j: int, moe: MoeConfig) -> list[Slot]:
     """One MoE layer's routed experts: stacked (two tensors for all) or one tensor each."""
     if family.stacked_experts:
@@ -220,7 +275,7 @@ def slots(cfg: ModelConfig, family: Family) -> list[Slot]:
     kinds = layer_kinds(cfg)
     for i, (kind, j) in enumerate(zip(kinds, stack_positions(kinds), strict=True)):
         is_moe, stack, prefix = kind.is_moe, STACKS[kind], f"model.layers.{i}."
-        out += [Slot(prefix + name, (stack, *path), (j,), ax) for path, name, ax in _attention(cfg)]
+        out += _mixer(cfg, kind.mixer, prefix, stack, j)
         if not is_moe:
             dense = f"{prefix}{family.dense_block}."
             out += [Slot(dense + name, (stack, *path), (j,), ax) for path, name, ax in _DENSE_MLP]
@@ -240,6 +295,9 @@ def slots(cfg: ModelConfig, family: Family) -> list[Slot]:
             if family.shared_block and cfg.moe.shared_experts:
                 shared = f"{block}{family.shared_block}."
                 out += [Slot(shared + name, (stack, *p), (j,), ax) for p, name, ax in _SHARED]
+            if cfg.moe.shared_expert_gate:
+                gate = (stack, "moe", "shared_gate", "kernel")
+                out.append(Slot(f"{block}{family.shared_block}_gate.weight", gate, (j,), 1))
             out += _experts(family, block, stack, j, cfg.moe)
     out.append(Slot("model.norm.weight", ("final_norm", "scale"), (), None))
     if not cfg.tie_embeddings:
