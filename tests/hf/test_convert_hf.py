@@ -159,6 +159,7 @@ def test_export_reproduces_the_original_files(case, tmp_path):
         "llama4-scout-17b-16e",
         "gpt-oss-20b",
         "gpt-oss-120b",
+        "qwen3-next-80b-a3b",
     ],
 )
 def test_preset_configs_round_trip(preset):
