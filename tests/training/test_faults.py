@@ -4,12 +4,14 @@ parameters. Every one ends in a clear line, nothing lost."""
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import jax
 import numpy as np
+import pytest
 from flax import nnx
 from support.runs import tree_digest
 from support.xla_env import xla_flags
@@ -157,40 +159,60 @@ def test_full_disk_is_one_line_and_the_next_run_resumes_then_a_finished_run_is_l
     assert tree_digest(run_dir) == before
 
 
-def test_checkpoint_of_another_model_exits_2_naming_the_parameter_and_touches_nothing(tmp_path):
-    run_dir = tmp_path / "run"
-    assert cli(run_dir, "train.steps=2").returncode == 0
+@pytest.fixture(scope="module")
+def finished(tmp_path_factory) -> Path:
+    """A finished 8-step run (steps 4 and 8 in the local tier, 8 in the persistent one) for the
+    tests that start from a run's checkpoints: one launch instead of one per test, and a later
+    launch of the same shape with train.steps=8 loads its step program instead of compiling one.
+    Tests that change the run work on a copy (copy_of)."""
+    run_dir = tmp_path_factory.mktemp("finished") / "run"
+    result = cli(run_dir, "train.steps=8", "checkpoint.local.every_steps=4")
+    assert result.returncode == 0, result.stderr[-2000:]
+    return run_dir
+
+
+def copy_of(run_dir: Path, tmp_path: Path) -> Path:
+    copy = tmp_path / "run"
+    shutil.copytree(run_dir, copy)
+    return copy
+
+
+def test_checkpoint_of_another_model_exits_2_naming_the_parameter_and_touches_nothing(
+    tmp_path, finished
+):
+    run_dir = copy_of(finished, tmp_path)
     before = tree_digest(run_dir / "checkpoints")
-    result = cli(run_dir, "train.steps=4", "model.mlp_dim=96")
+    result = cli(run_dir, "train.steps=10", "model.mlp_dim=96")
     assert result.returncode == 2
     assert result.stderr.strip().count("\n") == 0, result.stderr
     assert "mlp" in result.stderr and "128" in result.stderr and "96" in result.stderr
     assert tree_digest(run_dir / "checkpoints") == before
 
 
-def test_damaged_newest_checkpoint_falls_back_to_the_previous_one(tmp_path):
-    run_dir = tmp_path / "run"
-    assert cli(run_dir, "train.steps=8", "checkpoint.local.every_steps=4").returncode == 0
+def test_damaged_newest_checkpoint_falls_back_to_the_previous_one(tmp_path, finished):
+    run_dir = copy_of(finished, tmp_path)
     for tier in ("local", "persistent"):  # step 8 is in both: the last interval and the end
         newest = run_dir / "checkpoints" / tier / "8"
         victim = max((p for p in newest.rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
         victim.write_bytes(victim.read_bytes()[: victim.stat().st_size // 2])  # a torn write
-    result = cli(run_dir, "train.steps=10", "checkpoint.local.every_steps=4")
+    # train.steps=8 as before: a damaged step 8 does not make the run complete
+    result = cli(run_dir, "train.steps=8", "checkpoint.local.every_steps=4")
     assert result.returncode == 0, result.stderr[-2000:]
     assert "step 8" in result.stderr and "corrupt" in result.stderr
     assert "resumed at step 4" in result.stdout
+    assert logged_steps(run_dir) == list(range(1, 9))
 
 
-def test_load_parameters_path_starts_a_new_run_from_those_parameters(tmp_path):
-    source = tmp_path / "source"
-    assert cli(source, "train.steps=3").returncode == 0
+def test_load_parameters_path_starts_a_new_run_from_those_parameters(tmp_path, finished):
     target = tmp_path / "target"
     # lr 0: the new run's one step changes nothing, so its parameters are the source's
-    result = cli(target, "train.steps=1", "optim.lr=0", f"checkpoint.load_parameters_path={source}")
+    result = cli(
+        target, "train.steps=1", "optim.lr=0", f"checkpoint.load_parameters_path={finished}"
+    )
     assert result.returncode == 0, result.stderr[-2000:]
     assert "resumed" not in result.stdout  # a new run: step 1, fresh optimizer
     loaded = params_at(target / "checkpoints" / "persistent" / "1")
-    original = params_at(source / "checkpoints" / "persistent" / "3")
+    original = params_at(finished / "checkpoints" / "persistent" / "8")
     for a, b in zip(jax.tree.leaves(loaded), jax.tree.leaves(original), strict=True):
         np.testing.assert_array_equal(a, b)
 
