@@ -138,7 +138,11 @@ def test_full_disk_is_one_line_and_the_next_run_resumes_then_a_finished_run_is_l
     complete step and replaces the records the failed run logged after it. Started once more,
     the finished run says so and changes nothing."""
     run_dir = tmp_path / "run"
-    big = ["model.vocab_size=8192", "checkpoint.local.every_steps=4"]  # a 2 MiB embedding
+    big = [
+        "model.vocab_size=8192",  # a 2 MiB embedding
+        "checkpoint.local.every_steps=4",
+        "optim.schedule_steps=8",  # the 4- and 8-step runs' one lr schedule: one step program
+    ]
     assert cli(run_dir, "train.steps=4", *big).returncode == 0
     full = cli(run_dir, "train.steps=8", *big, max_file_bytes=2**20)
     assert full.returncode == 2
