@@ -38,6 +38,19 @@ TOLERANCE = 2e-5  # float32 rounding: the cache path sums attention over more (m
 
 
 WINDOW_3 = ("model.local_attention.window=3",)
+# Gated DeltaNet layers in chunks of 4: the 5-token prompt's prefill takes two.
+LINEAR = (
+    "model.linear_attention={num_key_heads: 2, num_value_heads: 4, key_head_dim: 8, "
+    "value_head_dim: 8, chunk: 4}",
+)
+# Qwen3-Next's shape, tiny: three linear layers then a gated attention layer, MoE with a gated
+# shared expert.
+HYBRID = (
+    "model_name=tiny-moe", "model.num_layers=4", "model.moe.capacity_factor=null",
+    "model.layer_pattern=[linear,linear,linear,global]", *LINEAR,
+    "model.attention_output_gate=true", "model.moe.shared_experts=1",
+    "model.moe.shared_expert_gate=true", "model.partial_rotary_factor=0.25",
+)  # fmt: skip
 
 
 @pytest.mark.parametrize(
@@ -56,8 +69,14 @@ WINDOW_3 = ("model.local_attention.window=3",)
         ("model.layer_pattern=[local]", *WINDOW_3),
         ("model.num_layers=3", "model.layer_pattern=[local,global]", *WINDOW_3),
         ("model.layer_pattern=[local,global]", "model.local_attention.chunk=4"),
+        HYBRID,
+        # Linear and attention layers alternating, dense: runs of one layer from two stacks.
+        ("model.layer_pattern=[linear,global]", *LINEAR),
     ],
-    ids=["dense-qk-norm", "moe-after-dense-mixed", "mla", "window", "window-mixed", "chunk"],
+    ids=[
+        "dense-qk-norm", "moe-after-dense-mixed", "mla", "window", "window-mixed", "chunk",
+        "hybrid-moe", "hybrid-alternating",
+    ],
 )  # fmt: skip
 def test_cached_decode_equals_the_full_forward(make_cfg, overrides):
     """A prefill of padded prompts (row 1's is 3 tokens, padded to 5 with other tokens at
@@ -131,6 +150,27 @@ def test_a_local_layer_caches_its_window_not_the_generation(make_cfg, overrides,
             assert (held is None) == (layers == 0), (stack, kind)
             if layers:
                 assert held.k.shape == held.v.shape == (layers, B, positions, K, H), (stack, kind)
+
+
+def test_a_linear_layer_caches_a_state_not_the_generation(make_cfg):
+    """The decode cache of a Gated DeltaNet layer is its state: per linear stack the
+    convolution's last conv_kernel - 1 inputs [L, B, 3, 2 Nk dk + Nv dv] and the rule's float32
+    state [L, B, Nv, dk, dv], the same for 16 positions as for 4096 (O(1) in the length); the
+    attention layer beside them keeps keys and values of every position."""
+    model, B = make_cfg(*HYBRID).model, 2
+    la = model.linear_attention
+    channels = 2 * la.num_key_heads * la.key_head_dim + la.num_value_heads * la.value_head_dim
+    state = (la.num_value_heads, la.key_head_dim, la.value_head_dim)
+    for length in (16, 4096):
+        cache = jax.eval_shape(
+            lambda length=length: init_cache(model, cache_stacks(model), B, length, jnp.bfloat16)
+        )
+        assert sorted(cache) == ["linear_moe_layers", "moe_layers"]
+        linear = cache["linear_moe_layers"]["linear"]
+        assert list(cache["linear_moe_layers"]) == ["linear"]
+        assert (linear.conv.shape, linear.conv.dtype) == ((3, B, 3, channels), jnp.bfloat16)
+        assert (linear.recurrent.shape, linear.recurrent.dtype) == ((3, B, *state), jnp.float32)
+        assert cache["moe_layers"]["global"].k.shape[:3] == (1, B, length)
 
 
 @pytest.mark.parametrize(
