@@ -173,6 +173,35 @@ def test_a_linear_layer_caches_a_state_not_the_generation(make_cfg):
         assert cache["moe_layers"]["global"].k.shape[:3] == (1, B, length)
 
 
+def test_greedy_generation_of_a_hybrid_model_follows_its_training_forward(make_cfg, tmp_path):
+    """`python -m maxtrain.generate` on the Qwen3-Next-shaped tiny model, prompts of 9, 2 and 6
+    tokens in one batch (chunks of 4), on 8 devices (its DeltaNet states split by value head
+    over tensor, its experts over expert) and on 1: each new token is the argmax of the
+    training path's logits over the prompt and the tokens before it, and both meshes agree."""
+    cfg = make_cfg(*HYBRID, "mesh.fsdp=2", "mesh.tensor=2", "mesh.expert=2")
+    init = lambda: nnx.to_pure_dict(nnx.state(model_lib.build(cfg.model, 5), nnx.Param))  # noqa: E731
+    params = jax.jit(init)()
+    save_parameters(tmp_path / "ckpt", params, config_yaml=config_lib.to_yaml(cfg))
+    prompts = [list(range(11, 20)), [3, 4], [100, 90, 80, 70, 60, 50]]
+    lines = "".join(json.dumps({"prompt_ids": p}) + "\n" for p in prompts)
+    (tmp_path / "prompts.jsonl").write_text(lines)
+    out = tmp_path / "out.jsonl"
+    args = [str(tmp_path / "ckpt"), "--prompts", str(tmp_path / "prompts.jsonl")]
+    new = []
+    for devices in ([], ["--devices", "1"]):
+        cli = [*args, *devices, "--max-new-tokens", "6", "--output", str(out)]
+        assert generate_cli.main(cli) == 0
+        new.append([json.loads(line)["new_ids"] for line in out.read_text().splitlines()])
+    assert new[0] == new[1]
+    mdef = run_model.model_def(cfg, pipelined=False)
+    forward = jax.jit(
+        lambda t: mdef.apply(params, t, jnp.arange(t.shape[1])[None], jnp.ones_like(t)).logits
+    )
+    for prompt, tokens in zip(prompts, new[0], strict=True):
+        logits = forward(jnp.asarray([prompt + tokens]))[0]
+        assert tokens == np.argmax(logits[len(prompt) - 1 : -1], axis=-1).tolist()
+
+
 @pytest.mark.parametrize(
     "case, mesh",
     [
