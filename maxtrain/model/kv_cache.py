@@ -43,7 +43,6 @@ from jax.sharding import Mesh, NamedSharding
 from maxtrain.config import ModelConfig
 from maxtrain.config.model import Mixer
 from maxtrain.model.layers.attention_pattern import KINDS
-from maxtrain.model.layers.gated_deltanet import DeltaNetState
 from maxtrain.parallel.mesh import constrain, logical_to_spec
 
 
@@ -152,6 +151,34 @@ class LatentCache(NamedTuple):
     def write(self, key: jax.Array, positions: jax.Array) -> LatentCache:
         """The cache with key [B, T, R + Rr] stored at positions [B, T] (consecutive per row)."""
         return LatentCache(_write_rows(self.key, key, positions, self.axes[1:]))
+
+
+class DeltaNetState(NamedTuple):
+    """What a Gated DeltaNet layer (model/layers/gated_deltanet.py) carries from one generation
+    step to the next, of one layer ([B, ...]) or a stack of them ([L, B, ...])."""
+
+    # [B, conv_kernel - 1, C]: the convolution's last inputs, oldest first; channels q | k | v,
+    # each head-major (C = 2 Nk dk + Nv dv), the order of transformers' conv1d and conv state.
+    conv: jax.Array
+    recurrent: jax.Array  # [B, Nv, dk, dv] float32: the delta rule's state
+
+    # Logical axes of each array stacked on a leading layer axis, as the decode cache holds
+    # them: rows like the activations, the rule's state split by value head like attention's
+    # heads. The window's channels interleave q, k and v heads: not split.
+    field_axes = (("layers", "batch", None, None), ("layers", "batch", "heads", None, None))
+
+    @classmethod
+    def zeros(
+        cls, leading: tuple[int, ...], num_k_heads: int, num_v_heads: int, head_k_dim: int,
+        head_v_dim: int, conv_kernel: int, dtype: jnp.dtype,
+    ) -> DeltaNetState:  # fmt: skip
+        """The state before a row's first token (nothing convolved, nothing remembered), for
+        `leading` axes of rows (and layers): its size is independent of any length."""
+        channels = 2 * num_k_heads * head_k_dim + num_v_heads * head_v_dim
+        return cls(
+            conv=jnp.zeros((*leading, conv_kernel - 1, channels), dtype),
+            recurrent=jnp.zeros((*leading, num_v_heads, head_k_dim, head_v_dim), jnp.float32),
+        )
 
 
 def _linear_zeros(cfg: ModelConfig, layers: int, batch: int, length: int, dtype) -> DeltaNetState:

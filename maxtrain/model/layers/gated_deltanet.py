@@ -14,11 +14,11 @@ they split like attention's: value heads are the layer's `heads`, query/key head
 Training (`__call__`) runs the chunked form over packed rows: both the convolution and the delta
 rule start afresh at each document (a token whose segment id differs from the previous
 token's), so nothing leaks from one document into the next. Generation (`step`) carries a
-`DeltaNetState` instead: the convolution's last `conv_kernel - 1` inputs and the rule's state,
-O(1) in the length. `cached` is `step` under the decoder's decode contract (the attention
-layers' `cached`, model/decoder.py): the state is the layer's decode cache (model/kv_cache.py),
-and a right-padded prefill's padding (position -1) leaves it as the row's last real token left
-it. transformers' fused checkpoint tensors map to these parameters in
+`DeltaNetState` instead (model/kv_cache.py, beside attention's caches): the convolution's last
+`conv_kernel - 1` inputs and the rule's state, O(1) in the length. `cached` is `step` under the
+decoder's decode contract (the attention layers' `cached`, model/decoder.py): the state is the
+layer's decode cache, and a right-padded prefill's padding (position -1) leaves it as the
+row's last real token left it. transformers' fused checkpoint tensors map to these parameters in
 maxtrain/hf/gated_deltanet.py.
 
 Shape letters: the package's; Nk/Nv the query/key and value heads, dk/dv their head sizes.
@@ -27,7 +27,6 @@ Shape letters: the package's; Nk/Nv the query/key and value heads, dk/dv their h
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -38,6 +37,7 @@ from maxtrain.model.kernels.gated_delta_rule import (
     document_starts,
     gated_delta_step,
 )
+from maxtrain.model.kv_cache import DeltaNetState
 from maxtrain.model.layers.base import Projection, make_param
 from maxtrain.model.layers.norms import RMSNorm
 from maxtrain.parallel.mesh import constrain
@@ -46,33 +46,6 @@ from maxtrain.parallel.mesh import constrain
 L2_NORM_EPS = 1e-6
 KEY_AXES = ("batch", "length", "kv_heads", "head_dim")
 VALUE_AXES = ("batch", "length", "heads", "head_dim")
-
-
-class DeltaNetState(NamedTuple):
-    """What a Gated DeltaNet layer carries from one generation step to the next."""
-
-    # [B, conv_kernel - 1, C]: the convolution's last inputs, oldest first; channels q | k | v,
-    # each head-major (C = 2 Nk dk + Nv dv), the order of transformers' conv1d and conv state.
-    conv: jax.Array
-    recurrent: jax.Array  # [B, Nv, dk, dv] float32: the delta rule's state
-
-    # Logical axes of each array stacked on a leading layer axis, as the decode cache holds
-    # them (model/kv_cache.py): rows like the activations, the rule's state split by value head
-    # like attention's heads. The window's channels interleave q, k and v heads: not split.
-    field_axes = (("layers", "batch", None, None), ("layers", "batch", "heads", None, None))
-
-    @classmethod
-    def zeros(
-        cls, leading: tuple[int, ...], num_k_heads: int, num_v_heads: int, head_k_dim: int,
-        head_v_dim: int, conv_kernel: int, dtype: jnp.dtype,
-    ) -> DeltaNetState:  # fmt: skip
-        """The state before a row's first token (nothing convolved, nothing remembered), for
-        `leading` axes of rows (and layers): its size is independent of any length."""
-        channels = 2 * num_k_heads * head_k_dim + num_v_heads * head_v_dim
-        return cls(
-            conv=jnp.zeros((*leading, conv_kernel - 1, channels), dtype),
-            recurrent=jnp.zeros((*leading, num_v_heads, head_k_dim, head_v_dim), jnp.float32),
-        )
 
 
 class GatedDeltaNet(nnx.Module):
