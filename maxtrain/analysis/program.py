@@ -281,6 +281,21 @@ def matmul_flops(hlo_text: str) -> int:
     return visit(entry, 1)
 
 
+def loop_trip_counts(hlo_text: str) -> list[int]:
+    """The trip count of every while loop in a compiled program that states one (scans over
+    layers, over a sequence's chunks), in the program's order; loops whose bound only the run
+    knows are left out."""
+    computations, _ = _computations(hlo_text)
+    counts = []
+    for lines in computations.values():
+        for line in lines:
+            match = _INSTRUCTION.match(line)
+            if match is not None and match.group(3) == "while":
+                trips = _trip_count(match.group(4), computations)
+                counts += [trips] if trips is not None else []
+    return counts
+
+
 _GROUPS = re.compile(r"\b(?:replica_groups|source_target_pairs)=(\{\{[\d,{}\s]*\}\}|\{\})")
 _IOTA_GROUPS = re.compile(r"\breplica_groups=\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?")
 _MESH_GROUPS = re.compile(r"\breplica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}")

@@ -18,7 +18,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from maxtrain.config import ModelConfig
-from maxtrain.model.kv_cache import Cache, StackCache
+from maxtrain.config.model import Mixer
+from maxtrain.model.kv_cache import Cache, StackCache, cache_kind
 from maxtrain.model.layers import embedding
 from maxtrain.model.layers.attention_pattern import KINDS, kind_per_layer
 from maxtrain.model.layers.attention_types import attention_type
@@ -28,7 +29,7 @@ from maxtrain.model.layers.mlp import MLP
 from maxtrain.model.layers.moe import MoE
 from maxtrain.model.layers.norms import RMSNorm
 from maxtrain.model.mtp import MultiTokenPrediction
-from maxtrain.model.stacks import STACKS, STAGES, LayerKind, layer_kinds, layer_runs
+from maxtrain.model.stacks import STACK_KINDS, STACKS, STAGES, LayerKind, layer_kinds, layer_runs
 from maxtrain.parallel import pipeline
 from maxtrain.parallel.mesh import constrain
 from maxtrain.parallel.pipeline import StageLayout
@@ -255,10 +256,12 @@ def run_stack_cached(
     cache: StackCache,
     kinds: tuple[int, ...],
     ranks: tuple[int, ...],
+    mixer: Mixer,
 ) -> tuple[jax.Array, StackCache]:
     """Layers [start, start + length) of a stack on new tokens; returns the updated caches.
-    `cache` holds the stack's caches per attention kind ([L_kind, ...], model/kv_cache.py), of
-    which layer i of the run (kind kinds[i]) owns entry ranks[i] of its kind's.
+    `cache` holds the stack's caches per cache kind ([L_kind, ...], model/kv_cache.py
+    cache_kind: the attention kind's, or one for `mixer` linear), of which layer i of the run
+    (attention kind kinds[i]) owns entry ranks[i] of its kind's.
 
     The scan runs over the layers' parameters and carries the caches: the kinds' caches differ
     in length (a global layer's all positions, a local one's a window), so they cannot be
@@ -275,7 +278,7 @@ def run_stack_cached(
         block = nnx.merge(graphdef, dequantized(layer_state))
 
         def of_kind(k: int) -> Callable:
-            name = KINDS[k]
+            name = cache_kind(mixer, k)
 
             def run(x, caches):
                 own = jax.tree.map(lambda a: a[rank], caches[name])
@@ -414,15 +417,17 @@ class Decoder(nnx.Module):
         """Generation: new tokens [B, T] at positions [B, T] (consecutive per row; -1: a
         prefill's right padding) -> their logits [B, T, V] and the cache
         (maxtrain/model/kv_cache.py) with their entries (keys and values, or MLA's latents)
-        added. A token sees the cached positions before its own that its layer's kind lets it."""
+        added and linear layers' states advanced past them. A token sees the cached positions
+        before its own that its layer's kind lets it."""
         x, cache = self._embed(tokens), dict(cache)
         for (stack, start, length, kinds), ranks in zip(
             self.runs, cache_ranks(self.runs), strict=True
         ):
             graphdef, stacked = nnx.split(getattr(self, stack))
             x, cache[stack] = run_stack_cached(
-                graphdef, stacked, start, length, x, positions, cache[stack], kinds, ranks
-            )
+                graphdef, stacked, start, length, x, positions, cache[stack], kinds, ranks,
+                STACK_KINDS[stack].mixer,
+            )  # fmt: skip
         return self._head(self.final_norm(x)), cache
 
     def _embed(self, tokens: jax.Array) -> jax.Array:

@@ -21,7 +21,13 @@ from maxtrain.config import ModelConfig
 from maxtrain.model.kv_cache import StackCache
 from maxtrain.model.layers.base import ADAPTER_A, ADAPTER_B
 from maxtrain.model.mtp import MultiTokenTraining
-from maxtrain.model.router_training import AuxiliaryTraining, NoAuxiliary, RouterTraining, Stats
+from maxtrain.model.router_training import (
+    AuxiliaryTraining,
+    NoAuxiliary,
+    RouterTraining,
+    Stats,
+    moe_rows_per_stack,
+)
 from maxtrain.parallel.pipeline import StageLayout
 
 
@@ -99,7 +105,9 @@ def define(
     prediction). What the run wraps around the model first (adapters, quantized matmuls) is the
     run's choice: training/run_model.py."""
     graphdef, abstract_state = nnx.split(module)
-    auxiliary = RouterTraining(cfg.moe) if cfg.moe is not None else NoAuxiliary()
+    auxiliary = (
+        RouterTraining(cfg.moe, moe_rows_per_stack(cfg)) if cfg.moe is not None else NoAuxiliary()
+    )
     if cfg.mtp.depth:
         auxiliary = MultiTokenTraining(auxiliary, cfg.mtp)
     return ModelDef(graphdef, abstract_state, auxiliary, layout, cfg.context_layout, adapter_dtype)

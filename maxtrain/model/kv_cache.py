@@ -21,10 +21,15 @@ of its rank among the stack's layers of its kind (model/decoder.py run_stack_cac
 per layer of the stack would hold the same but be scanned over by no lax.scan; both kinds at
 full length would spend the memory a window saves.
 
+A linear-attention layer (Gated DeltaNet, model/layers/gated_deltanet.py) keeps no position at
+all: its cache is its `DeltaNetState`, the convolution's last inputs and the recurrence's state,
+the same size at any length. Its layers have no attention kind; a linear stack's caches are
+one array per field under LINEAR, scanned like the others.
+
 Padding: a prefill's rows are right-padded to the longest prompt, the padding's positions -1.
 A full-length cache stores it (at the row's next positions, overwritten by its decode steps
 before any query sees them); a ring drops it, which it must, as the padding would overwrite
-the last prompt positions.
+the last prompt positions. A linear layer's state skips it (the layer's `cached`).
 """
 
 from __future__ import annotations
@@ -36,6 +41,8 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding
 
 from maxtrain.config import ModelConfig
+from maxtrain.config.model import Mixer
+from maxtrain.model.layers.attention_pattern import KINDS
 from maxtrain.parallel.mesh import constrain, logical_to_spec
 
 
@@ -146,20 +153,69 @@ class LatentCache(NamedTuple):
         return LatentCache(_write_rows(self.key, key, positions, self.axes[1:]))
 
 
-type Cache = LayerCache | LatentCache | WindowCache
-type StackCache = dict[str, Cache]  # a layer stack's caches per attention kind (KINDS' names)
+class DeltaNetState(NamedTuple):
+    """What a Gated DeltaNet layer (model/layers/gated_deltanet.py) carries from one generation
+    step to the next, of one layer ([B, ...]) or a stack of them ([L, B, ...])."""
+
+    # [B, conv_kernel - 1, C]: the convolution's last inputs, oldest first; channels q | k | v,
+    # each head-major (C = 2 Nk dk + Nv dv), the order of transformers' conv1d and conv state.
+    conv: jax.Array
+    recurrent: jax.Array  # [B, Nv, dk, dv] float32: the delta rule's state
+
+    # Logical axes of each array stacked on a leading layer axis, as the decode cache holds
+    # them: rows like the activations, the rule's state split by value head like attention's
+    # heads. The window's channels interleave q, k and v heads: not split.
+    field_axes = (("layers", "batch", None, None), ("layers", "batch", "heads", None, None))
+
+    @classmethod
+    def zeros(
+        cls, leading: tuple[int, ...], num_k_heads: int, num_v_heads: int, head_k_dim: int,
+        head_v_dim: int, conv_kernel: int, dtype: jnp.dtype,
+    ) -> DeltaNetState:  # fmt: skip
+        """The state before a row's first token (nothing convolved, nothing remembered), for
+        `leading` axes of rows (and layers): its size is independent of any length."""
+        channels = 2 * num_k_heads * head_k_dim + num_v_heads * head_v_dim
+        return cls(
+            conv=jnp.zeros((*leading, conv_kernel - 1, channels), dtype),
+            recurrent=jnp.zeros((*leading, num_v_heads, head_k_dim, head_v_dim), jnp.float32),
+        )
+
+
+def _linear_zeros(cfg: ModelConfig, layers: int, batch: int, length: int, dtype) -> DeltaNetState:
+    """Linear layers' states, [L, B, ...]: nothing of `length` in them."""
+    la = cfg.linear_attention
+    assert la is not None  # a linear layer implies it (config validation)
+    sizes = (la.num_key_heads, la.num_value_heads, la.key_head_dim, la.value_head_dim)
+    return DeltaNetState.zeros((layers, batch), *sizes, la.conv_kernel, dtype)
+
+
+type Cache = LayerCache | LatentCache | WindowCache | DeltaNetState
+# A layer stack's caches per cache kind: its attention kind's name (KINDS), or LINEAR.
+type StackCache = dict[str, Cache]
 CACHES: dict[str, type[LayerCache] | type[LatentCache]] = {"gqa": LayerCache, "mla": LatentCache}
+LINEAR = "linear"
+
+
+def cache_kind(mixer: Mixer, kind: int) -> str:
+    """The key of a layer's cache among its stack's: its attention kind's name (KINDS[kind]),
+    or LINEAR for a linear-attention layer, which has no attention kind."""
+    return LINEAR if mixer == "linear" else KINDS[kind]
 
 
 def init_cache(
     cfg: ModelConfig, stacks: dict[str, dict[str, int]], batch: int, length: int, dtype
 ) -> dict[str, StackCache]:
     """Zeroed caches for a generation of `length` positions: per params key of a layer stack,
-    per attention kind of its layers ({stack: {kind name: layers of that kind}}), the
-    model's attention's full-length cache for global layers, a ring for local ones."""
-    kinds = {"global": CACHES[cfg.attention_type], "local": WindowCache}
+    per cache kind of its layers ({stack: {cache_kind: layers of that kind}}), the model's
+    attention's full-length cache for global layers, a ring for local ones, the state for
+    linear ones."""
+    zeros = {
+        "global": CACHES[cfg.attention_type].zeros,
+        "local": WindowCache.zeros,
+        LINEAR: _linear_zeros,
+    }
     return {
-        stack: {kind: kinds[kind].zeros(cfg, n, batch, length, dtype) for kind, n in per.items()}
+        stack: {kind: zeros[kind](cfg, n, batch, length, dtype) for kind, n in per.items()}
         for stack, per in stacks.items()
     }
 
@@ -168,8 +224,11 @@ def cache_shardings(
     cache: dict[str, StackCache], mesh: Mesh, rules: dict[str, list[str]]
 ) -> dict[str, StackCache]:
     def shardings(held: Cache) -> Cache:
-        spec = lambda a: logical_to_spec(held.axes, rules, mesh, a.shape)
-        return type(held)(*(NamedSharding(mesh, spec(a)) for a in held))
+        """Each array's: the class's `axes` for all of them, or per array its `field_axes`."""
+        per_array = getattr(held, "field_axes", None) or (held.axes,) * len(held)
+        spec = lambda axes, a: logical_to_spec(axes, rules, mesh, a.shape)
+        pairs = zip(per_array, held, strict=True)
+        return type(held)(*(NamedSharding(mesh, spec(axes, a)) for axes, a in pairs))
 
     return {
         stack: {kind: shardings(held) for kind, held in per.items()} for stack, per in cache.items()

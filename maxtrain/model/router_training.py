@@ -24,8 +24,8 @@ from typing import Any, Protocol
 import jax
 import jax.numpy as jnp
 
-from maxtrain.config import MoeConfig
-from maxtrain.model.stacks import MOE_STACK, stack_path
+from maxtrain.config import ModelConfig, MoeConfig
+from maxtrain.model.stacks import MOE_STACK, STACKS, layer_kinds, stack_path
 
 Stats = dict[str, jax.Array]
 
@@ -64,6 +64,10 @@ class RouterTraining:
     tokens, z_squares, entropy, dropped and rounds [layers]."""
 
     moe: MoeConfig
+    # Where each MoE stack's layers are among the statistics' rows (the MoE layers in model
+    # order): (stack key, its rows in stack order), from moe_rows_per_stack. Empty: every MoE
+    # layer is in MOE_STACK, as in a model whose every layer attends.
+    moe_stacks: tuple[tuple[str, tuple[int, ...]], ...] = ()
 
     def aux_loss(self, stats: Stats) -> jax.Array:
         """Load-balancing and router z-loss: weights x their mean over MoE layers."""
@@ -81,12 +85,15 @@ class RouterTraining:
         if self.moe.bias_update_rate <= 0:
             return params
         load = stats["load"]  # [MoE layers, E] in model order
-        path = stack_path(params, MOE_STACK)
-        blocks, old_blocks = _at(params, path), _at(old_params, path)
-        bias = old_blocks["moe"]["router"]["bias"]  # [MoE layers, E], or pipelined [R, S, ., E]
         step = self.moe.bias_update_rate * jnp.sign(jnp.mean(load, axis=-1, keepdims=True) - load)
-        router = {**blocks["moe"]["router"], "bias": bias + step.reshape(bias.shape)}
-        return _replace(params, path, {**blocks, "moe": {**blocks["moe"], "router": router}})
+        for stack, rows in self.moe_stacks or ((MOE_STACK, tuple(range(len(load)))),):
+            path = stack_path(params, stack)
+            blocks, old_blocks = _at(params, path), _at(old_params, path)
+            bias = old_blocks["moe"]["router"]["bias"]  # [its layers, E], or pipelined [R, S, ., E]
+            moved = bias + step[jnp.asarray(rows)].reshape(bias.shape)
+            router = {**blocks["moe"]["router"], "bias": moved}
+            params = _replace(params, path, {**blocks, "moe": {**blocks["moe"], "router": router}})
+        return params
 
     def metrics(self, stats: Stats, aux_loss: jax.Array) -> Stats:
         """Router health over the whole batch, averaged over MoE layers, plus each layer's
@@ -109,6 +116,16 @@ class RouterTraining:
             "moe/rounds": jnp.max(stats["rounds"] / tokens),
             "moe/load": share,
         }
+
+
+def moe_rows_per_stack(cfg: ModelConfig) -> tuple[tuple[str, tuple[int, ...]], ...]:
+    """RouterTraining.moe_stacks of a model: per MoE stack (attention's, linear attention's),
+    the rows of the MoE layers' statistics (model order) its layers are, in stack order."""
+    moe_kinds = [kind for kind in layer_kinds(cfg) if kind.is_moe]
+    rows: dict[str, list[int]] = {}
+    for row, kind in enumerate(moe_kinds):
+        rows.setdefault(STACKS[kind], []).append(row)
+    return tuple((stack, tuple(of_stack)) for stack, of_stack in rows.items())
 
 
 def balance_loss(stats: Stats) -> jax.Array:

@@ -49,6 +49,7 @@ STACKS = {
     LINEAR: "linear_layers",
     LINEAR_MOE: "linear_moe_layers",
 }
+STACK_KINDS = {stack: kind for kind, stack in STACKS.items()}  # the inverse: stack -> kind
 # A pipelined run keeps each stack's layers after the leading dense ones in params[STAGES][stack],
 # [R, S, per group, ...]: a reshape of the layers in model order (parallel/pipeline.py).
 STAGES = "stages"

@@ -163,12 +163,19 @@ def context_attention(exchange: str, layout: str) -> Callable[..., jax.Array]:
 def check_context(model: ModelConfig, seq_len: int, length_axes: list[str], degree: int) -> None:
     """Refuses a sequence length the layout cannot split over `degree` devices, a length rule
     (mesh.rules.length: `length_axes`) without the context axis, and the parts of a model that
-    do not follow the split yet (the key/value exchanges are GQA's; multi-token prediction
-    shifts targets along the array, which the balanced layout reorders)."""
+    do not follow the split yet (the key/value exchanges are GQA's; linear attention's state
+    runs along the whole sequence; multi-token prediction shifts targets along the array, which
+    the balanced layout reorders)."""
     if degree > 1 and model.attention_type != "gqa":
         raise ConfigError(
             f"mesh.context={degree} splits GQA attention only; model.attention_type is "
             f"{model.attention_type} (set mesh.context=1)"
+        )
+    if degree > 1 and "linear" in (model.layer_pattern or ()):
+        raise ConfigError(
+            f"mesh.context={degree} splits attention layers only: model.layer_pattern's linear "
+            "layers (Gated DeltaNet) would need each device's chunk states passed along the "
+            "context axis; set mesh.context=1 (fsdp, tensor and expert split them)"
         )
     if degree > 1 and model.mtp.depth:
         raise ConfigError(

@@ -52,9 +52,12 @@ def stage_layout(cfg: Config) -> StageLayout | None:
     size = pipelined // groups
     group = kinds[prologue : prologue + size]
     if any(kinds[prologue + g * size : prologue + (g + 1) * size] != group for g in range(groups)):
+        interval = cfg.model.moe.interval if cfg.model.moe is not None else 1
+        pattern = len(cfg.model.layer_pattern or ())
         raise ConfigError(
             f"pipeline groups of {size} layers hold different kinds of layers: "
-            f"model.moe.interval ({cfg.model.moe.interval}) must divide {size}"
+            f"model.moe.interval ({interval}) and the length of model.layer_pattern "
+            f"({pattern}) must divide {size}"
         )
     attention = kind_per_layer(cfg.model)
     group_attention = attention[prologue : prologue + size]

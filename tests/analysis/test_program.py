@@ -4,7 +4,7 @@ loop trip."""
 import jax
 import jax.numpy as jnp
 
-from maxtrain.analysis.program import matmul_flops
+from maxtrain.analysis.program import loop_trip_counts, matmul_flops
 
 
 def _product_chain(length: int) -> jax.stages.Compiled:
@@ -24,3 +24,17 @@ def test_matmul_flops_count_each_trip_of_a_loop():
     short, long = _product_chain(8), _product_chain(16)
     assert matmul_flops(short.as_text()) == 8 * 2 * 64**3
     assert matmul_flops(long.as_text()) == 16 * 2 * 64**3
+
+
+def test_loop_trip_counts_name_every_scan_length():
+    """A scan of 5 inside a scan of 3: both lengths, as the compiled program states them."""
+
+    def nested(x):
+        def outer(c, _):
+            inner = jax.lax.scan(lambda d, _: (jnp.sin(d), None), c, None, length=5)[0]
+            return inner, None
+
+        return jax.lax.scan(outer, x, None, length=3)[0]
+
+    hlo = jax.jit(nested).lower(jnp.ones(4)).compile().as_text()
+    assert sorted(loop_trip_counts(hlo)) == [3, 5]

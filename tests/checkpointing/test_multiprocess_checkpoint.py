@@ -234,7 +234,8 @@ def test_stopped_killed_and_losing_a_peer_then_resumed_is_bit_exact(tmp_path, st
     results = launch(
         run_dir,
         jax_cache,
-        "distributed.heartbeat_timeout_s=20",
+        # A short heartbeat: when the dead peer is noticed through it, the wait is this long.
+        "distributed.heartbeat_timeout_s=5",
         kill_one_when=lambda _: committed.exists(),
     )
     (rc0, out0), (rc1, _) = results
@@ -309,7 +310,10 @@ def test_two_processes_train_exactly_like_one_process_on_the_same_mesh(
     the 8 devices. Across slices, each process is one simulated slice, and data parallelism
     (mesh.dcn.data=2) or the pipeline's stages (mesh.dcn.stage=2) run across them."""
     slices = ACROSS_SLICES[layout]
-    if slices:
+    steps = STEPS
+    if slices:  # a launch of its own: 6 steps show the same (steps 2-6 train, lr > 0)
+        steps = 6
+        slices = (*slices, f"train.steps={steps}")
         two_processes = tmp_path / "run"
         assert_ok(launch(two_processes, jax_cache, *slices, "checkpoint.enabled=false"))
     else:
@@ -320,7 +324,7 @@ def test_two_processes_train_exactly_like_one_process_on_the_same_mesh(
     )
     run(cfg)  # this test process: one process, 8 devices
     one, two = losses(cfg.run_dir), losses(two_processes)
-    assert sorted(one) == sorted(two) == list(range(1, STEPS + 1))
+    assert sorted(one) == sorted(two) == list(range(1, steps + 1))
     np.testing.assert_allclose([one[s] for s in one], [two[s] for s in one], rtol=1e-6)
 
 

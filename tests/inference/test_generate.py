@@ -38,6 +38,19 @@ TOLERANCE = 2e-5  # float32 rounding: the cache path sums attention over more (m
 
 
 WINDOW_3 = ("model.local_attention.window=3",)
+# Gated DeltaNet layers in chunks of 4: the 5-token prompt's prefill takes two.
+LINEAR = (
+    "model.linear_attention={num_key_heads: 2, num_value_heads: 4, key_head_dim: 8, "
+    "value_head_dim: 8, chunk: 4}",
+)
+# Qwen3-Next's shape, tiny: three linear layers then a gated attention layer, MoE with a gated
+# shared expert.
+HYBRID = (
+    "model_name=tiny-moe", "model.num_layers=4", "model.moe.capacity_factor=null",
+    "model.layer_pattern=[linear,linear,linear,global]", *LINEAR,
+    "model.attention_output_gate=true", "model.moe.shared_experts=1",
+    "model.moe.shared_expert_gate=true", "model.partial_rotary_factor=0.25",
+)  # fmt: skip
 
 
 @pytest.mark.parametrize(
@@ -56,8 +69,14 @@ WINDOW_3 = ("model.local_attention.window=3",)
         ("model.layer_pattern=[local]", *WINDOW_3),
         ("model.num_layers=3", "model.layer_pattern=[local,global]", *WINDOW_3),
         ("model.layer_pattern=[local,global]", "model.local_attention.chunk=4"),
+        HYBRID,
+        # Linear and attention layers alternating, dense: runs of one layer from two stacks.
+        ("model.layer_pattern=[linear,global]", *LINEAR),
     ],
-    ids=["dense-qk-norm", "moe-after-dense-mixed", "mla", "window", "window-mixed", "chunk"],
+    ids=[
+        "dense-qk-norm", "moe-after-dense-mixed", "mla", "window", "window-mixed", "chunk",
+        "hybrid-moe", "hybrid-alternating",
+    ],
 )  # fmt: skip
 def test_cached_decode_equals_the_full_forward(make_cfg, overrides):
     """A prefill of padded prompts (row 1's is 3 tokens, padded to 5 with other tokens at
@@ -131,6 +150,56 @@ def test_a_local_layer_caches_its_window_not_the_generation(make_cfg, overrides,
             assert (held is None) == (layers == 0), (stack, kind)
             if layers:
                 assert held.k.shape == held.v.shape == (layers, B, positions, K, H), (stack, kind)
+
+
+def test_a_linear_layer_caches_a_state_not_the_generation(make_cfg):
+    """The decode cache of a Gated DeltaNet layer is its state: per linear stack the
+    convolution's last conv_kernel - 1 inputs [L, B, 3, 2 Nk dk + Nv dv] and the rule's float32
+    state [L, B, Nv, dk, dv], the same for 16 positions as for 4096 (O(1) in the length); the
+    attention layer beside them keeps keys and values of every position."""
+    model, B = make_cfg(*HYBRID).model, 2
+    la = model.linear_attention
+    channels = 2 * la.num_key_heads * la.key_head_dim + la.num_value_heads * la.value_head_dim
+    state = (la.num_value_heads, la.key_head_dim, la.value_head_dim)
+    for length in (16, 4096):
+        cache = jax.eval_shape(
+            lambda length=length: init_cache(model, cache_stacks(model), B, length, jnp.bfloat16)
+        )
+        assert sorted(cache) == ["linear_moe_layers", "moe_layers"]
+        linear = cache["linear_moe_layers"]["linear"]
+        assert list(cache["linear_moe_layers"]) == ["linear"]
+        assert (linear.conv.shape, linear.conv.dtype) == ((3, B, 3, channels), jnp.bfloat16)
+        assert (linear.recurrent.shape, linear.recurrent.dtype) == ((3, B, *state), jnp.float32)
+        assert cache["moe_layers"]["global"].k.shape[:3] == (1, B, length)
+
+
+def test_greedy_generation_of_a_hybrid_model_follows_its_training_forward(make_cfg, tmp_path):
+    """`python -m maxtrain.generate` on the Qwen3-Next-shaped tiny model, prompts of 9, 2 and 6
+    tokens in one batch (chunks of 4), on 8 devices (its DeltaNet states split by value head
+    over tensor, its experts over expert) and on 1: each new token is the argmax of the
+    training path's logits over the prompt and the tokens before it, and both meshes agree."""
+    cfg = make_cfg(*HYBRID, "mesh.fsdp=2", "mesh.tensor=2", "mesh.expert=2")
+    init = lambda: nnx.to_pure_dict(nnx.state(model_lib.build(cfg.model, 5), nnx.Param))  # noqa: E731
+    params = jax.jit(init)()
+    save_parameters(tmp_path / "ckpt", params, config_yaml=config_lib.to_yaml(cfg))
+    prompts = [list(range(11, 20)), [3, 4], [100, 90, 80, 70, 60, 50]]
+    lines = "".join(json.dumps({"prompt_ids": p}) + "\n" for p in prompts)
+    (tmp_path / "prompts.jsonl").write_text(lines)
+    out = tmp_path / "out.jsonl"
+    args = [str(tmp_path / "ckpt"), "--prompts", str(tmp_path / "prompts.jsonl")]
+    new = []
+    for devices in ([], ["--devices", "1"]):
+        cli = [*args, *devices, "--max-new-tokens", "6", "--output", str(out)]
+        assert generate_cli.main(cli) == 0
+        new.append([json.loads(line)["new_ids"] for line in out.read_text().splitlines()])
+    assert new[0] == new[1]
+    mdef = run_model.model_def(cfg, pipelined=False)
+    forward = jax.jit(
+        lambda t: mdef.apply(params, t, jnp.arange(t.shape[1])[None], jnp.ones_like(t)).logits
+    )
+    for prompt, tokens in zip(prompts, new[0], strict=True):
+        logits = forward(jnp.asarray([prompt + tokens]))[0]
+        assert tokens == np.argmax(logits[len(prompt) - 1 : -1], axis=-1).tolist()
 
 
 @pytest.mark.parametrize(

@@ -42,7 +42,8 @@ def _layer(chunk: int = 8, **sizes) -> GatedDeltaNet:
 @pytest.fixture(scope="module")
 def transformers_layer():
     """Our layer holding the fixture's weights (chunks of 8, so that its 20 tokens take three),
-    as its training path and its generation step, each compiled once per input shape."""
+    as its training path, its generation step and that step under the decoder's decode
+    contract (`cached`), each compiled once per input shape."""
     layer = _layer()
     for path, value in from_hf(dict(np.load(FIXTURE / "weights.npz")), **DIMS).items():
         param = getattr(functools.reduce(getattr, path[:-1], layer), path[-1])
@@ -51,7 +52,11 @@ def transformers_layer():
     graph, params = nnx.split(layer)
     call = jax.jit(lambda p, x, segment_ids: nnx.merge(graph, p)(x, None, segment_ids))
     step = jax.jit(lambda p, x, carried: nnx.merge(graph, p).step(x, carried))
-    return functools.partial(call, params), functools.partial(step, params), layer.init_state
+    cached = jax.jit(
+        lambda p, x, positions, carried: nnx.merge(graph, p).cached(x, positions, carried)
+    )
+    partials = (functools.partial(f, params) for f in (call, step, cached))
+    return *partials, layer.init_state
 
 
 def test_the_fused_tensors_map_to_our_parameters_and_back_exactly():
@@ -65,7 +70,7 @@ def test_the_fused_tensors_map_to_our_parameters_and_back_exactly():
 def test_training_path_equals_transformers(transformers_layer):
     """One document per row, 20 tokens in chunks of 8 (the last partial): transformers'
     output within 1e-5, where it is of order one."""
-    call, _, _ = transformers_layer
+    call, *_ = transformers_layer
     out = call(X, np.ones(X.shape[:2], np.int32))
     assert np.sqrt(np.mean(Y**2)) > 1.0
     np.testing.assert_allclose(out, Y, atol=1e-5)
@@ -75,7 +80,7 @@ def test_packed_documents_equal_each_alone(transformers_layer):
     """Two documents per row, each a prefix of a fixture row, give transformers' outputs for
     each prefix alone: neither the convolution (4 taps) nor the state reaches across a
     document start, inside a chunk (9) or on a chunk's edge (16)."""
-    call, _, _ = transformers_layer
+    call, *_ = transformers_layer
     first = (X[0, :9], X[1, :11]), (Y[0, :9], Y[1, :11])
     second = (X[1, :16], X[0, :4]), (Y[1, :16], Y[0, :4])
     packed = np.stack([np.concatenate(first[0]), np.concatenate(second[0])])
@@ -88,7 +93,7 @@ def test_generation_step_by_step_and_after_a_prefill_equals_transformers(transfo
     """Decoding one token at a time from an empty state, and after a prefill of 10 tokens
     (chunked, from the state): transformers' outputs, each step carrying the convolution
     window and the rule's state."""
-    _, step, init_state = transformers_layer
+    _, step, _, init_state = transformers_layer
     for prefill in (1, 10):
         out, state = step(X[:, :prefill], init_state(X.shape[0]))
         outs = [out]
@@ -96,6 +101,29 @@ def test_generation_step_by_step_and_after_a_prefill_equals_transformers(transfo
             out, state = step(X[:, t : t + 1], state)
             outs.append(out)
         np.testing.assert_allclose(np.concatenate(outs, axis=1), Y, atol=1e-5, err_msg=prefill)
+
+
+def test_a_right_padded_prefill_then_steps_equals_transformers(transformers_layer):
+    """Generation's contract (`cached`, as the decoder calls it): rows of 10 and 3 prompt
+    tokens in one prefill, the second right-padded to 10 with the first row's inputs at
+    position -1, then one token per step at each row's own next position, give transformers'
+    outputs at every real token: the padding neither decays nor writes the rule's state, and
+    the convolution's window ends at the row's last prompt token, not its padding."""
+    _, _, cached, init_state = transformers_layer
+    lengths, width = np.array([10, 3]), 10
+    prompt = X[:, :width].copy()
+    prompt[1, lengths[1] :] = X[0, lengths[1] : width]
+    positions = np.where(np.arange(width) < lengths[:, None], np.arange(width), -1)
+    out, state = cached(prompt, positions, init_state(2))
+    outs = [[out[0, :width]], [out[1, : lengths[1]]]]
+    for step in range(X.shape[1] - lengths[1]):
+        at = np.minimum(lengths + step, X.shape[1] - 1)  # row 0 repeats its last token: unchecked
+        out, state = cached(X[[0, 1], at][:, None], at[:, None], state)
+        for row in (0, 1):
+            outs[row].append(out[row])
+    for row in (0, 1):
+        got = np.concatenate(outs[row])[: X.shape[1]]
+        np.testing.assert_allclose(got, Y[row], atol=1e-5, err_msg=f"row {row}")
 
 
 def _compiled_costs(length: int) -> tuple[int, int]:

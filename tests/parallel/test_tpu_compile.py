@@ -283,12 +283,13 @@ def test_windowed_splash_does_sequence_times_window_work():
     assert causal[2048]["splash_mha_fwd_segmented_residuals"] == 4 * 4
 
 
-def test_local_layers_compile_to_windowed_splash(make_cfg):
-    """A model of [local, global] layers, a window of 256 over 2048 tokens (4 blocks of 512)
-    and GPT-OSS's attention sinks, compiled on fsdp 2 x tensor 2 (the sinks split with the
-    heads): the layer scan's switch holds both kinds' kernels, the global layers' stepping over
-    every key block (4 x 4) and the local layers' over the two a window reaches (4 x 2), in the
-    forward and both backward kernels."""
+def test_every_layer_kind_compiles_local_layers_to_windowed_splash(make_cfg):
+    """A model of [local, global, linear, linear] layers, a window of 256 over 2048 tokens (4
+    blocks of 512), GPT-OSS's attention sinks and Qwen3-Next's output gate, compiled on fsdp 2 x
+    tensor 2 (sinks, gates and the DeltaNet's heads split with the heads): the attention run's
+    switch holds both kinds' kernels, the global layers' stepping over every key block (4 x 4)
+    and the local layers' over the two a window reaches (4 x 2), in the forward and both
+    backward kernels; the linear layers scan their 32 chunks of 64 tokens."""
     _, hlo, found = _compile(
         make_cfg,
         "mesh.fsdp=2",
@@ -296,11 +297,17 @@ def test_local_layers_compile_to_windowed_splash(make_cfg):
         "train.seq_len=2048",
         "model.max_seq_len=2048",
         "train.global_batch_size=4",
-        "model.layer_pattern=[local,global]",
+        "model.num_layers=4",
+        "model.layer_pattern=[local,global,linear,linear]",
         "model.local_attention.window=256",
         "model.attention_sinks=true",
+        "model.attention_output_gate=true",
+        "model.linear_attention={num_key_heads: 2, num_value_heads: 4, key_head_dim: 128, "
+        "value_head_dim: 128}",
     )
     _has(found, ATTENTION)
+    trips = program.loop_trip_counts(hlo)
+    assert 32 in trips, trips  # the linear layers' scan over 2048 / 64 chunks
     grids = _splash_grids(hlo)
     assert set(grids["splash_mha_fwd_segmented_residuals"]) == {(4, 4), (4, 2)}, grids
     assert set(grids["splash_mha_dq_segmented_no_residuals"]) == {(4, 4), (4, 2)}, grids

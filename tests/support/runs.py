@@ -16,7 +16,7 @@ from pathlib import Path
 from maxtrain import config as config_lib
 from support.xla_env import xla_flags
 
-STEPS = 60
+STEPS = 30  # room for a kill, a kill mid-save, a SIGTERM and a Ctrl-C between saves (test_resume)
 
 
 ARGS = [
@@ -30,7 +30,7 @@ ARGS = [
     "train.seq_len=64",
     "train.global_batch_size=8",
     "checkpoint.local.every_steps=4",
-    "checkpoint.persistent.every_steps=20",
+    "checkpoint.persistent.every_steps=10",
 ]
 
 

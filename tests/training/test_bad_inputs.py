@@ -112,6 +112,18 @@ ROWS = [
     ("context split", "maxtrain", [*TINY, "mesh.context=4", "train.seq_len=36"],
      "train.seq_len=36 must be divisible by 8 (model.context_layout=balanced over a context "
      "degree of 4)"),
+    ("context split of linear layers", "maxtrain",
+     [*TINY, "mesh.context=2", "model.layer_pattern=[linear, global]",
+      "model.linear_attention={num_key_heads: 1, num_value_heads: 2}"],
+     "mesh.context=2 splits attention layers only: model.layer_pattern's linear layers"),
+    ("stages of different mixers", "maxtrain",
+     [*TINY, "mesh.stage=2", "model.layer_pattern=[linear, global]",
+      "model.linear_attention={num_key_heads: 1, num_value_heads: 2}"],
+     "pipeline groups of 1 layers hold different kinds of layers: model.moe.interval (1) and "
+     "the length of model.layer_pattern (2) must divide 1"),
+    ("linear layers without their section", "maxtrain",
+     [*TINY, "model.layer_pattern=[linear, global]"],
+     "model.layer_pattern has linear layers but model.linear_attention is absent"),
     ("context exchange", "maxtrain", [*TINY, "model.context_exchange=ulysses"],
      "config key 'model.context_exchange' must be one of 'all_gather' or 'ring'"),
     ("mesh too big", "maxtrain", [*TINY, "mesh.fsdp=3"], "use 3 devices per slice but 8 are"),

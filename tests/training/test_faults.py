@@ -4,12 +4,14 @@ parameters. Every one ends in a clear line, nothing lost."""
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import jax
 import numpy as np
+import pytest
 from flax import nnx
 from support.runs import tree_digest
 from support.xla_env import xla_flags
@@ -70,9 +72,10 @@ def params_at(step_dir: Path, *overrides: str):
     return jax.device_get(load_parameters(step_dir, abstract))
 
 
-BLOW_UP = ["optim.lr=1e12", "optim.warmup_steps=0", "optim.clip_norm=0"]
 # lr warms up from 0: step 1 leaves the parameters as they were, step 2 (lr 2.5e11) makes them
-# huge but finite, and the loss of step 3, computed on them, is NaN.
+# huge but finite, and the loss of step 3, computed on them, is NaN, and so every later one (a
+# skipped update leaves them as they were). The three tests below train 6 steps with it: one
+# step program (train.on_nonfinite and the checkpoint settings are the host's), compiled once.
 BLOW_UP_AT_3 = ["optim.lr=1e12", "optim.warmup_steps=4", "optim.clip_norm=0"]
 EVERY_STEP = ["checkpoint.local.every_steps=1", "checkpoint.local.keep=10"]
 
@@ -99,10 +102,10 @@ def test_nonfinite_loss_stops_and_the_run_resumes_from_the_last_finite_checkpoin
 
 def test_nonfinite_loss_skip_policy_drops_the_bad_updates(tmp_path):
     run_dir = tmp_path / "run"
-    result = cli(run_dir, "train.steps=6", "train.on_nonfinite=skip", *BLOW_UP)
+    result = cli(run_dir, "train.steps=6", "train.on_nonfinite=skip", *BLOW_UP_AT_3)
     assert result.returncode == 0, result.stderr[-2000:]
     warnings = result.stderr.strip().splitlines()
-    assert [w.split("skipped (")[1].split(" in a row")[0] for w in warnings] == list("12345")
+    assert [w.split("skipped (")[1].split(" in a row")[0] for w in warnings] == list("1234")
     assert all("maxtrain: warning: the loss is not finite at step" in w for w in warnings)
     params = params_at(run_dir / "checkpoints" / "persistent" / "6")
     assert all(np.isfinite(x).all() for x in jax.tree.leaves(params))
@@ -110,11 +113,11 @@ def test_nonfinite_loss_skip_policy_drops_the_bad_updates(tmp_path):
 
 def test_too_many_skips_in_a_row_stop_like_stop(tmp_path):
     """train.max_consecutive_skips=3: steps 3, 4, 5 are skipped with a warning each, the fourth
-    non-finite step in a row ends the run; steps 2-5 were saved from states that gave a NaN
-    loss, so step 1 is the one to resume from."""
+    non-finite step in a row (the last, 6) ends the run; steps 2-5 were saved from states that
+    gave a NaN loss, so step 1 is the one to resume from."""
     run_dir = tmp_path / "run"
     skip = ["train.on_nonfinite=skip", "train.max_consecutive_skips=3"]
-    result = cli(run_dir, "train.steps=10", *skip, *EVERY_STEP, *BLOW_UP_AT_3)
+    result = cli(run_dir, "train.steps=6", *skip, *EVERY_STEP, *BLOW_UP_AT_3)
     assert result.returncode == 1
     *warnings, line = result.stderr.strip().splitlines()
     assert [w.split(";")[0][-9:] for w in warnings] == ["at step 3", "at step 4", "at step 5"]
@@ -135,7 +138,11 @@ def test_full_disk_is_one_line_and_the_next_run_resumes_then_a_finished_run_is_l
     complete step and replaces the records the failed run logged after it. Started once more,
     the finished run says so and changes nothing."""
     run_dir = tmp_path / "run"
-    big = ["model.vocab_size=8192", "checkpoint.local.every_steps=4"]  # a 2 MiB embedding
+    big = [
+        "model.vocab_size=8192",  # a 2 MiB embedding
+        "checkpoint.local.every_steps=4",
+        "optim.schedule_steps=8",  # the 4- and 8-step runs' one lr schedule: one step program
+    ]
     assert cli(run_dir, "train.steps=4", *big).returncode == 0
     full = cli(run_dir, "train.steps=8", *big, max_file_bytes=2**20)
     assert full.returncode == 2
@@ -157,40 +164,60 @@ def test_full_disk_is_one_line_and_the_next_run_resumes_then_a_finished_run_is_l
     assert tree_digest(run_dir) == before
 
 
-def test_checkpoint_of_another_model_exits_2_naming_the_parameter_and_touches_nothing(tmp_path):
-    run_dir = tmp_path / "run"
-    assert cli(run_dir, "train.steps=2").returncode == 0
+@pytest.fixture(scope="module")
+def finished(tmp_path_factory) -> Path:
+    """A finished 8-step run (steps 4 and 8 in the local tier, 8 in the persistent one) for the
+    tests that start from a run's checkpoints: one launch instead of one per test, and a later
+    launch of the same shape with train.steps=8 loads its step program instead of compiling one.
+    Tests that change the run work on a copy (copy_of)."""
+    run_dir = tmp_path_factory.mktemp("finished") / "run"
+    result = cli(run_dir, "train.steps=8", "checkpoint.local.every_steps=4")
+    assert result.returncode == 0, result.stderr[-2000:]
+    return run_dir
+
+
+def copy_of(run_dir: Path, tmp_path: Path) -> Path:
+    copy = tmp_path / "run"
+    shutil.copytree(run_dir, copy)
+    return copy
+
+
+def test_checkpoint_of_another_model_exits_2_naming_the_parameter_and_touches_nothing(
+    tmp_path, finished
+):
+    run_dir = copy_of(finished, tmp_path)
     before = tree_digest(run_dir / "checkpoints")
-    result = cli(run_dir, "train.steps=4", "model.mlp_dim=96")
+    result = cli(run_dir, "train.steps=10", "model.mlp_dim=96")
     assert result.returncode == 2
     assert result.stderr.strip().count("\n") == 0, result.stderr
     assert "mlp" in result.stderr and "128" in result.stderr and "96" in result.stderr
     assert tree_digest(run_dir / "checkpoints") == before
 
 
-def test_damaged_newest_checkpoint_falls_back_to_the_previous_one(tmp_path):
-    run_dir = tmp_path / "run"
-    assert cli(run_dir, "train.steps=8", "checkpoint.local.every_steps=4").returncode == 0
+def test_damaged_newest_checkpoint_falls_back_to_the_previous_one(tmp_path, finished):
+    run_dir = copy_of(finished, tmp_path)
     for tier in ("local", "persistent"):  # step 8 is in both: the last interval and the end
         newest = run_dir / "checkpoints" / tier / "8"
         victim = max((p for p in newest.rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
         victim.write_bytes(victim.read_bytes()[: victim.stat().st_size // 2])  # a torn write
-    result = cli(run_dir, "train.steps=10", "checkpoint.local.every_steps=4")
+    # train.steps=8 as before: a damaged step 8 does not make the run complete
+    result = cli(run_dir, "train.steps=8", "checkpoint.local.every_steps=4")
     assert result.returncode == 0, result.stderr[-2000:]
     assert "step 8" in result.stderr and "corrupt" in result.stderr
     assert "resumed at step 4" in result.stdout
+    assert logged_steps(run_dir) == list(range(1, 9))
 
 
-def test_load_parameters_path_starts_a_new_run_from_those_parameters(tmp_path):
-    source = tmp_path / "source"
-    assert cli(source, "train.steps=3").returncode == 0
+def test_load_parameters_path_starts_a_new_run_from_those_parameters(tmp_path, finished):
     target = tmp_path / "target"
     # lr 0: the new run's one step changes nothing, so its parameters are the source's
-    result = cli(target, "train.steps=1", "optim.lr=0", f"checkpoint.load_parameters_path={source}")
+    result = cli(
+        target, "train.steps=1", "optim.lr=0", f"checkpoint.load_parameters_path={finished}"
+    )
     assert result.returncode == 0, result.stderr[-2000:]
     assert "resumed" not in result.stdout  # a new run: step 1, fresh optimizer
     loaded = params_at(target / "checkpoints" / "persistent" / "1")
-    original = params_at(source / "checkpoints" / "persistent" / "3")
+    original = params_at(finished / "checkpoints" / "persistent" / "8")
     for a, b in zip(jax.tree.leaves(loaded), jax.tree.leaves(original), strict=True):
         np.testing.assert_array_equal(a, b)
 

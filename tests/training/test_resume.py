@@ -76,8 +76,8 @@ def test_killed_stopped_and_interrupted_again_and_again_then_resumed_is_bit_exac
     assert "resumed at step" in killed.stdout
 
     for sig, status, said, at in [
-        (signal.SIGTERM, 0, "SIGTERM: saved step ", 25),
-        (signal.SIGINT, 130, "interrupted (SIGINT): saved step ", 40),
+        (signal.SIGTERM, 0, "SIGTERM: saved step ", 17),
+        (signal.SIGINT, 130, "interrupted (SIGINT): saved step ", 22),
     ]:
         stopped = interrupt(run_dir, logged_step_at_least(at), sig)
         assert stopped.returncode == status, stopped.stderr[-2000:]

@@ -14,8 +14,11 @@ they split like attention's: value heads are the layer's `heads`, query/key head
 Training (`__call__`) runs the chunked form over packed rows: both the convolution and the delta
 rule start afresh at each document (a token whose segment id differs from the previous
 token's), so nothing leaks from one document into the next. Generation (`step`) carries a
-`DeltaNetState` instead: the convolution's last `conv_kernel - 1` inputs and the rule's state,
-O(1) in the length. transformers' fused checkpoint tensors map to these parameters in
+`DeltaNetState` instead (model/kv_cache.py, beside attention's caches): the convolution's last
+`conv_kernel - 1` inputs and the rule's state, O(1) in the length. `cached` is `step` under the
+decoder's decode contract (the attention layers' `cached`, model/decoder.py): the state is the
+layer's decode cache, and a right-padded prefill's padding (position -1) leaves it as the
+row's last real token left it. transformers' fused checkpoint tensors map to these parameters in
 maxtrain/hf/gated_deltanet.py.
 
 Shape letters: the package's; Nk/Nv the query/key and value heads, dk/dv their head sizes.
@@ -24,7 +27,6 @@ Shape letters: the package's; Nk/Nv the query/key and value heads, dk/dv their h
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -36,6 +38,7 @@ from maxtrain.model.kernels.gated_delta_rule import (
     document_starts,
     gated_delta_step,
 )
+from maxtrain.model.kv_cache import DeltaNetState
 from maxtrain.model.layers.attention import AttentionCounts
 from maxtrain.model.layers.base import Projection, make_param
 from maxtrain.model.layers.norms import RMSNorm
@@ -45,15 +48,6 @@ from maxtrain.parallel.mesh import constrain
 L2_NORM_EPS = 1e-6
 KEY_AXES = ("batch", "length", "kv_heads", "head_dim")
 VALUE_AXES = ("batch", "length", "heads", "head_dim")
-
-
-class DeltaNetState(NamedTuple):
-    """What a Gated DeltaNet layer carries from one generation step to the next."""
-
-    # [B, conv_kernel - 1, C]: the convolution's last inputs, oldest first; channels q | k | v,
-    # each head-major (C = 2 Nk dk + Nv dv), the order of transformers' conv1d and conv state.
-    conv: jax.Array
-    recurrent: jax.Array  # [B, Nv, dk, dv] float32: the delta rule's state
 
 
 class GatedDeltaNet(nnx.Module):
@@ -153,23 +147,27 @@ class GatedDeltaNet(nnx.Module):
 
     def init_state(self, batch: int) -> DeltaNetState:
         """The state before a row's first token: nothing convolved, nothing remembered."""
-        taps = self.q_conv.shape[0]
-        channels = sum(math.prod(w.shape[1:]) for w in (self.q_conv, self.k_conv, self.v_conv))
-        nv, dk, dv = self.v_conv.shape[1], self.q_conv.shape[2], self.v_conv.shape[2]
-        return DeltaNetState(
-            conv=jnp.zeros((batch, taps - 1, channels), self.compute_dtype),
-            recurrent=jnp.zeros((batch, nv, dk, dv), jnp.float32),
-        )
+        taps, nk, dk = self.q_conv.shape
+        nv, dv = self.v_conv.shape[1:]
+        return DeltaNetState.zeros((batch,), nk, nv, dk, dv, taps, self.compute_dtype)
 
-    def step(self, x: jax.Array, state: DeltaNetState) -> tuple[jax.Array, DeltaNetState]:
+    def step(
+        self, x: jax.Array, state: DeltaNetState, real: jax.Array | None = None
+    ) -> tuple[jax.Array, DeltaNetState]:
         """Generation's path: x [B, T, D], the tokens following `state` in one document per row
         -> (output [B, T, D], the state after them). T = 1 (a decode step) runs the recurrence
-        itself; more tokens (a prefill) run in chunks from the state."""
+        itself; more tokens (a prefill) run in chunks from the state. `real` [B, T] (None: all
+        real) marks each row's tokens, False on a right-padded row's padding, whose tokens
+        neither decay nor write the rule's state (g = 0, beta = 0) and which the convolution's
+        window skips, ending at the row's last real token; their outputs mean nothing."""
         q, k, v, z, g, beta = self._project(x)
+        if real is not None:
+            g, beta = jnp.where(real[..., None], g, 0.0), jnp.where(real[..., None], beta, 0.0)
+        ends = None if real is None else jnp.sum(real, axis=1)  # real tokens per row
         convolved, windows = [], []
         streams = ((q, self.q_conv), (k, self.k_conv), (v, self.v_conv))
         for (stream, taps), history in zip(streams, self._histories(state.conv), strict=True):
-            mixed, window = _causal_conv(stream, taps[...], history.astype(stream.dtype))
+            mixed, window = _causal_conv(stream, taps[...], history.astype(stream.dtype), ends=ends)
             convolved.append(mixed)
             windows.append(window.reshape(*window.shape[:2], -1))
         q, k, v = _l2_normalize(convolved[0]), _l2_normalize(convolved[1]), convolved[2]
@@ -184,6 +182,15 @@ class GatedDeltaNet(nnx.Module):
             )
         conv = jnp.concatenate(windows, axis=-1).astype(state.conv.dtype)
         return self._output(out, z), DeltaNetState(conv, recurrent)
+
+    def cached(
+        self, x: jax.Array, positions: jax.Array, cache: DeltaNetState, kind: int = 0
+    ) -> tuple[jax.Array, DeltaNetState]:
+        """The decoder's decode contract (as attention's `cached`, model/decoder.py): new tokens
+        x [B, T, D] at positions [B, T] (-1: a prefill's right padding) continuing the layer's
+        cache, its state -> (output [B, T, D], the state after each row's last real token).
+        The recurrence reads no position but their order; `kind` is attention's, none here."""
+        return self.step(x, cache, positions >= 0)
 
     def _project(self, x: jax.Array) -> tuple[jax.Array, ...]:
         """x [B, T, D] -> q/k [B, T, Nk, dk], v/z [B, T, Nv, dv] in compute dtype, and the
@@ -213,13 +220,19 @@ class GatedDeltaNet(nnx.Module):
 
 
 def _causal_conv(
-    x: jax.Array, taps: jax.Array, history: jax.Array, documents: jax.Array | None = None
+    x: jax.Array,
+    taps: jax.Array,
+    history: jax.Array,
+    documents: jax.Array | None = None,
+    *,
+    ends: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """silu of the causal depthwise convolution of x [B, T, h, d] with taps [K, h, d] (tap K - 1
     on the current input), `history` [B, K - 1, h, d] the inputs before x. With documents
     [B, T] (each token's document index in its row, from 0), an input of another document
     than the output's counts as zero; history belongs to the row's first document. Returns
-    (output [B, T, h, d], the last K - 1 inputs: the window the next token needs)."""
+    (output [B, T, h, d], the last K - 1 inputs, or with ends [B] those up to each row's
+    token ends - 1: the window the row's next token needs)."""
     size, t = taps.shape[0], x.shape[1]
     full = jnp.concatenate([history, x], axis=1)
     if documents is not None:
@@ -231,7 +244,11 @@ def _causal_conv(
             same = padded[:, i : i + t] == documents
             term = jnp.where(same[:, :, None, None], term, 0)
         out = out + term * taps[i].astype(x.dtype)
-    return jax.nn.silu(out), full[:, t:]
+    if ends is None:
+        window = full[:, t:]
+    else:  # per row: full's entries ends .. ends + K - 2 (x's token ends - 1 the last)
+        window = jax.vmap(lambda f, e: jax.lax.dynamic_slice_in_dim(f, e, size - 1))(full, ends)
+    return jax.nn.silu(out), window
 
 
 def _l2_normalize(x: jax.Array) -> jax.Array:
