@@ -199,7 +199,7 @@ def _mixer(cfg: ModelConfig, mixer: str, prefix: str, stack: str, j: int) -> lis
     table = tuple((path, name, ax, None, None) for path, name, ax in plain)
     if mixer == "linear":
         assert cfg.linear_attention is not None  # a linear layer implies it
-        table += _linear_attention(cfg.linear_attention)
+        table += linear_attention_tensors(cfg.linear_attention)
     out = [
         Slot(prefix + name, (stack, *path), (j,), ax, part, unit_axis)
         for path, name, ax, part, unit_axis in table
@@ -214,7 +214,7 @@ def _mixer(cfg: ModelConfig, mixer: str, prefix: str, stack: str, j: int) -> lis
     return out
 
 
-def _linear_attention(linear: LinearAttention) -> tuple:
+def linear_attention_tensors(linear: LinearAttention) -> tuple:
     """A Gated DeltaNet layer's tensors inside `linear_attn.` (transformers' fused layout:
     maxtrain/hf/gated_deltanet.py): (our path, Hugging Face name, input axes, Part, unit
     axis)."""
