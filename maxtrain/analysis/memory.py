@@ -56,8 +56,8 @@ from maxtrain.model import ModelDef, compute_dtype
 from maxtrain.model.kernels.attention import attention_implementation, banded_keys
 from maxtrain.model.kernels.grouped_matmul import grouped_matmul_implementation
 from maxtrain.model.layers.attention_pattern import KINDS, kind_per_layer
-from maxtrain.model.layers.attention_types import attention_type
-from maxtrain.model.stacks import is_moe_per_layer
+from maxtrain.model.layers.attention_types import mixer_counts
+from maxtrain.model.stacks import LayerKind, is_moe_per_layer, layer_kinds
 from maxtrain.optim import muon
 from maxtrain.parallel.experts import exchange_implementation, routed_capacity
 from maxtrain.parallel.mesh import axis_sizes, spec_axes
@@ -160,8 +160,8 @@ def estimate(cfg: Config, num_devices: int) -> MemoryEstimate:
     depth = cfg.model.mtp.depth
     if depth:
         logits *= 1 + depth
-        last_is_moe = is_moe_per_layer(cfg.model)[-1]
-        activations += depth * tokens * _saved_per_token(cfg, last_is_moe, c, policy="none")
+        last = LayerKind("attention", is_moe_per_layer(cfg.model)[-1])  # global attention
+        activations += depth * tokens * _saved_per_token(cfg, last, c, policy="none")
     return MemoryEstimate(
         params=params,
         optimizer=moments,
@@ -242,21 +242,20 @@ def _activation_bytes(
     cfg: Config, sizes: dict[str, int], batch: int, length: int, c: int, layout: StageLayout | None
 ) -> int:
     model = cfg.model
-    kinds = is_moe_per_layer(model)
+    kinds = layer_kinds(model)
     # (layers, sequences per pass, passes whose activations the backward keeps)
     if layout is None:
         runs = [(kinds, batch, 1)]
     else:
         micro = batch // layout.microbatches
-        group = tuple(kind.is_moe for kind in layout.group)
-        runs = [(kinds[: len(layout.prologue)], batch, 1), (group, micro, layout.iterations)]
+        runs = [(kinds[: len(layout.prologue)], batch, 1), (layout.group, micro, layout.iterations)]
     kept = working = scores = dispatch = 0
     for layers, rows, passes in runs:
         if not layers:
             continue
         tokens = rows * length
-        kept += passes * tokens * sum(_saved_per_token(cfg, is_moe, c) for is_moe in layers)
-        per_token = max(_saved_per_token(cfg, is_moe, c, policy="none") for is_moe in layers)
+        kept += passes * tokens * sum(_saved_per_token(cfg, kind, c) for kind in layers)
+        per_token = max(_saved_per_token(cfg, kind, c, policy="none") for kind in layers)
         working = max(working, tokens * per_token)
         # Keys a device's queries meet at once: the whole sequence, or under context
         # parallelism with the ring exchange one block (parallel/context.py).
@@ -273,7 +272,7 @@ def _activation_bytes(
         if split:  # the exchanged K and V (all_gather: the whole sequence)
             kv = 2 * rows * keys * model.num_kv_heads * model.resolved_head_dim * c
             working = max(working, tokens * per_token + kv)
-        if any(layers):
+        if any(kind.is_moe for kind in layers):
             dispatch = max(dispatch, _moe_dispatch_bytes(cfg, sizes, tokens, c))
     if layout is not None:  # the micro-batches between repeats, and their gradient
         kept += 2 * batch * length * model.emb_dim * c
@@ -321,14 +320,18 @@ def _moe_dispatch_bytes(cfg: Config, sizes: dict[str, int], tokens: int, c: int)
     return total
 
 
-def _saved_per_token(cfg: Config, is_moe: bool, c: int, policy: str | None = None) -> int:
-    """Bytes per token one layer keeps for its backward pass under a remat policy."""
+def _saved_per_token(cfg: Config, kind: LayerKind, c: int, policy: str | None = None) -> int:
+    """Bytes per token one layer keeps for its backward pass under a remat policy: its token
+    mixer's (attention's K/V and scores' inputs, or a linear layer's projections and chunk
+    states) and its feed-forward's."""
     model = cfg.model
     policy = policy or model.remat
     D = model.emb_dim
+    is_moe = kind.is_moe
     if policy == "full":
         return D * c  # the layer input only
-    attention = attention_type(model).counts(model).saved * c
+    counts = mixer_counts(model, kind.mixer)
+    attention = counts.saved * c + math.ceil(counts.state_bytes)
     if is_moe:
         m = model.moe
         ffn = m.num_experts * 4  # float32 router logits

@@ -47,6 +47,16 @@ _SCALING_FAMILIES = {"yarn": ("deepseek_v3", "gpt_oss"), "linear": ("gemma3_text
 _EXTENDS_A_CONTEXT = ("llama3", "yarn")
 # transformers' layer_types -> our model.layer_pattern kinds.
 _LAYER_KINDS = {"full_attention": "global", "sliding_attention": "local"}
+# Qwen3-Next's layer_types -> our model.layer_pattern kinds.
+_LINEAR_LAYER_KINDS = {"linear_attention": "linear", "full_attention": "global"}
+# Qwen3-Next's config.json keys of its Gated DeltaNet -> model.linear_attention's.
+_LINEAR_KEYS = {
+    "linear_num_key_heads": "num_key_heads",
+    "linear_num_value_heads": "num_value_heads",
+    "linear_key_head_dim": "key_head_dim",
+    "linear_value_head_dim": "value_head_dim",
+    "linear_conv_kernel_dim": "conv_kernel",
+}
 # YaRN options of transformers we do not model, with the value we compute.
 _YARN_FIXED = {"attention_factor": None}
 # The aux-loss-free bias update rate an imported routing bias trains with: DeepSeek-V3's
@@ -94,6 +104,8 @@ def model_config(hf: dict[str, Any], family: Family, where: str) -> ModelConfig:
     mla = {key: value(key) for key in family.mla_keys} or None
     biases = family.attention_bias if family.attention_bias and value("attention_bias") else "none"
     pattern = _layer_pattern(hf, family, where, value, num_layers) if family.layer_types else {}
+    if family.linear_layers:
+        pattern = _linear_pattern(hf, where, value, num_layers)
     fields = dict(
         vocab_size=value("vocab_size"),
         emb_dim=value("hidden_size"),
@@ -140,6 +152,8 @@ def model_config(hf: dict[str, Any], family: Family, where: str) -> ModelConfig:
         )
         if family.renormalize_key:
             fields["moe"]["renormalize"] = value(family.renormalize_key)
+        if family.shared_width_key:
+            fields["moe"]["shared_experts"] = _shared_experts(family, value, where)
         if family.router_bias:
             fields["moe"]["bias_update_rate"] = IMPORTED_BIAS_UPDATE_RATE
         if family.expert_layout == "gpt_oss":
@@ -159,6 +173,48 @@ def model_config(hf: dict[str, Any], family: Family, where: str) -> ModelConfig:
             "layers may be dense besides the interval)"
         )
     return cfg
+
+
+def _linear_pattern(hf: dict[str, Any], where: str, value, num_layers: int) -> dict[str, Any]:
+    """Qwen3-Next's layer kinds as model.layer_pattern (linear_attention: `linear`,
+    full_attention: `global`) with model.linear_attention: layer_types, else, as transformers
+    derives it, every full_attention_interval-th layer full."""
+    types = value("layer_types")
+    if types is None:
+        interval = value("full_attention_interval")
+        if not isinstance(interval, int) or interval < 1:
+            raise ConversionError(f"{where}: full_attention_interval={interval!r} is not supported")
+        types = [
+            "full_attention" if (i + 1) % interval == 0 else "linear_attention"
+            for i in range(num_layers)
+        ]
+    unknown = sorted(set(types) - set(_LINEAR_LAYER_KINDS))
+    if unknown:
+        raise ConversionError(
+            f"{where}: layer_types holds {unknown[0]!r}; supported: "
+            + ", ".join(_LINEAR_LAYER_KINDS)
+        )
+    if len(types) != num_layers:
+        raise ConversionError(
+            f"{where}: layer_types names {len(types)} layers, num_hidden_layers is {num_layers}"
+        )
+    kinds = [_LINEAR_LAYER_KINDS[t] for t in types]
+    if "linear" not in kinds:
+        return {}
+    linear = {ours: value(key) for key, ours in _LINEAR_KEYS.items()}
+    return dict(layer_pattern=_period(kinds), linear_attention=linear)
+
+
+def _shared_experts(family: Family, value, where: str) -> int:
+    """model.moe.shared_experts of a shared expert as wide as `shared_width_key` says: how
+    many routed experts' widths it spans."""
+    width, expert = value(family.shared_width_key), value(family.expert_width_key)
+    if width <= 0 or width % expert:
+        raise ConversionError(
+            f"{where}: {family.shared_width_key}={width} is not supported (only a positive "
+            f"multiple of {family.expert_width_key}={expert})"
+        )
+    return width // expert
 
 
 def _chunked_nope(value, num_layers: int, where: str) -> dict[str, Any]:
@@ -260,6 +316,8 @@ def hf_config(cfg: ModelConfig, family: Family, dtype: str) -> dict[str, Any]:
         out.update({key: getattr(m, ours) for key, ours in family.moe_keys.items()})
         if family.renormalize_key:
             out[family.renormalize_key] = m.renormalize
+        if family.shared_width_key:
+            out[family.shared_width_key] = m.shared_experts * m.expert_mlp_dim
         if family.sparse_layer_keys:
             out["decoder_sparse_step"] = m.interval
             out["mlp_only_layers"] = list(range(m.first_dense_layers))
@@ -268,7 +326,23 @@ def hf_config(cfg: ModelConfig, family: Family, dtype: str) -> dict[str, Any]:
             out["moe_layers"] = _indices(is_moe_per_layer(cfg))
     if family.chunked_nope:
         out.update(_chunked_nope_keys(cfg, family))
+    if family.linear_layers:
+        out.update(_linear_keys(cfg, family))
     return out
+
+
+def _linear_keys(cfg: ModelConfig, family: Family) -> dict[str, Any]:
+    """Qwen3-Next's config.json keys of cfg's layer kinds (_linear_pattern's inverse); the
+    DeltaNet's sizes at transformers' defaults where no layer is linear."""
+    hf_names = {kind: name for name, kind in _LINEAR_LAYER_KINDS.items()}
+    linear = cfg.linear_attention
+    return {
+        "layer_types": [hf_names[cfg.layer_attention(i)] for i in range(cfg.num_layers)],
+        **{
+            key: getattr(linear, ours) if linear else family.defaults[key]
+            for key, ours in _LINEAR_KEYS.items()
+        },
+    }
 
 
 def _chunked_nope_keys(cfg: ModelConfig, family: Family) -> dict[str, Any]:
@@ -529,11 +603,15 @@ def _check_exportable(cfg: ModelConfig, family: Family) -> None:
                 unsupported.append(f"model.moe.interval={m.interval}")
         elif not all(kinds):
             unsupported.append("dense layers between MoE layers")
+        if family.shared_width_key and not m.shared_experts:
+            unsupported.append("model.moe.shared_experts=0 (its MoE layers have a shared expert)")
         for key, want in family.fixed_moe.items():
             if getattr(m, key) != want:
                 unsupported.append(f"model.moe.{key}={_shown(getattr(m, key))}")
     elif family.is_moe:
         unsupported.append("a dense model (its MoE layers are required)")
+    if cfg.mla is not None and not family.mla_keys:
+        unsupported.append("model.attention_type=mla")
     if cfg.rope_interleaved != family.rope_interleaved and not family.mla_keys:
         unsupported.append(f"model.rope_interleaved={_shown(cfg.rope_interleaved)}")
     unsupported += _unexportable_pattern(cfg, family)

@@ -46,7 +46,7 @@ from maxtrain.config import ModelArchitecture, ModelConfig
 from maxtrain.hf.config_map import CONFIG_JSON, hf_config, model_config, read_config_json
 from maxtrain.hf.errors import ConversionError
 from maxtrain.hf.families import Family, family_for
-from maxtrain.hf.layout import Slot, join_parts, slots
+from maxtrain.hf.layout import Slot, hf_tensor, slots
 from maxtrain.hf.safetensors_io import OutputTensor, TensorReader, write_safetensors
 from maxtrain.hf.tokenizer_files import run_tokenizer, special_ids, tokenizer_files
 from maxtrain.posttrain import partial_checkpoint
@@ -137,8 +137,7 @@ def write_hf_model(
 
     def produce(parts: list[Slot]) -> np.ndarray:
         """One tensor from the slots that share it (several: its Parts along the last axis)."""
-        blocks = [slot.to_hf(_at(arrays, slot.path)[slot.index]) for slot in parts]
-        return join_parts(blocks, parts[0].part)
+        return hf_tensor(parts, [_at(arrays, slot.path)[slot.index] for slot in parts])
 
     by_name: dict[str, list[Slot]] = {}
     for slot in slots(cfg, family):

@@ -35,6 +35,12 @@ in a few config.json keys, model options and tensor names, which is all this mod
                                     (layer_types), YaRN (untruncated); every layer MoE: a router
                                     with a bias, experts with biases and a clamped SwiGLU, stored
                                     fused (expert_layout "gpt_oss")
+    qwen3_next  Qwen3NextForCausalLM  Qwen3-Next: Gated DeltaNet layers (linear_attention in
+                                    layer_types, else all but every full_attention_interval-th)
+                                    beside gated attention (q_proj holds per head its query and
+                                    an output gate), partial RoPE (0.25 when absent), qk-norm,
+                                    every RMSNorm 1 + w; Qwen3-MoE's router and layer choice,
+                                    a shared expert whose output a sigmoid gate scales
 
 Router semantics match ours for both MoE families: transformers takes the softmax over all
 experts, keeps the top k, and (Mixtral always, Qwen3-MoE iff norm_topk_prob) divides by their
@@ -119,6 +125,8 @@ class Family:
     def fixed_moe(self) -> dict[str, Any]:
         """model.moe key -> the only value this family's checkpoints express."""
         mapped = set(self.moe_keys.values()) | ({"renormalize"} if self.renormalize_key else set())
+        if self.shared_width_key:
+            mapped.add("shared_experts")
         fixed = {**MOE_FIXED, **self.moe_fixed}
         return {key: want for key, want in fixed.items() if key not in mapped}
 
@@ -145,6 +153,13 @@ class Family:
     # projection's columns interleaved, experts.down_proj [E, F, D]; the clamped SwiGLU's
     # swiglu_alpha and swiglu_limit).
     expert_layout: str = "per_expert"
+    # Qwen3-Next: the shared experts as one SwiGLU of this config.json key's width (ours:
+    # model.moe.shared_experts x expert_mlp_dim), with a gate (shared_expert_gate.weight [1, D]
+    # inside moe_block); None: shared experts as moe_keys map them, if any.
+    shared_width_key: str | None = None
+    # Gated DeltaNet layers (model.layer_pattern `linear`, model.linear_attention) named by
+    # layer_types' linear_attention (config_map.py).
+    linear_layers: bool = False
 
     @property
     def is_moe(self) -> bool:
@@ -161,6 +176,7 @@ MOE_FIXED = {
     "n_group": 1,
     "topk_group": 1,
     "weight_on": "output",
+    "shared_expert_gate": False,
 }
 
 _BASE_DEFAULTS = {"rope_theta": 10000.0, "tie_word_embeddings": False, "initializer_range": 0.02}
@@ -468,6 +484,51 @@ GPT_OSS = Family(
     global_period=2,
     expert_layout="gpt_oss",
 )
+# transformers' Qwen3NextConfig: its MoE is Qwen3-MoE's under other defaults, every layer
+# has a shared expert with a gate, and the attention layers' q_proj holds the output gate.
+QWEN3_NEXT = Family(
+    model_type="qwen3_next",
+    architecture="Qwen3NextForCausalLM",
+    qk_norm=True,
+    defaults={
+        **_BASE_DEFAULTS,
+        "rms_norm_eps": 1e-6,
+        "max_position_embeddings": 32768,
+        "num_key_value_heads": 2,
+        "head_dim": 256,
+        "intermediate_size": 5632,
+        "partial_rotary_factor": 0.25,  # Qwen3NextConfig sets it when absent
+        "layer_types": None,
+        "full_attention_interval": 4,
+        "linear_num_key_heads": 16,
+        "linear_num_value_heads": 32,
+        "linear_key_head_dim": 128,
+        "linear_value_head_dim": 128,
+        "linear_conv_kernel_dim": 4,
+    },
+    required={"hidden_act": "silu", "attention_bias": False},
+    moe_block="mlp",
+    expert_names=("gate_proj", "up_proj", "down_proj"),
+    expert_count_keys=("num_experts",),
+    expert_width_key="moe_intermediate_size",
+    renormalize_key="norm_topk_prob",
+    sparse_layer_keys=True,
+    moe_defaults={
+        "num_experts": 512,
+        "num_experts_per_tok": 10,
+        "moe_intermediate_size": 512,
+        "shared_expert_intermediate_size": 512,
+        "norm_topk_prob": True,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+        "router_aux_loss_coef": 1e-3,
+    },
+    shared_block="shared_expert",
+    moe_fixed={"shared_expert_gate": True},
+    features={"qk_norm": True, "norm_scale_plus_one": True, "attention_output_gate": True},
+    shared_width_key="shared_expert_intermediate_size",
+    linear_layers=True,
+)
 FAMILIES = {
     f.model_type: f
     for f in (
@@ -481,22 +542,32 @@ FAMILIES = {
         LLAMA4,
         GEMMA3,
         GPT_OSS,
+        QWEN3_NEXT,
     )
 }
 # The model keys a Family's `features` may fix, at the value every other family has.
 FEATURE_DEFAULTS = {
     key: ModelArchitecture.model_fields[key].default
-    for key in ("block_norms", "norm_scale_plus_one", "scale_embeddings", "mlp_activation")
+    for key in (
+        "block_norms",
+        "norm_scale_plus_one",
+        "scale_embeddings",
+        "mlp_activation",
+        "attention_output_gate",
+    )
 }
 
 
 def family_for(cfg: ModelConfig) -> Family:
     """The family a model of ours exports as: the only one with its attention, qk-norm and
-    MoE choice (multi-head latent attention: DeepSeek-V3, whose layers are MoE; attention
+    MoE choice (linear layers or gated attention: Qwen3-Next; multi-head latent attention:
+    DeepSeek-V3, whose layers are MoE; attention
     sinks: GPT-OSS; experts weighing their inputs: Llama 4; sandwich norms: Gemma 3; other
     grouped-query attention with sigmoid routing: GLM-4.5, qk-normed or not), a dense model
     with local layers as Mistral
     (config_map refuses what it cannot express)."""
+    if cfg.linear_attention is not None or cfg.attention_output_gate:
+        return QWEN3_NEXT
     if cfg.attention_type == "mla":
         return DEEPSEEK_V3
     if cfg.attention_sinks:

@@ -19,71 +19,24 @@ taps [K, heads, head dim].
 The other tensors follow the package's general rule (maxtrain/hf/layout.py): out_proj.weight
 [D, Nv dv] is our o kernel [Nv, dv, D] flattened and transposed; norm.weight [dv], A_log [Nv]
 and dt_bias [Nv] are ours as they are (`a_log`, `dt_bias`, `norm.scale`).
+
+layout.py states this once, as Slots with Parts (linear_attention_tensors), which import and
+export of whole checkpoints use; from_hf and to_hf apply it to one layer's tensors (the layer's
+own tests load transformers' Qwen3NextGatedDeltaNet with them).
 """
 
 from __future__ import annotations
 
+import jax
+import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
+from maxtrain.config import LinearAttention
+from maxtrain.hf.layout import Slot, hf_tensor, linear_attention_tensors
+from maxtrain.model.layers.gated_deltanet import GatedDeltaNet
 
-def split_qkvz(
-    weight: np.ndarray, *, num_k_heads: int, num_v_heads: int, head_k_dim: int, head_v_dim: int
-) -> dict[str, np.ndarray]:
-    """in_proj_qkvz.weight -> our q, k [D, Nk, dk] and v, z [D, Nv, dv] kernels."""
-    group = num_v_heads // num_k_heads
-    per_head = weight.T.reshape(weight.shape[1], num_k_heads, -1)  # [D, Nk, 2 dk + 2 G dv]
-    bounds = np.cumsum([head_k_dim, head_k_dim, group * head_v_dim])
-    q, k, v, z = np.split(per_head, bounds, axis=-1)
-    as_value_heads = lambda x: x.reshape(x.shape[0], num_v_heads, head_v_dim)  # noqa: E731
-    return dict(q=q, k=k, v=as_value_heads(v), z=as_value_heads(z))
-
-
-def fuse_qkvz(q: np.ndarray, k: np.ndarray, v: np.ndarray, z: np.ndarray) -> np.ndarray:
-    """Our q, k [D, Nk, dk] and v, z [D, Nv, dv] kernels -> in_proj_qkvz.weight."""
-    d, num_k_heads = q.shape[:2]
-    grouped = lambda x: x.reshape(d, num_k_heads, -1)  # noqa: E731  [D, Nk, G dv]
-    return np.concatenate([q, k, grouped(v), grouped(z)], axis=-1).reshape(d, -1).T
-
-
-def split_ba(weight: np.ndarray, *, num_k_heads: int) -> dict[str, np.ndarray]:
-    """in_proj_ba.weight -> our b, a [D, Nv] kernels."""
-    per_head = weight.T.reshape(weight.shape[1], num_k_heads, -1)  # [D, Nk, 2 G]
-    b, a = np.split(per_head, 2, axis=-1)
-    return dict(b=b.reshape(b.shape[0], -1), a=a.reshape(a.shape[0], -1))
-
-
-def fuse_ba(b: np.ndarray, a: np.ndarray, *, num_k_heads: int) -> np.ndarray:
-    """Our b, a [D, Nv] kernels -> in_proj_ba.weight."""
-    grouped = lambda x: x.reshape(x.shape[0], num_k_heads, -1)  # noqa: E731
-    return np.concatenate([grouped(b), grouped(a)], axis=-1).reshape(b.shape[0], -1).T
-
-
-def split_conv(
-    weight: np.ndarray, *, num_k_heads: int, num_v_heads: int, head_k_dim: int, head_v_dim: int
-) -> dict[str, np.ndarray]:
-    """conv1d.weight [C, 1, K] -> our q_conv, k_conv [K, Nk, dk] and v_conv [K, Nv, dv] taps."""
-    taps = weight[:, 0, :].T  # [K, C]
-    key = num_k_heads * head_k_dim
-    q, k, v = np.split(taps, [key, 2 * key], axis=-1)
-    return dict(
-        q_conv=q.reshape(-1, num_k_heads, head_k_dim),
-        k_conv=k.reshape(-1, num_k_heads, head_k_dim),
-        v_conv=v.reshape(-1, num_v_heads, head_v_dim),
-    )
-
-
-def fuse_conv(q_conv: np.ndarray, k_conv: np.ndarray, v_conv: np.ndarray) -> np.ndarray:
-    """Our q_conv, k_conv, v_conv taps -> conv1d.weight [C, 1, K]."""
-    flat = [x.reshape(x.shape[0], -1) for x in (q_conv, k_conv, v_conv)]
-    return np.concatenate(flat, axis=-1).T[:, None, :]
-
-
-# Tensors whose layout is ours as it is: (Hugging Face name, our parameter path).
-_AS_THEY_ARE = (
-    ("A_log", ("a_log",)),
-    ("dt_bias", ("dt_bias",)),
-    ("norm.weight", ("norm", "scale")),
-)
+_PREFIX = "linear_attn."
 
 
 def from_hf(
@@ -96,35 +49,61 @@ def from_hf(
 ) -> dict[tuple[str, ...], np.ndarray]:
     """One layer's tensors, by their names inside `linear_attn.` -> our parameters, by path in
     the layer (("q", "kernel"), ("a_log",), ...)."""
-    dims = dict(
-        num_k_heads=num_k_heads, num_v_heads=num_v_heads, head_k_dim=head_k_dim,
-        head_v_dim=head_v_dim,
-    )  # fmt: skip
-    ours: dict[tuple[str, ...], np.ndarray] = {}
-    for name, kernel in split_qkvz(tensors["in_proj_qkvz.weight"], **dims).items():
-        ours[(name, "kernel")] = kernel
-    for name, kernel in split_ba(tensors["in_proj_ba.weight"], num_k_heads=num_k_heads).items():
-        ours[(name, "kernel")] = kernel
-    for name, taps in split_conv(tensors["conv1d.weight"], **dims).items():
-        ours[(name,)] = taps
-    ours[("o", "kernel")] = tensors["out_proj.weight"].T.reshape(num_v_heads, head_v_dim, -1)
-    for hf_name, path in _AS_THEY_ARE:
-        ours[path] = tensors[hf_name]
-    return ours
+    hidden, conv_kernel = tensors["out_proj.weight"].shape[0], tensors["conv1d.weight"].shape[-1]
+    linear = _sizes(num_k_heads, num_v_heads, head_k_dim, head_v_dim, conv_kernel)
+    shapes = _parameter_shapes(hidden, linear)
+    return {
+        slot.path: slot.to_ours(tensors[slot.hf_name], shapes[slot.path]) for slot in _slots(linear)
+    }
 
 
 def to_hf(params: dict[tuple[str, ...], np.ndarray]) -> dict[str, np.ndarray]:
     """Our parameters of one layer, by path (`from_hf`'s) -> its tensors by their names inside
     `linear_attn.`."""
-    kernel = lambda name: params[(name, "kernel")]  # noqa: E731
-    num_k_heads = kernel("q").shape[1]
-    o = kernel("o")
-    tensors = {
-        "in_proj_qkvz.weight": fuse_qkvz(kernel("q"), kernel("k"), kernel("v"), kernel("z")),
-        "in_proj_ba.weight": fuse_ba(kernel("b"), kernel("a"), num_k_heads=num_k_heads),
-        "conv1d.weight": fuse_conv(params[("q_conv",)], params[("k_conv",)], params[("v_conv",)]),
-        "out_proj.weight": o.reshape(-1, o.shape[-1]).T,
+    _, num_k_heads, head_k_dim = params[("q", "kernel")].shape
+    conv_kernel, num_v_heads, head_v_dim = params[("v_conv",)].shape
+    linear = _sizes(num_k_heads, num_v_heads, head_k_dim, head_v_dim, conv_kernel)
+    by_name: dict[str, list[Slot]] = {}
+    for slot in _slots(linear):
+        by_name.setdefault(slot.hf_name, []).append(slot)
+    return {
+        name: hf_tensor(parts, [np.asarray(params[slot.path]) for slot in parts])
+        for name, parts in by_name.items()
     }
-    for hf_name, path in _AS_THEY_ARE:
-        tensors[hf_name] = params[path]
-    return tensors
+
+
+def _sizes(
+    num_k_heads: int, num_v_heads: int, head_k_dim: int, head_v_dim: int, conv_kernel: int
+) -> LinearAttention:
+    return LinearAttention(
+        num_key_heads=num_k_heads, num_value_heads=num_v_heads, key_head_dim=head_k_dim,
+        value_head_dim=head_v_dim, conv_kernel=conv_kernel,
+    )  # fmt: skip
+
+
+def _slots(linear: LinearAttention) -> list[Slot]:
+    """layout.py's Slots of one layer, named inside `linear_attn.`, paths inside the layer."""
+    return [
+        Slot(name.removeprefix(_PREFIX), path[1:], (), in_axes, part, unit_axis)
+        for path, name, in_axes, part, unit_axis in linear_attention_tensors(linear)
+    ]
+
+
+def _parameter_shapes(hidden: int, linear: LinearAttention) -> dict[tuple[str, ...], tuple]:
+    """Our layer's parameter shapes by path, as the layer itself builds them."""
+    layer = nnx.eval_shape(
+        lambda: GatedDeltaNet(
+            hidden,
+            linear.num_key_heads,
+            linear.num_value_heads,
+            linear.key_head_dim,
+            linear.value_head_dim,
+            conv_kernel=linear.conv_kernel,
+            init_std=0.02,
+            param_dtype=jnp.float32,
+            compute_dtype=jnp.float32,
+            rngs=nnx.Rngs(0),
+        )  # fmt: skip
+    )
+    flat = jax.tree_util.tree_flatten_with_path(nnx.to_pure_dict(nnx.state(layer, nnx.Param)))[0]
+    return {tuple(key.key for key in path): leaf.shape for path, leaf in flat}

@@ -25,24 +25,31 @@ from typing import NamedTuple
 
 import numpy as np
 
-from maxtrain.config import ModelConfig
+from maxtrain.config import LinearAttention, ModelConfig, MoeConfig
 from maxtrain.hf.families import Family
 from maxtrain.model.stacks import STACKS, layer_kinds, stack_positions
 
 
 class Part(NamedTuple):
-    """Part `index` of `count` equal ones along a tensor's last axis: a contiguous block
-    (Llama 4's gate_up_proj: the gate's columns, then the up projection's) or, interleaved,
-    columns index, index + count, ... (GPT-OSS's: the gate's at even columns)."""
+    """Part `index` of a tensor's last axis, which repeats groups of runs of `widths` columns
+    each: ours is run `index` of every group. One group of equal runs is a contiguous block
+    (Llama 4's gate_up_proj: the gate's F columns, then the up projection's: widths (F, F)),
+    runs of one column interleave (GPT-OSS's: the gate's at even columns: widths (1, 1)), and
+    a group per head splits heads' blocks (Qwen3-Next's q_proj: per head its query, then its
+    output gate: widths (H, H))."""
 
     index: int
-    count: int
-    interleaved: bool = False
+    widths: tuple[int, ...]
 
     def of(self, tensor: np.ndarray) -> np.ndarray:
-        if self.interleaved:
-            return tensor[..., self.index :: self.count]
-        return np.split(tensor, self.count, axis=-1)[self.index]
+        groups = tensor.reshape(*tensor.shape[:-1], -1, sum(self.widths))
+        start = sum(self.widths[: self.index])
+        run = groups[..., start : start + self.widths[self.index]]
+        return run.reshape(*tensor.shape[:-1], -1)
+
+    def whole_width(self, width: int) -> int:
+        """The last axis' size of the tensor whose part has `width` columns."""
+        return width // self.widths[self.index] * sum(self.widths)
 
 
 # (our path inside a layer, Hugging Face name inside `model.layers.<i>.`, input axes of a
@@ -94,7 +101,7 @@ _EXPERTS = ("gate", "up", "down")  # ours, in the order of Family.expert_names
 _DENSE_MLP = tuple((("mlp", ours, "kernel"), f"{ours}_proj.weight", 1) for ours in _EXPERTS)
 # GPT-OSS's fused experts inside the MoE block (Family.expert_layout "gpt_oss"): (our path
 # inside `moe`, Hugging Face name, input axes, Part of the interleaved columns or None).
-_GATE, _UP = Part(0, 2, interleaved=True), Part(1, 2, interleaved=True)
+_GATE, _UP = Part(0, (1, 1)), Part(1, (1, 1))
 _GPT_OSS_MOE = (
     (("router", "kernel"), "router.weight", 1, None),
     (("router", "logit_bias"), "router.bias", None, None),
@@ -120,39 +127,59 @@ class Slot:
     # A linear weight: leading input axes of our kernel (0: a bias, flattened); None: same layout
     in_axes: int | None
     part: Part | None = None  # our block is this part of the tensor's last axis; None: all of it
+    # An axis of size 1 the Hugging Face tensor has and ours not (Conv1d's input channel per
+    # group, conv1d.weight [C, 1, K]); None: none.
+    unit_axis: int | None = None
 
     def hf_shape(self, block_shape: tuple[int, ...]) -> tuple[int, ...]:
         """The Hugging Face shape of a tensor whose block of our parameter has block_shape."""
+        shape = list(self._in_major_shape(block_shape))
+        if self.part is not None:
+            shape[-1] = self.part.whole_width(shape[-1])
+        if self.in_axes:
+            shape.reverse()
+        if self.unit_axis is not None:
+            shape.insert(self.unit_axis, 1)
+        return tuple(shape)
+
+    def _in_major_shape(self, block_shape: tuple[int, ...]) -> tuple[int, ...]:
         if self.in_axes is None:
-            shape = tuple(block_shape)
-        elif self.in_axes == 0:
-            shape = (math.prod(block_shape),)
-        else:
-            shape = (math.prod(block_shape[self.in_axes :]), math.prod(block_shape[: self.in_axes]))
-        return shape if self.part is None else (*shape[:-1], shape[-1] * self.part.count)
+            return tuple(block_shape)
+        if self.in_axes == 0:
+            return (math.prod(block_shape),)
+        return (math.prod(block_shape[: self.in_axes]), math.prod(block_shape[self.in_axes :]))
 
     def to_ours(self, tensor: np.ndarray, block_shape: tuple[int, ...]) -> np.ndarray:
+        if self.unit_axis is not None:
+            tensor = np.squeeze(tensor, self.unit_axis)
+        if self.in_axes:
+            tensor = tensor.T
         if self.part is not None:
             tensor = self.part.of(tensor)
-        return tensor if self.in_axes is None else tensor.T.reshape(block_shape)
+        return tensor.reshape(block_shape)
 
-    def to_hf(self, block: np.ndarray) -> np.ndarray:
-        """Our block in the Hugging Face layout (of its part only: join_parts joins them)."""
-        if self.in_axes is None:
-            return block
-        if self.in_axes == 0:
-            return block.reshape(-1)
-        return block.reshape(math.prod(block.shape[: self.in_axes]), -1).T
+    def in_major(self, block: np.ndarray) -> np.ndarray:
+        """Our block with its input axes flattened first and its output axes last: the layout
+        whose last axis Parts split (hf_tensor finishes the Hugging Face layout)."""
+        return block.reshape(self._in_major_shape(block.shape))
 
 
-def join_parts(blocks: list[np.ndarray], part: Part | None) -> np.ndarray:
-    """The tensor whose Parts along the last axis are `blocks`, in order (one block: the
-    tensor itself)."""
-    if part is None:
-        return blocks[0]
-    if part.interleaved:
-        return np.stack(blocks, axis=-1).reshape(*blocks[0].shape[:-1], -1)
-    return np.concatenate(blocks, axis=-1)
+def hf_tensor(parts: list[Slot], blocks: list[np.ndarray]) -> np.ndarray:
+    """The Hugging Face tensor of the Slots that share it (several: its Parts along the last
+    axis, in order) and their blocks of our parameters."""
+    first = parts[0]
+    runs = [slot.in_major(block) for slot, block in zip(parts, blocks, strict=True)]
+    if first.part is None:
+        tensor = runs[0]
+    else:
+        grouped = [
+            run.reshape(*run.shape[:-1], -1, slot.part.widths[slot.part.index])
+            for slot, run in zip(parts, runs, strict=True)
+        ]
+        tensor = np.concatenate(grouped, axis=-1).reshape(*runs[0].shape[:-1], -1)
+    if first.in_axes:
+        tensor = tensor.T
+    return tensor if first.unit_axis is None else np.expand_dims(tensor, first.unit_axis)
 
 
 def _attention(cfg: ModelConfig) -> tuple:
@@ -166,18 +193,77 @@ def _attention(cfg: ModelConfig) -> tuple:
     return norms + (_MLA_Q if cfg.mla.q_lora_rank is None else _MLA_Q_LORA) + _MLA
 
 
-def _experts(family: Family, block: str, stack: str, j: int, num_experts: int) -> list[Slot]:
+def _mixer(cfg: ModelConfig, mixer: str, prefix: str, stack: str, j: int) -> list[Slot]:
+    """A layer's norms and token mixer: attention, or Gated DeltaNet (`linear_attn.`)."""
+    plain = _NORMS if mixer == "linear" else _attention(cfg)
+    table = tuple((path, name, ax, None, None) for path, name, ax in plain)
+    if mixer == "linear":
+        assert cfg.linear_attention is not None  # a linear layer implies it
+        table += linear_attention_tensors(cfg.linear_attention)
+    out = [
+        Slot(prefix + name, (stack, *path), (j,), ax, part, unit_axis)
+        for path, name, ax, part, unit_axis in table
+    ]
+    if cfg.attention_output_gate and mixer == "attention":
+        # q_proj [N 2H, D]: per head its query's H rows, then its output gate's
+        q = next(slot for slot in out if slot.path[-2:] == ("q", "kernel"))
+        widths = (cfg.resolved_head_dim,) * 2
+        gate = Slot(q.hf_name, (stack, "attn", "output_gate", "kernel"), (j,), 1, Part(1, widths))
+        out[out.index(q)] = Slot(q.hf_name, q.path, (j,), 1, Part(0, widths))
+        out.append(gate)
+    return out
+
+
+def linear_attention_tensors(linear: LinearAttention) -> tuple:
+    """A Gated DeltaNet layer's tensors inside `linear_attn.` (transformers' fused layout:
+    maxtrain/hf/gated_deltanet.py): (our path, Hugging Face name, input axes, Part, unit
+    axis)."""
+    nk, nv, dk, dv = (
+        linear.num_key_heads,
+        linear.num_value_heads,
+        linear.key_head_dim,
+        linear.value_head_dim,
+    )
+    group = nv // nk
+    qkvz, ba = (dk, dk, group * dv, group * dv), (group, group)
+    conv = (nk * dk, nk * dk, nv * dv)
+    la = "linear_attn"
+    return (
+        *(
+            ((la, ours, "kernel"), f"{la}.in_proj_qkvz.weight", 1, Part(i, qkvz), None)
+            for i, ours in enumerate("qkvz")
+        ),
+        *(
+            ((la, ours, "kernel"), f"{la}.in_proj_ba.weight", 1, Part(i, ba), None)
+            for i, ours in enumerate("ba")
+        ),
+        *(
+            ((la, f"{ours}_conv"), f"{la}.conv1d.weight", 1, Part(i, conv), 1)
+            for i, ours in enumerate("qkv")
+        ),
+        ((la, "o", "kernel"), f"{la}.out_proj.weight", 2, None, None),
+        ((la, "a_log"), f"{la}.A_log", None, None, None),
+        ((la, "dt_bias"), f"{la}.dt_bias", None, None, None),
+        ((la, "norm", "scale"), f"{la}.norm.weight", None, None, None),
+    )
+
+
+def _experts(family: Family, block: str, stack: str, j: int, moe: MoeConfig) -> list[Slot]:
     """One MoE layer's routed experts: stacked (two tensors for all) or one tensor each."""
     if family.stacked_experts:
-        moe = (stack, "moe")
+        path, fused, widths = (
+            (stack, "moe"),
+            f"{block}experts.gate_up_proj",
+            (moe.expert_mlp_dim,) * 2,
+        )
         return [
-            Slot(f"{block}experts.gate_up_proj", (*moe, "gate", "kernel"), (j,), None, Part(0, 2)),
-            Slot(f"{block}experts.gate_up_proj", (*moe, "up", "kernel"), (j,), None, Part(1, 2)),
-            Slot(f"{block}experts.down_proj", (*moe, "down", "kernel"), (j,), None),
+            Slot(fused, (*path, "gate", "kernel"), (j,), None, Part(0, widths)),
+            Slot(fused, (*path, "up", "kernel"), (j,), None, Part(1, widths)),
+            Slot(f"{block}experts.down_proj", (*path, "down", "kernel"), (j,), None),
         ]
     return [
         Slot(f"{block}experts.{e}.{name}.weight", (stack, "moe", ours, "kernel"), (j, e), 1)
-        for e in range(num_experts)
+        for e in range(moe.num_experts)
         for ours, name in zip(_EXPERTS, family.expert_names, strict=True)
     ]
 
@@ -189,7 +275,7 @@ def slots(cfg: ModelConfig, family: Family) -> list[Slot]:
     kinds = layer_kinds(cfg)
     for i, (kind, j) in enumerate(zip(kinds, stack_positions(kinds), strict=True)):
         is_moe, stack, prefix = kind.is_moe, STACKS[kind], f"model.layers.{i}."
-        out += [Slot(prefix + name, (stack, *path), (j,), ax) for path, name, ax in _attention(cfg)]
+        out += _mixer(cfg, kind.mixer, prefix, stack, j)
         if not is_moe:
             dense = f"{prefix}{family.dense_block}."
             out += [Slot(dense + name, (stack, *path), (j,), ax) for path, name, ax in _DENSE_MLP]
@@ -209,7 +295,10 @@ def slots(cfg: ModelConfig, family: Family) -> list[Slot]:
             if family.shared_block and cfg.moe.shared_experts:
                 shared = f"{block}{family.shared_block}."
                 out += [Slot(shared + name, (stack, *p), (j,), ax) for p, name, ax in _SHARED]
-            out += _experts(family, block, stack, j, cfg.moe.num_experts)
+            if cfg.moe.shared_expert_gate:
+                gate = (stack, "moe", "shared_gate", "kernel")
+                out.append(Slot(f"{block}{family.shared_block}_gate.weight", gate, (j,), 1))
+            out += _experts(family, block, stack, j, cfg.moe)
     out.append(Slot("model.norm.weight", ("final_norm", "scale"), (), None))
     if not cfg.tie_embeddings:
         out.append(Slot("lm_head.weight", ("lm_head", "kernel"), (), 1))

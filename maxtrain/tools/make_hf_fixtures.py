@@ -128,6 +128,29 @@ _GPT_OSS = dict(
     ),
 )
 
+# Qwen3-Next shapes: Gated DeltaNet layers 0-2 (2 query/key heads of 8, 4 value heads of 6:
+# each key head's two value heads, value dims unlike key dims, so a misplaced head or group
+# shows) and a gated attention layer 3 (4 heads of 8, 2 of them rotated: the default partial
+# RoPE 0.25), as the default full_attention_interval 4 makes them; layer 0 dense
+# (mlp_only_layers), the others MoE: 4 experts, 2 per token, a shared expert of twice an
+# expert's width with its sigmoid gate.
+_QWEN3_NEXT = dict(
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=8,
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    linear_key_head_dim=8,
+    linear_value_head_dim=6,
+    linear_conv_kernel_dim=4,
+    num_experts=4,
+    num_experts_per_tok=2,
+    moe_intermediate_size=8,
+    shared_expert_intermediate_size=16,
+    mlp_only_layers=[0],
+)
+
 # name -> (model_type, config keys, options). Options: layout "v5" keeps the config.json
 # transformers 5 writes, "legacy" rewrites it the way most published checkpoints read;
 # dtype: the stored weights (the oracle computes in float32 either way); head_dim_null: write
@@ -365,6 +388,7 @@ CASES: dict[str, tuple[str, dict, dict]] = {
         dict(layout="legacy", dtype="bfloat16", seed=15),
     ),
     "gpt_oss_window_sinks_yarn_v5": ("gpt_oss", _GPT_OSS, dict(layout="v5", seed=2)),
+    "qwen3_next_hybrid_moe_v5": ("qwen3_next", _QWEN3_NEXT, dict(layout="v5", seed=16)),
 }
 
 

@@ -24,8 +24,9 @@ import numpy as np
 
 from maxtrain.common.files import write_atomic
 from maxtrain.config import ModelConfig
+from maxtrain.model.layers.attention import AttentionCounts
 from maxtrain.model.layers.attention_pattern import keys_per_query
-from maxtrain.model.layers.attention_types import attention_type
+from maxtrain.model.layers.attention_types import attention_type, mixer_counts
 from maxtrain.model.stacks import is_moe_per_layer
 
 # ---- FLOP counting ------------------------------------------------------------------------
@@ -34,6 +35,11 @@ from maxtrain.model.stacks import is_moe_per_layer
 def attention_proj_params(model: ModelConfig) -> int:
     """Per-layer projection weights of the attention, as its kind declares them."""
     return attention_type(model).counts(model).matmul_params
+
+
+def mixer_counts_per_layer(model: ModelConfig) -> list[AttentionCounts]:
+    """Per model layer: its token mixer's costs (attention's, or a linear layer's)."""
+    return [mixer_counts(model, model.layer_mixer(i)) for i in range(model.num_layers)]
 
 
 def mlp_params(model: ModelConfig) -> int:
@@ -71,7 +77,8 @@ def matmul_params(model: ModelConfig) -> int:
         active_moe_params(model) if is_moe else mlp_params(model)
         for is_moe in is_moe_per_layer(model)
     )
-    layers = model.num_layers * attention_proj_params(model) + ffn + head_params(model)
+    mixers = sum(counts.matmul_params for counts in mixer_counts_per_layer(model))
+    layers = mixers + ffn + head_params(model)
     return layers + model.mtp.depth * mtp_module_matmul_params(model)
 
 
@@ -91,12 +98,15 @@ def attention_flops_per_token(model: ModelConfig, seq_len: int) -> float:
     values' N x H_v) per token per layer. The causal mask halves a global layer's keys (the
     standard, mask-aware count), leaving seq_len x (N H_qk + N H_v), 2 x seq_len x N x H when
     both head sizes are H; a local layer attends to its window or chunk only
-    (attention_pattern.keys_per_query). Training is 3x the forward (backward = 2x forward).
+    (attention_pattern.keys_per_query). A linear layer attends to no keys: its recurrence's
+    FLOPs per token, the same at any seq_len, count instead. Training is 3x the forward
+    (backward = 2x forward).
     """
     counts = attention_type(model).counts(model)
     # MTP: a block each, of global attention
     keys = sum(keys_per_query(model, seq_len)) + model.mtp.depth * seq_len / 2
-    return 6.0 * keys * (counts.qk_width + counts.v_width)
+    recurrence = sum(c.recurrence_flops for c in mixer_counts_per_layer(model))
+    return 6.0 * keys * (counts.qk_width + counts.v_width) + 3.0 * recurrence
 
 
 def train_flops_per_token(model: ModelConfig, seq_len: int) -> float:

@@ -43,6 +43,15 @@ def compiled_bytes_per_device(cfg) -> int:
             "model.layer_pattern=[local]",
             "model.local_attention.window=64",
         ),
+        # Gated DeltaNet in 3 of 4 layers: their projections and chunk states, no K/V
+        (
+            "mesh.fsdp=8",
+            "model.remat=minimal",
+            "train.global_batch_size=64",
+            "model.layer_pattern=[linear, linear, linear, global]",
+            "model.linear_attention={num_key_heads: 2, num_value_heads: 4, key_head_dim: 32, "
+            "value_head_dim: 32, chunk: 32}",
+        ),
     ],
 )
 def test_estimate_is_within_30_percent_of_the_compiled_step(make_cfg, overrides):

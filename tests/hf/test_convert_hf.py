@@ -159,6 +159,7 @@ def test_export_reproduces_the_original_files(case, tmp_path):
         "llama4-scout-17b-16e",
         "gpt-oss-20b",
         "gpt-oss-120b",
+        "qwen3-next-80b-a3b",
     ],
 )
 def test_preset_configs_round_trip(preset):
@@ -588,6 +589,17 @@ BAD_IMPORTS = {
         "quantized checkpoints are not supported; dequantize it first: transformers' "
         "from_pretrained(..., quantization_config=Mxfp4Config(dequantize=True))",
     ),
+    "a Qwen3-Next shared expert no multiple of an expert": (
+        "qwen3_next_hybrid_moe_v5",
+        lambda d: edit_config(d, shared_expert_intermediate_size=12),
+        "shared_expert_intermediate_size=12 is not supported (only a positive multiple of "
+        "moe_intermediate_size=8)",
+    ),
+    "a Qwen3-Next layer type we do not model": (
+        "qwen3_next_hybrid_moe_v5",
+        lambda d: edit_config(d, layer_types=["sliding_attention"] * 3 + ["full_attention"]),
+        "layer_types holds 'sliding_attention'; supported: linear_attention, full_attention",
+    ),
     "layer_types of another length": (
         "gpt_oss_window_sinks_yarn_v5",
         lambda d: edit_config(d, layer_types=["sliding_attention", "full_attention"]),
@@ -657,6 +669,62 @@ def test_a_gpt_oss_config_reads_as_transformers_fills_it_in():
     # transformers builds no sliding mask without a window (it raises): neither do we
     with pytest.raises(ConversionError, match="sliding layers but sliding_window is null"):
         model_config({**hf, "sliding_window": None}, FAMILIES["gpt_oss"], "config.json")
+
+
+QWEN3_NEXT_CASE = FIXTURES / "qwen3_next_hybrid_moe_v5"
+
+
+def test_a_qwen3_next_config_reads_as_transformers_fills_it_in():
+    """Without layer_types every full_attention_interval-th layer is full attention (4th when
+    absent), as Qwen3NextConfig derives it; partial RoPE is 0.25 when rope_parameters do not
+    say; all layers full attention is a model without linear layers."""
+    hf = json.loads((QWEN3_NEXT_CASE / "config.json").read_text())
+    hf.pop("layer_types"), hf.pop("rope_parameters")
+    family = FAMILIES["qwen3_next"]
+    cfg = model_config(hf, family, "config.json")
+    assert cfg.layer_pattern == ["linear", "linear", "linear", "global"]
+    assert cfg.partial_rotary_factor == 0.25 and cfg.rope_theta == 10000.0
+    assert cfg.norm_scale_plus_one and cfg.qk_norm and cfg.attention_output_gate
+    assert (cfg.moe.shared_experts, cfg.moe.shared_expert_gate) == (2, True)
+    cfg = model_config({**hf, "full_attention_interval": 2}, family, "config.json")
+    assert cfg.layer_pattern == ["linear", "global"]
+    cfg = model_config({**hf, "full_attention_interval": 1}, family, "config.json")
+    assert cfg.layer_pattern is None and cfg.linear_attention is None
+
+
+def test_qwen3_next_logits_do_not_depend_on_our_chunk():
+    """model.linear_attention.chunk is how we compute the recurrence, not the checkpoint's:
+    the fixture's 12 tokens in chunks of 4 (state carried between three chunks) give
+    transformers' logits as one chunk of 64 does."""
+    cfg, params = read_hf_model(QWEN3_NEXT_CASE)
+    assert cfg.linear_attention.chunk == 64
+    cfg = cfg.model_copy(
+        update={"linear_attention": cfg.linear_attention.model_copy(update={"chunk": 4})}
+    )
+    tokens = np.load(QWEN3_NEXT_CASE / "tokens.npy")
+    diff = max_diff(logits(cfg, params, tokens), np.load(QWEN3_NEXT_CASE / "logits.npy"))
+    assert diff <= TOLERANCE
+
+
+@pytest.mark.parametrize(
+    "change, expected",
+    [
+        (dict(attention_output_gate=False), "model.attention_output_gate=False"),
+        (dict(norm_scale_plus_one=False), "model.norm_scale_plus_one=False"),
+        (dict(moe=dict(shared_expert_gate=False)), "model.moe.shared_expert_gate=false"),
+        (dict(moe=dict(shared_experts=0, shared_expert_gate=False)), "shared_experts=0"),
+        (dict(layer_pattern=["linear", "local"]), "layer_pattern with local layers"),
+    ],
+)
+def test_what_qwen3_next_cannot_express_is_refused(change, expected):
+    cfg, _ = read_hf_model(QWEN3_NEXT_CASE)
+    moe = cfg.moe.model_copy(update=change.pop("moe", {}))
+    if "layer_pattern" in change:
+        change["local_attention"] = LocalAttention(window=4)
+    cfg = cfg.model_copy(update={"moe": moe, **change})
+    with pytest.raises(ConversionError, match="cannot export as Qwen3NextForCausalLM") as e:
+        hf_config(cfg, family_for(cfg), "float32")
+    assert expected in str(e.value)
 
 
 @pytest.mark.parametrize(
@@ -843,6 +911,7 @@ FAMILY_CASES = {
     "gemma3_text": "gemma3_window4_linear_rope_v5",
     "llama4_text": "llama4_chunked_nope_moe_v5",
     "gpt_oss": "gpt_oss_window_sinks_yarn_v5",
+    "qwen3_next": "qwen3_next_hybrid_moe_v5",
 }
 TEXTS = ["The", "Q: What is 12 + 34?\nA:", " two  spaces", "def main(\n    x\t1", "é 中"]
 
@@ -869,6 +938,7 @@ TOKENIZER_READERS = {
         "llama4_text",
         "gemma3_text",
         "gpt_oss",
+        "qwen3_next",
     ],  # fmt: skip
     ("transformers", "sentencepiece", "google.protobuf"): ["mistral"],
 }

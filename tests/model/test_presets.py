@@ -387,3 +387,46 @@ def test_gpt_oss_presets_match_published_counts(case, tmp_path: Path) -> None:
     without_embedding = active_param_count(m) - embedding_lookup_params(m)
     assert_close(without_embedding, int(active), 0.002, f"{name} active")
     assert m.layer_pattern == ["local", "global"] and m.local_attention.window == 128
+
+
+# ---- Qwen3-Next (Gated DeltaNet layers beside gated attention, a gated shared expert) --------
+
+
+def qwen3_next_closed_form(m: ModelConfig) -> tuple[int, int]:
+    """(total, active) parameters of a Qwen3-Next-shaped model from its shape keys: Gated
+    DeltaNet layers (q, k, v, z, b, a and o projections, convolution taps over q, k and v, a
+    decay and time-step bias per value head, the gated norm) and gated attention layers (q
+    with its output gate, k, v, o, qk-norm) by layer_pattern, every layer a MoE of routed
+    experts, shared ones and the shared ones' gate; embedding and head untied."""
+    d, e, la = m.emb_dim, m.moe, m.linear_attention
+    hd, heads = m.resolved_head_dim, la.num_value_heads
+    q, kv = m.num_heads * hd, m.num_kv_heads * hd
+    attention = 3 * d * q + 2 * d * kv + 2 * hd
+    key, value = la.num_key_heads * la.key_head_dim, heads * la.value_head_dim
+    linear = d * (2 * key + 2 * value) + 2 * d * heads + value * d
+    linear += la.conv_kernel * (2 * key + value) + 2 * heads + la.value_head_dim
+    expert = 3 * d * e.expert_mlp_dim
+    moe = d * e.num_experts + (e.num_experts + e.shared_experts) * expert + d
+    full = sum(m.layer_attention(i) == "global" for i in range(m.num_layers))
+    layers = full * attention + (m.num_layers - full) * linear + m.num_layers * (moe + 2 * d)
+    total = 2 * m.vocab_size * d + layers + d
+    return total, total - m.num_layers * (e.num_experts - e.top_k) * expert
+
+
+def test_qwen3_next_preset_matches_published_counts(tmp_path: Path) -> None:
+    """Qwen3-Next-80B-A3B's model card: 80B total, 79B without the embeddings, 3B activated
+    (whole billions). The dry-run's 79.67B total is within 0.5% of 80B; its activated count
+    without the embedding and the head, 3.25B, is the one that rounds to the card's 3B (with the
+    head 3.56B, with both 3.87B: the card's rounding cannot say which it counts, so this checks
+    that it rounds to 3B, as GLM-4.5's whole-billion counts are checked)."""
+    from maxtrain.model import active_param_count
+
+    m = load_preset("qwen3-next-80b-a3b", tmp_path)
+    closed_total, closed_active = qwen3_next_closed_form(m)
+    assert (model_params(m), active_param_count(m)) == (closed_total, closed_active)
+    assert closed_total == 79_674_391_296
+    assert_close(closed_total, 80_000_000_000, 0.015, "qwen3-next-80b-a3b total")
+    embedding_and_head = 2 * m.vocab_size * m.emb_dim
+    assert_close(closed_total - embedding_and_head, 79_000_000_000, 0.015, "non-embedding")
+    assert round((closed_active - embedding_and_head) / 1e9) == 3
+    assert m.layer_pattern == ["linear", "linear", "linear", "global"]

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from maxtrain.config import LocalAttention, ModelConfig
+from maxtrain.config import LinearAttention, LocalAttention, ModelConfig
 from maxtrain.training.metrics import (
     MetricsWriter,
     drop_warning,
@@ -98,6 +98,27 @@ def test_local_layers_count_their_window_or_chunk_not_the_sequence(local, local_
     assert train_flops_per_token(windowed, 64) == pytest.approx(
         train_flops_per_token(plain, 64) - saved, rel=1e-12
     )
+
+
+def test_linear_layers_count_their_own_projections_and_recurrence_not_keys() -> None:
+    """A Gated DeltaNet layer multiplies against its own projections (q, k of 2 heads x 8; v,
+    z of 4 x 6; b, a; o) and convolution taps, not attention's, and attends to no keys: its
+    FLOPs per token are the same at any seq_len, 3 x 2 x 3 dk dv per value head for the
+    recurrence (S k, S q and the rank-one write)."""
+    linear = LinearAttention(
+        num_key_heads=2, num_value_heads=4, key_head_dim=8, value_head_dim=6, conv_kernel=4
+    )
+    hybrid = _small(layer_pattern=["linear", "global"], linear_attention=linear)
+    d, key, value = 64, 2 * 8, 4 * 6
+    projections = d * (2 * key + 2 * value) + 2 * d * 4 + value * d + 4 * (2 * key + value)
+    attention = 2 * 64 * 4 * 16 + 2 * 64 * 2 * 16  # q and o, k and v: the global layer's
+    assert matmul_params(hybrid) == projections + attention + 2 * 3 * 64 * 128 + 1000 * 64
+    recurrence = 3 * 2 * 3 * 4 * 8 * 6
+    for seq_len in (32, 4096):
+        keys = 6 * (seq_len / 2) * (4 * 16 + 4 * 16)  # the global layer's only
+        assert train_flops_per_token(hybrid, seq_len) == pytest.approx(
+            6 * matmul_params(hybrid) + keys + recurrence, rel=1e-12
+        )
 
 
 def test_llama3_8b_matches_quoted_parameter_count() -> None:

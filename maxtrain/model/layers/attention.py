@@ -31,6 +31,11 @@ class AttentionCounts:
     qk_width: int  # heads x query/key head size: the score matmul's contraction per query
     v_width: int  # heads x value head size: the value matmul's output per query
     saved: int  # elements per token remat "minimal" keeps: projection and kernel outputs
+    # A linear-attention layer's (model/layers/gated_deltanet.py): the forward FLOPs per token
+    # of its recurrence, which do not grow with the sequence, and the float32 bytes per token
+    # its backward keeps besides `saved` (the states entering each chunk).
+    recurrence_flops: int = 0
+    state_bytes: float = 0.0
 
 
 class Attention(nnx.Module):

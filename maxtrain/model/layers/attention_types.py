@@ -8,7 +8,8 @@ analysis/memory.py read through `attention_type` instead of re-deriving it.
 from __future__ import annotations
 
 from maxtrain.config import ModelArchitecture
-from maxtrain.model.layers.attention import Attention
+from maxtrain.model.layers.attention import Attention, AttentionCounts
+from maxtrain.model.layers.gated_deltanet import GatedDeltaNet
 from maxtrain.model.layers.mla import MLA
 
 ATTENTION_TYPES: dict[str, type[Attention] | type[MLA]] = {"gqa": Attention, "mla": MLA}
@@ -16,3 +17,9 @@ ATTENTION_TYPES: dict[str, type[Attention] | type[MLA]] = {"gqa": Attention, "ml
 
 def attention_type(cfg: ModelArchitecture) -> type[Attention] | type[MLA]:
     return ATTENTION_TYPES[cfg.attention_type]
+
+
+def mixer_counts(cfg: ModelArchitecture, mixer: str) -> AttentionCounts:
+    """What one layer's token mixer costs per token: its attention kind's, or a linear layer's
+    (model.layer_pattern `linear`: Gated DeltaNet)."""
+    return GatedDeltaNet.counts(cfg) if mixer == "linear" else attention_type(cfg).counts(cfg)

@@ -32,12 +32,14 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from maxtrain.config import ModelConfig
 from maxtrain.model.kernels.gated_delta_rule import (
     chunked_gated_delta_rule,
     document_starts,
     gated_delta_step,
 )
 from maxtrain.model.kv_cache import DeltaNetState
+from maxtrain.model.layers.attention import AttentionCounts
 from maxtrain.model.layers.base import Projection, make_param
 from maxtrain.model.layers.norms import RMSNorm
 from maxtrain.parallel.mesh import constrain
@@ -49,6 +51,31 @@ VALUE_AXES = ("batch", "length", "heads", "head_dim")
 
 
 class GatedDeltaNet(nnx.Module):
+    @staticmethod
+    def counts(cfg: ModelConfig) -> AttentionCounts:
+        """A linear layer's cost per token (attention's kinds declare theirs alike): its
+        projections and convolution taps; no keys attended, so no score or value matmuls; the
+        recurrence's model FLOPs, those of its step form (per value head: S k, S q and the
+        rank-one write, dk dv multiply-adds each), not the chunked kernel's extra work."""
+        la = cfg.linear_attention
+        assert la is not None  # a linear layer implies it
+        D, heads = cfg.emb_dim, la.num_value_heads
+        key, value = la.num_key_heads * la.key_head_dim, heads * la.value_head_dim
+        state = heads * la.key_head_dim * la.value_head_dim
+        return AttentionCounts(
+            # q, k, v, z; b, a; o; the taps over q, k and v
+            matmul_params=D * (2 * key + 2 * value)
+            + 2 * D * heads
+            + value * D
+            + la.conv_kernel * (2 * key + value),
+            qk_width=0,
+            v_width=0,
+            # q, k, v and their convolutions, z, b and a, the kernel's output, o
+            saved=2 * (2 * key + value) + value + 2 * heads + value + D,
+            recurrence_flops=2 * 3 * state,
+            state_bytes=4 * state / la.chunk,
+        )
+
     def __init__(
         self,
         hidden: int,
