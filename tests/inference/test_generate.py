@@ -230,6 +230,10 @@ def test_greedy_generation_of_a_hybrid_model_follows_its_training_forward(make_c
         # split over tensor.
         ("gpt_oss_window_sinks_yarn_v5", ["--devices", "1"]),
         ("gpt_oss_window_sinks_yarn_v5", ["mesh.fsdp=4", "mesh.tensor=2"]),
+        # Qwen3-Next: Gated DeltaNet layers generating from their states (conv window and
+        # recurrent state, prompts right-padded in one prefill) beside a gated attention
+        # layer's keys and values, MoE with a gated shared expert, over 8 devices.
+        ("qwen3_next_hybrid_moe_v5", ["mesh.fsdp=2", "mesh.tensor=2", "mesh.expert=2"]),
     ],
 )
 def test_greedy_generation_from_an_import_equals_transformers(case, mesh, tmp_path, capsys):
