@@ -4,10 +4,10 @@ An MoE layer moves its rows twice a pass: each token's k copies into expert orde
 exchange's buffers), and the experts' outputs back to their tokens. Written as indexing, both
 are gathers, but autodiff transposes a gather into a scatter-add of the rows: a pass of
 read-modify-writes over [rows, D], slow on GPUs (two of them were a seventh of the MoE step's
-kernel time on H100, issue 38). A permutation is invertible, so the backward of moving rows by
-it is moving the gradients back by its inverse: another gather, plus a sum over the k copies of
-a token. `Permutation` carries both directions, `take` is the gather whose backward is the
-gather by the inverse (jax.custom_vjp).
+kernel time on H100: recipes/h100/README.md). A permutation is invertible, so the backward of
+moving rows by it is moving the gradients back by its inverse: another gather, plus a sum over
+the k copies of a token. `Permutation` carries both directions, `take` is the gather whose
+backward is the gather by the inverse (jax.custom_vjp).
 
 Partial permutations are allowed, as buffers need them: an output row no source fills comes
 out zero, a source no output row holds gets zero gradient. "None" is any index at or past the
