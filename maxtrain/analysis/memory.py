@@ -316,8 +316,9 @@ def _moe_dispatch_bytes(cfg: Config, sizes: dict[str, int], tokens: int, c: int)
     # sorted rows, the experts' outputs, the exchange; gate, up and their product
     total = (sorted_rows + computed + exchange) * D * c + 3 * computed * Fe * c
     if grouped_matmul_implementation(m.grouped_matmul) == "xla":
-        # lax.ragged_dot lowers densely: every projection computed for every expert.
-        total += computed * m.num_experts * (2 * Fe + D) * 4
+        # lax.ragged_dot lowers densely: every projection computed for every expert this
+        # device holds (its share of them under expert parallelism).
+        total += computed * (m.num_experts // ways) * (2 * Fe + D) * 4
     return total
 
 
