@@ -300,23 +300,25 @@ def _moe_dispatch_bytes(cfg: Config, sizes: dict[str, int], tokens: int, c: int)
     D, Fe, routed = cfg.model.emb_dim, m.expert_mlp_dim, tokens * m.top_k
     ways = math.prod(sizes[a] for a in cfg.mesh.rules.get("exp", []))
     computed = routed  # rows through the experts on this device
+    sorted_rows = routed  # the assignments' rows in expert order
     # Expert-parallel buffers of routed rows (parallel/experts.py), those of one round:
     # further rounds (moe.ep_overflow: rounds) run one after another and reuse them.
     exchange = 0
     if m.capacity_factor is None and ways > 1:
         computed = routed_capacity(routed, m.ep_capacity_factor, ways * routed)
         name = exchange_implementation(m.ep_dispatch)
-        if name == "all_to_all":  # the blocks sent and received
-            exchange = 2 * computed
+        if name == "all_to_all":  # the blocks sent and received, gathered from the tokens
+            exchange, sorted_rows = 2 * computed, 0
         elif name == "ragged":  # the receive buffer, and the sorted rows the outputs return to
             exchange = computed + routed
         else:  # all_gather: every device's tokens, and their partial outputs
             exchange = 2 * ways * tokens
     # sorted rows, the experts' outputs, the exchange; gate, up and their product
-    total = (routed + computed + exchange) * D * c + 3 * computed * Fe * c
+    total = (sorted_rows + computed + exchange) * D * c + 3 * computed * Fe * c
     if grouped_matmul_implementation(m.grouped_matmul) == "xla":
-        # lax.ragged_dot lowers densely: every projection computed for every expert.
-        total += computed * m.num_experts * (2 * Fe + D) * 4
+        # lax.ragged_dot lowers densely: every projection computed for every expert this
+        # device holds (its share of them under expert parallelism).
+        total += computed * (m.num_experts // ways) * (2 * Fe + D) * 4
     return total
 
 

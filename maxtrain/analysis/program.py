@@ -1,5 +1,6 @@
 """What a traced or compiled training step really does: the operand dtypes of its matmuls, the
-bytes its collectives move, the copies it makes of its inputs, its matmul FLOPs.
+bytes its collectives move, the copies it makes of its inputs, its matmul FLOPs, its scatters,
+gathers and sorts.
 
 `maxtrain.tools.benchmark` prints it beside the step time, and the quantization tests assert it,
 so a
@@ -12,7 +13,7 @@ import collections
 import math
 import re
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import numpy as np
@@ -208,38 +209,66 @@ def _callees(attributes: str) -> list[str]:
     return callees
 
 
-def _collectives(hlo_text: str) -> Iterator[tuple[str, int, str]]:
-    """(kind, bytes moved per device and step, HLO attributes) of every collective a compiled
-    program runs, a loop's counted once per trip (see `collective_bytes`)."""
+class Executed(NamedTuple):
+    """One instruction of a compiled program as it runs: its name, result shape, opcode and the
+    rest of its line (operands, attributes), how often one execution of the program runs it,
+    and whether it sits in a loop whose trip count only the run knows (then `times` counts
+    one trip of that loop)."""
+
+    name: str
+    shape: str
+    opcode: str
+    rest: str
+    times: int
+    unknown_loop: bool
+
+
+def executed(hlo_text: str) -> Iterator[Executed]:
+    """Every instruction one execution of a compiled program runs, from the ENTRY through the
+    computations it calls (loop bodies, fusions, calls, branches), each with how often it runs:
+    a loop's body counts once per trip, by the trip count the program states; a loop whose trip
+    count only the run decides counts once, marked. Instruction names are unique in a module,
+    so a caller may look operands up by name across computations."""
     computations, entry = _computations(hlo_text)
 
-    def visit(name: str, times: int, suffix: str = "") -> Iterator[tuple[str, int, str]]:
-        shapes: dict[str, list[int]] = {}
+    def visit(name: str, times: int, unknown: bool) -> Iterator[Executed]:
         for line in computations.get(name, []):
             match = _INSTRUCTION.match(line)
             if match is None:
                 continue
             result, shape, opcode, rest = match.groups()
-            shapes[result] = _shape_bytes(shape)
-            kind = COLLECTIVES.get(opcode)
-            if kind is not None:
-                operands = re.findall(r"%([\w.\-]+)", rest.split(")", 1)[0])
-                operand_bytes = [sum(shapes.get(o, [0])) for o in operands]
-                if opcode.endswith("-start") or opcode == "ragged-all-to-all":
-                    moved = max([*shapes[result], *operand_bytes])  # input and output buffers
-                else:
-                    moved = max(sum(shapes[result]), sum(operand_bytes))
-                yield kind + suffix, times * moved, rest
-            elif opcode == "send" and (transfer := _MEGASCALE.search(rest)):
-                kind = transfer[1].lower().replace("_", "-")
-                yield kind + suffix, times * shapes[result][0], rest
+            yield Executed(result, shape, opcode, rest, times, unknown)
             trips = _trip_count(rest, computations) if opcode == "while" else None
-            repeat = trips or 1
-            inner = " per loop trip" if opcode == "while" and trips is None else suffix
+            inner = unknown or (opcode == "while" and trips is None)
             for callee in _callees(rest):
-                yield from visit(callee, times * repeat, inner)
+                yield from visit(callee, times * (trips or 1), inner)
 
-    yield from visit(entry, 1)
+    yield from visit(entry, 1, False)
+
+
+def _operands(rest: str) -> list[str]:
+    """The names of an instruction's operands (the part of its line before the first `)`)."""
+    return re.findall(r"%([\w.\-]+)", rest.split(")", 1)[0])
+
+
+def _collectives(hlo_text: str) -> Iterator[tuple[str, int, str]]:
+    """(kind, bytes moved per device and step, HLO attributes) of every collective a compiled
+    program runs, a loop's counted once per trip (see `collective_bytes`)."""
+    shapes: dict[str, list[int]] = {}
+    for op in executed(hlo_text):
+        shapes[op.name] = _shape_bytes(op.shape)
+        suffix = " per loop trip" if op.unknown_loop else ""
+        kind = COLLECTIVES.get(op.opcode)
+        if kind is not None:
+            operand_bytes = [sum(shapes.get(o, [0])) for o in _operands(op.rest)]
+            if op.opcode.endswith("-start") or op.opcode == "ragged-all-to-all":
+                moved = max([*shapes[op.name], *operand_bytes])  # input and output buffers
+            else:
+                moved = max(sum(shapes[op.name]), sum(operand_bytes))
+            yield kind + suffix, op.times * moved, op.rest
+        elif op.opcode == "send" and (transfer := _MEGASCALE.search(op.rest)):
+            kind = transfer[1].lower().replace("_", "-")
+            yield kind + suffix, op.times * shapes[op.name][0], op.rest
 
 
 # ---- matmul FLOPs of a compiled program -------------------------------------------------------
@@ -257,28 +286,40 @@ def matmul_flops(hlo_text: str) -> int:
     model/kernels/gated_delta_rule.py) does not grow with its length there; this does. A loop
     whose trip count only the run knows counts once. Custom calls (Pallas kernels, LAPACK's
     triangular solve on CPU) are not dots and count nothing."""
-    computations, entry = _computations(hlo_text)
+    dims: dict[str, list[int]] = {}
+    total = 0
+    for op in executed(hlo_text):
+        if array := _DIMS.match(op.shape):
+            dims[op.name] = [int(d) for d in array.group(1).split(",") if d]
+        if op.opcode == "dot":
+            lhs = dims[_operands(op.rest)[0]]
+            contracted = _LHS_CONTRACTING.search(op.rest).group(1).split(",")
+            depth = math.prod(lhs[int(i)] for i in contracted if i)
+            total += op.times * 2 * math.prod(dims[op.name]) * depth
+    return total
 
-    def visit(name: str, times: int) -> int:
-        dims: dict[str, list[int]] = {}
-        total = 0
-        for line in computations.get(name, []):
-            match = _INSTRUCTION.match(line)
-            if match is None:
-                continue
-            result, shape, opcode, rest = match.groups()
-            if array := _DIMS.match(shape):
-                dims[result] = [int(d) for d in array.group(1).split(",") if d]
-            if opcode == "dot":
-                lhs = dims[re.match(r"\s*%([\w.\-]+)", rest).group(1)]
-                contracted = _LHS_CONTRACTING.search(rest).group(1).split(",")
-                depth = math.prod(lhs[int(i)] for i in contracted if i)
-                total += times * 2 * math.prod(dims[result]) * depth
-            trips = _trip_count(rest, computations) if opcode == "while" else None
-            total += sum(visit(callee, times * (trips or 1)) for callee in _callees(rest))
-        return total
 
-    return visit(entry, 1)
+# ---- permutations of a compiled program ------------------------------------------------------
+
+_PERMUTING = frozenset({"scatter", "gather", "sort"})
+_LAYOUT = re.compile(r"\{[^{}]*\}")
+
+
+def permutation_ops(hlo_text: str) -> collections.Counter:
+    """How often one execution of a compiled program runs a scatter, a gather or a sort, by
+    (opcode, result shape without layout): `("scatter", "f32[512,64]")`, a sort of keys and
+    their positions `("sort", "(s32[512], s32[512])")`. A loop's counted once per trip (by the
+    trip count the program states; once for a loop only the run bounds), fusions' included.
+
+    What the MoE's permutation costs is read here: a scatter whose result is as many rows as
+    a device's tokens or assignments is a pass of read-modify-writes over them (slow on GPUs,
+    and what autodiff makes of a gather's backward), a sort of the assignments a pass XLA
+    cannot fuse; tests/model/test_moe_permutation.py holds the MoE layer to its budget."""
+    counts: collections.Counter = collections.Counter()
+    for op in executed(hlo_text):
+        if op.opcode in _PERMUTING:
+            counts[(op.opcode, _LAYOUT.sub("", op.shape))] += op.times
+    return counts
 
 
 def loop_trip_counts(hlo_text: str) -> list[int]:

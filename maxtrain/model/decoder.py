@@ -27,6 +27,7 @@ from maxtrain.model.layers.base import Projection, make_param
 from maxtrain.model.layers.gated_deltanet import GatedDeltaNet
 from maxtrain.model.layers.mlp import MLP
 from maxtrain.model.layers.moe import MoE
+from maxtrain.model.layers.moe_dispatch import ASSIGNMENT_ORDER
 from maxtrain.model.layers.norms import RMSNorm
 from maxtrain.model.mtp import MultiTokenPrediction
 from maxtrain.model.stacks import STACK_KINDS, STACKS, STAGES, LayerKind, layer_kinds, layer_runs
@@ -54,11 +55,19 @@ def _save_matmuls_and_kernels(prim, *args, **params) -> bool:
     return math.prod(args[0].shape[d] for d in contracting) >= _RECOMPUTED_CONTRACTION
 
 
+# An MoE layer's order of its assignments by expert ([tokens x k] integers, a 1/(2 D) share of
+# its input in bf16) is kept by every policy: recomputed, it would be a second sort per layer
+# and step (model/layers/moe_dispatch.py).
+_KEEP_ORDER = jax.checkpoint_policies.save_only_these_names(ASSIGNMENT_ORDER)
+
 # What the backward pass may keep instead of recomputing, by config name.
 REMAT_POLICIES: dict[str, Callable | None] = {
     "none": None,  # no rematerialisation: keep every activation
-    "full": jax.checkpoint_policies.nothing_saveable,  # keep only each layer's input
-    "minimal": _save_matmuls_and_kernels,  # keep projection outputs and attention kernel outputs
+    "full": _KEEP_ORDER,  # keep only each layer's input (and the MoE's order)
+    # keep projection outputs and attention kernel outputs
+    "minimal": jax.checkpoint_policies.save_from_both_policies(
+        _save_matmuls_and_kernels, _KEEP_ORDER
+    ),
 }
 
 

@@ -86,6 +86,7 @@ from maxtrain.model.layers.moe_dispatch import (
     sort_by_expert,
     swiglu_grouped,
 )
+from maxtrain.model.layers.permutation import Permutation
 
 type RaggedAllToAll = Callable[..., jax.Array]  # the signature of jax.lax.ragged_all_to_all
 type Overflow = Literal["rounds", "drop"]
@@ -181,35 +182,60 @@ class AllToAll:
         n, k = expert_ids.shape
         P, EL = par.degree, num_experts // par.degree
         Q = routed_capacity(n * k, self.capacity_factor / P, n * k)  # rows per peer and round
-        order, sorted_ids, _ = sort_by_expert(expert_ids.reshape(-1), num_experts)
-        dest = sorted_ids // EL  # [R] the device holding each row's expert
+        experts = sort_by_expert(expert_ids.reshape(-1), num_experts)
+        dest = experts.sorted_ids // EL  # [R] the device holding each row's expert
         slot = rank_in_group(dest, P)  # [R] the row's place among those for its peer
         most = max_rounds(n * k, Q, self.overflow)  # worst case: every row for one peer
 
         def one_round(r, plan, inputs):
             """The rows of places rQ .. rQ + Q - 1 for each peer: there and back."""
-            dest, slot, local_ids = plan
-            rows, w = inputs
+            dest, slot, local_ids, position = plan
+            x, w = inputs
             place = slot - r * Q
-            place = jnp.where((place >= 0) & (place < Q), place, Q)  # Q: not in this round
-            send = jnp.zeros((P, Q, rows.shape[-1]), rows.dtype)
-            send = send.at[dest, place].set(rows, mode="drop")
-            send_ids = jnp.full((P, Q), EL).at[dest, place].set(local_ids, mode="drop")
+            place = jnp.where((place >= 0) & (place < Q), dest * Q + place, P * Q)
+            to_send = Permutation.to(place[position], P * Q)  # P * Q: not in this round
+            send = to_send.take(x, copies=k).reshape(P, Q, -1)
+            send_ids = jnp.take(local_ids[position], to_send.index, mode="fill", fill_value=EL)
             received = jax.lax.all_to_all(send, par.expert_axes, 0, 0, tiled=True)
-            received_ids = jax.lax.all_to_all(send_ids, par.expert_axes, 0, 0, tiled=True)
-            # Empty slots carry id EL: sorted last, outside every group, computed as zeros.
-            local_order = jnp.argsort(received_ids.reshape(-1), stable=True)
-            group_sizes = jnp.bincount(received_ids.reshape(-1), length=EL + 1)[:EL]
-            out = swiglu_grouped(received.reshape(P * Q, -1)[local_order], group_sizes, w, gmm)
-            out = out[jnp.argsort(local_order)].reshape(P, Q, -1)
+            received_ids = jax.lax.all_to_all(
+                send_ids.reshape(P, Q), par.expert_axes, 0, 0, tiled=True
+            )
+            grouping, group_sizes = group_received(received_ids, EL)
+            out = swiglu_grouped(grouping.take(received.reshape(P * Q, -1)), group_sizes, w, gmm)
+            out = grouping.inverted().take(out).reshape(P, Q, -1)
             back = jax.lax.all_to_all(out, par.expert_axes, 0, 0, tiled=True)
-            return back.at[dest, place].get(mode="fill", fill_value=0)  # other rounds' rows: 0
+            # Each assignment's output; zero for other rounds' assignments.
+            return to_send.inverted().take(back.reshape(P * Q, -1))
 
         needed = rounds_needed(jnp.max(slot) + 1, Q, par.expert_axes)
-        plan = (dest, slot, sorted_ids % EL)
-        y_sorted = in_rounds(one_round, most, needed, plan, (x[order // k], w))
+        plan = (dest, slot, experts.sorted_ids % EL, experts.sorting.inverse)
+        per_assignment = in_rounds(one_round, most, needed, plan, (x, w))
         counts = _counts(jnp.sum(slot >= most * Q), jnp.minimum(needed, most), par)
-        return combine(y_sorted, order, weights), counts
+        return combine(per_assignment, weights), counts
+
+
+def group_received(ids: jax.Array, num_experts: int) -> tuple[Permutation, jax.Array]:
+    """Blocks of rows received from P senders, ids [P, Q] of their local experts (num_experts:
+    an empty slot) -> the permutation putting the rows in expert order (then by sender) and
+    each expert's row count, the grouped matmul's groups.
+
+    Every sender's block is its rows for this device in its sorted order, empty slots last, so
+    a row's place follows from counts: the rows of smaller experts, those of its expert from
+    earlier senders, its rank in its own block's run. No sort."""
+    P, Q = ids.shape
+    senders = jnp.arange(P)[:, None]
+    per_sender = jnp.bincount(
+        (senders * (num_experts + 1) + ids).reshape(-1), length=P * (num_experts + 1)
+    )
+    counts = per_sender.reshape(P, num_experts + 1)[:, :num_experts]  # [P, EL]
+    group_sizes = counts.sum(axis=0)
+    expert_start = jnp.cumsum(group_sizes) - group_sizes  # [EL]
+    sender_start = jnp.cumsum(counts, axis=0) - counts  # [P, EL] within the expert's rows
+    run_start = jnp.cumsum(counts, axis=1) - counts  # [P, EL] within the sender's block
+    e = jnp.minimum(ids, num_experts - 1)
+    place = expert_start[e] + sender_start[senders, e] + jnp.arange(Q) - run_start[senders, e]
+    place = jnp.where(ids < num_experts, place, P * Q)
+    return Permutation.to(place.reshape(-1), P * Q), group_sizes
 
 
 @dataclass(frozen=True)
@@ -287,9 +313,9 @@ class Ragged:
         P, EL = par.degree, num_experts // par.degree
         capacity = routed_capacity(n * k, self.capacity_factor, P * n * k)  # rows per round
         most = max_rounds(P * n * k, capacity, self.overflow)  # worst: all rows to one device
-        order, sorted_ids, _ = sort_by_expert(expert_ids.reshape(-1), num_experts)
-        rows = x[order // k]  # [R, D] sorted by global expert id, i.e. by (device, expert)
-        mine = jnp.bincount(sorted_ids, length=num_experts).reshape(P, EL)
+        experts = sort_by_expert(expert_ids.reshape(-1), num_experts)
+        rows = experts.sorting.take(x, copies=k)  # [R, D] by global expert: (device, expert)
+        mine = jnp.bincount(experts.sorted_ids, length=num_experts).reshape(P, EL)
         counts = jax.lax.all_gather(mine, par.expert_axes)  # [P, P, EL] integers: tiny
         me = jax.lax.axis_index(par.expert_axes)
 
@@ -322,7 +348,7 @@ class Ragged:
         back = in_rounds(one_round, most, needed, (counts, me), (rows, w))
         sent = ragged_layout(counts, me, most * capacity).send_sizes.sum()
         counts = _counts(n * k - sent, jnp.minimum(needed, most), par)
-        return combine(back, order, weights), counts
+        return combine(experts.sorting.inverted().take(back), weights), counts
 
 
 @dataclass(frozen=True)
@@ -354,26 +380,27 @@ class AllGather:
         tokens, ids, mixing = gather(x), gather(expert_ids), gather(weights)  # [P * n, ...]
         local = ids.reshape(-1) - jax.lax.axis_index(par.expert_axes) * EL  # [P * R]
         key = jnp.where((local >= 0) & (local < EL), local, EL)  # others' experts sort last
-        order = jnp.argsort(key, stable=True)  # by expert, then sender and token
-        order = jnp.resize(order, most * capacity)  # places past my rows: not computed
-        counts = jnp.bincount(key, length=EL + 1)[:EL]
+        experts = sort_by_expert(key, EL)  # by expert, then sender and token
+        counts = jnp.bincount(experts.sorted_ids, length=EL + 1)[:EL]
 
         def one_round(r, plan, inputs):
             """My experts' rows of places [r C, r C + C), as partial outputs of every token."""
-            order, counts = plan
+            position, counts = plan
             tokens, mixing, w = inputs
             first, last = r * capacity, (r + 1) * capacity
-            window = jax.lax.dynamic_slice_in_dim(order, first, capacity)
+            place = position - first  # past my experts' rows: someone else's assignment
+            in_round = (place >= 0) & (place < capacity) & (position < jnp.sum(counts))
+            to_rows = Permutation.to(jnp.where(in_round, place, capacity), capacity)
             ends = jnp.cumsum(counts)
             group_sizes = jnp.clip(ends, first, last) - jnp.clip(ends - counts, first, last)
-            out = swiglu_grouped(tokens[window // k], group_sizes, w, gmm)  # [capacity, D]
-            kept = first + jnp.arange(capacity) < ends[-1]
-            scale = jnp.where(kept, mixing.reshape(-1)[window], 0).astype(out.dtype)
-            return jnp.zeros_like(tokens).at[window // k].add(out * scale[:, None])
+            out = swiglu_grouped(to_rows.take(tokens, copies=k), group_sizes, w, gmm)
+            return combine(to_rows.inverted().take(out), mixing)  # zero for others' rows
 
         total = jnp.sum(counts)  # rows for my experts
         needed = rounds_needed(total, capacity, par.expert_axes)
-        partial = in_rounds(one_round, most, needed, (order, counts), (tokens, mixing, w))
+        partial = in_rounds(
+            one_round, most, needed, (experts.sorting.inverse, counts), (tokens, mixing, w)
+        )
         y = jax.lax.psum_scatter(partial, par.expert_axes, scatter_dimension=0, tiled=True)
         counts = _counts(
             total - jnp.minimum(total, most * capacity), jnp.minimum(needed, most), par

@@ -25,9 +25,11 @@ from typing import NamedTuple, Protocol
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
 from maxtrain.model.kernels.grouped_matmul import GroupedMatmul, grouped_bias
 from maxtrain.model.layers.activations import GatedActivation, swiglu
+from maxtrain.model.layers.permutation import Permutation
 
 
 @functools.partial(
@@ -116,14 +118,30 @@ def _swiglu_batched(blocks: jax.Array, w: ExpertWeights) -> jax.Array:
     return jnp.einsum("...ecf,efd->...ecd", w.activation(gate, up), w.down)
 
 
-def sort_by_expert(
-    expert_ids: jax.Array, num_experts: int
-) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """[R] expert ids (< num_experts, or num_experts for experts held elsewhere) -> (order,
-    sorted ids, rank of each sorted assignment within its expert)."""
-    order = jnp.argsort(expert_ids, stable=True)
+# The name the sort's result carries, so that rematerialisation keeps it rather than sorting
+# again (model/decoder.py's policies).
+ASSIGNMENT_ORDER = "moe_assignment_order"
+
+
+class ExpertOrder(NamedTuple):
+    """One device's R assignments sorted by expert: the layer's one sort, which every move of
+    its rows (forward and backward, the exchanges' included) derives its indices from."""
+
+    sorting: Permutation  # assignment slots -> sorted rows, and back
+    sorted_ids: jax.Array  # [R] each sorted row's expert
+    rank: jax.Array  # [R] each sorted row's place among its expert's rows
+
+
+def sort_by_expert(expert_ids: jax.Array, num_experts: int) -> ExpertOrder:
+    """[R] expert ids (< num_experts, or num_experts for experts held elsewhere) -> their
+    order by expert (stable: a token's earlier choices first among equal experts)."""
+    order = checkpoint_name(jnp.argsort(expert_ids, stable=True), ASSIGNMENT_ORDER)
     sorted_ids = expert_ids[order]
-    return order, sorted_ids, rank_in_group(sorted_ids, num_experts + 1)
+    return ExpertOrder(
+        Permutation.to(order, order.shape[0]).inverted(),
+        sorted_ids,
+        rank_in_group(sorted_ids, num_experts + 1),
+    )
 
 
 def rank_in_group(sorted_keys: jax.Array, num_keys: int) -> jax.Array:
@@ -136,15 +154,12 @@ def rank_in_group(sorted_keys: jax.Array, num_keys: int) -> jax.Array:
     return jnp.arange(sorted_keys.shape[0]) - starts[sorted_keys]
 
 
-def combine(sorted_out: jax.Array, order: jax.Array, weights: jax.Array) -> jax.Array:
-    """Outputs in expert-sorted order [R, D] -> weighted sum per token [n, D].
-
-    Un-sorting with a gather (inverse permutation) and summing the k copies avoids a
-    scatter-add, which is slow on GPUs.
-    """
+def combine(per_assignment: jax.Array, weights: jax.Array) -> jax.Array:
+    """Each assignment's output [R, D], in assignment order (token a // k) -> the weighted sum
+    of every token's k outputs [n, D]."""
     n, k = weights.shape
-    per_assignment = sorted_out[jnp.argsort(order)].reshape(n, k, -1)
-    return jnp.einsum("nkd,nk->nd", per_assignment, weights.astype(per_assignment.dtype))
+    rows = per_assignment.reshape(n, k, -1)
+    return jnp.einsum("nkd,nk->nd", rows, weights.astype(rows.dtype))
 
 
 def dropless_local(
@@ -159,10 +174,10 @@ def dropless_local(
     """Every assignment computed on this device. Ids equal to num_experts (experts held
     elsewhere, see keep_local_experts) sort last and stay outside every group."""
     k = expert_ids.shape[1]
-    order, sorted_ids, _ = sort_by_expert(expert_ids.reshape(-1), num_experts)
-    group_sizes = jnp.bincount(sorted_ids, length=num_experts + 1)[:num_experts]
-    out = swiglu_grouped(x[order // k], group_sizes, w, gmm)  # assignment a is token a // k
-    return combine(out, order, weights), DispatchCounts(
+    experts = sort_by_expert(expert_ids.reshape(-1), num_experts)
+    group_sizes = jnp.bincount(experts.sorted_ids, length=num_experts + 1)[:num_experts]
+    out = swiglu_grouped(experts.sorting.take(x, copies=k), group_sizes, w, gmm)
+    return combine(experts.sorting.inverted().take(out), weights), DispatchCounts(
         jnp.zeros((), jnp.int32), jnp.ones((), jnp.int32)
     )
 
@@ -191,11 +206,13 @@ class ExpertBlocks:
     ) -> tuple[jax.Array, DispatchCounts]:
         n, k = expert_ids.shape
         cap = capacity(n, k, num_experts, self.capacity_factor)
-        order, sorted_ids, rank = sort_by_expert(expert_ids.reshape(-1), num_experts)
-        kept = rank < cap
-        slot = jnp.where(kept, rank, cap)  # out of bounds: the scatter below drops it
-        blocks = jnp.zeros((num_experts, cap, x.shape[-1]), x.dtype)
-        blocks = blocks.at[sorted_ids, slot].set(x[order // k], mode="drop")
+        experts = sort_by_expert(expert_ids.reshape(-1), num_experts)
+        kept = (experts.rank < cap) & (experts.sorted_ids < num_experts)
+        # Each assignment's place in the [E * C] blocks (past them: dropped, or not ours),
+        # composed with the sort so that the rows move once each way.
+        block = jnp.where(kept, experts.sorted_ids * cap + experts.rank, num_experts * cap)
+        to_blocks = Permutation.to(block[experts.sorting.inverse], num_experts * cap)
+        blocks = to_blocks.take(x, copies=k).reshape(num_experts, cap, -1)
         if par.degree == 1:
             out_blocks = _swiglu_batched(blocks, w)
         else:
@@ -203,7 +220,6 @@ class ExpertBlocks:
             received = jax.lax.all_to_all(local, par.expert_axes, 0, 0, tiled=True)
             computed = _swiglu_batched(received, w)
             out_blocks = jax.lax.all_to_all(computed, par.expert_axes, 0, 0, tiled=True)
-            out_blocks = out_blocks.reshape(num_experts, cap, -1)
-        out = out_blocks.at[sorted_ids, slot].get(mode="fill", fill_value=0)
-        dropped = jnp.sum(~kept & (sorted_ids < num_experts))  # ids >= num_experts: not ours
-        return combine(out, order, weights), DispatchCounts(dropped, jnp.ones((), jnp.int32))
+        out = to_blocks.inverted().take(out_blocks.reshape(num_experts * cap, -1))
+        dropped = jnp.sum(~kept & (experts.sorted_ids < num_experts))  # others' experts: not ours
+        return combine(out, weights), DispatchCounts(dropped, jnp.ones((), jnp.int32))
