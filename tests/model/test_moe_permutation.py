@@ -49,16 +49,6 @@ def _rows(shape: str) -> tuple[str, int, int]:
     return dtype, int(np.prod(sizes[:-1])), sizes[-1]
 
 
-@pytest.fixture
-def names_in_cache_key():
-    """Compilations key JAX's persistent cache by their instructions' names too, which
-    grouped_matmuls reads: else a program may come back with those of an earlier identical one
-    (say, compiled before the grouped matmul had its name scope)."""
-    jax.config.update("jax_compilation_cache_include_metadata_in_key", True)
-    yield
-    jax.config.update("jax_compilation_cache_include_metadata_in_key", False)
-
-
 @pytest.mark.parametrize(
     "devices, mesh",
     [(1, ["mesh.fsdp=1"]), (4, ["mesh.expert=4", "mesh.fsdp=1"])],

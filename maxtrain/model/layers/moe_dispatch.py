@@ -48,7 +48,9 @@ class ExpertWeights:
     The parameters stay two, moe.gate and moe.up [E, D, F] (checkpoints, HF import and export,
     upcycling, adapters and quantization rules name them): `joined` puts each device's slices
     side by side once per step, before the exchanges' rounds, whose weight gradients then
-    accumulate in the one [EL, D, 2F] array."""
+    accumulate in the one [EL, D, 2F] array. Quantized training sees one grouped matmul where
+    there were two: its weight scales stay per expert and output column, but a gradient rounded
+    to bwd_qtype per row shares one scale over gate's and up's columns."""
 
     gate_up: jax.Array
     down: jax.Array
