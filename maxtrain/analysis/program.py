@@ -348,7 +348,9 @@ def grouped_matmuls(hlo_text: str) -> collections.Counter:
     (remat's recomputation of the forward and a custom VJP's replay included, so those count
     as backward). The metadata is not part of JAX's persistent-cache key by default: a program
     loaded from the cache carries the names of whichever identical program filled it, so
-    compile what this reads with `jax_compilation_cache_include_metadata_in_key` on."""
+    compile what this reads with `jax_compilation_cache_include_metadata_in_key` on. Kernel
+    calls without metadata go uncounted: tokamax's Pallas calls in a program compiled for a
+    TPU topology (v5e:2x2, on CPU) have none; `kernels` names those."""
     counts: collections.Counter = collections.Counter()
     for op in executed(hlo_text):
         name = _OP_NAME.search(op.rest) if op.opcode in _GROUPED_MATMUL_OPS else None
