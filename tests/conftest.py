@@ -14,6 +14,7 @@ os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {xla_flags(8)}".st
 
 from pathlib import Path  # noqa: E402
 
+import jax  # noqa: E402
 import pytest  # noqa: E402
 
 from maxtrain import config as config_lib  # noqa: E402
@@ -68,3 +69,13 @@ def pytest_collection_modifyitems(items):
     for item in items:
         if item.module.__name__ in SLOW_MODULES:
             item.add_marker(pytest.mark.slow)
+
+
+@pytest.fixture
+def names_in_cache_key():
+    """Compilations key JAX's persistent cache by their instructions' names too, which
+    maxtrain.analysis.program.grouped_matmuls reads: else a program may come back with those of
+    an earlier identical one (say, compiled before the grouped matmul had its name scope)."""
+    jax.config.update("jax_compilation_cache_include_metadata_in_key", True)
+    yield
+    jax.config.update("jax_compilation_cache_include_metadata_in_key", False)

@@ -313,7 +313,7 @@ def _moe_dispatch_bytes(cfg: Config, sizes: dict[str, int], tokens: int, c: int)
             exchange = computed + routed
         else:  # all_gather: every device's tokens, and their partial outputs
             exchange = 2 * ways * tokens
-    # sorted rows, the experts' outputs, the exchange; gate, up and their product
+    # sorted rows, the experts' outputs, the exchange; gate and up (one [rows, 2F]), their product
     total = (sorted_rows + computed + exchange) * D * c + 3 * computed * Fe * c
     if grouped_matmul_implementation(m.grouped_matmul) == "xla":
         # lax.ragged_dot lowers densely: every projection computed for every expert this

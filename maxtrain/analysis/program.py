@@ -1,6 +1,6 @@
 """What a traced or compiled training step really does: the operand dtypes of its matmuls, the
 bytes its collectives move, the copies it makes of its inputs, its matmul FLOPs, its scatters,
-gathers and sorts.
+gathers and sorts, its grouped matmuls.
 
 `maxtrain.tools.benchmark` prints it beside the step time, and the quantization tests assert it,
 so a
@@ -17,6 +17,8 @@ from typing import Any, NamedTuple
 
 import jax
 import numpy as np
+
+from maxtrain.model.kernels.grouped_matmul import SCOPE
 
 # Primitives that do a matmul's work (ragged_dot lowers to ragged_dot_general).
 _MATMULS = frozenset({"dot_general", "ragged_dot_general", "ragged_dot"})
@@ -319,6 +321,43 @@ def permutation_ops(hlo_text: str) -> collections.Counter:
     for op in executed(hlo_text):
         if op.opcode in _PERMUTING:
             counts[(op.opcode, _LAYOUT.sub("", op.shape))] += op.times
+    return counts
+
+
+# The grouped matmul's instructions: a dot where ragged_dot lowers densely (CPU), XLA's own
+# ragged dot, or a kernel's or library's custom call.
+_GROUPED_MATMUL_OPS = frozenset({"dot", "ragged-dot", "custom-call"})
+_OP_NAME = re.compile(r'op_name="([^"]*)"')
+
+
+class GroupedMatmulRun(NamedTuple):
+    """A grouped matmul of a compiled program, as `grouped_matmuls` counts it."""
+
+    forward: bool  # in the forward pass; else in the backward (with its recomputations)
+    shape: str  # its result, without layout
+    in_loop: bool  # in a loop whose trip count only the run knows (counted once)
+
+
+def grouped_matmuls(hlo_text: str) -> collections.Counter:
+    """How often one execution of a compiled program runs a grouped matmul
+    (model/kernels/grouped_matmul.py), by `GroupedMatmulRun`; a loop's counted once per trip,
+    as `permutation_ops` does.
+
+    Read from the instructions' metadata: the grouped matmul's name scope, and whether autodiff
+    named the instruction under a `transpose(`, as it does everything of the backward pass
+    (remat's recomputation of the forward and a custom VJP's replay included, so those count
+    as backward). The metadata is not part of JAX's persistent-cache key by default: a program
+    loaded from the cache carries the names of whichever identical program filled it, so
+    compile what this reads with `jax_compilation_cache_include_metadata_in_key` on. Kernel
+    calls without metadata go uncounted: tokamax's Pallas calls in a program compiled for a
+    TPU topology (v5e:2x2, on CPU) have none; `kernels` names those."""
+    counts: collections.Counter = collections.Counter()
+    for op in executed(hlo_text):
+        name = _OP_NAME.search(op.rest) if op.opcode in _GROUPED_MATMUL_OPS else None
+        if name is None or not re.search(rf"[/(]{SCOPE}[/)]", name[1]):
+            continue
+        forward = "transpose(" not in name[1]
+        counts[GroupedMatmulRun(forward, _LAYOUT.sub("", op.shape), op.unknown_loop)] += op.times
     return counts
 
 

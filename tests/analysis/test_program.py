@@ -1,10 +1,16 @@
 """What a compiled program does (maxtrain/analysis/program.py): the matmul FLOPs counted per
-loop trip."""
+loop trip, the grouped matmuls of each pass."""
 
 import jax
 import jax.numpy as jnp
 
-from maxtrain.analysis.program import loop_trip_counts, matmul_flops
+from maxtrain.analysis.program import (
+    GroupedMatmulRun,
+    grouped_matmuls,
+    loop_trip_counts,
+    matmul_flops,
+)
+from maxtrain.model.kernels.grouped_matmul import xla_grouped_matmul
 
 
 def _product_chain(length: int) -> jax.stages.Compiled:
@@ -38,3 +44,23 @@ def test_loop_trip_counts_name_every_scan_length():
 
     hlo = jax.jit(nested).lower(jnp.ones(4)).compile().as_text()
     assert sorted(loop_trip_counts(hlo)) == [3, 5]
+
+
+def test_grouped_matmuls_tell_the_forward_from_the_backward(names_in_cache_key):
+    """A grouped matmul under remat, differentiated: the forward's one, and in the backward its
+    recomputation and the gradients of its input and weights; the plain dot beside it and
+    the dots of its backward are not grouped matmuls."""
+    sizes = jnp.array([10, 20, 30, 4])
+
+    def loss(x, w, v):
+        rows = jax.checkpoint(lambda x, w: jnp.sin(xla_grouped_matmul(x, w, sizes)))(x, w)
+        return jnp.sum(rows @ v)
+
+    x, w, v = jnp.ones((64, 16)), jnp.ones((4, 16, 24)), jnp.ones((24, 8))
+    program = jax.jit(jax.value_and_grad(loss, (0, 1))).lower(x, w, v).compile().as_text()
+    assert grouped_matmuls(program) == {
+        GroupedMatmulRun(True, "f32[64,24]", False): 1,
+        GroupedMatmulRun(False, "f32[64,24]", False): 1,
+        GroupedMatmulRun(False, "f32[64,16]", False): 1,
+        GroupedMatmulRun(False, "f32[4,16,24]", False): 1,
+    }

@@ -1,11 +1,13 @@
-"""The MoE's rows move by gathers only, forward and backward, after one sort per layer: read
-from the compiled train step (maxtrain/analysis/program.py permutation_ops) of tiny-moe, on
+"""The MoE's rows move by gathers only, forward and backward, after one sort per layer, and
+its experts run two grouped matmuls (gate and up in one, then down): read from the compiled
+train step (maxtrain/analysis/program.py permutation_ops, grouped_matmuls) of tiny-moe, on
 one device and with its experts split over 4 simulated devices.
 
 The values these programs compute are held elsewhere: every dispatch against a dense mixture
 without permutations (tests/parallel/test_moe_dispatch.py), the layer against a dense
 per-token reference and one device against meshes (tests/model/test_moe.py)."""
 
+import collections
 import re
 
 import jax
@@ -13,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from maxtrain.analysis.program import permutation_ops
+from maxtrain.analysis.program import grouped_matmuls, permutation_ops
 from maxtrain.model.layers.permutation import Permutation
 from maxtrain.training.trainer import build_trainer, compile_step
 
@@ -52,16 +54,24 @@ def _rows(shape: str) -> tuple[str, int, int]:
     [(1, ["mesh.fsdp=1"]), (4, ["mesh.expert=4", "mesh.fsdp=1"])],
     ids=["one-device", "expert4"],
 )
-def test_train_step_moves_rows_without_scatters_and_sorts_once_per_layer(make_cfg, devices, mesh):
+def test_train_step_moves_rows_without_scatters_sorts_once_and_runs_two_grouped_matmuls(
+    make_cfg, names_in_cache_key, devices, mesh
+):
     """tiny-moe's compiled train step (remat full: the forward, its recomputation and the
-    backward; the all_to_all exchange's rounds on 4 devices): no scatter whose result is at
-    least a device's tokens of width emb, in any pass, and one sort per MoE layer (the
-    recomputation reuses the saved order). The embedding's gradient, a scatter-add into the
-    [vocab, emb] table, is the one row scatter left, and not the MoE's."""
-    cfg = make_cfg("model_name=tiny-moe", *mesh)
+    backward; the all_to_all exchange's rounds on 4 devices), its experts 24 wide so that the
+    widths tell the projections apart (D = 64, 2F = 48):
+
+    * no scatter whose result is at least a device's tokens of width emb, in any pass, and one
+      sort per MoE layer (the recomputation reuses the saved order). The embedding's gradient,
+      a scatter-add into the [vocab, emb] table, is the one row scatter left, and not the MoE's;
+    * two grouped matmuls per MoE layer and exchange round in the forward, [rows, 2F] (gate and
+      up) and [rows, D] (down), and no [EL, D, F] weight gradient in the backward (gate's and
+      up's come out of one grouped matmul)."""
+    cfg = make_cfg("model_name=tiny-moe", "model.moe.expert_mlp_dim=24", *mesh)
     trainer = build_trainer(cfg, devices=jax.devices()[:devices], abstract=True)
-    ops = permutation_ops(compile_step(trainer)[0].as_text())
-    width = cfg.model.emb_dim
+    program = compile_step(trainer)[0].as_text()
+    ops = permutation_ops(program)
+    width, F, layers = cfg.model.emb_dim, cfg.model.moe.expert_mlp_dim, cfg.model.num_layers
     tokens = cfg.train.global_batch_size * cfg.train.seq_len // devices
 
     def moved_rows(opcode: str) -> dict[str, int]:
@@ -79,3 +89,14 @@ def test_train_step_moves_rows_without_scatters_and_sorts_once_per_layer(make_cf
     assert sum(n for (op, _), n in ops.items() if op == "sort") == cfg.model.num_layers
     # The rows do move, by gathers (the counter sees into the loops and fusions).
     assert sum(moved_rows("gather").values()) >= 6 * cfg.model.num_layers
+
+    matmuls = grouped_matmuls(program)
+    rounds = [False] if devices == 1 else [False, True]  # round 0; the later rounds' loop
+    for in_loop in rounds:
+        forward = collections.Counter()
+        for run, n in matmuls.items():
+            if run.forward and run.in_loop == in_loop:
+                forward[_rows(run.shape)[2]] += n
+        assert forward == {2 * F: layers, width: layers}, matmuls
+    experts = cfg.model.moe.num_experts // devices
+    assert not [run for run in matmuls if run.shape == f"f32[{experts},{width},{F}]"], matmuls

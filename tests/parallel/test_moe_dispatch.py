@@ -69,7 +69,7 @@ def inputs(case: str, peers: int, k: int):
     ids = jnp.asarray(expert_ids(case, peers, k), jnp.int32)
     assert all(len(set(row)) == k for row in np.asarray(ids))
     mix = jax.random.uniform(keys[1], (peers * N, k), minval=0.1, maxval=1.0)
-    w = ExpertWeights(
+    w = ExpertWeights.joined(
         jax.random.normal(keys[2], (E, D, F)) / np.sqrt(D),
         jax.random.normal(keys[3], (E, D, F)) / np.sqrt(D),
         jax.random.normal(keys[4], (E, F, D)) / np.sqrt(F),
@@ -160,8 +160,8 @@ def test_expert_biases_and_activation_travel_with_the_experts(exchange):
     and gradients, biases' included."""
     x, ids, mix, w = inputs("one_expert", 4, 2)
     keys = jax.random.split(jax.random.key(7), 2)
-    biases = [jax.random.normal(key, (E, F)) for key in keys]
-    w = ExpertWeights(w.gate, w.up, w.down, *biases, activation=ClampedSwiglu(1.702, 0.7))
+    biases = jnp.concatenate([jax.random.normal(key, (E, F)) for key in keys], axis=-1)
+    w = ExpertWeights(w.gate_up, w.down, biases, activation=ClampedSwiglu(1.702, 0.7))
     data = (x, ids, mix, w)
     (y, (dropped, rounds)), grads = value_and_grads(
         sharded(EXCHANGES[exchange](capacity_factor=1.25), 4), *data
@@ -169,7 +169,7 @@ def test_expert_biases_and_activation_travel_with_the_experts(exchange):
     (y_ref, _), grads_ref = value_and_grads(single_device, *data)
     assert int(dropped) == 0 and int(rounds) > 1
     np.testing.assert_allclose(y, y_ref, rtol=1e-5, atol=1e-5)
-    assert jnp.any(grads_ref[2].gate_bias != 0)
+    assert jnp.all(jnp.any(grads_ref[2].gate_up_bias != 0, axis=0))  # gate's and up's
     for got, want in zip(jax.tree.leaves(grads), jax.tree.leaves(grads_ref), strict=True):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
@@ -258,9 +258,7 @@ def test_default_cpu_exchange_moves_and_holds_at_most_1_3x_the_routed_rows(peers
     x = jax.random.normal(keys[0], (peers * MANY, WIDE))
     ids = jnp.asarray((np.arange(peers * MANY)[:, None] * k + np.arange(k)) % E, jnp.int32)
     mix = jnp.full((peers * MANY, k), 1.0 / k)
-    w = ExpertWeights(
-        jnp.ones((E, WIDE, F)) / WIDE, jnp.ones((E, WIDE, F)) / WIDE, jnp.ones((E, F, WIDE)) / F
-    )
+    w = ExpertWeights(jnp.ones((E, WIDE, 2 * F)) / WIDE, jnp.ones((E, F, WIDE)) / F)
     run = sharded(dispatch, peers)
 
     def loss(x):
@@ -284,9 +282,7 @@ def test_all_gather_moves_peers_over_k_times_the_routed_rows(peers, k):
     x = jax.random.normal(keys[0], (peers * MANY, WIDE))
     ids = jnp.asarray((np.arange(peers * MANY)[:, None] * k + np.arange(k)) % E, jnp.int32)
     mix = jnp.full((peers * MANY, k), 1.0 / k)
-    w = ExpertWeights(
-        jnp.ones((E, WIDE, F)) / WIDE, jnp.ones((E, WIDE, F)) / WIDE, jnp.ones((E, F, WIDE)) / F
-    )
+    w = ExpertWeights(jnp.ones((E, WIDE, 2 * F)) / WIDE, jnp.ones((E, F, WIDE)) / F)
     run = sharded(AllGather(capacity_factor=1.25), peers)
     routed = MANY * k * WIDE * 4
     moved = collective_bytes(
@@ -330,9 +326,7 @@ def test_capacity_blocks_move_each_expert_block_once_per_way():
     x = jax.random.normal(jax.random.key(2), (peers * MANY, WIDE))
     ids = jnp.asarray((np.arange(peers * MANY)[:, None] * k + np.arange(k)) % E, jnp.int32)
     mix = jnp.full((peers * MANY, k), 1.0 / k)
-    w = ExpertWeights(
-        jnp.ones((E, WIDE, F)) / WIDE, jnp.ones((E, WIDE, F)) / WIDE, jnp.ones((E, F, WIDE)) / F
-    )
+    w = ExpertWeights(jnp.ones((E, WIDE, 2 * F)) / WIDE, jnp.ones((E, F, WIDE)) / F)
     run = sharded(ExpertBlocks(capacity_factor=factor), peers)
     moved = collective_bytes(
         jax.jit(jax.grad(lambda x: jnp.sum(jnp.sin(run(x, ids, mix, w)[0]))))
@@ -347,8 +341,10 @@ def test_capacity_blocks_move_each_expert_block_once_per_way():
 def dense_mixture(x, ids, mix, w):
     """Every expert on every token, each token's k outputs mixed by its weights: no sort, no
     permutation, so its autodiff gradients share nothing with the dispatches' backward (the
-    gathers by inverse permutations of model/layers/permutation.py)."""
-    gate, up = jnp.einsum("nd,edf->nef", x, w.gate), jnp.einsum("nd,edf->nef", x, w.up)
+    gathers by inverse permutations of model/layers/permutation.py), and gate and up are two
+    matmuls (the layer's reference, tests/model/test_moe.py, holds them to the parameters)."""
+    gate, up = jnp.split(w.gate_up, 2, axis=-1)
+    gate, up = jnp.einsum("nd,edf->nef", x, gate), jnp.einsum("nd,edf->nef", x, up)
     every = jnp.einsum("nef,efd->ned", w.activation(gate, up), w.down)
     weights = jnp.einsum("nk,nke->ne", mix, jax.nn.one_hot(ids, E, dtype=mix.dtype))
     return jnp.einsum("ne,ned->nd", weights, every)

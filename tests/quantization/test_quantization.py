@@ -99,8 +99,9 @@ def test_experts_multiply_int8_operands_forward_and_backward(make_cfg):
 
     quantized = grads(model_def(cfg))
     ragged = {k: n for k, n in quantized.items() if k[0].startswith("ragged_dot")}
-    # The scanned layer body: 3 expert matmuls forward, 2 gradients of each backward.
-    assert sum(ragged.values()) >= 9
+    # The scanned layer body: 2 expert matmuls forward (gate and up in one, down), again in
+    # remat's recomputation, and 2 gradients of each backward.
+    assert sum(ragged.values()) == 8
     assert {dtypes for _, dtypes in ragged} == {("int8", "int8")}
     assert ("dot_general", ("float32", "float32")) in quantized
     float_ragged = [

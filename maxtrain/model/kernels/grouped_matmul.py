@@ -14,10 +14,15 @@ Both look their op up on its module when called, not when picked: quantized trai
 (quantization/training.py) intercepts `jax.lax.ragged_dot` and `tokamax.ragged_dot` by name
 while the model runs. Rows past ``sum(group_sizes)`` produce zeros in both; the MoE layer relies
 on that to park dropped or padding rows at the end.
+
+Both run under the name scope `SCOPE`, which the compiled program's instructions carry in their
+metadata, backward ones included: on CPU ragged_dot lowers to a plain dot, and the scope is what
+tells it from the model's other dots (analysis/program.py grouped_matmuls).
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import jax
@@ -27,7 +32,19 @@ import jax.numpy as jnp
 # accumulated in float32 whatever the input dtype.
 type GroupedMatmul = Callable[[jax.Array, jax.Array, jax.Array], jax.Array]
 
+SCOPE = "grouped_matmul"
 
+
+def _scoped(gmm: GroupedMatmul) -> GroupedMatmul:
+    @functools.wraps(gmm)
+    def scoped(x: jax.Array, w: jax.Array, group_sizes: jax.Array) -> jax.Array:
+        with jax.named_scope(SCOPE):
+            return gmm(x, w, group_sizes)
+
+    return scoped
+
+
+@_scoped
 def xla_grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array) -> jax.Array:
     out = jax.lax.ragged_dot(
         x, w, group_sizes.astype(jnp.int32), preferred_element_type=jnp.float32
@@ -35,6 +52,7 @@ def xla_grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array) -> ja
     return out.astype(x.dtype)
 
 
+@_scoped
 def tokamax_grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array) -> jax.Array:
     import tokamax  # when first traced: its import takes seconds, and CPU runs never need it
 

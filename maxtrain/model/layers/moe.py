@@ -212,26 +212,27 @@ class MoE(nnx.Module):
         """Runs the routed experts on each device's own tokens; returns (y, dropped, rounds)."""
         dt = self.compute_dtype
         bias = lambda kernel: None if kernel.bias is None else kernel.bias[...].astype(dt)  # noqa: E731
-        w = moe_dispatch.ExpertWeights(
+        projections = (
             self.gate.weight(dt),
             self.up.weight(dt),
             self.down.weight(dt),
             bias(self.gate),
             bias(self.up),
-            self.activation,
         )
         active = active_rules()
         if active is None:  # no mesh: one device holds everything
+            w = moe_dispatch.ExpertWeights.joined(*projections, self.activation)
             return self._local(
                 x, expert_ids, weights, w, self.num_experts, moe_dispatch.Parallelism(), ()
             )
+        gate, up, down, gate_bias, up_bias = projections
         mesh, rules = active
         gathered = {**rules, "embed": []}
         x_spec = logical_to_spec(_TOKENS, rules, mesh, x.shape)
         route_spec = logical_to_spec(_ROUTES, rules, mesh, expert_ids.shape)
-        in_spec = logical_to_spec(_IN_AXES, gathered, mesh, w.gate.shape)
-        out_spec = logical_to_spec(_OUT_AXES, gathered, mesh, w.down.shape)
-        bias_spec = None if w.gate_bias is None else P(in_spec[0], in_spec[2])
+        in_spec = logical_to_spec(_IN_AXES, gathered, mesh, gate.shape)
+        out_spec = logical_to_spec(_OUT_AXES, gathered, mesh, down.shape)
+        bias_spec = None if gate_bias is None else P(in_spec[0], in_spec[2])
         expert_axes, tensor_axes = spec_axes(in_spec[0]), spec_axes(in_spec[2])
         token_axes = tuple(a for part in x_spec for a in spec_axes(part))
         par = moe_dispatch.Parallelism(expert_axes, math.prod(mesh.shape[a] for a in expert_axes))
@@ -249,7 +250,7 @@ class MoE(nnx.Module):
             weights_and_biases = (gate, up, down, gate_bias, up_bias)
             if shared_axes:
                 weights_and_biases = jax.lax.pcast(weights_and_biases, shared_axes, to="varying")
-            w = moe_dispatch.ExpertWeights(*weights_and_biases, self.activation)
+            w = moe_dispatch.ExpertWeights.joined(*weights_and_biases, self.activation)
             num_experts = self.num_experts
             if replicated:
                 # Mark the shared inputs as per-device: their gradients then get summed over
@@ -281,7 +282,7 @@ class MoE(nnx.Module):
             in_specs=(x_spec, route_spec, route_spec, in_spec, in_spec, out_spec)
             + (bias_spec, bias_spec),
             out_specs=(x_spec, P()),
-        )(x, expert_ids, weights, w.gate, w.up, w.down, w.gate_bias, w.up_bias)
+        )(x, expert_ids, weights, *projections)
 
     def _local(
         self, x, expert_ids, weights, w, num_experts, par, partial_axes

@@ -34,22 +34,49 @@ from maxtrain.model.layers.permutation import Permutation
 
 @functools.partial(
     jax.tree_util.register_dataclass,
-    data_fields=["gate", "up", "down", "gate_bias", "up_bias"],
+    data_fields=["gate_up", "down", "gate_up_bias"],
     meta_fields=["activation"],
 )
 @dataclass(frozen=True)
 class ExpertWeights:
-    """One device's share of the experts' gated feed-forward: weights [EL, D, F], [EL, D, F],
-    [EL, F, D], the gate and up projections' biases [EL, F] where the model has them (the down
-    projection's is added by the MoE layer, outside the exchanges: it does not depend on the
-    row), and the activation joining gate and up (static: it travels as the pytree's data)."""
+    """One device's share of the experts' gated feed-forward: the gate and up projections side
+    by side [EL, D, 2F] (gate first), so that one grouped matmul computes both; the down
+    projection [EL, F, D]; the gate's and up's biases [EL, 2F] where the model has them (the
+    down projection's is added by the MoE layer, outside the exchanges: it does not depend on
+    the row); and the activation joining gate and up (static: it travels as the pytree's data).
 
-    gate: jax.Array
-    up: jax.Array
+    The parameters stay two, moe.gate and moe.up [E, D, F] (checkpoints, HF import and export,
+    upcycling, adapters and quantization rules name them): `joined` puts each device's slices
+    side by side once per step, before the exchanges' rounds, whose weight gradients then
+    accumulate in the one [EL, D, 2F] array. Quantized training sees one grouped matmul where
+    there were two: its weight scales stay per expert and output column, but a gradient rounded
+    to bwd_qtype per row shares one scale over gate's and up's columns."""
+
+    gate_up: jax.Array
     down: jax.Array
-    gate_bias: jax.Array | None = None
-    up_bias: jax.Array | None = None
+    gate_up_bias: jax.Array | None = None
     activation: GatedActivation = swiglu
+
+    @classmethod
+    def joined(
+        cls,
+        gate: jax.Array,
+        up: jax.Array,
+        down: jax.Array,
+        gate_bias: jax.Array | None = None,
+        up_bias: jax.Array | None = None,
+        activation: GatedActivation = swiglu,
+    ) -> ExpertWeights:
+        """From the projections as stored: gate and up [EL, D, F], down [EL, F, D], the biases
+        [EL, F]. Per device, since under tensor parallelism F is each device's slice of the
+        hidden units: its gate slice must sit beside its own up slice."""
+        bias = None if gate_bias is None else jnp.concatenate([gate_bias, up_bias], axis=-1)
+        return cls(jnp.concatenate([gate, up], axis=-1), down, bias, activation)
+
+    def activate(self, gate_up: jax.Array) -> jax.Array:
+        """[..., 2F] rows of the joint projection -> [..., F], the down projection's input."""
+        gate, up = jnp.split(gate_up, 2, axis=-1)
+        return self.activation(gate, up)
 
 
 @dataclass(frozen=True)
@@ -101,21 +128,19 @@ def keep_local_experts(
 
 def swiglu_grouped(rows: jax.Array, group_sizes: jax.Array, w: ExpertWeights, gmm: GroupedMatmul):
     """Each row through its expert's gated feed-forward (SwiGLU or w.activation, with w's
-    biases); rows past sum(group_sizes) come out zero."""
-    gate = gmm(rows, w.gate, group_sizes)
-    up = gmm(rows, w.up, group_sizes)
-    if w.gate_bias is not None:
-        gate = gate + grouped_bias(w.gate_bias, group_sizes, rows.shape[0])
-        up = up + grouped_bias(w.up_bias, group_sizes, rows.shape[0])
-    return gmm(w.activation(gate, up), w.down, group_sizes)
+    biases): two grouped matmuls, gate and up in one; rows past sum(group_sizes) come out
+    zero."""
+    gate_up = gmm(rows, w.gate_up, group_sizes)
+    if w.gate_up_bias is not None:
+        gate_up = gate_up + grouped_bias(w.gate_up_bias, group_sizes, rows.shape[0])
+    return gmm(w.activate(gate_up), w.down, group_sizes)
 
 
 def _swiglu_batched(blocks: jax.Array, w: ExpertWeights) -> jax.Array:
     """[..., EL, C, D] blocks through their experts' gated feed-forward as one batched matmul
     (no biases: config validation keeps expert biases off the capacity mode)."""
-    gate = jnp.einsum("...ecd,edf->...ecf", blocks, w.gate)
-    up = jnp.einsum("...ecd,edf->...ecf", blocks, w.up)
-    return jnp.einsum("...ecf,efd->...ecd", w.activation(gate, up), w.down)
+    gate_up = jnp.einsum("...ecd,edf->...ecf", blocks, w.gate_up)
+    return jnp.einsum("...ecf,efd->...ecd", w.activate(gate_up), w.down)
 
 
 # The name the sort's result carries, so that rematerialisation keeps it rather than sorting
