@@ -279,6 +279,28 @@ _DIMS = re.compile(r"^[a-z][a-z0-9]*\[([0-9,]*)\]")
 _LHS_CONTRACTING = re.compile(r"\blhs_contracting_dims=\{([\d,]*)\}")
 
 
+class Dot(NamedTuple):
+    """A dot of a compiled program, as `dots` counts it."""
+
+    shape: list[int]  # its result's dimensions
+    depth: int  # the product of its contracted dimensions
+
+
+def dots(hlo_text: str) -> Iterator[tuple[Dot, int]]:
+    """Each dot one execution of a compiled program runs, with how often (a loop's counted once
+    per trip, fusions' and every branch's included; a loop whose trip count only the run knows,
+    once)."""
+    dims: dict[str, list[int]] = {}
+    for op in executed(hlo_text):
+        if array := _DIMS.match(op.shape):
+            dims[op.name] = [int(d) for d in array.group(1).split(",") if d]
+        if op.opcode == "dot":
+            lhs = dims[_operands(op.rest)[0]]
+            contracted = _LHS_CONTRACTING.search(op.rest).group(1).split(",")
+            depth = math.prod(lhs[int(i)] for i in contracted if i)
+            yield Dot(dims[op.name], depth), op.times
+
+
 def matmul_flops(hlo_text: str) -> int:
     """FLOPs of the dots one execution of a compiled program runs (2 per multiply-add), a loop's
     counted once per trip, fusions' and every branch's included.
@@ -288,17 +310,7 @@ def matmul_flops(hlo_text: str) -> int:
     model/kernels/gated_delta_rule.py) does not grow with its length there; this does. A loop
     whose trip count only the run knows counts once. Custom calls (Pallas kernels, LAPACK's
     triangular solve on CPU) are not dots and count nothing."""
-    dims: dict[str, list[int]] = {}
-    total = 0
-    for op in executed(hlo_text):
-        if array := _DIMS.match(op.shape):
-            dims[op.name] = [int(d) for d in array.group(1).split(",") if d]
-        if op.opcode == "dot":
-            lhs = dims[_operands(op.rest)[0]]
-            contracted = _LHS_CONTRACTING.search(op.rest).group(1).split(",")
-            depth = math.prod(lhs[int(i)] for i in contracted if i)
-            total += op.times * 2 * math.prod(dims[op.name]) * depth
-    return total
+    return sum(times * 2 * math.prod(dot.shape) * dot.depth for dot, times in dots(hlo_text))
 
 
 # ---- permutations of a compiled program ------------------------------------------------------

@@ -1,7 +1,7 @@
-"""The MoE's rows move by gathers only, forward and backward, after one sort per layer, and
-its experts run two grouped matmuls (gate and up in one, then down): read from the compiled
-train step (maxtrain/analysis/program.py permutation_ops, grouped_matmuls) of tiny-moe, on
-one device and with its experts split over 4 simulated devices.
+"""The MoE's rows move by gathers only, forward and backward, after one sort per layer, its
+experts run two grouped matmuls (gate and up in one, then down) and its combine no dot: read
+from the compiled train step (maxtrain/analysis/program.py permutation_ops, grouped_matmuls,
+dots) of tiny-moe, on one device and with its experts split over 4 simulated devices.
 
 The values these programs compute are held elsewhere: every dispatch against a dense mixture
 without permutations (tests/parallel/test_moe_dispatch.py), the layer against a dense
@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from maxtrain.analysis.program import grouped_matmuls, permutation_ops
+from maxtrain.analysis.program import dots, grouped_matmuls, permutation_ops
 from maxtrain.model.layers.permutation import Permutation
 from maxtrain.training.trainer import build_trainer, compile_step
 
@@ -100,3 +100,9 @@ def test_train_step_moves_rows_without_scatters_sorts_once_and_runs_two_grouped_
         assert forward == {2 * F: layers, width: layers}, matmuls
     experts = cfg.model.moe.num_experts // devices
     assert not [run for run in matmuls if run.shape == f"f32[{experts},{width},{F}]"], matmuls
+
+    # The combine (each token's k outputs, weighted and summed) is element-wise work XLA fuses
+    # with the un-permute's gather, in both passes: no dot of depth k over the tokens' rows.
+    k = cfg.model.moe.top_k
+    combine_dots = [dot for dot, _ in dots(program) if dot.depth == k and dot.shape[0] >= tokens]
+    assert not combine_dots, combine_dots

@@ -8,6 +8,7 @@ over the mesh axes it should. Sliding windows are read from splash's block table
 kernels step through.
 """
 
+import math
 import re
 
 import jax
@@ -117,8 +118,28 @@ def test_moe_exchanges(make_cfg, dispatch, overflow, collective):
     _has(found, ATTENTION + GROUPED_MATMUL)
     moved = _collectives(trainer, hlo)
     assert moved.get(f"ici {collective} expert", 0) > 0, moved
+    _moves_rows_by_gathers_and_sorts_once(trainer, hlo)
     if overflow == "rounds":  # the further rounds run in a loop only the routing bounds
         assert any("per loop trip" in key for key in moved), moved
+
+
+def _moves_rows_by_gathers_and_sorts_once(trainer, hlo: str) -> None:
+    """The TPU program moves the MoE's rows as the CPU one does (tests/model/test_moe_permutation):
+    no scatter of a device's tokens' rows (float, at least its tokens, emb wide) in any pass,
+    and one sort of the assignments (integers: the router's top-k sorts its float scores) per
+    MoE layer."""
+    model, train = trainer.cfg.model, trainer.cfg.train
+    tokens = train.global_batch_size * train.seq_len // trainer.mesh.size
+    row_scatters, assignment_sorts = [], 0
+    for (op, shape), n in program.permutation_ops(hlo).items():
+        dims = [int(d) for d in re.findall(r"\d+", shape.split("[", 1)[1])] if "[" in shape else []
+        if op == "scatter" and shape.startswith(("f", "bf")) and dims[-1] == model.emb_dim:
+            if math.prod(dims[:-1]) >= tokens:
+                row_scatters.append(shape)
+        if op == "sort" and not re.search(r"\bf\d+\[|bf16\[", shape):
+            assignment_sorts += n
+    assert not row_scatters, row_scatters
+    assert assignment_sorts == model.num_layers
 
 
 @pytest.mark.parametrize("exchange", ["ring", "all_gather"])

@@ -181,10 +181,18 @@ def rank_in_group(sorted_keys: jax.Array, num_keys: int) -> jax.Array:
 
 def combine(per_assignment: jax.Array, weights: jax.Array) -> jax.Array:
     """Each assignment's output [R, D], in assignment order (token a // k) -> the weighted sum
-    of every token's k outputs [n, D]."""
+    of every token's k outputs [n, D], accumulated in float32.
+
+    Written as a product and a sum over k, not an einsum, which XLA made a dot of depth k (a
+    batched matrix-vector product, a library call on GPUs) over the gathered rows, and two more
+    in the backward. As element-wise work it fuses with what is next to it: the weights and the
+    sum into one pass over the output rows, the weights' gradient into a row-wise product and
+    sum, the rows' into a broadcast product. Whether the un-permute's gather joins that fusion
+    is the backend's choice: the CPU and TPU compilers keep a gather its own fusion."""
     n, k = weights.shape
     rows = per_assignment.reshape(n, k, -1)
-    return jnp.einsum("nkd,nk->nd", rows, weights.astype(rows.dtype))
+    mixed = rows.astype(jnp.float32) * weights.astype(jnp.float32)[..., None]
+    return mixed.sum(axis=1).astype(per_assignment.dtype)
 
 
 def dropless_local(
