@@ -38,6 +38,7 @@ from maxtrain.config.model import (
     MoeConfig,
     MtpConfig,
     RopeScaling,
+    named_tiles,
 )
 from maxtrain.config.optim import OptimConfig
 from maxtrain.config.parallel import MESH_AXES, DcnAxes, MeshAxes, MeshConfig, PipelineConfig
@@ -85,6 +86,7 @@ __all__ = [
     "QuantizationConfig",
     "LoraConfig",
     "RopeScaling",
+    "named_tiles",
     "RunConfig",
     "TrainConfig",
 ]

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import difflib
 import os
+import typing
 from pathlib import Path
 from typing import Any
 
@@ -237,9 +238,12 @@ _DOMAINS = {
 
 
 def _dotted(loc: tuple[Any, ...]) -> str:
-    """('data', 'sources', 0, 'weight') -> 'data.sources[0].weight'."""
+    """('data', 'sources', 0, 'weight') -> 'data.sources[0].weight'. A mapping's refused key
+    (pydantic's '[key]' after it) is named as the key itself."""
     key = ""
     for part in loc:
+        if part == "[key]":
+            continue
         key += f"[{part}]" if isinstance(part, int) else f".{part}" if key else str(part)
     return key
 
@@ -283,12 +287,19 @@ def _number(value: Any) -> Any:
 
 
 def _schema_at(path: list[str]) -> type[BaseModel] | None:
+    """The section at a dotted path of keys; a mapping of sections (model.moe.grouped_matmul_tiles)
+    takes any one key to its value's section."""
     schema: type[BaseModel] = Config
-    for part in path:
+    parts = iter(path)
+    for part in parts:
         field = schema.model_fields.get(part)
         if field is None:
             return None
         ann = field.annotation
+        if typing.get_origin(ann) is dict:
+            ann = typing.get_args(ann)[1]
+            if next(parts, None) is None:
+                return None
         candidates = getattr(ann, "__args__", (ann,))
         nested = [c for c in candidates if isinstance(c, type) and issubclass(c, BaseModel)]
         if not nested:

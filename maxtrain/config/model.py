@@ -55,6 +55,51 @@ class ClampedSwiglu(Section):
     limit: PositiveFloat = 7.0
 
 
+class KernelTiles(Section):
+    """One grouped matmul kernel's tiles: fields of the platform's tokamax kernel config, null
+    for tokamax's choice (its autotuning cache for the exact shape, else its heuristics).
+    model/build.py platform_choices checks them against the kernel of the devices' platform."""
+
+    # TPU (tokamax's Mosaic TPU kernel): rows, contraction and output columns per tile, and the
+    # input buffers its pipeline keeps.
+    tile_m: PositiveInt | None = None
+    tile_k: PositiveInt | None = None
+    tile_n: PositiveInt | None = None
+    input_buffer_count: PositiveInt | None = None
+    # GPU (tokamax's Mosaic GPU kernel; the first five are named together): the output block,
+    # its contraction step, the software pipeline's stages, the contraction's split, and how
+    # many blocks wide the grid walks.
+    block_m: PositiveInt | None = None
+    block_n: PositiveInt | None = None
+    block_k: PositiveInt | None = None
+    num_stages: PositiveInt | None = None
+    split_k: PositiveInt | None = None
+    grid_tile_width: PositiveInt | None = None
+
+    def named(self) -> dict[str, int]:
+        return {field: value for field, value in self if value is not None}
+
+
+class ProjectionTiles(Section):
+    """A projection's tiles per pass: its product, and the gradients of its rows and weights,
+    each a kernel of its own."""
+
+    forward: KernelTiles = KernelTiles()
+    input_grad: KernelTiles = KernelTiles()
+    weight_grad: KernelTiles = KernelTiles()
+
+
+def named_tiles(tiles: dict[str, ProjectionTiles]) -> dict[str, dict[str, dict[str, int]]]:
+    """{projection: {pass: {field: value}}} of the tiles named in model.moe.grouped_matmul_tiles,
+    nothing else."""
+    out: dict[str, dict[str, dict[str, int]]] = {}
+    for projection, passes in tiles.items():
+        for name, kernel in passes:
+            if fields := kernel.named():
+                out.setdefault(projection, {})[name] = fields
+    return out
+
+
 class MoeConfig(Section):
     """Mixture-of-experts feed-forward layers (absent = a dense model)."""
 
@@ -96,6 +141,9 @@ class MoeConfig(Section):
     # most capacity_factor * tokens * top_k / num_experts tokens per device; the rest drop.
     capacity_factor: PositiveFloat | None = None
     grouped_matmul: Literal["auto", "xla", "tokamax"] = "auto"  # auto: tokamax on GPU/TPU
+    # tokamax's tiles for each projection (gate_up, down) and pass (forward, input_grad,
+    # weight_grad); unnamed: tokamax's choice. The xla grouped matmul has no tiles.
+    grouped_matmul_tiles: dict[Literal["gate_up", "down"], ProjectionTiles] = {}
     # Dropless with experts split over devices (mesh.expert > 1): how rows reach their experts
     # (parallel/experts.py). auto: ragged on GPU/TPU, all_to_all elsewhere.
     ep_dispatch: Literal["auto", "all_to_all", "ragged", "all_gather"] = "auto"
@@ -105,6 +153,11 @@ class MoeConfig(Section):
     # What does not fit: rounds = sent in further rounds, nothing dropped (moe/rounds);
     # drop = dropped (moe/dropped), one round.
     ep_overflow: Literal["rounds", "drop"] = "rounds"
+    # A diagnostic, not a way to train: every expert gets the same number of each device's
+    # assignments (token n's j-th choice is expert (n k + j) mod E, weighted by the router's
+    # scores for it), so a benchmark measures the step under the routing peers publish figures
+    # for. The learned routing's imbalance is what it removes (moe/max_load, moe/rounds).
+    balanced_routing: bool = False
 
     def is_moe_layer(self, layer: int) -> bool:
         """Whether model layer `layer` (0-based) is a mixture of experts."""

@@ -23,7 +23,7 @@ from maxtrain.config.checkpoint import CheckpointConfig, InitConfig
 from maxtrain.config.data import DataConfig
 from maxtrain.config.domains import Section
 from maxtrain.config.lora import LoraConfig
-from maxtrain.config.model import ModelConfig
+from maxtrain.config.model import ModelConfig, named_tiles
 from maxtrain.config.optim import OptimConfig
 from maxtrain.config.parallel import MeshConfig, PipelineConfig
 from maxtrain.config.quantization import QuantizationConfig
@@ -80,6 +80,21 @@ class Config(Section):
             raise ValueError(
                 "train.task=dpo needs checkpoint.load_parameters_path: the model to tune, whose "
                 "frozen copy is the reference"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _check_grouped_matmul_tiles(self) -> Config:
+        quantized = self.quantization.preset != "none" or self.quantization.rules
+        if (
+            quantized
+            and self.model.moe is not None
+            and named_tiles(self.model.moe.grouped_matmul_tiles)
+        ):
+            raise ValueError(
+                "model.moe.grouped_matmul_tiles tiles the float grouped matmul, but quantized "
+                "training runs tokamax's quantized kernel on its own tiles: set "
+                "model.moe.grouped_matmul_tiles={} or quantization.preset=none"
             )
         return self
 

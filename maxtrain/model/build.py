@@ -6,10 +6,10 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from maxtrain.config import ModelConfig
+from maxtrain.config import ConfigError, ModelConfig, named_tiles
 from maxtrain.model.decoder import Decoder, PipelinedDecoder
 from maxtrain.model.kernels.attention import attention_implementation
-from maxtrain.model.kernels.grouped_matmul import grouped_matmul_implementation
+from maxtrain.model.kernels.grouped_matmul import grouped_matmul_implementation, tile_problem
 from maxtrain.model.stacks import is_moe_per_layer
 from maxtrain.parallel.experts import exchange_implementation
 from maxtrain.parallel.pipeline import StageLayout
@@ -48,15 +48,26 @@ def platform_choices(
         "compute_dtype": _compute_dtype_name(model.compute_dtype, platform),
     }
     if model.moe is not None:
+        grouped_matmul = grouped_matmul_implementation(model.moe.grouped_matmul, platform)
+        if grouped_matmul == "tokamax":
+            _check_tiles(named_tiles(model.moe.grouped_matmul_tiles), platform)
         update["moe"] = model.moe.model_copy(
             update={
-                "grouped_matmul": grouped_matmul_implementation(model.moe.grouped_matmul, platform),
+                "grouped_matmul": grouped_matmul,
                 "ep_dispatch": exchange_implementation(
                     model.moe.ep_dispatch, platform, device_kind, chips_per_slice
                 ),
             }
         )
     return model.model_copy(update=update)
+
+
+def _check_tiles(tiles: dict, platform: str) -> None:
+    """Tiles named for tokamax's kernels must be those of `platform`'s kernel: known when the
+    devices are, here, not when the config is read."""
+    for projection, per_pass in tiles.items():
+        if problem := tile_problem(per_pass, platform):
+            raise ConfigError(f"model.moe.grouped_matmul_tiles.{projection}.{problem}")
 
 
 def build(cfg: ModelConfig, seed: int = 0, layout: StageLayout | None = None) -> Decoder:

@@ -73,7 +73,7 @@ import jax
 import jax.numpy as jnp
 
 from maxtrain.config import MoeConfig
-from maxtrain.model.kernels.grouped_matmul import GroupedMatmul
+from maxtrain.model.kernels.grouped_matmul import ExpertMatmuls
 from maxtrain.model.layers.moe_dispatch import (
     Dispatch,
     DispatchCounts,
@@ -174,7 +174,7 @@ class AllToAll:
         *,
         num_experts: int,
         par: Parallelism,
-        gmm: GroupedMatmul,
+        gmm: ExpertMatmuls,
     ) -> tuple[jax.Array, DispatchCounts]:
         """x [n, D], expert_ids/weights [n, k] -> (y [n, D], assignments dropped, rounds)."""
         if par.degree == 1:
@@ -304,7 +304,7 @@ class Ragged:
         *,
         num_experts: int,
         par: Parallelism,
-        gmm: GroupedMatmul,
+        gmm: ExpertMatmuls,
     ) -> tuple[jax.Array, DispatchCounts]:
         """x [n, D], expert_ids/weights [n, k] -> (y [n, D], assignments dropped, rounds)."""
         if par.degree == 1:
@@ -367,7 +367,7 @@ class AllGather:
         *,
         num_experts: int,
         par: Parallelism,
-        gmm: GroupedMatmul,
+        gmm: ExpertMatmuls,
     ) -> tuple[jax.Array, DispatchCounts]:
         """x [n, D], expert_ids/weights [n, k] -> (y [n, D], assignments dropped, rounds)."""
         if par.degree == 1:

@@ -79,6 +79,21 @@ def moe_settings(model: config_lib.ModelConfig) -> dict:
     }
 
 
+def routing_measured(model: config_lib.ModelConfig, step_metrics: dict) -> dict:
+    """Under which routing the step was timed (an MoE's speed depends on it): learned, or the
+    balanced diagnostic (model.moe.balanced_routing), with the last timed step's busiest
+    expert's load relative to fair (1.0 = balanced), the exchange rounds its busiest buffer
+    needed, and the share of assignments dropped."""
+    if model.moe is None:
+        return {}
+    return {
+        "routing": "balanced (diagnostic)" if model.moe.balanced_routing else "learned",
+        "moe_max_load": round(float(step_metrics["moe/max_load"]), 3),
+        "moe_rounds": int(step_metrics["moe/rounds"]),
+        "moe_dropped": round(float(step_metrics.get("moe/dropped", 0.0)), 5),
+    }
+
+
 def pipeline_settings(cfg: config_lib.Config) -> dict:
     """The pipeline schedule and its idle share per step (none without stages)."""
     layout = stage_layout(cfg)
@@ -237,6 +252,7 @@ def benchmark(cfg: config_lib.Config, steps: int, warmup: int, profile_dir: str 
         "tokens_per_sec_per_device": round(stats["tokens_per_sec_per_device"], 1),
         "tflops_per_device": round(stats["tflops_per_device"], 2),
         "mfu": None if stats["mfu"] is None else round(stats["mfu"], 4),
+        **routing_measured(cfg.model, step_metrics),
         "peak_memory_gib": peak_memory_gib(),
         "final_loss": float(step_metrics["loss"]),
     }

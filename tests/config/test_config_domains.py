@@ -35,6 +35,7 @@ CONTAINERS = {
     "data.sources[*]": {"name": "a", "path": "embedded:prose"},
     "quantization.rules[*]": {"module_path": "lm_head"},
     "mesh.rules.*": "embed",  # the mapping key to use
+    "model.moe.grouped_matmul_tiles.*": "gate_up",
 }
 
 # Keys whose values a validator (or the loader) checks, with its own message: a bad value, and
@@ -95,6 +96,8 @@ def walk(model: type[BaseModel] = Config, prefix: str = "") -> list[tuple[str, A
             out += walk(annotation, key + ".")
         elif origin is list and isinstance(args[0], type) and issubclass(args[0], BaseModel):
             out += walk(args[0], key + "[*].")
+        elif origin is dict and isinstance(args[1], type) and issubclass(args[1], BaseModel):
+            out += walk(args[1], key + ".*.")
         elif origin is dict:
             out.append((key + ".*", args[1], []))
         else:
@@ -144,6 +147,9 @@ def _yaml(value: Any) -> str:
 
 def overrides_for(key: str, value: Any) -> tuple[list[str], str]:
     """The overrides that give `key` this value, and the key as the error names it."""
+    for container, valid in CONTAINERS.items():  # a section under a mapping key: name one
+        if container.endswith(".*") and key.startswith(container + "."):
+            key = container.removesuffix("*") + valid + key.removeprefix(container)
     for container, valid in CONTAINERS.items():
         if container.endswith("[*]") and key.startswith(container + "."):
             section, field = container.removesuffix("[*]"), key.removeprefix(container + ".")

@@ -20,7 +20,7 @@ from jax.sharding import PartitionSpec as P
 from support.ragged_all_to_all_reference import emulated_ragged_all_to_all
 
 from maxtrain.analysis.program import collective_bytes
-from maxtrain.model.kernels.grouped_matmul import xla_grouped_matmul
+from maxtrain.model.kernels.grouped_matmul import expert_matmuls
 from maxtrain.model.layers.activations import ClampedSwiglu
 from maxtrain.model.layers.moe_dispatch import (
     ExpertBlocks,
@@ -33,6 +33,7 @@ from maxtrain.parallel.experts import AllGather, AllToAll, Ragged
 
 D, F, E = 8, 12, 16  # model width, expert width, experts
 N = 16  # tokens per device
+XLA = expert_matmuls("xla")  # both projections on jax.lax.ragged_dot
 
 EXCHANGES = {
     "all_to_all": AllToAll,
@@ -84,7 +85,7 @@ def sharded(dispatch, peers: int):
     par = Parallelism(("expert",), peers)
 
     def per_device(x, ids, mix, w):
-        y, counts = dispatch(x, ids, mix, w, num_experts=E, par=par, gmm=xla_grouped_matmul)
+        y, counts = dispatch(x, ids, mix, w, num_experts=E, par=par, gmm=XLA)
         return y, (jax.lax.psum(counts.dropped, "expert"), jax.lax.pmax(counts.rounds, "expert"))
 
     split = P("expert")
@@ -98,7 +99,7 @@ def sharded(dispatch, peers: int):
 
 
 def single_device(x, ids, mix, w):
-    y, counts = dropless_local(x, ids, mix, w, num_experts=E, gmm=xla_grouped_matmul)
+    y, counts = dropless_local(x, ids, mix, w, num_experts=E, gmm=XLA)
     return y, (counts.dropped, counts.rounds)
 
 
@@ -354,9 +355,7 @@ def on_one_device(dispatch):
     """(x, ids, mix, w) -> (y, (dropped, rounds)), every token and expert on one device."""
 
     def run(x, ids, mix, w):
-        y, counts = dispatch(
-            x, ids, mix, w, num_experts=E, par=Parallelism(), gmm=xla_grouped_matmul
-        )
+        y, counts = dispatch(x, ids, mix, w, num_experts=E, par=Parallelism(), gmm=XLA)
         return y, (counts.dropped, counts.rounds)
 
     return run

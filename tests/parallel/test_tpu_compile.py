@@ -142,6 +142,47 @@ def _moves_rows_by_gathers_and_sorts_once(trainer, hlo: str) -> None:
     assert assignment_sorts == model.num_layers
 
 
+def _rows_per_tile(hlo: str, groups: int) -> dict[tuple[str, str, str], int]:
+    """{(kernel, lhs, rhs): rows per tile} of tokamax's TPU grouped matmuls over `groups`
+    experts, gmm (forward), gmm_transpose_rhs (input gradient) and tgmm (weight gradient): a
+    kernel's group metadata (its third operand) lists the groups of its row tiles, tiles +
+    groups - 1 of them."""
+    found = {}
+    for call in re.finditer(
+        r"pallas_tpu_ragged_dot_(\w+?)[.\d]* = .*?operand_layout_constraints=\{(.*?)\}, [a-z_]+=",
+        hlo,
+    ):
+        shapes = re.sub(r"\{[^}]*\}", "", call[2]).split(", ")
+        tiles, rows = (int(re.search(r"\[(\d+)", shapes[i])[1]) for i in (2, -2))
+        found[(call[1], shapes[-2], shapes[-1])] = rows // (tiles - groups + 1)
+    return found
+
+
+def test_grouped_matmul_tiles_reach_each_pass_of_each_projection(make_cfg):
+    """model.moe.grouped_matmul_tiles picks tokamax's tiles per projection and pass: gate-up's
+    forward at 256 rows a tile and its input gradient at 64, the rest on tokamax's choice (128
+    on v5e for these shapes), read from the kernels' group metadata in the compiled program."""
+    tiles = "{gate_up: {forward: {tile_m: 256}, input_grad: {tile_m: 64}}}"
+    _, hlo, _ = _compile(make_cfg, *MOE, "mesh.fsdp=4", f"model.moe.grouped_matmul_tiles={tiles}")
+    rows = "bf16[512,128]"  # a device's 256 tokens x top-2, emb 128 wide
+    assert _rows_per_tile(hlo, groups=8) == {
+        ("gmm", rows, "bf16[8,128,256]"): 256,  # gate-up forward
+        ("gmm_transpose_rhs", "bf16[512,256]", "bf16[8,128,256]"): 64,  # its rows' gradient
+        ("tgmm", rows, "bf16[512,256]"): 128,  # its weights' gradient
+        ("gmm", rows, "bf16[8,128,128]"): 128,  # down forward
+        ("gmm_transpose_rhs", rows, "bf16[8,128,128]"): 128,
+        ("tgmm", rows, rows): 128,
+    }
+
+
+def test_grouped_matmul_tiles_of_another_platform_are_refused(make_cfg):
+    """Tiles are checked against the kernel of the devices the program is built for."""
+    cfg = make_cfg(*MOE, "model.moe.grouped_matmul_tiles={down: {forward: {block_m: 64}}}")
+    with pytest.raises(config_lib.ConfigError, match=r"grouped_matmul_tiles\.down\.forward: "
+                       r"\['block_m'\] are not fields of tokamax's tpu kernel"):  # fmt: skip
+        run_model.for_platform(cfg, "tpu")
+
+
 @pytest.mark.parametrize("exchange", ["ring", "all_gather"])
 def test_context_parallel(make_cfg, exchange):
     trainer, hlo, _ = _compile(

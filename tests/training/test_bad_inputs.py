@@ -127,6 +127,18 @@ ROWS = [
     ("context exchange", "maxtrain", [*TINY, "model.context_exchange=ulysses"],
      "config key 'model.context_exchange' must be one of 'all_gather' or 'ring'"),
     ("mesh too big", "maxtrain", [*TINY, "mesh.fsdp=3"], "use 3 devices per slice but 8 are"),
+    ("tiles of quantized experts", "maxtrain",
+     [*TINY, "model_name=tiny-moe", "quantization.preset=int8",
+      "model.moe.grouped_matmul_tiles={gate_up: {forward: {tile_m: 256}}}"],
+     "model.moe.grouped_matmul_tiles tiles the float grouped matmul, but quantized training"),
+    ("grouped matmul tile projection", "maxtrain",
+     [*TINY, "model_name=tiny-moe", "model.moe.grouped_matmul_tiles={up: {forward: {}}}"],
+     "config key 'model.moe.grouped_matmul_tiles.up' must be one of 'gate_up' or 'down' "
+     "(got 'up')"),
+    ("grouped matmul tile pass", "maxtrain",
+     [*TINY, "model_name=tiny-moe", "model.moe.grouped_matmul_tiles={down: {backward: {}}}"],
+     "unknown config key 'model.moe.grouped_matmul_tiles.down.backward'; did you mean "
+     "'model.moe.grouped_matmul_tiles.down.forward'?"),
     # ---- config files
     ("no config", "maxtrain", [], "no config file given"),
     ("missing file", "maxtrain", ["{in}/nope.yml"], "config file not found: {in}/nope.yml"),

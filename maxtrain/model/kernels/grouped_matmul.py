@@ -3,7 +3,7 @@
 This is the dropless MoE workhorse: after tokens are sorted by expert, ``x[M, K]`` holds
 ``group_sizes[e]`` consecutive rows for expert e, and row r is multiplied by ``w[e(r)]``.
 
-Two implementations, picked once by `grouped_matmul_kernel` (the MoE layer keeps the function):
+Two implementations, picked once by `expert_matmuls` (the MoE layer keeps the functions):
   * ``xla``: ``jax.lax.ragged_dot``. Exact and the CPU path, but on GPU it lowers to a dense
     computation over every group (E times the work) and at real sizes runs out of memory (a
     64-expert MoE on an H100: recipes/h100/README.md).
@@ -15,6 +15,13 @@ Both look their op up on its module when called, not when picked: quantized trai
 while the model runs. Rows past ``sum(group_sizes)`` produce zeros in both; the MoE layer relies
 on that to park dropped or padding rows at the end.
 
+The experts run two grouped matmuls of different shapes, gate-up and down (`ExpertMatmuls`),
+each with its own tokamax tiling where `model.moe.grouped_matmul_tiles` names one
+(`tiled_tokamax_grouped_matmul`): per pass, forward, input gradient and weight gradient, the
+fields of the platform's tokamax kernel config. Unnamed, tokamax chooses: its autotuning cache
+for the exact shape, else its heuristics (on an H100, its default tiles for every grouped
+matmul of the moe-64e recipe: recipes/h100/README.md).
+
 Both run under the name scope `SCOPE`, which the compiled program's instructions carry in their
 metadata, backward ones included: on CPU ragged_dot lowers to a plain dot, and the scope is what
 tells it from the model's other dots (analysis/program.py grouped_matmuls).
@@ -23,7 +30,8 @@ tells it from the model's other dots (analysis/program.py grouped_matmuls).
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -83,6 +91,100 @@ def grouped_bias(bias: jax.Array, group_sizes: jax.Array, num_rows: int) -> jax.
     return jnp.concatenate([bias, jnp.zeros_like(bias[:1])])[group]
 
 
+# One projection's tiles per pass (model.moe.grouped_matmul_tiles): forward, input_grad and
+# weight_grad, the product and the gradients of its rows and of its weights, which tokamax runs
+# as kernels of their own.
+TilesPerPass = Mapping[str, Mapping[str, Any]]
+
+
+def _tokamax_kernel(platform: str) -> tuple[type, type]:
+    """(kernel op class, its config class) of tokamax's grouped matmul on `platform`.
+
+    From tokamax's own modules: its public `tokamax.ops.gpu` also imports jax_triton, which
+    the Mosaic GPU kernel does not need and the pinned stack does not have."""
+    if platform == "tpu":
+        from tokamax._src.ops.ragged_dot import pallas_mosaic_tpu as kernel
+    elif platform == "gpu":
+        from tokamax._src.ops.ragged_dot import pallas_mosaic_gpu as kernel
+    else:
+        raise ValueError(f"tokamax's grouped matmul has no kernel on {platform}")
+    op = next(v for v in vars(kernel).values() if isinstance(v, type) and hasattr(v, "_fwd"))
+    return op, kernel.Config
+
+
+def tile_problem(tiles: TilesPerPass, platform: str) -> str | None:
+    """What is wrong with one projection's tiles for tokamax's kernel on `platform` (a field it
+    does not have, a value it refuses, a required one missing), or None."""
+    import dataclasses
+
+    import pydantic
+
+    _, config = _tokamax_kernel(platform)
+    fields = [f.name for f in dataclasses.fields(config)]
+    for name, chosen in tiles.items():
+        unknown = sorted(set(chosen) - set(fields))
+        if unknown:
+            return f"{name}: {unknown} are not fields of tokamax's {platform} kernel ({fields})"
+        try:
+            config(**chosen)
+        except pydantic.ValidationError as error:
+            first = error.errors()[0]
+            where = ".".join(str(part) for part in first["loc"])
+            return f"{name}.{where}: {first['msg']}"
+    return None
+
+
+def tiles_platform(tiles: TilesPerPass) -> str:
+    """The platform whose tokamax kernel the tiles are for, by their fields (disjoint: the TPU
+    kernel's tile_m, tile_k, tile_n; the GPU kernel's block_m, block_n, block_k, ...)."""
+    import dataclasses
+
+    named = {field for chosen in tiles.values() for field in chosen}
+    _, tpu_config = _tokamax_kernel("tpu")
+    return "tpu" if named <= {f.name for f in dataclasses.fields(tpu_config)} else "gpu"
+
+
+def tiled_tokamax_grouped_matmul(tiles: TilesPerPass) -> GroupedMatmul:
+    """tokamax's grouped matmul with the tiles named per pass (a pass not named keeps
+    tokamax's choice): its kernel op configured for the forward, and its backward's two kernels
+    (tokamax's ragged-dot VJP, which runs the input and weight gradients as grouped matmuls of
+    their own) for theirs. The platform follows from the tiles' fields (`tiles_platform`;
+    model/build.py platform_choices has checked them against the devices' platform)."""
+    from tokamax._src.ops.ragged_dot import base
+
+    op, config = _tokamax_kernel(tiles_platform(tiles))
+
+    def kernel(name: str, **kwargs: Any):
+        chosen = tiles.get(name)
+        return op(config=config(**chosen) if chosen else None, **kwargs)
+
+    backward = functools.partial(
+        base.vjp, dlhs_ragged_dot=kernel("input_grad"), drhs_ragged_dot=kernel("weight_grad")
+    )
+    forward = kernel("forward", vjp=backward)
+
+    @_scoped
+    def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array) -> jax.Array:
+        import tokamax
+
+        return tokamax.ragged_dot(
+            x,
+            w,
+            group_sizes.astype(jnp.int32),
+            manual_axis_type=manual_axis_type(x, w),
+            implementation=[forward],
+        )
+
+    return grouped_matmul
+
+
+class ExpertMatmuls(NamedTuple):
+    """The experts' two grouped matmuls: gate and up as one [D, 2F] product, then down."""
+
+    gate_up: GroupedMatmul
+    down: GroupedMatmul
+
+
 IMPLEMENTATIONS: dict[str, GroupedMatmul] = {
     "xla": xla_grouped_matmul,
     "tokamax": tokamax_grouped_matmul,
@@ -99,6 +201,15 @@ def grouped_matmul_implementation(name: str, platform: str | None = None) -> str
     return name
 
 
-def grouped_matmul_kernel(name: str) -> GroupedMatmul:
-    """The grouped matmul a configured name picks on this backend."""
-    return IMPLEMENTATIONS[grouped_matmul_implementation(name)]
+def expert_matmuls(name: str, tiles: Mapping[str, TilesPerPass] | None = None) -> ExpertMatmuls:
+    """The experts' grouped matmuls a configured name picks on this backend, each projection
+    (gate_up, down) with the tiles `tiles` names for it where tokamax's kernels run."""
+    resolved = grouped_matmul_implementation(name)
+    tiles = tiles or {}
+
+    def pick(projection: str) -> GroupedMatmul:
+        if resolved == "tokamax" and any(tiles.get(projection, {}).values()):
+            return tiled_tokamax_grouped_matmul(tiles[projection])
+        return IMPLEMENTATIONS[resolved]
+
+    return ExpertMatmuls(pick("gate_up"), pick("down"))

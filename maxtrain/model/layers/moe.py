@@ -36,8 +36,8 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from maxtrain.config import ModelConfig
-from maxtrain.model.kernels.grouped_matmul import grouped_matmul_kernel
+from maxtrain.config import ModelConfig, named_tiles
+from maxtrain.model.kernels.grouped_matmul import expert_matmuls
 from maxtrain.model.layers import moe_dispatch
 from maxtrain.model.layers.activations import gated_activation
 from maxtrain.model.layers.base import Projection, make_param
@@ -121,7 +121,10 @@ class MoE(nnx.Module):
         self.score, self.renormalize, self.routed_scale = m.score, m.renormalize, m.routed_scale
         self.weigh_inputs = m.weight_on == "input"
         self.n_group, self.topk_group = m.n_group, m.topk_group
-        self.gmm = grouped_matmul_kernel(m.grouped_matmul)  # the kernel, picked once
+        self.balanced_routing = m.balanced_routing  # a benchmark's diagnostic
+        self.gmm = expert_matmuls(
+            m.grouped_matmul, named_tiles(m.grouped_matmul_tiles)
+        )  # picked once
         self.dispatch = make_dispatch(m)  # how rows reach their experts, picked once
         self.compute_dtype = compute_dtype
         std = cfg.init_std
@@ -185,7 +188,10 @@ class MoE(nnx.Module):
             select = scores + jax.lax.stop_gradient(self.router.bias[...])
         if self.topk_group < self.n_group:
             select = limit_to_best_groups(select, self.n_group, self.topk_group)
-        _, expert_ids = jax.lax.top_k(select, self.top_k)
+        if self.balanced_routing:
+            expert_ids = balanced_choices(logits.shape[:-1], self.top_k, self.num_experts)
+        else:
+            _, expert_ids = jax.lax.top_k(select, self.top_k)
         weights = jnp.take_along_axis(scores, expert_ids, axis=-1)
         if self.renormalize:
             weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
@@ -299,6 +305,16 @@ class MoE(nnx.Module):
         if partial_axes:
             y = jax.lax.psum(y, partial_axes)
         return y.reshape(b, t, d), counts
+
+
+def balanced_choices(tokens: tuple[int, ...], top_k: int, num_experts: int) -> jax.Array:
+    """[*tokens, top_k] expert ids that load every expert equally (model.moe.balanced_routing):
+    token n's j-th choice is expert (n top_k + j) mod E, so any run of E consecutive
+    assignments, a device's share of the batch included, visits each expert once, and a token's
+    k choices differ (k <= E)."""
+    n = math.prod(tokens)
+    ids = (jnp.arange(n)[:, None] * top_k + jnp.arange(top_k)) % num_experts
+    return ids.reshape(*tokens, top_k).astype(jnp.int32)
 
 
 def limit_to_best_groups(select: jax.Array, n_group: int, topk_group: int) -> jax.Array:

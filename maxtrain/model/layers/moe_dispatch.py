@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from maxtrain.model.kernels.grouped_matmul import GroupedMatmul, grouped_bias
+from maxtrain.model.kernels.grouped_matmul import ExpertMatmuls, grouped_bias
 from maxtrain.model.layers.activations import GatedActivation, swiglu
 from maxtrain.model.layers.permutation import Permutation
 
@@ -108,7 +108,7 @@ class Dispatch(Protocol):
         *,
         num_experts: int,
         par: Parallelism,
-        gmm: GroupedMatmul,
+        gmm: ExpertMatmuls,
     ) -> tuple[jax.Array, DispatchCounts]:
         """x [n, D], expert_ids/weights [n, k] -> (y [n, D], assignments dropped, rounds)."""
         ...
@@ -126,14 +126,14 @@ def keep_local_experts(
     return jnp.where(mine, ids, local), jnp.where(mine, weights, 0)
 
 
-def swiglu_grouped(rows: jax.Array, group_sizes: jax.Array, w: ExpertWeights, gmm: GroupedMatmul):
+def swiglu_grouped(rows: jax.Array, group_sizes: jax.Array, w: ExpertWeights, gmm: ExpertMatmuls):
     """Each row through its expert's gated feed-forward (SwiGLU or w.activation, with w's
     biases): two grouped matmuls, gate and up in one; rows past sum(group_sizes) come out
     zero."""
-    gate_up = gmm(rows, w.gate_up, group_sizes)
+    gate_up = gmm.gate_up(rows, w.gate_up, group_sizes)
     if w.gate_up_bias is not None:
         gate_up = gate_up + grouped_bias(w.gate_up_bias, group_sizes, rows.shape[0])
-    return gmm(w.activate(gate_up), w.down, group_sizes)
+    return gmm.down(w.activate(gate_up), w.down, group_sizes)
 
 
 def _swiglu_batched(blocks: jax.Array, w: ExpertWeights) -> jax.Array:
@@ -202,7 +202,7 @@ def dropless_local(
     w: ExpertWeights,
     *,
     num_experts: int,
-    gmm: GroupedMatmul,
+    gmm: ExpertMatmuls,
 ) -> tuple[jax.Array, DispatchCounts]:
     """Every assignment computed on this device. Ids equal to num_experts (experts held
     elsewhere, see keep_local_experts) sort last and stay outside every group."""
@@ -235,7 +235,7 @@ class ExpertBlocks:
         *,
         num_experts: int,
         par: Parallelism,
-        gmm: GroupedMatmul,
+        gmm: ExpertMatmuls,
     ) -> tuple[jax.Array, DispatchCounts]:
         n, k = expert_ids.shape
         cap = capacity(n, k, num_experts, self.capacity_factor)
