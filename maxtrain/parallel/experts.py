@@ -117,7 +117,9 @@ def in_rounds(one_round: Round, most: int, needed: jax.Array, plan: Any, inputs:
     Round 0 always runs; the later ones run in a loop whose trip count, `needed`, is the same
     on every device of the exchange, so a step runs only the rounds its routing needs, and
     those devices the same collectives (devices of other exchange groups, e.g. other
-    data-parallel replicas, may run a different number: nothing in the loop joins them).
+    data-parallel replicas or pipeline stages, may run a different number: nothing in the loop
+    joins them; inside the stage map each stage's dispatch is traced on its own for this,
+    parallel/pipeline.py `per_stage`).
     The backward pass replays the rounds: round 0 from the residuals its forward saved (one
     round's buffers), every later one recomputed from the inputs and the plan, one at a time,
     so that no more than one round's buffers are ever alive.

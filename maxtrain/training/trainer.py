@@ -139,13 +139,6 @@ def check_experts(cfg: Config, mesh: Mesh) -> None:
             "compiler has no ragged all-to-all under its limited ICI routing beyond 16 chips); "
             "use all_to_all or all_gather, or auto"
         )
-    rounds = moe.capacity_factor is None and moe.ep_overflow == "rounds"
-    if degree > 1 and mesh.shape["stage"] > 1 and rounds and moe.ep_capacity_factor < degree:
-        raise ConfigError(
-            "model.moe.ep_overflow=rounds does not yet run inside pipeline stages (mesh.stage "
-            f"{mesh.shape['stage']}); set model.moe.ep_overflow=drop, or "
-            f"model.moe.ep_capacity_factor >= {degree} (one round of worst-case buffers)"
-        )
 
 
 def build_trainer(

@@ -24,7 +24,7 @@ from maxtrain.parallel.experts import Ragged
 from maxtrain.parallel.mesh import build_mesh, sharding_rules
 from maxtrain.training import metrics
 from maxtrain.training.loop import run
-from maxtrain.training.trainer import build_trainer, check_experts
+from maxtrain.training.trainer import build_trainer
 
 D, E, K, F = 16, 8, 2, 12
 
@@ -485,13 +485,3 @@ def test_experts_not_divisible_by_the_expert_axis_is_a_config_error(make_cfg):
     cfg = make_cfg("model_name=tiny-moe", "model.moe.num_experts=6", "mesh.expert=4", "mesh.fsdp=2")
     with pytest.raises(ConfigError, match="degree 4"):
         build_trainer(cfg)
-
-
-def test_exchange_rounds_inside_pipeline_stages_is_a_config_error(make_cfg):
-    """Not yet supported (the stage map batches the rounds' loop); one round or drop is."""
-    staged = ("model_name=tiny-moe", "mesh.stage=2", "mesh.expert=2", "mesh.fsdp=2")
-    with pytest.raises(ConfigError, match=r"model.moe.ep_overflow=rounds does not yet run"):
-        build_trainer(make_cfg(*staged))
-    for allowed in ("model.moe.ep_overflow=drop", "model.moe.ep_capacity_factor=2"):
-        cfg = make_cfg(*staged, allowed)
-        check_experts(cfg, build_mesh(cfg.mesh))  # no error

@@ -5,6 +5,11 @@ given to fsdp instead), from the same initial parameters and batches, and compar
 gradient norm of every step and every parameter at the end. The tolerance is float32 rounding:
 the pipeline computes each micro-batch's gradient separately and sums them, so sums run in
 another order (measured differences: below 5e-7 in the parameters after 3 steps).
+
+The MoE case runs the dropless default (ep_overflow=rounds) inside the stages with buffers of
+half the routed rows (ep_capacity_factor=0.5: every layer needs at least two rounds, so the
+rounds' loop and its replayed backward run in every stage), against one stage whose one round
+holds the worst case (ep_capacity_factor=8): dropless, the two compute the same.
 """
 
 import jax
@@ -32,29 +37,32 @@ MOE = [  # a dense first layer, then 4 MoE layers; experts split over 2 devices 
     "model.num_layers=5",
     "model.moe.first_dense_layers=1",
     "model.moe.bias_update_rate=0.01",
-    "model.moe.ep_capacity_factor=8",  # never drops: micro-batching must not change the routing
+    "model.moe.ep_capacity_factor=8",  # one round of worst-case buffers: never a second
     *DENSE[2:],
 ]
 STEPS = 3
 
 
 def train(tmp_path, overrides: list[str]) -> dict:
-    """Per step (loss, grad norm, bubble), and the final parameters in model order."""
+    """Per step (loss, grad norm, bubble), the MoE layers' exchange counts per step (share of
+    assignments dropped, most rounds of any layer; absent for dense models), and the final
+    parameters in model order."""
     cfg = config_lib.load(
         config_lib.CONFIGS_DIR / "base.yml", [*overrides, f"run.output_dir={tmp_path}"]
     )
     trainer = build_trainer(cfg)
     batches = data_streams(cfg)[0]
-    steps = []
+    steps, exchange = [], []
     for _ in range(STEPS):
         batch = to_global(next(batches), trainer.batch_sharding)
         trainer.state, metrics = trainer.step_fn(trainer.state, batch)
         metrics = jax.device_get(metrics)
         steps.append((metrics["loss"], metrics["grad_norm"], metrics.get("pipeline/bubble")))
+        exchange.append((metrics.get("moe/dropped"), metrics.get("moe/rounds")))
     params = jax.device_get(trainer.state.params)
     if trainer.saved.layout is not None:  # on the host: no program to compile for it
         params = pipeline.to_model_order(params, trainer.saved.layout)
-    return {"steps": steps, "params": params}
+    return {"steps": steps, "exchange": exchange, "params": params}
 
 
 @pytest.fixture(scope="module")
@@ -97,8 +105,10 @@ CASES = {
          "pipeline.repeats=2", "pipeline.microbatches=4"],
         4, 2, 4,
     ),
-    "moe-dense-first-expert-parallel-S2": (
-        "moe", ["mesh.stage=2", "mesh.expert=2", "mesh.fsdp=2"], 2, 1, 2,
+    "moe-dense-first-expert-parallel-S2-dropless-rounds": (
+        "moe",
+        ["mesh.stage=2", "mesh.expert=2", "mesh.fsdp=2", "model.moe.ep_capacity_factor=0.5"],
+        2, 1, 2,
     ),
 }  # fmt: skip
 
@@ -111,6 +121,10 @@ def test_stages_train_like_one_stage(tmp_path, one_stage, case):
     # Each stage idles (S - 1) of the R * M + S - 1 iterations of a step.
     bubble = (stages - 1) / (repeats * microbatches + stages - 1)
     assert [b for _, _, b in got["steps"]] == pytest.approx([bubble] * STEPS)
+    if model == "moe":  # nothing dropped; the one stage's run needed one round, these more
+        assert [d for d, _ in got["exchange"]] == [0] * STEPS
+        assert [r for _, r in one_stage["moe"]["exchange"]] == [1] * STEPS
+        assert all(r >= 2 for _, r in got["exchange"]), got["exchange"]
 
 
 def test_quantized_training_with_stages_follows_the_run_without(tmp_path):

@@ -29,6 +29,7 @@ accumulation, pipeline stages) add up to exactly those of the whole batch:
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -42,6 +43,7 @@ from maxtrain.model.layers import moe_dispatch
 from maxtrain.model.layers.activations import gated_activation
 from maxtrain.model.layers.base import Projection, make_param
 from maxtrain.model.layers.mlp import SwiGLU
+from maxtrain.parallel import pipeline
 from maxtrain.parallel.experts import make_dispatch
 from maxtrain.parallel.mesh import active_rules, logical_to_spec, spec_axes
 
@@ -299,9 +301,10 @@ class MoE(nnx.Module):
         flat_x = x.reshape(b * t, d)
         flat_ids = expert_ids.reshape(b * t, -1)
         flat_w = weights.reshape(b * t, -1)
-        y, counts = self.dispatch(
-            flat_x, flat_ids, flat_w, w, num_experts=num_experts, par=par, gmm=self.gmm
-        )
+        dispatch = functools.partial(self.dispatch, num_experts=num_experts, par=par, gmm=self.gmm)
+        # Inside pipeline stages, each stage's dispatch is traced on its own (its rounds' loop
+        # and custom VJP are not batched over the stages): see pipeline.per_stage.
+        y, counts = pipeline.per_stage(dispatch)(flat_x, flat_ids, flat_w, w)
         if partial_axes:
             y = jax.lax.psum(y, partial_axes)
         return y.reshape(b, t, d), counts
