@@ -177,7 +177,7 @@ def run(
         totals = jax.tree.map(lambda t, s: t.at[repeat].add(jnp.where(valid, s, 0)), totals, stats)
         return y, slots, totals
 
-    per_stage = jax.vmap(one_stage, in_axes=(1, 0, 0, 0, None, 0), spmd_axis_name="stage")
+    stage_map = jax.vmap(one_stage, in_axes=(1, 0, 0, 0, None, 0), spmd_axis_name="stage")
     shapes = jax.eval_shape(
         lambda: run_group(graphdefs, _group_state(states), xs[0], pos[0], seg[0])[1]
     )
@@ -187,7 +187,7 @@ def run(
     def iteration(carry, t):
         out, slots, totals = carry
         arriving = _shift(out)  # stage s gets stage s-1's output, 0 gets S-1's
-        out, slots, totals = per_stage(states, slots, arriving, stage_ids, t, totals)
+        out, slots, totals = stage_map(states, slots, arriving, stage_ids, t, totals)
         slots = constrain(slots, (STAGES, None, *_TOKENS))
         return (constrain(out, (STAGES, *_TOKENS)), slots, totals), None
 

@@ -123,23 +123,24 @@ def test_moe_exchanges(make_cfg, dispatch, overflow, collective):
         assert any("per loop trip" in key for key in moved), moved
 
 
-def _moves_rows_by_gathers_and_sorts_once(trainer, hlo: str) -> None:
+def _moves_rows_by_gathers_and_sorts_once(trainer, hlo: str, layer_runs: int | None = None) -> None:
     """The TPU program moves the MoE's rows as the CPU one does (tests/model/test_moe_permutation):
-    no scatter of a device's tokens' rows (float, at least its tokens, emb wide) in any pass,
-    and one sort of the assignments (integers: the router's top-k sorts its float scores) per
-    MoE layer."""
+    no scatter of a device's tokens' rows (float, at least its tokens, emb wide) in any pass
+    but the embedding's gradient (a scatter-add into the [vocab, emb] table), and one sort of
+    the assignments (integers: the router's top-k sorts its float scores) per MoE layer a
+    device runs (`layer_runs`, default the model's layers)."""
     model, train = trainer.cfg.model, trainer.cfg.train
     tokens = train.global_batch_size * train.seq_len // trainer.mesh.size
     row_scatters, assignment_sorts = [], 0
     for (op, shape), n in program.permutation_ops(hlo).items():
         dims = [int(d) for d in re.findall(r"\d+", shape.split("[", 1)[1])] if "[" in shape else []
         if op == "scatter" and shape.startswith(("f", "bf")) and dims[-1] == model.emb_dim:
-            if math.prod(dims[:-1]) >= tokens:
+            if math.prod(dims[:-1]) >= tokens and dims[:-1] != [model.vocab_size]:
                 row_scatters.append(shape)
         if op == "sort" and not re.search(r"\bf\d+\[|bf16\[", shape):
             assignment_sorts += n
     assert not row_scatters, row_scatters
-    assert assignment_sorts == model.num_layers
+    assert assignment_sorts == (layer_runs or model.num_layers)
 
 
 def _rows_per_tile(hlo: str, groups: int) -> dict[tuple[str, str, str], int]:
@@ -195,9 +196,8 @@ def test_context_parallel(make_cfg, exchange):
 
 def test_pipeline_stages(make_cfg):
     """Two stages of an MoE whose experts are split over the stage's two chips: the TPU default
-    exchange (ragged) in its dropless rounds inside the stage map. (The row-scatter check of the
-    exchanges above does not apply: the pipelined program holds one scatter of the batch's
-    rows, [tokens, emb], which the same model without MoE layers holds too.)"""
+    exchange (ragged) in its dropless rounds inside the stage map, its rows moved without
+    scatters as outside it."""
     trainer, hlo, found = _compile(
         make_cfg,
         *MOE,
@@ -212,6 +212,8 @@ def test_pipeline_stages(make_cfg):
     assert moved.get("ici collective-permute stage", 0) > 0, moved
     assert moved.get("ici ragged-all-to-all expert", 0) > 0, moved
     assert any("per loop trip" in key for key in moved), moved  # the further rounds' loop
+    # Each device runs its stage's 2 layers in each of the M + S - 1 = 3 iterations.
+    _moves_rows_by_gathers_and_sorts_once(trainer, hlo, layer_runs=6)
 
 
 def test_mla_with_multi_token_prediction(make_cfg):
