@@ -3,9 +3,9 @@
 The loop, the step and the state know only the contracts (training/objectives.py Objective,
 training/split.py ParameterSplit). What post-training adds implements them here: DPO's
 objective and frozen reference (dpo.py), GRPO's objective (grpo.py; its rollouts, which sample
-with maxtrain.inference, sit above training in rollout.py), LoRA/QLoRA's adapters on a frozen base (lora.py,
-imported only when asked for: Qwix takes seconds to import), and the merge of a split's
-checkpoint into a plain model (merging.py).
+with maxtrain.inference, sit above training in rollout.py), LoRA/QLoRA's adapters on a frozen
+base (lora.py, imported only when asked for: Qwix takes seconds to import), and the merge of a
+split's checkpoint into a plain model (merging.py).
 """
 
 from __future__ import annotations

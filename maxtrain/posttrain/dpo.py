@@ -92,8 +92,8 @@ class DPO:
 
 
 class ReferenceCopy(WholeModel):
-    """DPO (and GRPO's KL penalty) without adapters: the whole model trains, and a frozen copy of the parameters it
-    started from is the reference (a second copy of the parameters on the devices)."""
+    """DPO (and GRPO's KL penalty) without adapters: the whole model trains, and a frozen copy
+    of the parameters it started from is the reference (a second copy on the devices)."""
 
     has_frozen = True
 
