@@ -44,7 +44,9 @@ class GRPOConfig(Section):
     loss: Literal["grpo", "dr_grpo", "dapo"] = "grpo"
     updates_per_rollout: int = Field(default=1, gt=0)  # optimizer steps on each rollout batch
     # name (built-in: exact, format; maxtrain/posttrain/rewards.py) or module:function -> weight
-    rewards: dict[Annotated[str, Field(min_length=1)], float] = {"exact": 1.0}
+    rewards: dict[
+        Annotated[str, Field(min_length=1)], Annotated[float, Field(allow_inf_nan=False)]
+    ] = {"exact": 1.0}  # a weight may be negative: a penalty
     eval_prompts: int = Field(default=64, gt=0)  # held-out prompts scored (greedy) per eval
 
 

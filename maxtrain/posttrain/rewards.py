@@ -65,10 +65,11 @@ class Rewards:
 
     def __call__(
         self, prompts: Sequence[str], completions: Sequence[str], answers: Sequence[str]
-    ) -> tuple[np.ndarray, dict[str, float]]:
-        """([N] weighted total per completion, {reward name: its mean over the batch})."""
+    ) -> tuple[np.ndarray, dict[str, float], np.ndarray]:
+        """([N] weighted total per completion, {reward name: its mean over the batch}, [N] the
+        first reward's scores: what accuracy counts)."""
         total = np.zeros(len(completions), np.float64)
-        means = {}
+        means, first = {}, None
         for name, fn, weight in self.named:
             scores = np.array(
                 [
@@ -78,4 +79,5 @@ class Rewards:
             )
             total += weight * scores
             means[name] = float(scores.mean())
-        return total.astype(np.float32), means
+            first = scores if first is None else first
+        return total.astype(np.float32), means, first

@@ -172,7 +172,7 @@ class Rollouts:
         seed = derive_seed(trainer.cfg.run.seed, "rollout", index)
         completions, sampler_logps, texts = self._complete(prompts, self.sampling, seed)
         sampled = time.perf_counter()
-        rewards, per_reward = self.rewards(
+        rewards, per_reward, first_scores = self.rewards(
             [p.text for p in prompts], texts, [p.answer for p in prompts]
         )
         advantages = group_advantages(rewards, G, scale=self.grpo.loss != "dr_grpo")
@@ -192,7 +192,10 @@ class Rollouts:
             "reward": float(rewards.mean()),
             "reward_std": float(groups.std(axis=1).mean()),  # within groups: what A learns from
             **{f"reward/{name}": v for name, v in per_reward.items()},
-            "solved_groups": float((groups.max(axis=1) > groups.min(axis=1)).mean()),
+            # groups whose rewards differ: the only ones with a gradient
+            "mixed_groups": float((groups.max(axis=1) > groups.min(axis=1)).mean()),
+            # pass@G: groups where the first reward (exact, by default) scored 1 at least once
+            "pass_at_group": float((first_scores.reshape(-1, G).max(axis=1) >= 1).mean()),
             "response_length": generated / len(completions),
             "rollout_tokens_per_s": generated / max(sampled - started, 1e-9),
             "rollout_s": elapsed,
@@ -207,11 +210,10 @@ class Rollouts:
         completion the first reward (exact, by default) scores 1, and the mean total reward."""
         prompts = self.prompts.held_out[: self.grpo.eval_prompts]
         _, _, texts = self._complete(prompts, Sampling(), 0)
-        rewards, per_reward = self.rewards(
+        rewards, _, first_scores = self.rewards(
             [p.text for p in prompts], texts, [p.answer for p in prompts]
         )
-        first = next(iter(per_reward))
-        return {"accuracy": per_reward[first], "reward": float(rewards.mean())}
+        return {"accuracy": float(first_scores.mean()), "reward": float(rewards.mean())}
 
 
 def on_policy(trainer: Any, train_batches: Any) -> Any:
