@@ -100,3 +100,33 @@ def test_two_runs_of_two_steps_equal_one_of_four_bit_for_bit(prompts_file, tmp_p
     assert expected == got
     assert expected[(4, "train/grpo/ratio_dev")] > 0  # the second update moved the policy
     assert expected[(3, "train/grpo/ratio_dev")] < 1e-5  # a rollout's first: ratio 1
+
+
+def _one_step(prompts_file, tmp_path, mesh, devices):
+    cfg = config_lib.load(
+        config_lib.CONFIGS_DIR / "base.yml",
+        [*_args(prompts_file), "train.eval_every=0", f"run.output_dir={tmp_path}", *mesh],
+    )
+    prompts, _ = data_streams(cfg)
+    trainer = build_trainer(cfg, devices)
+    rollouts = Rollouts(trainer, prompts)
+    batch = next(rollouts)
+    trainer.state, metrics = trainer.step_fn(trainer.state, trainer.global_batch(batch))
+    return batch, jax.device_get(metrics), jax.device_get(trainer.state.params)
+
+
+def test_a_step_on_fsdp_x_tensor_equals_one_device(prompts_file, tmp_path):
+    """The same completions (sampling keys do not depend on the mesh), advantages and rows; old
+    log-probabilities, metrics and updated parameters equal up to the reductions' order."""
+    one = _one_step(prompts_file, tmp_path / "one", [], jax.devices()[:1])
+    eight = _one_step(
+        prompts_file, tmp_path / "eight", ["mesh.fsdp=4", "mesh.tensor=2"], jax.devices()[:8]
+    )
+    for key in ("inputs", "targets", "loss_mask", "advantages"):
+        np.testing.assert_array_equal(one[0][key], eight[0][key], err_msg=key)
+    np.testing.assert_allclose(one[0]["old_logp"], eight[0]["old_logp"], atol=1e-5)
+    assert one[1]["grad_norm"] > 0  # rewards differed within some group: the step moved
+    for key in ("loss", "grad_norm", "grpo/clipped"):
+        np.testing.assert_allclose(one[1][key], eight[1][key], rtol=1e-4, atol=1e-6, err_msg=key)
+    for a, b in zip(jax.tree.leaves(one[2]), jax.tree.leaves(eight[2]), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
