@@ -29,6 +29,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from maxtrain.config import ConfigError
 from maxtrain.data import chat
 from maxtrain.data.grain_pipeline import derive_seed
 from maxtrain.data.prompts import Prompt, PromptStream
@@ -68,13 +69,9 @@ class Rollouts:
         cfg = trainer.cfg
         self.trainer, self.prompts, self.grpo = trainer, prompts, cfg.train.grpo
         if cfg.mesh.stage * cfg.mesh.dcn.stage > 1:
-            from maxtrain.config import ConfigError
-
             raise ConfigError("train.task=grpo does not sample through pipeline stages yet")
         longest = max(len(p.tokens) for p in [*prompts.train, *prompts.held_out])
         if longest + self.grpo.max_new_tokens - 1 > cfg.train.seq_len:
-            from maxtrain.config import ConfigError
-
             raise ConfigError(
                 f"the longest prompt ({longest} tokens) and train.grpo.max_new_tokens "
                 f"({self.grpo.max_new_tokens}) do not fit train.seq_len={cfg.train.seq_len}"
