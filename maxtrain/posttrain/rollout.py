@@ -112,6 +112,7 @@ class Rollouts:
         rollout = None
         if mid and self.current is not None:  # its sampler's parameters are gone: keep it
             rollout = {k: v.tolist() for k, v in self.current.items()}
+            rollout["metrics"] = self.last_metrics  # what its further steps log
         return {"prompts": self.prompts.get_state(), "served": self.served, "rollout": rollout}
 
     def set_state(self, state: dict) -> None:
@@ -120,6 +121,8 @@ class Rollouts:
         saved = state.get("rollout")
         self.current = None
         if saved is not None:
+            saved = dict(saved)
+            self.last_metrics = saved.pop("metrics")
             self.current = {
                 k: np.asarray(v, np.float32 if k in FLOAT_KEYS else np.int32)
                 for k, v in saved.items()

@@ -2,6 +2,7 @@
 trainer), and the CLI's runs resuming bit for bit, a rollout's second update included."""
 
 import json
+import os
 
 import jax
 import numpy as np
@@ -20,11 +21,28 @@ from maxtrain.training.loop import build_trainer
 SAMPLER_TOLERANCE = 1e-5
 
 
+# A random model never answers a sum: a user's reward (train.grpo.rewards' module:function) that
+# differs between its samples gives the steps a gradient.
+REWARD_MODULE = """
+def parity(prompt, completion, answer):
+    return float(len(completion) % 2)
+"""
+
+
 @pytest.fixture(scope="module")
 def prompts_file(tmp_path_factory):
     path = tmp_path_factory.mktemp("grpo") / "sums.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in problems(40, 1, 0)))
+    (path.parent / "grpo_test_rewards.py").write_text(REWARD_MODULE)
     return path
+
+
+@pytest.fixture(autouse=True)
+def reward_importable(prompts_file, monkeypatch):
+    """The reward's module importable here and in the runs' processes."""
+    monkeypatch.syspath_prepend(str(prompts_file.parent))
+    paths = [str(prompts_file.parent), os.environ.get("PYTHONPATH", "")]
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(p for p in paths if p))
 
 
 def _args(prompts_file, *extra):
@@ -38,7 +56,7 @@ def _args(prompts_file, *extra):
         "train.grpo.group_size=4",
         "train.grpo.max_new_tokens=4",
         "train.grpo.temperature=1.5",  # a random model's samples differ: rewards vary
-        "train.grpo.rewards={exact: 1.0, format: 0.5}",
+        "train.grpo.rewards={exact: 1.0, 'grpo_test_rewards:parity': 0.5}",
         "train.seq_len=32",
         "train.log_every=1",
         "optim.warmup_steps=0",
@@ -97,6 +115,8 @@ def test_two_runs_of_two_steps_equal_one_of_four_bit_for_bit(prompts_file, tmp_p
     runs.run_to_end(parts, [*common, "train.steps=3"])
     runs.run_to_end(parts, [*common, "train.steps=4"])
     expected, got = _records(whole), _records(parts)
+    # the first part's last step evaluates, as a run's last step does; the whole run's does not
+    got = {k: v for k, v in got.items() if not (k[0] == 3 and k[1].startswith("eval/"))}
     assert expected == got
     assert expected[(4, "train/grpo/ratio_dev")] > 0  # the second update moved the policy
     assert expected[(3, "train/grpo/ratio_dev")] < 1e-5  # a rollout's first: ratio 1
@@ -111,17 +131,23 @@ def _one_step(prompts_file, tmp_path, mesh, devices):
     trainer = build_trainer(cfg, devices)
     rollouts = Rollouts(trainer, prompts)
     batch = next(rollouts)
+    before = jax.device_get(trainer.state.params)
     trainer.state, metrics = trainer.step_fn(trainer.state, trainer.global_batch(batch))
-    return batch, jax.device_get(metrics), jax.device_get(trainer.state.params)
+    update = jax.tree.map(np.subtract, jax.device_get(trainer.state.params), before)
+    return batch, jax.device_get(metrics), update
 
 
 def test_a_step_on_fsdp_x_tensor_equals_one_device(prompts_file, tmp_path):
     """The same completions (sampling keys do not depend on the mesh), advantages and rows; old
     log-probabilities, metrics and updated parameters equal up to the reductions' order."""
-    one = _one_step(prompts_file, tmp_path / "one", [], jax.devices()[:1])
+    # optim.eps 1: Adam's first update is then about lr x the gradient, not lr x its sign, so
+    # the updates compare as the gradients do (a sign of a gradient near 0 is rounding's)
+    linear = ["optim.eps=1.0", "optim.weight_decay=0"]
+    one = _one_step(prompts_file, tmp_path / "one", linear, jax.devices()[:1])
     eight = _one_step(
-        prompts_file, tmp_path / "eight", ["mesh.fsdp=4", "mesh.tensor=2"], jax.devices()[:8]
-    )
+        prompts_file, tmp_path / "eight", [*linear, "mesh.fsdp=4", "mesh.tensor=2"],
+        jax.devices()[:8],
+    )  # fmt: skip
     for key in ("inputs", "targets", "loss_mask", "advantages"):
         np.testing.assert_array_equal(one[0][key], eight[0][key], err_msg=key)
     np.testing.assert_allclose(one[0]["old_logp"], eight[0]["old_logp"], atol=1e-5)
@@ -129,4 +155,4 @@ def test_a_step_on_fsdp_x_tensor_equals_one_device(prompts_file, tmp_path):
     for key in ("loss", "grad_norm", "grpo/clipped"):
         np.testing.assert_allclose(one[1][key], eight[1][key], rtol=1e-4, atol=1e-6, err_msg=key)
     for a, b in zip(jax.tree.leaves(one[2]), jax.tree.leaves(eight[2]), strict=True):
-        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+        np.testing.assert_allclose(a, b, rtol=1e-3, atol=1e-3 * np.abs(a).max())
