@@ -180,3 +180,17 @@ def test_objective_gradients_through_the_model_are_the_formula(policy_case, loss
             g / sums.count, e, rtol=1e-4, atol=1e-6, err_msg=jax.tree_util.keystr(path)
         )
     assert sums.sums["grpo/kl"] > 0
+
+
+def test_rewards_builtin_and_a_missing_function_named():
+    from maxtrain.common.errors import UserError
+    from maxtrain.posttrain.rewards import Rewards
+
+    rewards = Rewards({"exact": 1.0, "format": 0.5})
+    total, means, first = rewards(["q"] * 4, [" 15.", " 15. more", "15", " 16.\nQ"], [" 15."] * 4)
+    # the first line is the answer: " 15. more" is neither the answer nor its shape
+    np.testing.assert_allclose(total, [1.5, 0.0, 0.0, 0.5])
+    np.testing.assert_array_equal(first, [1, 0, 0, 0])
+    assert means == {"exact": 0.25, "format": 0.5}
+    with pytest.raises(UserError, match="train.grpo.rewards: math has no function 'nothing'"):
+        Rewards({"math:nothing": 1.0})
