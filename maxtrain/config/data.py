@@ -18,8 +18,10 @@ class DataSource(Section):
     name: str = Field(min_length=1)
     path: str = Field(min_length=1)  # shard directory, glob, embedded:<prose|code|math>, prefix
     # tokens: prepared shards; chat / preference: a JSONL file of conversations / preference
-    # pairs, rendered with data.chat_template and tokenized on load (maxtrain/data/chat.py)
-    format: Literal["tokens", "chat", "preference"] = "tokens"
+    # pairs, rendered with data.chat_template and tokenized on load (maxtrain/data/chat.py);
+    # prompts: a JSONL file of {"prompt", "completion"} whose completion is the reference answer
+    # a reward checks (train.task grpo: maxtrain/data/prompts.py)
+    format: Literal["tokens", "chat", "preference", "prompts"] = "tokens"
     # grain: share of TOKENS, 0 = eval only; megatron: Megatron's blend weight (share of SAMPLES)
     weight: NonNegativeFloat = 1.0
 

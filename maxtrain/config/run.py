@@ -24,13 +24,41 @@ class DPOConfig(Section):
     loss: Literal["sigmoid", "ipo"] = "sigmoid"  # DPO's logistic loss, or IPO's squared one
 
 
+class GRPOConfig(Section):
+    """train.task grpo: group relative policy optimisation with verifiable rewards
+    (maxtrain/posttrain/grpo.py, docs/rl.md). Each step samples group_size completions of
+    train.global_batch_size / group_size prompts from the current policy."""
+
+    group_size: int = Field(default=8, ge=2)  # completions per prompt (G): the advantage's group
+    temperature: PositiveFloat = 1.0  # sampling temperature; the policy's log-probs use it too
+    top_p: float = Field(default=1.0, gt=0, le=1)  # nucleus sampling (1: every token)
+    max_new_tokens: int = Field(default=16, gt=0)  # longest completion (Dr.GRPO's normaliser)
+    stop: list[Annotated[str, Field(min_length=1)]] = []  # strings that end a completion
+    clip_low: NonNegativeFloat = 0.2  # the ratio's clip below: 1 - clip_low
+    clip_high: NonNegativeFloat = 0.2  # above: 1 + clip_high (DAPO's clip-higher: > clip_low)
+    kl: Literal["none", "k3"] = "none"  # KL penalty against the start checkpoint (k3 estimator)
+    kl_beta: NonNegativeFloat = 0.04  # its weight, with kl k3
+    # grpo: mean over each completion's tokens, then over completions; dr_grpo: token sums
+    # over completions x max_new_tokens, advantages not divided by the group's std; dapo: token
+    # sums over all completion tokens
+    loss: Literal["grpo", "dr_grpo", "dapo"] = "grpo"
+    updates_per_rollout: int = Field(default=1, gt=0)  # optimizer steps on each rollout batch
+    # name (built-in: exact, format; maxtrain/posttrain/rewards.py) or module:function -> weight
+    rewards: dict[
+        Annotated[str, Field(min_length=1)], Annotated[float, Field(allow_inf_nan=False)]
+    ] = {"exact": 1.0}  # a weight may be negative: a penalty
+    eval_prompts: int = Field(default=64, gt=0)  # held-out prompts scored (greedy) per eval
+
+
 class TrainConfig(Section):
     """How long and on what batches the run trains, its objective, evaluation and faults."""
 
     # pretrain and sft: next-token loss on loss_mask (sft data masks all but the assistant);
-    # dpo: preference pairs against a frozen reference (maxtrain/posttrain/dpo.py)
-    task: Literal["pretrain", "sft", "dpo"] = "pretrain"
+    # dpo: preference pairs against a frozen reference (maxtrain/posttrain/dpo.py); grpo:
+    # reinforcement learning on sampled completions of prompts (maxtrain/posttrain/grpo.py)
+    task: Literal["pretrain", "sft", "dpo", "grpo"] = "pretrain"
     dpo: DPOConfig = DPOConfig()
+    grpo: GRPOConfig = GRPOConfig()
     steps: int = Field(default=300, gt=0)
     global_batch_size: int = Field(default=16, gt=0)  # sequences per optimizer step
     seq_len: int = Field(default=128, gt=0)

@@ -76,6 +76,28 @@ class Config(Section):
                 f"{', '.join(sorted(formats))}: train.task=dpo trains on format: preference "
                 "sources only, and only it reads them"
             )
+        if (self.train.task == "grpo") != (formats == {"prompts"}):
+            raise ValueError(
+                f"train.task={self.train.task} with data.sources of format "
+                f"{', '.join(sorted(formats))}: train.task=grpo samples from format: prompts "
+                "sources only, and only it reads them"
+            )
+        grpo = self.train.grpo
+        if self.train.task == "grpo" and self.train.global_batch_size % grpo.group_size:
+            raise ValueError(
+                f"train.global_batch_size ({self.train.global_batch_size}) must be a multiple "
+                f"of train.grpo.group_size ({grpo.group_size}): each prompt's completions fill "
+                "a group of rows"
+            )
+        if (
+            self.train.task == "grpo"
+            and grpo.kl != "none"
+            and not self.checkpoint.load_parameters_path
+        ):
+            raise ValueError(
+                f"train.grpo.kl={grpo.kl} needs checkpoint.load_parameters_path: the model to "
+                "tune, the reference the penalty measures the policy against"
+            )
         if self.train.task == "dpo" and not self.checkpoint.load_parameters_path:
             raise ValueError(
                 "train.task=dpo needs checkpoint.load_parameters_path: the model to tune, whose "

@@ -45,6 +45,9 @@ BUILTIN_TEMPLATES = {
         "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
         "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
     ),
+    # The turns' text and nothing else: a prompt and its completion as one document, for a
+    # base model's tasks (GRPO's warm start on maxtrain/data/assets/sums_sft.jsonl)
+    "text": "{% for m in messages %}{{ m.content }}{% endfor %}",
     # Plain text, for tokenizers without chat markers: "User: ...\n\nAssistant: ...\n\n"
     "plain": (
         "{% for m in messages %}{{ m.role | capitalize }}: {{ m.content }}\n\n{% endfor %}"

@@ -52,6 +52,7 @@ class Generation:
     prefill_seconds: float
     decode_seconds: float
     decode_steps: int
+    logprobs: list[list[float]]  # per prompt, each new token's under the sampling temperature
 
     @property
     def generated_tokens(self) -> int:
@@ -101,10 +102,13 @@ def generate(
     stop_ids: Sequence[int] = (),
     stop_check: StopCheck | None = None,
     progress: bool = False,
+    programs: dict | None = None,
 ) -> Generation:
     """Up to max_new_tokens new tokens per prompt (token ids). A row stops at a token in
     stop_ids (kept in its output) or when stop_check says so; the batch stops when every row
-    has. progress: a progress bar of the decode steps on a terminal (the command line's)."""
+    has. progress: a progress bar of the decode steps on a terminal (the command line's).
+    programs: a dict the caller keeps, holding the compiled programs by batch shape between
+    calls."""
     if not prompts or any(len(p) == 0 for p in prompts):
         raise UserError("every prompt needs at least one token")
     if max_new_tokens < 1:
@@ -138,19 +142,29 @@ def generate(
 
         return wrapped
 
+    def chosen(logits, rng):
+        """The next token and its log-probability under the sampled distribution's
+        temperature (top-p's cut aside: GRPO's old log-probabilities, posttrain/rollout.py)."""
+        token = next_tokens(logits, rng, sampling)
+        scaled = logits.astype(jnp.float32)
+        if not sampling.greedy:
+            scaled = scaled / sampling.temperature
+        logp = jax.nn.log_softmax(scaled, axis=-1)
+        return token, jnp.take_along_axis(logp, token[:, None], axis=-1)[:, 0]
+
     def prefill(params, tokens, lengths, cache, rng):
         positions = jnp.arange(tokens.shape[1], dtype=jnp.int32)[None, :]
         positions = jnp.where(positions < lengths[:, None], positions, -1)  # -1: padding
         logits, cache = model.mdef.decode(params, tokens, positions, cache)
         last = jnp.take_along_axis(logits, (lengths - 1)[:, None, None], axis=1)[:, 0]
-        return next_tokens(last, rng, sampling), cache
+        return *chosen(last, rng), cache
 
     def step(params, tokens, positions, cache, rng):
         logits, cache = model.mdef.decode(params, tokens[:, None], positions[:, None], cache)
-        return next_tokens(logits[:, 0], rng, sampling), cache
+        return *chosen(logits[:, 0], rng), cache
 
     def compiled(fn, *example_args):
-        out_shardings = (rows_sharding, cache_sharding)
+        out_shardings = (rows_sharding, rows_sharding, cache_sharding)
         jitted = jax.jit(traced(fn), out_shardings=out_shardings, donate_argnums=3)
         return jitted.lower(*example_args).compile()
 
@@ -159,16 +173,26 @@ def generate(
     rng, prefill_rng = jax.random.split(jax.random.key(seed))
     tokens = jax.device_put(tokens, tokens_sharding)
     lengths_on_mesh = jax.device_put(lengths, rows_sharding)
-    prefill_fn = compiled(prefill, model.params, tokens, lengths_on_mesh, cache, rng)
-    step_fn = compiled(step, model.params, lengths_on_mesh, lengths_on_mesh, cache, rng)
+    # The compiled pair, kept in `programs` (when given) for the next batch of this shape: a
+    # caller that generates every step (GRPO's rollouts) compiles once.
+    key = (tokens.shape, cache_length, sampling)
+    if programs is None or key not in programs:
+        pair = (
+            compiled(prefill, model.params, tokens, lengths_on_mesh, cache, rng),
+            compiled(step, model.params, lengths_on_mesh, lengths_on_mesh, cache, rng),
+        )
+        if programs is not None:
+            programs[key] = pair
+    prefill_fn, step_fn = pair if programs is None else programs[key]
     compile_seconds = time.perf_counter() - start
 
     start = time.perf_counter()
-    token, cache = prefill_fn(model.params, tokens, lengths_on_mesh, cache, prefill_rng)
-    token = np.asarray(token)
+    token, logp, cache = prefill_fn(model.params, tokens, lengths_on_mesh, cache, prefill_rng)
+    token, logp = np.asarray(token), np.asarray(logp)
     prefill_seconds = time.perf_counter() - start
 
     new_tokens: list[list[int]] = [[] for _ in range(rows)]
+    logprobs: list[list[float]] = [[] for _ in range(rows)]
     finish = ["length"] * rows
     stop_ids = set(stop_ids)
     steps = 0
@@ -182,6 +206,7 @@ def generate(
             if finish[row] != "length" or len(new_tokens[row]) == max_new_tokens:
                 continue
             new_tokens[row].append(int(token[row]))
+            logprobs[row].append(float(logp[row]))
             if int(token[row]) in stop_ids:
                 finish[row] = "eos"
             elif stop_check is not None and stop_check(row, new_tokens[row]):
@@ -191,14 +216,14 @@ def generate(
             break
         positions = lengths + steps
         rng, step_rng = jax.random.split(rng)
-        token, cache = step_fn(
+        token, logp, cache = step_fn(
             model.params,
             jax.device_put(token, rows_sharding),
             jax.device_put(positions, rows_sharding),
             cache,
             step_rng,
         )
-        token = np.asarray(token)
+        token, logp = np.asarray(token), np.asarray(logp)
         steps += 1
         bar.update()
     decode_seconds = time.perf_counter() - start
@@ -211,4 +236,5 @@ def generate(
         prefill_seconds,
         decode_seconds,
         steps,
+        logprobs,
     )

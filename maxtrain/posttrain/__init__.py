@@ -2,36 +2,43 @@
 
 The loop, the step and the state know only the contracts (training/objectives.py Objective,
 training/split.py ParameterSplit). What post-training adds implements them here: DPO's
-objective and frozen reference (dpo.py), LoRA/QLoRA's adapters on a frozen base (lora.py,
-imported only when asked for: Qwix takes seconds to import), and the merge of a split's
-checkpoint into a plain model (merging.py).
+objective and frozen reference (dpo.py), GRPO's objective (grpo.py; its rollouts, which sample
+with maxtrain.inference, sit above training in rollout.py), LoRA/QLoRA's adapters on a frozen
+base (lora.py, imported only when asked for: Qwix takes seconds to import), and the merge of a
+split's checkpoint into a plain model (merging.py).
 """
 
 from __future__ import annotations
 
 from maxtrain.config import Config, TrainConfig
 from maxtrain.posttrain.dpo import DPO, ReferenceCopy
+from maxtrain.posttrain.grpo import GRPO
 from maxtrain.training.objectives import NEXT_TOKEN, Objective
 from maxtrain.training.split import ParameterSplit, WholeModel
 
 # The config keys (with every key under them) that choose a run's post-training: its objective
 # and its split. A run's identity includes them (training/run_identity.py).
-CONFIG_KEYS = ("train.task", "train.dpo", "lora")
+CONFIG_KEYS = ("train.task", "train.dpo", "train.grpo", "lora")
 
 
 def objective(train: TrainConfig) -> Objective:
-    """What train.task minimises: next-token loss (pretrain, sft) or DPO's."""
+    """What train.task minimises: next-token loss (pretrain, sft), DPO's or GRPO's."""
+    if train.task == "grpo":
+        return GRPO(train.grpo)
     return DPO(train.dpo) if train.task == "dpo" else NEXT_TOKEN
 
 
 def parameter_split(cfg: Config) -> ParameterSplit:
     """What the run trains and what it holds frozen: adapters on a frozen base (lora.rank > 0),
-    the whole model beside a frozen reference copy (dpo), or the whole model."""
+    the whole model beside a frozen reference copy (dpo, and grpo with a KL penalty), or the
+    whole model."""
     if cfg.lora.enabled:
         from maxtrain.posttrain.lora import LoraSplit
 
         return LoraSplit(cfg.lora)
-    return ReferenceCopy() if cfg.train.task == "dpo" else WholeModel()
+    if cfg.train.task == "dpo" or (cfg.train.task == "grpo" and cfg.train.grpo.kl != "none"):
+        return ReferenceCopy()
+    return WholeModel()
 
 
 def partial_checkpoint(step_dir: str, saved: dict) -> str | None:

@@ -92,8 +92,8 @@ class DPO:
 
 
 class ReferenceCopy(WholeModel):
-    """DPO without adapters: the whole model trains, and a frozen copy of the parameters it
-    started from is the reference (a second copy of the parameters on the devices)."""
+    """DPO (and GRPO's KL penalty) without adapters: the whole model trains, and a frozen copy
+    of the parameters it started from is the reference (a second copy on the devices)."""
 
     has_frozen = True
 
@@ -105,4 +105,4 @@ class ReferenceCopy(WholeModel):
         return frozen
 
     def describe(self, cfg: Config) -> str:
-        return f"a frozen copy of {cfg.checkpoint.load_parameters_path} as DPO's reference, "
+        return f"a frozen copy of {cfg.checkpoint.load_parameters_path} as the reference, "

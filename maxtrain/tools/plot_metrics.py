@@ -6,7 +6,8 @@ Each argument is a run directory (its metrics.jsonl and config.yml, as maxtrain.
 them). The panels share the x axis, steps or tokens seen (steps x train.global_batch_size x
 train.seq_len, so runs of different batch shapes line up by data); eval loss is drawn dashed
 over the training loss (each quantity of a panel has its own line style, each run its own
-colour), task accuracies (train.eval_tasks) get a panel when a run has them,
+colour), task accuracies (train.eval_tasks) get a panel when a run has them, as do a GRPO
+run's reward and held-out accuracy,
 and MFU one when the device's peak is known (else TFLOP/s per device). Needs matplotlib
 (`pip install -e '.[plot]'`). A missing or unreadable run is one line and exit status 2.
 """
@@ -67,6 +68,8 @@ def plot(run_dirs: list[Path], output: Path, x_axis: str) -> None:
     ]
     if tasks:
         panels.append(("task accuracy", tasks))
+    if "train/rollout/reward" in keys:  # GRPO (docs/rl.md): its reward and held-out accuracy
+        panels.append(("reward, accuracy", ["train/rollout/reward", "eval/accuracy"]))
     fig, axes = plt.subplots(len(panels), 1, figsize=(8, 2.4 * len(panels)), sharex=True)
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     for (label, (records, tokens_per_step)), color in zip(runs.items(), colors * 10, strict=False):

@@ -133,6 +133,9 @@ def format_eval(step: int, ev: dict[str, float]) -> str:
     per_source = ", ".join(
         f"{k.removesuffix('/loss')} {v:.3f}" for k, v in ev.items() if k.endswith("/loss")
     )
+    if "loss" not in ev:  # no held-out batches (GRPO scores held-out prompts)
+        scores = ", ".join(f"{k} {v:.3f}" for k, v in ev.items())
+        return f"eval  step {step}: {scores}"
     line = f"eval  step {step}: loss {ev['loss']:.4f}, ppl {ev['perplexity']:.2f}"
     line = f"{line} ({per_source})" if per_source else line
     # The objective's own sums (DPO: dpo/accuracy, dpo/reward_margin), not a task's scores.

@@ -150,13 +150,26 @@ def _keep_finite_checkpoints(ckpt: TieredCheckpointer | None, first_bad: int) ->
     return kept
 
 
-def run(cfg: Config, preflight: Callable[[Config], None] | None = None) -> dict[str, Any]:
+# (trainer, the data's train iterator) -> the batches the step takes. Post-training whose
+# batches are sampled from the trainer's current parameters (GRPO's rollouts:
+# maxtrain/posttrain/rollout.py) wraps the data's iterator; it sits above training, so the entry
+# point hands it in. Such an iterator may have batch_metrics() (host metrics of the batch it
+# returned last, logged with that batch's step) and evaluate() (held-out scores, at each eval).
+type OnPolicy = Callable[[Trainer, Any], Any]
+
+
+def run(
+    cfg: Config,
+    preflight: Callable[[Config], None] | None = None,
+    on_policy: OnPolicy | None = None,
+) -> dict[str, Any]:
     """Trains per the config; returns the final metrics summary (also written to the run dir).
 
     Holds the run directory's lock (training/run_lock.py) while it trains: a second trainer on the
     same run directory refuses to start. preflight: a check that may refuse the run (UserError)
     before anything is allocated or written; `python -m maxtrain.train` passes the memory
     pre-flight (analysis/preflight.py, which sits above training and so is handed in).
+    on_policy: the batches sampled from the trainer (OnPolicy), where the task has them.
     """
     started = time.perf_counter()
     distributed.initialize(cfg.distributed)  # before anything touches devices
@@ -174,6 +187,10 @@ def run(cfg: Config, preflight: Callable[[Config], None] | None = None) -> dict[
     train_batches, eval_streams = data_streams(cfg)
     tasks = _task_evaluator(cfg)
     trainer = build_trainer(cfg)
+    if on_policy is not None:
+        train_batches = on_policy(trainer, train_batches)
+    elif cfg.train.task == "grpo":
+        raise UserError("train.task=grpo samples its batches: run it with python -m maxtrain.train")
     # As the user wrote it, "auto" choices included: a resume on other hardware chooses anew
     # (trainer.cfg holds this hardware's choices).
     config_yaml = config_lib.to_yaml(cfg)
@@ -232,12 +249,18 @@ def _train(
     ):
         log = StepLog(cfg, writer, trainer, is_writer)
         evaluation = PeriodicEval(
-            cfg, lambda: _evaluate_all(trainer, eval_streams, tasks), writer, is_writer
+            cfg,
+            lambda: _evaluate_all(trainer, eval_streams, tasks, train_batches),
+            writer,
+            is_writer,
         )
+        batch_metrics = getattr(train_batches, "batch_metrics", dict)
         next_batch = trainer.global_batch(next(train_batches))
+        next_metrics = batch_metrics()
         for step in range(start_step + 1, cfg.train.steps + 1):
             profiler.before_step(step)
             trainer.state, step_metrics = trainer.step_fn(trainer.state, next_batch)
+            step_metrics = {**step_metrics, **{f"rollout/{k}": v for k, v in next_metrics.items()}}
             nonfinite.after_step(step, step_metrics["finite"])  # reads the steps before it
             # Save before fetching the next batch: the saved data position must be step + 1.
             if ckpt is not None and ckpt.due(step):
@@ -247,6 +270,7 @@ def _train(
             stopping = signals.stop_after(step)  # no further batch: the position is saved
             if step < cfg.train.steps and not stopping:  # built while the step runs
                 next_batch = log.fetch(lambda: trainer.global_batch(next(train_batches)))
+                next_metrics = batch_metrics()
             profiler.after_step(step, trainer.state)
             log.after_step(step, step_metrics, stopping)
             if evaluation.due(step):
@@ -298,12 +322,18 @@ def _start(
 
 
 def _evaluate_all(
-    trainer: Trainer, eval_streams: list[EvalStream], tasks: TaskEvaluator | None
+    trainer: Trainer,
+    eval_streams: list[EvalStream],
+    tasks: TaskEvaluator | None,
+    train_batches: Any = None,
 ) -> dict[str, float]:
-    """The held-out streams' losses, and train.eval_tasks' scores where there are any."""
-    results = evaluate(trainer, eval_streams)
+    """The held-out streams' losses, train.eval_tasks' scores where there are any, and an
+    on-policy batch source's own held-out scores (OnPolicy)."""
+    results = evaluate(trainer, eval_streams) if eval_streams else {}
     if tasks is not None:
         results.update(tasks(trainer.state.params))
+    if callable(own := getattr(train_batches, "evaluate", None)):
+        results.update(own())
     return results
 
 
@@ -354,9 +384,14 @@ def _final_save(
 FLAGS = ("--debug", "--print-config", "--list-models", "-h", "--help")
 
 
-def main(argv: list[str] | None = None, preflight: Callable[[Config], None] | None = None) -> int:
+def main(
+    argv: list[str] | None = None,
+    preflight: Callable[[Config], None] | None = None,
+    on_policy: OnPolicy | None = None,
+) -> int:
     """`python -m maxtrain.train`: flags (FLAGS, anywhere), then the config file and its
-    key=value overrides. preflight: passed on to run (the entry point's memory check)."""
+    key=value overrides. preflight, on_policy: passed on to run (the entry point's memory
+    check and on-policy batches)."""
     argv = sys.argv[1:] if argv is None else argv
     # Orbax builds the coroutines of an asynchronous save before it runs them; a run refused
     # at once (a start checkpoint of another model) drops them unrun, and Python warns of each
@@ -382,7 +417,7 @@ def main(argv: list[str] | None = None, preflight: Callable[[Config], None] | No
         if "--print-config" in flags:
             print(config_lib.to_yaml(cfg), end="")
             return 0
-        summary = run(cfg, preflight)
+        summary = run(cfg, preflight, on_policy)
     except UserError as e:  # config, data, checkpoint, a busy run dir: the user's to fix
         return refuse("maxtrain", e)
     except NonFiniteLoss as e:

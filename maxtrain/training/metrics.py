@@ -330,7 +330,8 @@ def format_console_line(step: int, total_steps: int, scalars: dict[str, Any]) ->
 
     Reads ``loss``, ``lr``, ``grad_norm``, ``step_time_s`` (seconds), and the ``step_stats``
     keys ``tokens_per_sec_per_device``, ``tflops_per_device``, ``mfu`` (fraction, shown as %),
-    and an MoE model's ``moe/max_load``, ``moe/rounds`` and ``moe/dropped`` (when any).
+    and an MoE model's ``moe/max_load``, ``moe/rounds`` and ``moe/dropped`` (when any), and
+    GRPO's ``rollout/reward``, ``grpo/kl``, ``grpo/clipped`` and ``rollout/rollout_share``.
     ETA = (total_steps - step) * step_time_s.
     """
     width = max(5, len(str(total_steps)))
@@ -357,6 +358,12 @@ def format_console_line(step: int, total_steps: int, scalars: dict[str, Any]) ->
         if dropped := float(get("moe/dropped", 0)):
             moe += f" dropped {dropped * 100:.2f}%"
         parts.append(moe)
+    if (reward := get("rollout/reward")) is not None:  # GRPO's (maxtrain/posttrain/rollout.py)
+        parts.append(
+            f"reward {float(reward):.3f} kl {float(get('grpo/kl', 0)):.2e} "
+            f"clipped {float(get('grpo/clipped', 0)):.3f} "
+            f"sampling {float(get('rollout/rollout_share', 0)) * 100:.0f}%"
+        )
     if step_time is not None:
         parts.append(f"ETA {_hms(max(0, total_steps - step) * float(step_time))}")
     return " | ".join(parts)
