@@ -81,8 +81,8 @@ def newton_schulz(x: jax.Array, coeffs: tuple[float, float, float], steps: int) 
     x / ||x||_F. It works on the wide side (A is min(m, n) square), transposing a tall matrix in
     and out: f(X^T) = f(X)^T. The barrier keeps the polynomial b A + c A^2 a min(m, n)-square
     matrix: left free, XLA distributes it over X (b A X + c A (A X)), and the TPU compiler then
-    holds 7 matrix-sized buffers per matrix instead of 2 (a [4, 4096, 14336] kernel over 4 v5e
-    chips: 1.53 GiB of temporaries against 0.44)."""
+    holds several more matrix-sized buffers per matrix than the two the memory estimate counts
+    (tests/parallel/test_tpu_compile.py checks the two)."""
     a, b, c = coeffs
     tall = x.shape[-2] > x.shape[-1]
     if tall:
