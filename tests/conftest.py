@@ -58,7 +58,7 @@ SLOW_MODULES = {
     "test_evaluate", "test_faults", "test_fine_tuning", "test_generate", "test_lora",
     "test_lora_costs", "test_lora_merge", "test_megatron_data", "test_memory", "test_moe",
     "test_moe_permutation", "test_mtp", "test_multiprocess_checkpoint", "test_muon",
-    "test_gpt_oss", "test_grain_pipeline",
+    "test_muon_deal", "test_gpt_oss", "test_grain_pipeline",
     "test_grain_multiprocess", "test_pipeline_parallel", "test_pipeline_runs",
     "test_quantization", "test_resume", "test_run_edges", "test_signals", "test_step_program",
     "test_tpu_compile", "test_training", "test_upcycle",

@@ -9,8 +9,9 @@ for a slice. The parts:
                       moments, stored in the parameter dtype; with optim.name muon one
                       momentum per weight matrix (maxtrain/optim/muon.py) and AdamW's two for the
                       rest
-  optimizer_scratch   muon: Newton-Schulz's working set for the largest stacked matrix, its
-                      matrices gathered whole (stacked axes still split) with two Gram matrices
+  optimizer_scratch   muon: Newton-Schulz's working set for the stacked parameter that needs
+                      the most: the matrices dealt to this device (optim/muon_deal.py), whole,
+                      twice (muon_scratch)
   gradients           one parameter-shaped buffer (two with gradient accumulation: the running
                       sum and the current micro-batch's)
   activations         what the backward pass keeps per layer under the remat policy, for one
@@ -58,7 +59,7 @@ from maxtrain.model.kernels.grouped_matmul import grouped_matmul_implementation
 from maxtrain.model.layers.attention_pattern import KINDS, kind_per_layer
 from maxtrain.model.layers.attention_types import mixer_counts
 from maxtrain.model.stacks import LayerKind, is_moe_per_layer, layer_kinds
-from maxtrain.optim import muon
+from maxtrain.optim import muon, muon_deal
 from maxtrain.parallel.experts import exchange_implementation, routed_capacity
 from maxtrain.parallel.mesh import axis_sizes, spec_axes
 from maxtrain.parallel.pipeline import StageLayout
@@ -219,23 +220,28 @@ def _shard_bytes(leaf: jax.ShapeDtypeStruct, shard: list[int]) -> int:
 
 def _muon_state_and_scratch(shards: list[Shard], param_bytes: int) -> tuple[int, int]:
     """Muon's state (one momentum per matrix, AdamW's two moments for the rest) and
-    Newton-Schulz's working set for the largest stacked matrix, in bytes."""
+    Newton-Schulz's working set for the parameter that needs the most, in bytes."""
     state = scratch = 0
     for path, leaf, shard in shards:
         dims = muon.matrix_dims(path)
         state += math.prod(shard) * (2 if dims is None else 1)
         if dims is not None:
-            scratch = max(scratch, _newton_schulz_elements(leaf.shape, shard, dims))
-    return state * param_bytes, scratch * param_bytes
+            scratch = max(scratch, muon_scratch(leaf.shape, tuple(shard), dims, param_bytes))
+    return state * param_bytes, scratch
 
 
-def _newton_schulz_elements(shape: tuple, shard: list[int], dims: tuple[int, int]) -> int:
-    """Elements Newton-Schulz holds at once for one stacked parameter: each matrix whole (XLA
-    gathers the split rows or columns for X X^T) twice, the iterate and the next, and the Gram
-    matrix A and A^2 (min(m, n) square), for this device's part of the stacked axes."""
+def muon_scratch(shape: tuple, shard: tuple, dims: tuple[int, int], itemsize: int) -> int:
+    """Bytes Newton-Schulz holds at once on one device for one stacked parameter: the matrices
+    dealt to it (optim/muon_deal.py: ceil(K / G) of them, or its K whole ones where no device
+    shares them), whole, twice: the iterate and the next. The Gram matrices (min(m, n)^2 <=
+    m x n) and the deal's buffers fit where the step's own buffers are free then (its update's
+    output, the block the deal received): the TPU compiler assigns 2.0 matrices per dealt
+    matrix for llama3-8b's MLP shape (tests/parallel/test_tpu_compile.py), and XLA:CPU as much
+    with two per device (tests/optim/test_muon_deal.py); with one, XLA:CPU holds a third."""
     matrix = len(shape) - sum(dims)
     m, n = math.prod(shape[matrix : matrix + dims[0]]), math.prod(shape[matrix + dims[0] :])
-    return math.prod(shard[:matrix]) * (2 * m * n + 2 * min(m, n) ** 2)
+    deal = muon_deal.plan(tuple(shape), tuple(shard), sum(dims))
+    return deal.per_device * 2 * m * n * itemsize
 
 
 def _activation_bytes(

@@ -44,12 +44,15 @@ def clip_by_global_norm(max_norm: float) -> optax.GradientTransformationExtraArg
 
 
 def build(
-    cfg: OptimConfig, total_steps: int
+    cfg: OptimConfig, total_steps: int, shardings: Any = None
 ) -> tuple[optax.GradientTransformation, optax.Schedule]:
+    """The transform and its schedule. shardings: the trained parameters' NamedShardings, for
+    Muon to deal its matrices over the devices that share them (optim/muon_deal.py); None on
+    one device."""
     lr = schedule(cfg, total_steps)
     parts = [clip_by_global_norm(cfg.clip_norm)] if cfg.clip_norm > 0 else []
     adamw = optax.adamw(
         lr, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay, mask=decay_mask
     )
-    parts.append(muon.muon(cfg, lr, adamw) if cfg.name == "muon" else adamw)
+    parts.append(muon.muon(cfg, lr, adamw, shardings) if cfg.name == "muon" else adamw)
     return optax.chain(*parts), lr

@@ -23,15 +23,13 @@ Norm scales and biases are vectors: AdamW.
 
 Stacked weights are orthogonalised matrix by matrix. Scanned layers carry a leading layers axis
 ([L, in, out]), experts an expert axis ([L, E, in, out]), pipelined ones stage axes in front; a
-q kernel is [L, embed, heads, head_dim], one matrix embed x (heads * head_dim) per layer. The
-leading axes are batch axes of the iteration's matmuls, so one sharded over devices (experts
-over `expert`, layers over `stage`) stays sharded: each device orthogonalises only its own
-experts' and stages' matrices. A matrix split over fsdp (`embed`) or tensor (`mlp`, `heads`) is
-gathered whole once per step, before the iterations, as Moonlight's Distributed Muon gathers
-each data-parallel partition's matrix. Left to itself, XLA partitions each iteration's X X^T
-and A X and gathers X twice per iteration: ten times the bytes for five steps. The price is
-that the devices sharing a matrix all compute its iterations; each keeps its part of the result.
-docs/optimizers.md quotes the bytes.
+q kernel is [L, embed, heads, head_dim], one matrix embed x (heads * head_dim) per layer. Given
+the parameters' shardings (the run's; `muon(..., shardings)`), a stacked parameter whose
+matrices are split over devices (fsdp on `embed`, tensor on `mlp` or `heads`) has them dealt
+out over those devices, each orthogonalising only its share, whole, between two all-to-alls
+(optim/muon_deal.py); stacked axes split over devices (experts over `expert`, layers over
+`stage`) stay split. Without shardings (one device, tools) every matrix is orthogonalised where
+it is, with the same numerics. docs/optimizers.md quotes the bytes and the scratch.
 
 Why not optax.contrib.muon as it stands (optax 0.2.8): its momentum is Adam-style, (1 - b)
 weighted and bias-corrected with different corrections on the two Nesterov terms, which turns
@@ -42,17 +40,16 @@ keep, so it reshards the experts. Its Newton-Schulz helper is private, and is fo
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import optax
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
 
 from maxtrain.config import OptimConfig
-from maxtrain.parallel.mesh import active_rules
+from maxtrain.optim import muon_deal
 
 # Kernels that stay on AdamW although they are matrices (see the module docstring).
 NOT_MATRICES = ("lm_head", "router")
@@ -79,21 +76,22 @@ def labels(params: Any) -> Any:
     )
 
 
-def newton_schulz(
-    x: jax.Array, coeffs: tuple[float, float, float], steps: int, layout=lambda x: x
-) -> jax.Array:
+def newton_schulz(x: jax.Array, coeffs: tuple[float, float, float], steps: int) -> jax.Array:
     """The quintic iteration on each trailing matrix of x (leading axes are a batch), from
     x / ||x||_F. It works on the wide side (A is min(m, n) square), transposing a tall matrix in
-    and out: f(X^T) = f(X)^T. `layout` pins the iterate's sharding each step."""
+    and out: f(X^T) = f(X)^T. The barrier keeps the polynomial b A + c A^2 a min(m, n)-square
+    matrix: left free, XLA distributes it over X (b A X + c A (A X)), and the TPU compiler then
+    holds several more matrix-sized buffers per matrix than the two the memory estimate counts
+    (tests/parallel/test_tpu_compile.py checks the two)."""
     a, b, c = coeffs
     tall = x.shape[-2] > x.shape[-1]
     if tall:
         x = x.mT
     x = x / (jnp.linalg.norm(x, axis=(-2, -1), keepdims=True) + 1e-7)
     for _ in range(steps):
-        x = layout(x)
         gram = x @ x.mT
-        x = a * x + (b * gram + c * gram @ gram) @ x
+        poly, x = jax.lax.optimization_barrier((b * gram + c * gram @ gram, x))
+        x = a * x + poly @ x
     return x.mT if tall else x
 
 
@@ -105,18 +103,24 @@ def orthogonalize(
     n_in, n_out = dims
     stacked, matrix = u.shape[: -(n_in + n_out)], u.shape[-(n_in + n_out) :]
     m, n = math.prod(matrix[:n_in]), math.prod(matrix[n_in:])
-    x = newton_schulz(u.reshape(*stacked, m, n), coeffs, steps, whole_matrices)
+    x = newton_schulz(u.reshape(*stacked, m, n), coeffs, steps)
     return x.reshape(u.shape) * math.sqrt(max(m, n))
 
 
-def whole_matrices(x: jax.Array) -> jax.Array:
-    """x with its trailing matrices unsplit on every device, its stacked (leading) axes split as
-    XLA has them; a no-op outside a run's mesh (mesh.sharding_rules)."""
-    active = active_rules()
-    if active is None:
-        return x
-    spec = P(*[P.UNCONSTRAINED] * (x.ndim - 2), None, None)
-    return jax.lax.with_sharding_constraint(x, NamedSharding(active[0], spec))
+def one_after_another(fn: Any, *trees: Any) -> Any:
+    """fn(path, *leaves) on every leaf of the trees, each call's inputs tied to the previous
+    call's result by an optimization barrier: the parameters' Newton-Schulz working sets (and
+    their Nesterov inputs) are live one at a time, so the scratch is the largest one's, not
+    their sum, as XLA would otherwise be free to run them side by side."""
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(trees[0])
+    rest = [treedef.flatten_up_to(t) for t in trees[1:]]
+    out: list = []
+    for i, (path, leaf) in enumerate(leaves):
+        inputs = (leaf, *(r[i] for r in rest))
+        if out:
+            inputs, out[-1] = jax.lax.optimization_barrier((inputs, out[-1]))
+        out.append(fn(path, *inputs))
+    return jax.tree_util.tree_unflatten(treedef, out)
 
 
 class MuonState(NamedTuple):
@@ -124,9 +128,17 @@ class MuonState(NamedTuple):
 
 
 def scale_by_muon(
-    momentum: float, nesterov: bool, ns_steps: int, ns_coeffs: tuple[float, float, float]
+    momentum: float,
+    nesterov: bool,
+    ns_steps: int,
+    ns_coeffs: tuple[float, float, float],
+    shardings: Any = None,
 ) -> optax.GradientTransformation:
-    """Updates -> the orthogonalised (Nesterov) momentum, sqrt(max(m, n))-scaled, per matrix."""
+    """Updates -> the orthogonalised (Nesterov) momentum, sqrt(max(m, n))-scaled, per matrix.
+    shardings: the parameters' NamedShardings (a tree like the params), to deal each one's
+    matrices over the devices that share them (optim/muon_deal.py); None: orthogonalise in
+    place."""
+    by_path = {} if shardings is None else dict(jax.tree_util.tree_leaves_with_path(shardings))
 
     def init(params: Any) -> MuonState:
         return MuonState(jax.tree.map(jnp.zeros_like, params))
@@ -134,22 +146,31 @@ def scale_by_muon(
     def update(grads: Any, state: MuonState, params: Any = None) -> tuple[Any, MuonState]:
         del params
         buf = jax.tree.map(lambda b, g: momentum * b + g, state.momentum, grads)
-        u = jax.tree.map(lambda b, g: g + momentum * b, buf, grads) if nesterov else buf
-        out = jax.tree_util.tree_map_with_path(
-            lambda path, x: orthogonalize(x, matrix_dims(path), ns_coeffs, ns_steps), u
-        )
-        return out, MuonState(buf)
+
+        def matrix_update(path: tuple, b: jax.Array, g: jax.Array) -> jax.Array:
+            u = g + momentum * b if nesterov else b
+            dims = matrix_dims(path)
+            ortho = functools.partial(orthogonalize, dims=dims, coeffs=ns_coeffs, steps=ns_steps)
+            if path not in by_path:
+                return ortho(u)
+            return muon_deal.dealt(u, sum(dims), by_path[path], ortho)
+
+        return one_after_another(matrix_update, buf, grads), MuonState(buf)
 
     return optax.GradientTransformation(init, update)
 
 
 def muon(
-    cfg: OptimConfig, lr: optax.Schedule, adamw: optax.GradientTransformation
+    cfg: OptimConfig,
+    lr: optax.Schedule,
+    adamw: optax.GradientTransformation,
+    shardings: Any = None,
 ) -> optax.GradientTransformation:
-    """Muon on the matrices (optim.muon), `adamw` on every other parameter."""
+    """Muon on the matrices (optim.muon), `adamw` on every other parameter; shardings as
+    scale_by_muon takes them."""
     m = cfg.muon
     matrices = optax.chain(
-        scale_by_muon(m.momentum, m.nesterov, m.ns_steps, tuple(m.ns_coeffs)),
+        scale_by_muon(m.momentum, m.nesterov, m.ns_steps, tuple(m.ns_coeffs), shardings),
         optax.scale(m.rms_scale),
         optax.add_decayed_weights(m.weight_decay),
         optax.scale_by_learning_rate(lr),

@@ -68,11 +68,17 @@ def param_shardings(mdef: ModelDef, cfg: Config, mesh: Mesh) -> Any:
     return nnx.to_pure_dict(shardings)
 
 
+def trained_shardings(mdef: ModelDef, cfg: Config, mesh: Mesh) -> Any:
+    """NamedSharding per trained parameter (the split's trained part): what Muon deals its
+    matrices by (optim/muon_deal.py)."""
+    return parameter_split(cfg).split(param_shardings(mdef, cfg, mesh))[0]
+
+
 def state_shardings(
     mdef: ModelDef, cfg: Config, mesh: Mesh, tx: optax.GradientTransformation
 ) -> TrainState:
     split = parameter_split(cfg)
-    params, _ = split.split(param_shardings(mdef, cfg, mesh))
+    params = trained_shardings(mdef, cfg, mesh)
     abstract_params, abstract_frozen = split.split(nnx.to_pure_dict(mdef.abstract_state))
     frozen = None
     if split.has_frozen:
@@ -141,16 +147,20 @@ def leaf_specs(tree: Any, abstract_state: nnx.State, rules: dict, mesh: Any) -> 
 
 
 def init_state(
-    cfg: Config, mesh: Mesh, tx: optax.GradientTransformation, abstract: bool = False
-) -> tuple[TrainState, ModelDef, TrainState]:
-    """Returns (state, model definition, shardings of the state), parameters born sharded.
+    cfg: Config,
+    mesh: Mesh,
+    mdef: ModelDef,
+    tx: optax.GradientTransformation,
+    abstract: bool = False,
+) -> tuple[TrainState, TrainState]:
+    """Returns (state, shardings of the state) for the model `mdef` (model_def(cfg)),
+    parameters born sharded.
 
     A pipelined model starts from the parameters the plain one is initialised with, moved into
     its stages: the same run with or without stages starts from the same model. abstract=True:
     the state's shapes and shardings only, nothing allocated (to compile a step for a model
     bigger than this host: maxtrain.tools.benchmark --dry-run --compile).
     """
-    mdef = model_def(cfg)
     shardings = state_shardings(mdef, cfg, mesh, tx)
     split = parameter_split(cfg)
 
@@ -171,7 +181,7 @@ def init_state(
         state = _with_shardings(jax.eval_shape(create), shardings)
     else:
         state = jax.jit(create, out_shardings=shardings)()
-    return state, mdef, shardings
+    return state, shardings
 
 
 def _with_shardings(shapes: Any, shardings: Any) -> Any:

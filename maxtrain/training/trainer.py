@@ -27,7 +27,13 @@ from maxtrain.parallel.mesh import batch_degree, build_mesh, mesh_platform, shar
 from maxtrain.training import metrics as metrics_lib
 from maxtrain.training import run_model
 from maxtrain.training.split import ParameterSplit
-from maxtrain.training.state import SavedLayout, TrainState, init_state, saved_layout
+from maxtrain.training.state import (
+    SavedLayout,
+    TrainState,
+    init_state,
+    saved_layout,
+    trained_shardings,
+)
 from maxtrain.training.step import eval_step, train_step
 
 
@@ -160,9 +166,12 @@ def build_trainer(
     check_context(
         cfg.model, cfg.train.seq_len, cfg.mesh.rules.get("length", []), mesh.shape["context"]
     )
-    tx, lr_schedule = optim.build(cfg.optim, cfg.schedule_steps)
     with sharding_rules(mesh, cfg.mesh.rules):
-        state, mdef, shardings = init_state(cfg, mesh, tx, abstract)
+        mdef = run_model.model_def(cfg)
+        trained = trained_shardings(mdef, cfg, mesh)
+    tx, lr_schedule = optim.build(cfg.optim, cfg.schedule_steps, trained)
+    with sharding_rules(mesh, cfg.mesh.rules):
+        state, shardings = init_state(cfg, mesh, mdef, tx, abstract)
         saved = saved_layout(cfg, mesh, tx, mdef)
     data_sharding = batch_sharding(mesh, cfg.mesh.rules)
     objective = posttrain.objective(cfg.train)

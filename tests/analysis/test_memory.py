@@ -6,6 +6,7 @@ import jax
 import pytest
 from support.data import load_tool
 
+from maxtrain import config as config_lib
 from maxtrain.analysis import memory
 from maxtrain.config import CONFIGS_DIR, REPO_ROOT
 from maxtrain.data import to_global
@@ -120,14 +121,24 @@ def test_dry_run_says_whether_it_fits_the_named_device_and_by_how_much(
 def test_muon_keeps_one_moment_per_matrix_and_counts_newton_schulz(make_cfg):
     """tiny, replicated: Muon drops one of AdamW's two moments for every layer matrix (q, o
     64x64; k, v 64x32; gate, up, down 64x128; two layers), and its working set is the largest
-    stacked matrix's: both layers' 64x128 MLP kernels twice, and two 64x64 Gram matrices each."""
+    stacked matrix's: no device shares a matrix, so each orthogonalises both layers' 64x128 MLP
+    kernels, twice (the iterate and the next)."""
     replicated = ("mesh.fsdp=1", "mesh.data=8")
     adamw = memory.estimate(make_cfg(*replicated), num_devices=8)
     muon = memory.estimate(make_cfg(*replicated, "optim.name=muon"), num_devices=8)
     matrices = 2 * (2 * 64 * 64 + 2 * 64 * 32 + 3 * 64 * 128) * 4
     assert muon.optimizer == adamw.optimizer - matrices
-    assert muon.optimizer_scratch == 2 * (2 * 64 * 128 + 2 * 64 * 64) * 4
+    assert muon.optimizer_scratch == 2 * 2 * 64 * 128 * 4
     assert adamw.optimizer_scratch == 0
+
+
+def test_muon_deals_llama3_8b_over_256_devices_one_matrix_each(make_cfg):
+    """recipes/tpu-v5e/llama3-8b.yml with Muon on 256 devices (fsdp 256): each of the 32 layers'
+    4096 x 14336 MLP matrices is shared by all 256, so a device orthogonalises at most one,
+    whole: twice its 224 MiB of scratch, against 32 layers twice (18 GiB) gathered whole."""
+    cfg = config_lib.load(REPO_ROOT / "recipes/tpu-v5e/llama3-8b.yml", ["optim.name=muon"])
+    scratch = memory.estimate(cfg, num_devices=256).optimizer_scratch
+    assert scratch == 2 * 4096 * 14336 * 4 < 2**30
 
 
 def test_the_pre_flight_refuses_beyond_the_margin_and_the_override_skips_it(make_cfg, monkeypatch):

@@ -1,5 +1,5 @@
-"""Muon (maxtrain/optim/muon.py) against a NumPy implementation of the published algorithm, sharded
-against single-device, and a run with it resumed bit-exactly."""
+"""Muon (maxtrain/optim/muon.py) against a NumPy implementation of the published algorithm, and a
+run with it resumed bit-exactly (sharded against one device: test_muon_deal.py)."""
 
 import json
 
@@ -8,14 +8,10 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding
-from jax.sharding import PartitionSpec as P
+from support.optim import apply, muon_cfg
 
 from maxtrain import optim
-from maxtrain.analysis.program import collective_bytes
 from maxtrain.checkpointing import load_parameters
-from maxtrain.config import OptimConfig
-from maxtrain.parallel.mesh import sharding_rules
 from maxtrain.training.loop import run
 from maxtrain.training.run_model import model_def
 
@@ -41,20 +37,6 @@ def published_muon(w, grads, lr, momentum=0.95, weight_decay=0.1, rms_scale=0.2)
         update = published_newton_schulz(g + momentum * buf)
         w = w - lr * (rms_scale * np.sqrt(max(w.shape)) * update + weight_decay * w)
     return w
-
-
-def muon_cfg(**kw) -> OptimConfig:
-    return OptimConfig(
-        name="muon", lr=0.02, warmup_steps=0, schedule="constant", clip_norm=0.0, **kw
-    )
-
-
-def apply(tx, params, grads_per_step):
-    state = tx.init(params)
-    for grads in grads_per_step:
-        updates, state = tx.update(grads, state, params)
-        params = optax.apply_updates(params, updates)
-    return params
 
 
 def test_three_updates_match_the_published_algorithm_per_layer_matrix():
@@ -89,51 +71,6 @@ def test_three_updates_match_the_published_algorithm_per_layer_matrix():
     adamw = optax.adamw(cfg.lr, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay)
     embedding = apply(adamw, f32(params["embedding"]), [f32(g["embedding"]) for g in grads])
     np.testing.assert_allclose(new["embedding"], embedding, rtol=1e-6)
-
-
-def test_sharded_update_equals_the_single_device_one():
-    """Experts split over `expert`, embed over `fsdp`, hidden units over `tensor` (8 devices),
-    traced under the run's mesh: the same two updates as on one device. Each matrix is gathered
-    whole once per step (not once per Newton-Schulz iteration), and the experts never: a
-    device's gathers are its two experts' matrices and the two dense stacks, once per step."""
-    rng = np.random.default_rng(1)
-    shapes = {
-        "mlp": {"up": (2, 16, 24), "down": (2, 24, 16)},
-        "moe": {"up": (2, 4, 16, 8)},
-    }
-    specs = {
-        "mlp": {"up": P(None, "fsdp", "tensor"), "down": P(None, "tensor", "fsdp")},
-        "moe": {"up": P(None, "expert", "fsdp", "tensor")},
-    }
-    is_shape = lambda x: isinstance(x, tuple) and all(isinstance(d, int) for d in x)  # noqa: E731
-    as_params = lambda tree: {"layers": jax.tree.map(lambda x: {"kernel": x}, tree)}  # noqa: E731
-    draw = lambda: as_params(  # noqa: E731
-        jax.tree.map(lambda s: rng.standard_normal(s).astype(np.float32), shapes, is_leaf=is_shape)
-    )
-    params, grads = draw(), [draw(), draw()]
-    tx, _ = optim.build(muon_cfg(), 10)
-    single = jax.jit(lambda p, gs: apply(tx, p, gs))(params, grads)
-
-    mesh = Mesh(np.array(jax.devices()[:8]).reshape(2, 2, 2), ("fsdp", "tensor", "expert"))
-    shardings = as_params(jax.tree.map(lambda s: NamedSharding(mesh, s), specs))
-    put = lambda t: jax.device_put(t, shardings)  # noqa: E731
-
-    def step(p, gs):
-        with sharding_rules(mesh, {}):
-            return apply(tx, p, gs)
-
-    args = put(params), [put(g) for g in grads]
-    compiled = jax.jit(step, out_shardings=shardings).lower(*args).compile()
-    sharded = compiled(*args)
-    for a, b in zip(jax.tree.leaves(single), jax.tree.leaves(sharded), strict=True):
-        np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-5, atol=1e-6)
-    # A device's whole matrices, in bytes. Gathered over two mesh axes, a matrix goes in two
-    # gathers, the first's half-size result counted too: 1.5x per step. Left to XLA, the
-    # iterations would gather 3x that and all-reduce 8x (Gram matrices' partial sums).
-    per_step = (2 * 16 * 24 + 2 * 24 * 16 + 2 * 2 * 16 * 8) * 4
-    moved = collective_bytes(compiled.as_text())
-    assert moved["all-gather"] <= 2 * 1.5 * per_step, moved
-    assert moved.get("all-reduce", 0) <= per_step, moved
 
 
 def test_a_muon_run_stopped_and_resumed_is_bit_exact(make_cfg, tmp_path):
