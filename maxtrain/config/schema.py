@@ -158,13 +158,14 @@ class Config(Section):
             )
         if self.mesh.context != 1 or self.mesh.dcn.context != 1:
             raise ValueError(f"{key} needs mesh.context=1: split attention gives no max logit")
+        if self.mesh.stage * self.mesh.dcn.stage > 1:
+            raise ValueError(f"{key} does not work with pipeline stages (mesh.stage > 1)")
         if tau is None:
             return self
         problems = {
             "model.qk_norm=true (the norm undoes a rescale of the weights before it)": (
                 self.model.qk_norm
             ),
-            "pipeline stages (mesh.stage > 1)": self.mesh.stage * self.mesh.dcn.stage > 1,
             "lora (the query and key weights are frozen)": self.lora.enabled,
             "model.mtp.depth > 0 (its block's attention is not clipped)": self.model.mtp.depth > 0,
         }

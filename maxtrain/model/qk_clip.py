@@ -61,11 +61,9 @@ def mla_scales(gamma: jax.Array, nope: int, rope: int) -> tuple[jax.Array, jax.A
     """Per-head factors gamma [..., N] -> the scale of each query dim [..., N, nope + rope]
     (sqrt(gamma) on q_nope, gamma on q_rope) and of each key dim of kv_b's per-head output
     [..., N, nope] (sqrt(gamma) on k_nope; its value dims are left as they are)."""
-    root = jnp.sqrt(gamma)[..., None]
-    widths = lambda x, w: jnp.broadcast_to(x, (*gamma.shape, w))  # noqa: E731
-    return jnp.concatenate([widths(root, nope), widths(gamma[..., None], rope)], -1), widths(
-        root, nope
-    )
+    nope_part = jnp.broadcast_to(jnp.sqrt(gamma)[..., None], (*gamma.shape, nope))
+    rope_part = jnp.broadcast_to(gamma[..., None], (*gamma.shape, rope))
+    return jnp.concatenate([nope_part, rope_part], axis=-1), nope_part
 
 
 def _scaled(projection: dict, scale: jax.Array) -> dict:
