@@ -11,7 +11,11 @@ from support.numerics import synthetic_batch
 
 from maxtrain.config import CONFIGS_DIR, ConfigError, load
 from maxtrain.data import to_global
-from maxtrain.model.kernels.attention import banded_attention, reference_attention
+from maxtrain.model.kernels.attention import (
+    banded_attention,
+    head_max_logit,
+    reference_attention,
+)
 from maxtrain.model.qk_clip import MAX_LOGIT, QKClip
 from maxtrain.training.loop import build_trainer
 from maxtrain.training.run_model import build_model, for_platform, model_def
@@ -134,8 +138,9 @@ def test_xla_kernel_max_logit_is_the_largest_visible_logit(window):
     attend = reference_attention if window is None else banded_attention
     kw = {} if window is None else {"window": window}
     plain = attend(q, k, v, segment_ids, **kw)
-    out, max_logit = attend(q, k, v, segment_ids, max_logit=True, **kw)
+    out, row_max = attend(q, k, v, segment_ids, max_logit=True, **kw)
     np.testing.assert_array_equal(out, plain)
+    max_logit = head_max_logit(row_max, segment_ids)
     np.testing.assert_allclose(max_logit, brute_force_max(q, k, segment_ids, window), rtol=1e-5)
 
 

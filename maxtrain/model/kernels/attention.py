@@ -65,7 +65,7 @@ def reference_attention(
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
     """Plain-jnp causal, segment-masked attention; float32 scores, GQA without repeating K/V.
     With `window`, a query at index i sees keys i - window + 1 .. i only (sliding window).
-    With `max_logit`, (output, each query head's largest logit [N]: head_max_logit)."""
+    With `max_logit`, (output, each query's largest visible logit per head [B, T, N])."""
     t = q.shape[1]
     index = jnp.arange(t)
     causal = index[None, :] <= index[:, None]  # [T, S]
@@ -74,8 +74,7 @@ def reference_attention(
     same_doc = segment_ids[:, :, None] == segment_ids[:, None, :]  # [B, T, S]
     if not max_logit:
         return masked_attention(q, k, v, causal & same_doc, sinks)
-    out, row_max = masked_attention(q, k, v, causal & same_doc, sinks, with_max_logit=True)
-    return out, head_max_logit(row_max, segment_ids)
+    return masked_attention(q, k, v, causal & same_doc, sinks, with_max_logit=True)
 
 
 def banded_attention(
@@ -120,15 +119,14 @@ def banded_attention(
     unblock = lambda x: x.reshape(b, blocks * window, n, -1)[:, :t]  # noqa: E731
     if not max_logit:
         return unblock(out)
-    out, row_max = out
-    # The padding queries past t are left out: they score zero against the padding keys.
-    return unblock(out), head_max_logit(unblock(row_max[..., None])[..., 0], segment_ids)
+    out, row_max = out  # the padding queries past t, sliced off, score zero: left out
+    return unblock(out), unblock(row_max[..., None])[..., 0]
 
 
 def head_max_logit(row_max: jax.Array, segment_ids: jax.Array) -> jax.Array:
     """Each query's largest logit [B, T, N] -> each head's over the batch [N] (float32),
-    padding queries (segment id 0) left out: the statistic QK-clip reads
-    (model/qk_clip.py). A batch of padding only gives finfo.min."""
+    padding queries (segment id 0 in the batch's own ids, not a chunked layer's) left out: the
+    statistic QK-clip reads (model/qk_clip.py). A batch of padding only gives finfo.min."""
     real = (segment_ids != 0)[:, :, None]
     lowest = jnp.finfo(jnp.float32).min
     return jnp.max(jnp.where(real, row_max, lowest), axis=(0, 1))
@@ -518,7 +516,7 @@ def attention_kernel(name: str, window: int | None = None, max_logit: bool = Fal
     in q.dtype, causal within packed documents (and within the last `window` keys), scale
     1/sqrt(H); N % K == 0, query head n uses kv head n // G; Hv <= H.
 
-    With `max_logit`, the function returns (output, each query head's largest logit [N]):
+    With `max_logit`, the function returns (output, each query's largest logit [B, T, N]):
     only the plain-XLA kernel gives it (the fused kernels keep their scores to themselves), so
     any other name raises ValueError (the config refuses it first: model.attention_max_logit)."""
     resolved = attention_implementation(name)

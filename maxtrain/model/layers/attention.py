@@ -12,7 +12,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from maxtrain.config import ModelConfig
-from maxtrain.model.kernels.attention import attention_kernel, cached_attention
+from maxtrain.model.kernels.attention import attention_kernel, cached_attention, head_max_logit
 from maxtrain.model.kv_cache import LayerCache, WindowCache
 from maxtrain.model.layers.attention_pattern import AttentionVariant, variants
 from maxtrain.model.layers.base import Projection
@@ -115,9 +115,9 @@ class Attention(nnx.Module):
             return kernel(rotated_q, rotated_k, v, segments, self._sinks())  # [B, T, N, H]
 
         out = self._switch(kind, attend, zip(self.variants, self.kernels, strict=True))
-        if self.max_logit:
-            out, max_logit = out
-            return self._output(x, out), max_logit
+        if self.max_logit:  # each head's over the batch, padding left out by the batch's ids
+            out, row_max = out
+            return self._output(x, out), head_max_logit(row_max, segment_ids)
         return self._output(x, out)
 
     def cached(

@@ -37,7 +37,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from maxtrain.config import ModelConfig
-from maxtrain.model.kernels.attention import attention_kernel, cached_attention
+from maxtrain.model.kernels.attention import attention_kernel, cached_attention, head_max_logit
 from maxtrain.model.kv_cache import LatentCache
 from maxtrain.model.layers.attention import AttentionCounts
 from maxtrain.model.layers.base import Projection
@@ -125,9 +125,9 @@ class MLA(nnx.Module):
             [k_nope, jnp.broadcast_to(k_rope, (*k_nope.shape[:3], k_rope.shape[-1]))], -1
         )
         out = self.attend(q, k, v, segment_ids)  # [B, T, N, V]
-        if self.max_logit:
-            out, max_logit = out
-            return self.o(out), max_logit
+        if self.max_logit:  # each head's over the batch, padding left out
+            out, row_max = out
+            return self.o(out), head_max_logit(row_max, segment_ids)
         return self.o(out)
 
     def cached(
