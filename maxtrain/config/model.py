@@ -467,6 +467,10 @@ class ModelConfig(ModelArchitecture):
         "xla_chunked",
         "tokamax_xla",
     ] = "auto"
+    # Each attention head's largest pre-softmax logit over the step's batch, as a statistic
+    # (metric attention/max_logit; QK-clip reads it: optim.qk_clip_threshold turns it on).
+    # Only the xla kernel computes it (model/kernels/attention.py).
+    attention_max_logit: bool = False
     # With mesh.context > 1 (parallel/context.py): how keys/values reach the queries,
     # and how the sequence is cut over the devices.
     context_exchange: Literal["all_gather", "ring"] = "all_gather"

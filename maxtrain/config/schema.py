@@ -142,6 +142,39 @@ class Config(Section):
         return self
 
     @model_validator(mode="after")
+    def _check_qk_clip(self) -> Config:
+        """QK-clip rescales the attention layers of the decoder's stacks from the xla kernel's
+        max logits (model/qk_clip.py); what it cannot see or whose logits its rescale does not
+        move is refused here."""
+        tau = self.optim.qk_clip_threshold
+        key = f"optim.qk_clip_threshold={tau}" if tau is not None else ""
+        if not key and not self.model.attention_max_logit:
+            return self
+        key = key or "model.attention_max_logit=true"
+        if self.model.attention not in ("auto", "xla"):
+            raise ValueError(
+                f"{key} needs each attention head's max logit, which only model.attention=xla "
+                f"computes, not model.attention={self.model.attention}"
+            )
+        if self.mesh.context != 1 or self.mesh.dcn.context != 1:
+            raise ValueError(f"{key} needs mesh.context=1: split attention gives no max logit")
+        if self.mesh.stage * self.mesh.dcn.stage > 1:
+            raise ValueError(f"{key} does not work with pipeline stages (mesh.stage > 1)")
+        if tau is None:
+            return self
+        problems = {
+            "model.qk_norm=true (the norm undoes a rescale of the weights before it)": (
+                self.model.qk_norm
+            ),
+            "lora (the query and key weights are frozen)": self.lora.enabled,
+            "model.mtp.depth > 0 (its block's attention is not clipped)": self.model.mtp.depth > 0,
+        }
+        for problem, present in problems.items():
+            if present:
+                raise ValueError(f"{key} does not work with {problem}; unset one of them")
+        return self
+
+    @model_validator(mode="after")
     def _check_init(self) -> Config:
         mode, layer_map = self.init.mode, self.init.layer_map
         if mode != "none" and not self.checkpoint.load_parameters_path:

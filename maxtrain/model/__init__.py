@@ -19,7 +19,7 @@ from maxtrain.model.build import (
     param_count,
     platform_choices,
 )
-from maxtrain.model.definition import ModelDef, ModelOutput, define
+from maxtrain.model.definition import ModelDef, ModelOutput, combine_stats, define, no_stats
 
 __all__ = [
     "ModelDef",
@@ -27,9 +27,11 @@ __all__ = [
     "abstract",
     "active_param_count",
     "build",
+    "combine_stats",
     "compute_dtype",
     "define",
     "embedding_lookup_params",
+    "no_stats",
     "param_count",
     "platform_choices",
 ]

@@ -47,6 +47,12 @@ def platform_choices(
         "attention": attention_implementation(model.attention, platform),
         "compute_dtype": _compute_dtype_name(model.compute_dtype, platform),
     }
+    if model.attention_max_logit and update["attention"] != "xla":
+        raise ConfigError(
+            f"optim.qk_clip_threshold (model.attention_max_logit) needs each attention head's "
+            f"max logit, which only model.attention=xla computes; model.attention="
+            f"{model.attention} is {update['attention']} on {platform}"
+        )
     if model.moe is not None:
         grouped_matmul = grouped_matmul_implementation(model.moe.grouped_matmul, platform)
         if grouped_matmul == "tokamax":

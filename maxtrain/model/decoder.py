@@ -19,6 +19,7 @@ from flax import nnx
 
 from maxtrain.config import ModelConfig
 from maxtrain.config.model import Mixer
+from maxtrain.model import qk_clip
 from maxtrain.model.kv_cache import Cache, StackCache, cache_kind
 from maxtrain.model.layers import embedding
 from maxtrain.model.layers.attention_pattern import KINDS, kind_per_layer
@@ -138,6 +139,8 @@ class DecoderBlock(nnx.Module):
         dtypes = dict(param_dtype=param_dtype, compute_dtype=compute_dtype)
         self.attn_norm = RMSNorm(cfg.emb_dim, **norm_kw)
         self.mixer_name = kind.mixer_name
+        # Attention's max logits (model.attention_max_logit) join the block's statistics.
+        self.max_logit = cfg.attention_max_logit and kind.mixer_name == qk_clip.MIXER
         setattr(self, kind.mixer_name, kind.make_mixer(cfg, **dtypes, rngs=rngs))
         self.mlp_norm = RMSNorm(cfg.emb_dim, **norm_kw)
         self.ffn_name = kind.ffn_name
@@ -149,13 +152,18 @@ class DecoderBlock(nnx.Module):
     def __call__(
         self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array, kind: Kind = 0
     ) -> tuple[jax.Array, dict[str, jax.Array]]:
-        """Returns the new residual stream [B, T, D] and the feed-forward's statistics; `kind`
+        """Returns the new residual stream [B, T, D] and the feed-forward's statistics (and
+        attention's max logits, qk_clip.MAX_LOGIT [N], where the block reports them); `kind`
         is the layer's attention kind (model/layers/attention_pattern.py)."""
         mixer = getattr(self, self.mixer_name)
         attn_out = mixer(self.attn_norm(x), positions, segment_ids, kind)
+        if self.max_logit:
+            attn_out, max_logit = attn_out
         x = x + _normed(self.attn_post_norm, attn_out)
         ffn_out, stats = getattr(self, self.ffn_name)(self.mlp_norm(x))
         x = x + _normed(self.mlp_post_norm, ffn_out)
+        if self.max_logit:
+            stats = {**stats, qk_clip.MAX_LOGIT: max_logit}
         return constrain(x, ("batch", "length", "act_embed")), stats
 
     def cached(
@@ -336,9 +344,11 @@ def runs_with_attention(
 
 
 def concatenate_runs(per_run: list[dict[str, jax.Array]]) -> dict[str, jax.Array]:
-    """Statistics of consecutive runs of layers, joined along the layer axis ({} if none)."""
-    per_run = [stats for stats in per_run if stats]
-    return jax.tree.map(lambda *runs: jnp.concatenate(runs), *per_run) if per_run else {}
+    """Statistics of consecutive runs of layers, joined along the layer axis ({} if none):
+    each key over the runs that have it (MoE's over the MoE layers, attention's max logits
+    over the attention layers), in model order."""
+    keys = dict.fromkeys(key for stats in per_run for key in stats)
+    return {key: jnp.concatenate([stats[key] for stats in per_run if key in stats]) for key in keys}
 
 
 class Decoder(nnx.Module):

@@ -21,6 +21,7 @@ from maxtrain.config import ModelConfig
 from maxtrain.model.kv_cache import StackCache
 from maxtrain.model.layers.base import ADAPTER_A, ADAPTER_B
 from maxtrain.model.mtp import MultiTokenTraining
+from maxtrain.model.qk_clip import MAX_LOGIT, QKClip
 from maxtrain.model.router_training import (
     AuxiliaryTraining,
     NoAuxiliary,
@@ -51,6 +52,7 @@ class ModelDef:
     # float32,
     # every adapted projection would run its low-rank products in float32.
     adapter_dtype: Any = None
+    qk_clip: QKClip | None = None  # optim.qk_clip_threshold's rescale (model/qk_clip.py)
 
     def apply(
         self, params: Any, tokens, positions, segment_ids, targets=None, loss_mask=None
@@ -81,15 +83,36 @@ class ModelDef:
         return nnx.merge(self.graphdef, state)
 
     def after_update(self, params: Any, old_params: Any, stats: Stats) -> Any:
-        """Called by the train step after the optimizer's update (see model/router_training.py)."""
-        return self.auxiliary.after_update(params, old_params, stats)
+        """Called by the train step after the optimizer's update (see model/router_training.py),
+        then QK-clip where the run asks for it (model/qk_clip.py)."""
+        params = self.auxiliary.after_update(params, old_params, stats)
+        return params if self.qk_clip is None else self.qk_clip(params, stats)
 
     def metrics(self, stats: Stats, aux_loss: jax.Array) -> Stats:
         """The model's own step metrics, from the step's summed statistics."""
         metrics = self.auxiliary.metrics(stats, aux_loss)
+        if MAX_LOGIT in stats:  # the largest attention logit of the step, over layers and heads
+            metrics["attention/max_logit"] = jnp.max(stats[MAX_LOGIT])
         if self.layout is not None:  # the schedule's idle share (parallel/pipeline.py)
             metrics["pipeline/bubble"] = jnp.asarray(self.layout.bubble, jnp.float32)
         return metrics
+
+
+# Statistics that are maxima, not sums: combined over micro-batches by taking the larger.
+MAXIMA = frozenset({MAX_LOGIT})
+
+
+def combine_stats(a: Stats, b: Stats) -> Stats:
+    """Two micro-batches' statistics as one batch's: summed, or the larger for MAXIMA."""
+    return {k: (jnp.maximum if k in MAXIMA else jnp.add)(a[k], b[k]) for k in a}
+
+
+def no_stats(shapes: Stats) -> Stats:
+    """The statistics of no batch yet, of these shapes: zero sums, maxima at finfo.min."""
+    return {
+        k: jnp.full(v.shape, jnp.finfo(v.dtype).min if k in MAXIMA else 0, v.dtype)
+        for k, v in shapes.items()
+    }
 
 
 def _is_adapter(path: tuple) -> bool:
@@ -98,16 +121,24 @@ def _is_adapter(path: tuple) -> bool:
 
 
 def define(
-    module: nnx.Module, cfg: ModelConfig, layout: StageLayout | None = None, adapter_dtype=None
+    module: nnx.Module,
+    cfg: ModelConfig,
+    layout: StageLayout | None = None,
+    adapter_dtype=None,
+    qk_clip_threshold: float | None = None,
 ) -> ModelDef:
     """The ModelDef of a built (usually abstract) model: its graph and parameter metadata, and
     what its architecture adds to training (router statistics and load balancing, multi-token
-    prediction). What the run wraps around the model first (adapters, quantized matmuls) is the
-    run's choice: training/run_model.py."""
+    prediction). What the run wraps around the model first (adapters, quantized matmuls) and
+    whether it clips the attention's logits (qk_clip_threshold: optim.qk_clip_threshold) are
+    the run's choice: training/run_model.py."""
     graphdef, abstract_state = nnx.split(module)
     auxiliary = (
         RouterTraining(cfg.moe, moe_rows_per_stack(cfg)) if cfg.moe is not None else NoAuxiliary()
     )
     if cfg.mtp.depth:
         auxiliary = MultiTokenTraining(auxiliary, cfg.mtp)
-    return ModelDef(graphdef, abstract_state, auxiliary, layout, cfg.context_layout, adapter_dtype)
+    qk_clip = None if qk_clip_threshold is None else QKClip.of(cfg, qk_clip_threshold)
+    return ModelDef(
+        graphdef, abstract_state, auxiliary, layout, cfg.context_layout, adapter_dtype, qk_clip
+    )

@@ -13,7 +13,8 @@ A new model family with training-time extras implements `AuxiliaryTraining` and 
 
 Statistics (`stats`) are whatever the model's forward pass returns beside its logits; over the
 micro-batches of one step the train step sums them, so they are sums over tokens, from which
-the metrics of the whole batch follow exactly.
+the metrics of the whole batch follow exactly; those named in definition.MAXIMA (the attention's
+max logits) are maxima instead, combined by taking the larger.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import jax
 import jax.numpy as jnp
 
 from maxtrain.config import ModelConfig, MoeConfig
-from maxtrain.model.stacks import MOE_STACK, STACKS, layer_kinds, stack_path
+from maxtrain.model.stacks import MOE_STACK, layer_kinds, rows_per_stack, stack_path
 
 Stats = dict[str, jax.Array]
 
@@ -121,11 +122,7 @@ class RouterTraining:
 def moe_rows_per_stack(cfg: ModelConfig) -> tuple[tuple[str, tuple[int, ...]], ...]:
     """RouterTraining.moe_stacks of a model: per MoE stack (attention's, linear attention's),
     the rows of the MoE layers' statistics (model order) its layers are, in stack order."""
-    moe_kinds = [kind for kind in layer_kinds(cfg) if kind.is_moe]
-    rows: dict[str, list[int]] = {}
-    for row, kind in enumerate(moe_kinds):
-        rows.setdefault(STACKS[kind], []).append(row)
-    return tuple((stack, tuple(of_stack)) for stack, of_stack in rows.items())
+    return rows_per_stack([kind for kind in layer_kinds(cfg) if kind.is_moe])
 
 
 def balance_loss(stats: Stats) -> jax.Array:

@@ -88,6 +88,12 @@ def stack_members[K: Hashable](kinds: Sequence[K]) -> dict[K, list[int]]:
     return members
 
 
+def rows_per_stack(kinds: Sequence[LayerKind]) -> tuple[tuple[str, tuple[int, ...]], ...]:
+    """Per stack, the rows its layers are among `kinds` (some of the model's layers in model
+    order, e.g. those with MoE: the rows of their statistics), in stack order."""
+    return tuple((STACKS[kind], tuple(rows)) for kind, rows in stack_members(kinds).items())
+
+
 def stack_positions(kinds: Sequence[Hashable]) -> list[int]:
     """Per model layer: its position in its own stack."""
     positions = [0] * len(kinds)

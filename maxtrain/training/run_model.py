@@ -28,7 +28,17 @@ def for_platform(
     """The config with the hardware's choices made (model.platform_choices): for the devices
     the program is built for, which need not be this process's (a CPU host compiles for
     compile-only TPU devices, parallel/topology.py)."""
+    cfg = with_max_logit(cfg)
     model = model_lib.platform_choices(cfg.model, platform, device_kind, chips_per_slice)
+    return cfg.model_copy(update={"model": model})
+
+
+def with_max_logit(cfg: Config) -> Config:
+    """The config with model.attention_max_logit on where optim.qk_clip_threshold is set:
+    QK-clip (model/qk_clip.py) reads the max logits the model then reports."""
+    if cfg.optim.qk_clip_threshold is None or cfg.model.attention_max_logit:
+        return cfg
+    model = cfg.model.model_copy(update={"attention_max_logit": True})
     return cfg.model_copy(update={"model": model})
 
 
@@ -95,6 +105,7 @@ def model_def(cfg: Config, pipelined: bool = True) -> ModelDef:
     in layer order, as checkpoints hold it); with what the split adds (adapters); with
     `quantization:` set, its matmuls quantized. Quantization changes only the graph
     definition: the params are the float model's."""
+    cfg = with_max_logit(cfg)
     layout = stage_layout(cfg) if pipelined else None
     module = nnx.eval_shape(lambda: build_model(cfg, layout=layout))
     split = parameter_split(cfg)
@@ -105,4 +116,6 @@ def model_def(cfg: Config, pipelined: bool = True) -> ModelDef:
         from maxtrain.quantization import training as quantized_training
 
         module = quantized_training.quantize(module, cfg.quantization)
-    return model_lib.define(module, cfg.model, layout, adapter_dtype)
+    return model_lib.define(
+        module, cfg.model, layout, adapter_dtype, qk_clip_threshold=cfg.optim.qk_clip_threshold
+    )

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from maxtrain.model import ModelDef
+from maxtrain.model import ModelDef, combine_stats, no_stats
 from maxtrain.parallel.mesh import constrain
 from maxtrain.training.objectives import NEXT_TOKEN, LossSums, Objective
 from maxtrain.training.split import ParameterSplit, WholeModel
@@ -65,7 +65,8 @@ def train_step(
 
     Gradients are sums over tokens divided by the token count of the whole batch, so any number
     of micro-batches gives the update one big batch would (up to float rounding). The model's
-    statistics are summed over the micro-batches.
+    statistics are summed over the micro-batches (its maxima, the attention's max logits,
+    maxed: model/definition.py MAXIMA).
 
     A step whose loss or gradient is NaN/inf (metrics["finite"] false) leaves the parameters and
     optimizer state as they were (only the step count moves on): the state is never poisoned,
@@ -98,14 +99,18 @@ def train_step(
         grad_sum, sums = grads_and_aux(batch)
     else:
         first = jax.tree.map(lambda x: x[0], micro)
-        zeros = jax.tree.map(
-            lambda s: jnp.zeros(s.shape, s.dtype), jax.eval_shape(grads_and_aux, first)
-        )
+        grad_shapes, sum_shapes = jax.eval_shape(grads_and_aux, first)
+        zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), (grad_shapes, sum_shapes))
+        start = (zeros[0], zeros[1]._replace(stats=no_stats(sum_shapes.stats)))
 
         def accumulate(carry, micro_batch):
-            return jax.tree.map(jnp.add, carry, grads_and_aux(micro_batch)), None
+            (grads, sums), (more_grads, more) = carry, grads_and_aux(micro_batch)
+            grads = jax.tree.map(jnp.add, grads, more_grads)
+            stats = combine_stats(sums.stats, more.stats)
+            sums = jax.tree.map(jnp.add, sums._replace(stats={}), more._replace(stats={}))
+            return (grads, sums._replace(stats=stats)), None
 
-        (grad_sum, sums), _ = jax.lax.scan(accumulate, zeros, micro)
+        (grad_sum, sums), _ = jax.lax.scan(accumulate, start, micro)
     denom = jnp.maximum(sums.count, 1.0)
     grad_norm = optax.tree.norm(grad_sum) / denom
     finite = jnp.isfinite(sums.loss) & jnp.isfinite(grad_norm)

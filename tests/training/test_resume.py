@@ -3,9 +3,12 @@
 Each test runs the real CLI in subprocesses on one CPU device, with the grain pipeline
 (a three-source mixture, packed), kills, preempts or interrupts it mid-run, starts it again
 with the same command, and compares the per-step losses (one record per step in
-metrics.jsonl) and the final parameters with an uninterrupted run.
+metrics.jsonl) and the final parameters with an uninterrupted run. The runs clip attention
+logits (optim.qk_clip_threshold, QK-clip: a rescale after every update that reads the step's
+own statistics), which a resume must carry on exactly as well.
 """
 
+import json
 import signal
 from pathlib import Path
 
@@ -19,9 +22,13 @@ from maxtrain import config as config_lib
 from maxtrain.checkpointing import load_parameters
 from maxtrain.training.run_model import model_def
 
+# The tiny run's largest logit starts near 0.09 and grows past 0.3: clipped from the first steps.
+QK_CLIP = 0.1
+RUN = [*ARGS, f"optim.qk_clip_threshold={QK_CLIP}"]
+
 
 def final_params(run_dir: Path):
-    cfg = config_lib.load(config_lib.CONFIGS_DIR / "base.yml", ARGS)
+    cfg = config_lib.load(config_lib.CONFIGS_DIR / "base.yml", RUN)
     abstract = nnx.to_pure_dict(model_def(cfg).abstract_state)
     device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     abstract = jax.tree.map(
@@ -40,7 +47,10 @@ def save_in_flight(run_dir: Path) -> bool:
 @pytest.fixture(scope="module")
 def straight(tmp_path_factory) -> tuple[dict[int, float], dict]:
     run_dir = tmp_path_factory.mktemp("straight") / "run"
-    run_to_end(run_dir)
+    run_to_end(run_dir, RUN)
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    max_logits = [r["train/attention/max_logit"] for r in records if "train/loss" in r]
+    assert sum(m > QK_CLIP for m in max_logits) >= STEPS // 2  # the clip works on most steps
     return losses(run_dir), final_params(run_dir)
 
 
@@ -66,12 +76,12 @@ def test_killed_stopped_and_interrupted_again_and_again_then_resumed_is_bit_exac
     parameters equal the uninterrupted run's. (One chain rather than one test per way: each
     start costs seconds, and a resume that is not exact shows at the end either way.)"""
     run_dir = tmp_path / "run"
-    killed = interrupt(run_dir, logged_step_at_least(9), signal.SIGKILL)
+    killed = interrupt(run_dir, logged_step_at_least(9), signal.SIGKILL, RUN)
     assert killed.returncode == -signal.SIGKILL
 
     # A save of the resumed run (not a temporary directory the kill left behind).
     resumed_on = logged_step_at_least(max(losses(run_dir)) + 1)
-    killed = interrupt(run_dir, lambda d: resumed_on(d) and save_in_flight(d), signal.SIGKILL)
+    killed = interrupt(run_dir, lambda d: resumed_on(d) and save_in_flight(d), signal.SIGKILL, RUN)
     assert killed.returncode == -signal.SIGKILL
     assert "resumed at step" in killed.stdout
 
@@ -79,12 +89,12 @@ def test_killed_stopped_and_interrupted_again_and_again_then_resumed_is_bit_exac
         (signal.SIGTERM, 0, "SIGTERM: saved step ", 17),
         (signal.SIGINT, 130, "interrupted (SIGINT): saved step ", 22),
     ]:
-        stopped = interrupt(run_dir, logged_step_at_least(at), sig)
+        stopped = interrupt(run_dir, logged_step_at_least(at), sig, RUN)
         assert stopped.returncode == status, stopped.stderr[-2000:]
         assert "Traceback" not in stopped.stderr
         saved_step = int(stopped.stdout.split(said)[1].split()[0])
         assert (run_dir / "checkpoints" / "local" / str(saved_step)).is_dir()
 
-    resumed = run_to_end(run_dir)
+    resumed = run_to_end(run_dir, RUN)
     assert f"resumed at step {saved_step}" in resumed.stdout
     assert_identical_to_straight(run_dir, straight)

@@ -61,16 +61,20 @@ def reference_attention(
     sinks: jax.Array | None = None,
     *,
     window: int | None = None,
-) -> jax.Array:
+    max_logit: bool = False,
+) -> jax.Array | tuple[jax.Array, jax.Array]:
     """Plain-jnp causal, segment-masked attention; float32 scores, GQA without repeating K/V.
-    With `window`, a query at index i sees keys i - window + 1 .. i only (sliding window)."""
+    With `window`, a query at index i sees keys i - window + 1 .. i only (sliding window).
+    With `max_logit`, (output, each query's largest visible logit per head [B, T, N])."""
     t = q.shape[1]
     index = jnp.arange(t)
     causal = index[None, :] <= index[:, None]  # [T, S]
     if window is not None:
         causal &= index[:, None] - index[None, :] < window
     same_doc = segment_ids[:, :, None] == segment_ids[:, None, :]  # [B, T, S]
-    return masked_attention(q, k, v, causal & same_doc, sinks)
+    if not max_logit:
+        return masked_attention(q, k, v, causal & same_doc, sinks)
+    return masked_attention(q, k, v, causal & same_doc, sinks, with_max_logit=True)
 
 
 def banded_attention(
@@ -81,7 +85,8 @@ def banded_attention(
     sinks: jax.Array | None = None,
     *,
     window: int,
-) -> jax.Array:
+    max_logit: bool = False,
+) -> jax.Array | tuple[jax.Array, jax.Array]:
     """`reference_attention` with a sliding window, in O(T x window) work and memory: the
     sequence cut into blocks of `window` queries, each against the keys of its own block and
     of the one before (all a window reaches), masked by original index and document. Scores
@@ -89,7 +94,7 @@ def banded_attention(
     window of half the sequence or more gains nothing and takes the reference's whole mask."""
     b, t, n, h = q.shape
     if banded_keys(window, t) == t:
-        return reference_attention(q, k, v, segment_ids, sinks, window=window)
+        return reference_attention(q, k, v, segment_ids, sinks, window=window, max_logit=max_logit)
     blocks = -(-t // window)
     # Padding keys sit past every real query: the causal mask hides them, as it hides the
     # zero block before the first (negative indices).
@@ -108,8 +113,23 @@ def banded_attention(
     same_doc = q_segments[:, :, None] == with_previous(segment_ids)[:, None, :]
     mask = same_doc & jnp.tile(visible, (b, 1, 1))
     blocked_q = pad(q).reshape(b * blocks, window, n, h)
-    out = masked_attention(blocked_q, with_previous(k), with_previous(v), mask, sinks)
-    return out.reshape(b, blocks * window, n, -1)[:, :t]
+    out = masked_attention(
+        blocked_q, with_previous(k), with_previous(v), mask, sinks, with_max_logit=max_logit
+    )
+    unblock = lambda x: x.reshape(b, blocks * window, n, -1)[:, :t]  # noqa: E731
+    if not max_logit:
+        return unblock(out)
+    out, row_max = out  # the padding queries past t, sliced off, score zero: left out
+    return unblock(out), unblock(row_max[..., None])[..., 0]
+
+
+def head_max_logit(row_max: jax.Array, segment_ids: jax.Array) -> jax.Array:
+    """Each query's largest logit [B, T, N] -> each head's over the batch [N] (float32),
+    padding queries (segment id 0 in the batch's own ids, not a chunked layer's) left out: the
+    statistic QK-clip reads (model/qk_clip.py). A batch of padding only gives finfo.min."""
+    real = (segment_ids != 0)[:, :, None]
+    lowest = jnp.finfo(jnp.float32).min
+    return jnp.max(jnp.where(real, row_max, lowest), axis=(0, 1))
 
 
 def banded_keys(window: int | None, length: int) -> int:
@@ -148,8 +168,14 @@ def cached_attention(
 
 
 def masked_attention(
-    q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, sinks: jax.Array | None = None
-) -> jax.Array:
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    mask: jax.Array,
+    sinks: jax.Array | None = None,
+    *,
+    with_max_logit: bool = False,
+) -> jax.Array | tuple[jax.Array, jax.Array]:
     """q [B, T, N, H], k/v [B, S, K, H], mask [B, T, S] (True: may attend) -> [B, T, N, Hv]:
     softmax(q k^T / sqrt(H), masked) v, with float32 scores and softmax statistics.
 
@@ -166,13 +192,17 @@ def masked_attention(
     Autodiff of the plain formula stores the float32 scores and probabilities and their
     gradients instead: the compiled v5e:4x4 step of a 1.5B model at 2048 tokens accessed
     26.79 GB per chip that way, 24.80 GB this way (docs/tpu.md).
+
+    With `with_max_logit`, also each query's largest visible logit [B, T, N] (float32, no
+    gradient): the reduction runs over the scores the forward computes anyway, the max the
+    log-sum-exp takes (QK-clip's statistic, model/qk_clip.py).
     """
-    out, lse = _attention_forward(q, k, v, mask)
-    if sinks is None:
-        return out
+    out, lse, row_max = _attention_forward(q, k, v, mask)
     b, t, n, _ = q.shape
-    lse = lse.transpose(0, 3, 1, 2).reshape(b, t, n)  # [B, K, G, T] -> [B, T, N]
-    return with_sinks(out, lse, sinks)
+    per_query = lambda x: x.transpose(0, 3, 1, 2).reshape(b, t, n)  # noqa: E731  [B, K, G, T] ->
+    if sinks is not None:
+        out = with_sinks(out, per_query(lse), sinks)
+    return (out, per_query(row_max)) if with_max_logit else out
 
 
 def _grouped(q: jax.Array, num_kv: int) -> jax.Array:
@@ -181,39 +211,42 @@ def _grouped(q: jax.Array, num_kv: int) -> jax.Array:
 
 
 def _probabilities(q, k, mask, lse=None):
-    """(P [B, K, G, T, S] in q's dtype, log-sum-exp [B, K, G, T] float32) of grouped q."""
+    """(P [B, K, G, T, S] in q's dtype, log-sum-exp [B, K, G, T] float32, the row max of the
+    masked scores [B, K, G, T]) of grouped q."""
     scores = jnp.einsum("btkgh,bskh->bkgts", q, k, preferred_element_type=jnp.float32)
     scores = scores / math.sqrt(q.shape[-1])
     # finfo.min rather than -inf: never NaN, and every row keeps at least its own key anyway.
     scores = jnp.where(mask[:, None, None], scores, jnp.finfo(jnp.float32).min)
+    row_max = jnp.max(scores, axis=-1)
     if lse is None:
         lse = jax.nn.logsumexp(scores, axis=-1)
-    return jnp.exp(scores - lse[..., None]).astype(q.dtype), lse
+    return jnp.exp(scores - lse[..., None]).astype(q.dtype), lse, row_max
 
 
 @jax.custom_vjp
 def _attention_forward(q, k, v, mask):
     b, t, n, _ = q.shape
-    probs, lse = _probabilities(_grouped(q, k.shape[2]), k, mask)
+    probs, lse, row_max = _probabilities(_grouped(q, k.shape[2]), k, mask)
     out = jnp.einsum(
         "bkgts,bskh->btkgh", probs.astype(v.dtype), v, preferred_element_type=jnp.float32
     )
-    return out.reshape(b, t, n, v.shape[-1]).astype(q.dtype), lse
+    return out.reshape(b, t, n, v.shape[-1]).astype(q.dtype), lse, row_max
 
 
 def _attention_fwd_rule(q, k, v, mask):
-    out, lse = _attention_forward(q, k, v, mask)
-    return (out, lse), (q, k, v, mask, out, lse)
+    out, lse, row_max = _attention_forward(q, k, v, mask)
+    return (out, lse, row_max), (q, k, v, mask, out, lse)
 
 
 def _attention_bwd_rule(residuals, cotangents):
     q, k, v, mask, out, lse = residuals
-    d_out, d_lse = cotangents  # d_lse: zero unless sinks use the log-sum-exp
+    # d_lse: zero unless sinks use the log-sum-exp; the row max is a statistic, no gradient
+    d_out, d_lse = cotangents[:2]
     b, t, n, h = q.shape
     num_kv = k.shape[2]
     gq = _grouped(q, num_kv)
     g_out = _grouped(d_out, num_kv)  # [B, T, K, G, Hv]
-    probs, _ = _probabilities(gq, k, mask, lse)  # recomputed: P [B, K, G, T, S]
+    probs, _, _ = _probabilities(gq, k, mask, lse)  # recomputed: P [B, K, G, T, S]
     # rowsum(dO * O) per query: the softmax's own term in dS
     delta = jnp.einsum(
         "btkgh,btkgh->bkgt", g_out.astype(jnp.float32), _grouped(out, num_kv).astype(jnp.float32)
@@ -477,12 +510,20 @@ def attention_implementation(name: str, platform: str | None = None) -> str:
     return name
 
 
-def attention_kernel(name: str, window: int | None = None) -> AttentionFn:
+def attention_kernel(name: str, window: int | None = None, max_logit: bool = False) -> AttentionFn:
     """The attention function a configured name picks, chosen once (layers store it):
     (q, k [B, T, N|K, H], v [B, T, K, Hv], segment_ids [B, T], sinks [N] | None) -> [B, T, N, Hv]
     in q.dtype, causal within packed documents (and within the last `window` keys), scale
-    1/sqrt(H); N % K == 0, query head n uses kv head n // G; Hv <= H."""
+    1/sqrt(H); N % K == 0, query head n uses kv head n // G; Hv <= H.
+
+    With `max_logit`, the function returns (output, each query's largest logit [B, T, N]):
+    only the plain-XLA kernel gives it (the fused kernels keep their scores to themselves), so
+    any other name raises ValueError (the config refuses it first: model.attention_max_logit)."""
     resolved = attention_implementation(name)
+    if max_logit:
+        if resolved != "xla":
+            raise ValueError(f"the attention's max logit needs the xla kernel, not {resolved!r}")
+        return partial(_reference(window), max_logit=True)
     if resolved in IMPLEMENTATIONS:
         return IMPLEMENTATIONS[resolved](window)
     return _unavailable(name, jax.default_backend())

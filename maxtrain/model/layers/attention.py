@@ -12,7 +12,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from maxtrain.config import ModelConfig
-from maxtrain.model.kernels.attention import attention_kernel, cached_attention
+from maxtrain.model.kernels.attention import attention_kernel, cached_attention, head_max_logit
 from maxtrain.model.kv_cache import LayerCache, WindowCache
 from maxtrain.model.layers.attention_pattern import AttentionVariant, variants
 from maxtrain.model.layers.base import Projection
@@ -90,14 +90,19 @@ class Attention(nnx.Module):
         # The layer kinds this model has (attention_pattern.KINDS order), each with its kernel,
         # picked once, and the exchange that runs it on a sequence split over mesh.context.
         self.variants = variants(cfg, H)
-        self.kernels = tuple(attention_kernel(cfg.attention, var.window) for var in self.variants)
+        # With model.attention_max_logit the kernels also give each head's largest logit.
+        self.max_logit = cfg.attention_max_logit
+        self.kernels = tuple(
+            attention_kernel(cfg.attention, var.window, self.max_logit) for var in self.variants
+        )
         self.attend_split = context_attention(cfg.context_exchange, cfg.context_layout)
 
     def __call__(
         self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array, kind: int | jax.Array = 0
-    ) -> jax.Array:
+    ) -> jax.Array | tuple[jax.Array, jax.Array]:
         """x [B, T, D] -> [B, T, D]; `kind`: the layer's index in attention_pattern.KINDS, a
-        constant, or a traced scalar where a scan runs layers of several kinds."""
+        constant, or a traced scalar where a scan runs layers of several kinds. With
+        model.attention_max_logit: (that, each query head's largest logit [N])."""
         q, k, v = self._project(x)
 
         def attend(variant: AttentionVariant, kernel) -> jax.Array:
@@ -110,6 +115,9 @@ class Attention(nnx.Module):
             return kernel(rotated_q, rotated_k, v, segments, self._sinks())  # [B, T, N, H]
 
         out = self._switch(kind, attend, zip(self.variants, self.kernels, strict=True))
+        if self.max_logit:  # each head's over the batch, padding left out by the batch's ids
+            out, row_max = out
+            return self._output(x, out), head_max_logit(row_max, segment_ids)
         return self._output(x, out)
 
     def cached(

@@ -37,7 +37,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from maxtrain.config import ModelConfig
-from maxtrain.model.kernels.attention import attention_kernel, cached_attention
+from maxtrain.model.kernels.attention import attention_kernel, cached_attention, head_max_logit
 from maxtrain.model.kv_cache import LatentCache
 from maxtrain.model.layers.attention import AttentionCounts
 from maxtrain.model.layers.base import Projection
@@ -105,13 +105,16 @@ class MLA(nnx.Module):
         self.o = Projection("btnh,nhd->btd", (N, m.v_head_dim, D), (*heads, "embed"), **kw)
         self.dims = (m.kv_lora_rank, m.qk_nope_head_dim)  # where the fused outputs split
         self.rope = Rope(m.qk_rope_head_dim, cfg.rope_theta, cfg.rope_scaling, cfg.rope_interleaved)
-        self.attend = attention_kernel(cfg.attention)  # the kernel, picked once
+        # the kernel, picked once; with model.attention_max_logit it gives each head's max logit
+        self.max_logit = cfg.attention_max_logit
+        self.attend = attention_kernel(cfg.attention, max_logit=self.max_logit)
 
     def __call__(
         self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array, kind: int = 0
-    ) -> jax.Array:
+    ) -> jax.Array | tuple[jax.Array, jax.Array]:
         """x [B, T, D] -> [B, T, D]. Every MLA layer is global (`kind` 0: the config refuses a
-        local layer_pattern with MLA)."""
+        local layer_pattern with MLA). With model.attention_max_logit: (that, each head's
+        largest logit [N])."""
         _, nope = self.dims
         q = self._query(x, positions)  # [B, T, N, H]
         latent, k_rope = self._latent(x, positions)
@@ -122,6 +125,9 @@ class MLA(nnx.Module):
             [k_nope, jnp.broadcast_to(k_rope, (*k_nope.shape[:3], k_rope.shape[-1]))], -1
         )
         out = self.attend(q, k, v, segment_ids)  # [B, T, N, V]
+        if self.max_logit:  # each head's over the batch, padding left out
+            out, row_max = out
+            return self.o(out), head_max_logit(row_max, segment_ids)
         return self.o(out)
 
     def cached(
