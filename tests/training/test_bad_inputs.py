@@ -308,7 +308,7 @@ def test_debug_shows_the_traceback_instead(tmp_path, capsys, monkeypatch):
 def test_a_message_of_several_lines_is_printed_as_one(capsys, monkeypatch):
     monkeypatch.delenv(DEBUG_ENV, raising=False)
 
-    def fails(cfg, preflight=None):
+    def fails(*args, **kwargs):
         raise ConfigError("first\n  second\n\nthird")
 
     monkeypatch.setattr(train_lib, "run", fails)
