@@ -29,12 +29,14 @@ tells it from the model's other dots (analysis/program.py grouped_matmuls).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import pydantic
 
 # (x [M, K] rows sorted by group, w [G, K, N], group_sizes [G] int32) -> [M, N] in x.dtype,
 # accumulated in float32 whatever the input dtype.
@@ -104,21 +106,18 @@ def _tokamax_kernel(platform: str) -> tuple[type, type]:
     the Mosaic GPU kernel does not need and the pinned stack does not have."""
     if platform == "tpu":
         from tokamax._src.ops.ragged_dot import pallas_mosaic_tpu as kernel
-    elif platform == "gpu":
+
+        return kernel.PallasMosaicTpuRaggedDot, kernel.Config
+    if platform == "gpu":
         from tokamax._src.ops.ragged_dot import pallas_mosaic_gpu as kernel
-    else:
-        raise ValueError(f"tokamax's grouped matmul has no kernel on {platform}")
-    op = next(v for v in vars(kernel).values() if isinstance(v, type) and hasattr(v, "_fwd"))
-    return op, kernel.Config
+
+        return kernel.PallasMosaicGpuRaggedDot, kernel.Config
+    raise ValueError(f"tokamax's grouped matmul has no kernel on {platform}")
 
 
 def tile_problem(tiles: TilesPerPass, platform: str) -> str | None:
     """What is wrong with one projection's tiles for tokamax's kernel on `platform` (a field it
     does not have, a value it refuses, a required one missing), or None."""
-    import dataclasses
-
-    import pydantic
-
     _, config = _tokamax_kernel(platform)
     fields = [f.name for f in dataclasses.fields(config)]
     for name, chosen in tiles.items():
@@ -137,8 +136,6 @@ def tile_problem(tiles: TilesPerPass, platform: str) -> str | None:
 def tiles_platform(tiles: TilesPerPass) -> str:
     """The platform whose tokamax kernel the tiles are for, by their fields (disjoint: the TPU
     kernel's tile_m, tile_k, tile_n; the GPU kernel's block_m, block_n, block_k, ...)."""
-    import dataclasses
-
     named = {field for chosen in tiles.values() for field in chosen}
     _, tpu_config = _tokamax_kernel("tpu")
     return "tpu" if named <= {f.name for f in dataclasses.fields(tpu_config)} else "gpu"
