@@ -91,11 +91,12 @@ FORBIDDEN_FOR_MODEL = (
     "maxtrain.posttrain",
     "maxtrain.inference",
     "maxtrain.evaluation",
-    "maxtrain.tools",
+    "maxtrain.benchmarks",
 )
+MODEL_PACKAGES = ["maxtrain.kernels", "maxtrain.layers", "maxtrain.models", "maxtrain.parallel"]
 
 
-@pytest.mark.parametrize("package", ["maxtrain.model", "maxtrain.parallel"])
+@pytest.mark.parametrize("package", MODEL_PACKAGES)
 def test_model_code_imports_downward_only(package):
     wrong = {
         module: sorted(i for i in imports if i.startswith(FORBIDDEN_FOR_MODEL))
@@ -105,7 +106,34 @@ def test_model_code_imports_downward_only(package):
     assert {m: i for m, i in wrong.items() if i} == {}
 
 
-@pytest.mark.parametrize("package", ["model", "parallel"])
+def _reachable(module: str) -> set[str]:
+    seen, todo = set(), [module]
+    while todo:
+        for imported in GRAPH[todo.pop()] - seen:
+            seen.add(imported)
+            todo.append(imported)
+    return seen
+
+
+# What each of the model's packages may not reach through any chain of imports (parallel/
+# included): kernels know no layer, layers know no model.
+ABOVE = {
+    "maxtrain.kernels": ("maxtrain.layers", "maxtrain.models"),
+    "maxtrain.layers": ("maxtrain.models",),
+}
+
+
+@pytest.mark.parametrize("package", sorted(ABOVE))
+def test_kernels_then_layers_then_models(package):
+    upward = {
+        module: sorted(m for m in _reachable(module) if m.startswith(ABOVE[package]))
+        for module in GRAPH
+        if module.startswith(package)
+    }
+    assert {m: u for m, u in upward.items() if u} == {}
+
+
+@pytest.mark.parametrize("package", ["kernels", "layers", "models", "parallel"])
 def test_model_code_takes_its_own_config_not_the_runs(package):
     """Layers, kernels and parallel building blocks take ModelConfig, MeshConfig, ...: never
     the run's whole Config (training/run_model.py composes the run's model from them)."""
@@ -120,11 +148,62 @@ def test_model_code_takes_its_own_config_not_the_runs(package):
     assert takers == []
 
 
+TOOLS = sorted((REPO / "tools").glob("*.py"))
+# The generators of committed files (fixtures, data assets) are whole programs; every other
+# tool is a script over the package: its work, and what tests call, is a maxtrain module.
+GENERATORS = {p for p in TOOLS if p.name.startswith("make_")}
+
+
+def _all_imports(path: Path) -> set[str]:
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            names.add(node.module)
+    return names
+
+
+def _edits_sys_path(tree: ast.AST) -> bool:
+    return any(
+        isinstance(n, ast.Attribute) and n.attr == "path" and getattr(n.value, "id", "") == "sys"
+        for n in ast.walk(tree)
+    )
+
+
+@pytest.mark.parametrize("tool", [p.name for p in TOOLS])
+def test_tools_are_scripts_over_the_installed_package(tool):
+    """No sys.path edits, no package named tools, maxtrain modules that exist; a tool that is
+    not a generator runs one package module's main and holds nothing else."""
+    path = REPO / "tools" / tool
+    tree = ast.parse(path.read_text())
+    assert not (REPO / "tools" / "__init__.py").exists()
+    assert not _edits_sys_path(tree)
+    ours = {m for m in _all_imports(path) if m.split(".")[0] == "maxtrain"}
+    assert {m for m in ours if m not in MODULES} == set()
+    if path not in GENERATORS:
+        body = [n for n in tree.body if not isinstance(n, ast.Expr | ast.Import | ast.ImportFrom)]
+        assert len(body) <= 2 and len(ours) == 1, f"{tool}: more than a call of one main"
+
+
+def test_nothing_imports_the_tools():
+    """Tests call the package module behind a tool, never the script (a script run in a
+    subprocess, as a user runs it, is not an import)."""
+    importers = sorted(
+        str(path.relative_to(REPO))
+        for path in [*PACKAGE.rglob("*.py"), *(REPO / "tests").rglob("*.py"), *TOOLS]
+        if path != Path(__file__)
+        if any(m == "tools" or m.startswith("tools.") for m in _all_imports(path))
+        or {"run_path", "spec_from_file_location"} & _code_words(ast.parse(path.read_text()))
+    )
+    assert importers == []
+
+
 # Names that say "lora" without being LoRA's business: Qwix's names for an adapter's two
 # parameters, flax's variable type for them, and DeepSeek's low-rank MLA projections.
 _NOT_LORA = re.compile(r"kernel_lora_[ab]|LoRAParam|q_lora_rank|kv_lora_rank|_MLA_Q_LORA")
 # Where LoRA lives: its package, its config section, and the tools' CLIs of each subsystem.
-LORA_HOMES = ("maxtrain/posttrain/", "maxtrain/config/", "maxtrain/tools/")
+LORA_HOMES = ("maxtrain/posttrain/", "maxtrain/config/", "maxtrain/benchmarks/")
 
 
 def _code_words(tree: ast.AST) -> set[str]:
@@ -179,7 +258,9 @@ def test_lora_is_wired_only_through_post_training():
     assert {path: words for path, words in wired.items() if words} == {}
 
 
-_PATH = re.compile(r"(?<![\w/.-])((?:maxtrain|tests|configs|recipes|docs|\.ci)/[\w./*-]*[\w/*])")
+_PATH = re.compile(
+    r"(?<![\w/.-])((?:maxtrain|tests|configs|recipes|docs|tools|\.ci)/[\w./*-]*[\w/*])"
+)
 
 
 def _named_paths(text: str) -> set[str]:

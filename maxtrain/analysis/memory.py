@@ -1,6 +1,6 @@
 """Per-device memory of a training step, estimated from the config alone (no devices needed).
 
-`maxtrain.tools.benchmark --dry-run` prints it so a user can see whether a recipe fits before
+`tools/benchmark.py --dry-run` prints it so a user can see whether a recipe fits before
 paying
 for a slice. The parts:
 
@@ -53,12 +53,12 @@ from jax.sharding import AbstractMesh
 from jax.sharding import PartitionSpec as P
 
 from maxtrain.config import MESH_AXES, Config
-from maxtrain.model import ModelDef, compute_dtype
-from maxtrain.model.kernels.attention import attention_implementation, banded_keys
-from maxtrain.model.kernels.grouped_matmul import grouped_matmul_implementation
-from maxtrain.model.layers.attention_pattern import KINDS, kind_per_layer
-from maxtrain.model.layers.attention_types import mixer_counts
-from maxtrain.model.stacks import LayerKind, is_moe_per_layer, layer_kinds
+from maxtrain.kernels.attention import attention_implementation, banded_keys
+from maxtrain.kernels.grouped_matmul import grouped_matmul_implementation
+from maxtrain.layers.attention_pattern import KINDS, kind_per_layer
+from maxtrain.layers.attention_types import mixer_counts
+from maxtrain.models import ModelDef, compute_dtype
+from maxtrain.models.stacks import LayerKind, is_moe_per_layer, layer_kinds
 from maxtrain.optim import muon, muon_deal
 from maxtrain.parallel.experts import exchange_implementation, routed_capacity
 from maxtrain.parallel.mesh import axis_sizes, spec_axes
@@ -155,9 +155,9 @@ def estimate(cfg: Config, num_devices: int) -> MemoryEstimate:
     layout = stage_layout(cfg)
     activations = _activation_bytes(cfg, sizes, batch, length, c, layout)
     head_tokens = tokens // (layout.stages if layout else 1)
-    # no float32 copy: model/kernels/cross_entropy.py
+    # no float32 copy: kernels/cross_entropy.py
     logits = 2 * head_tokens * cfg.model.vocab_size * c
-    # Multi-token prediction (model/mtp.py): per module, its logits and its block, not remat'd.
+    # Multi-token prediction (models/mtp.py): per module, its logits and its block, not remat'd.
     depth = cfg.model.mtp.depth
     if depth:
         logits *= 1 + depth
@@ -290,7 +290,7 @@ def _activation_bytes(
 def _reference_keys(model, seq_len: int) -> int:
     """Keys per query of the largest score array any layer's plain-XLA kernel holds: the whole
     sequence if a layer is global (multi-token prediction's blocks are), else the band of the
-    local layers' window or chunk (model/kernels/attention.py banded_attention)."""
+    local layers' window or chunk (kernels/attention.py banded_attention)."""
     spans = {None if KINDS[kind] == "global" else model.local_attention.span
              for kind in kind_per_layer(model)}  # fmt: skip
     if model.mtp.depth:

@@ -93,7 +93,7 @@ def _refusal(needed: int, capacity: int, platform: str, sharing: int) -> str:
         what = f"{needed / gib:.1f} GiB per device, more than {MARGIN}x the {capacity / gib:.1f} "
         what += f"GiB a {platform.upper()} device holds"
     return (
-        f"this run needs an estimated {what} (python -m maxtrain.tools.benchmark CONFIG "
+        f"this run needs an estimated {what} (python tools/benchmark.py CONFIG "
         "--dry-run shows the parts); use more devices or a smaller model, batch or seq_len, or "
         "set run.check_memory=false to start anyway"
     )

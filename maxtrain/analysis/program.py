@@ -2,7 +2,7 @@
 bytes its collectives move, the copies it makes of its inputs, its matmul FLOPs, its scatters,
 gathers and sorts, its grouped matmuls.
 
-`maxtrain.tools.benchmark` prints it beside the step time, and the quantization tests assert it,
+`tools/benchmark.py` prints it beside the step time, and the quantization tests assert it,
 so a
 quantization rule that silently matches nothing shows up as float matmuls.
 """
@@ -18,7 +18,7 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 
-from maxtrain.model.kernels.grouped_matmul import SCOPE
+from maxtrain.kernels.grouped_matmul import SCOPE
 
 # Primitives that do a matmul's work (ragged_dot lowers to ragged_dot_general).
 _MATMULS = frozenset({"dot_general", "ragged_dot_general", "ragged_dot"})
@@ -307,7 +307,7 @@ def matmul_flops(hlo_text: str) -> int:
 
     XLA's cost analysis (`compiled.cost_analysis()["flops"]`) counts a while loop's body once,
     whatever its trip count, so the work of a scan (over layers, or over a sequence's chunks:
-    model/kernels/gated_delta_rule.py) does not grow with its length there; this does. A loop
+    kernels/gated_delta_rule.py) does not grow with its length there; this does. A loop
     whose trip count only the run knows counts once. Custom calls (Pallas kernels, LAPACK's
     triangular solve on CPU) are not dots and count nothing."""
     return sum(times * 2 * math.prod(dot.shape) * dot.depth for dot, times in dots(hlo_text))
@@ -328,7 +328,7 @@ def permutation_ops(hlo_text: str) -> collections.Counter:
     What the MoE's permutation costs is read here: a scatter whose result is as many rows as
     a device's tokens or assignments is a pass of read-modify-writes over them (slow on GPUs,
     and what autodiff makes of a gather's backward), a sort of the assignments a pass XLA
-    cannot fuse; tests/model/test_moe_permutation.py holds the MoE layer to its budget."""
+    cannot fuse; tests/layers/test_moe_permutation.py holds the MoE layer to its budget."""
     counts: collections.Counter = collections.Counter()
     for op in executed(hlo_text):
         if op.opcode in _PERMUTING:
@@ -352,7 +352,7 @@ class GroupedMatmulRun(NamedTuple):
 
 def grouped_matmuls(hlo_text: str) -> collections.Counter:
     """How often one execution of a compiled program runs a grouped matmul
-    (model/kernels/grouped_matmul.py), by `GroupedMatmulRun`; a loop's counted once per trip,
+    (kernels/grouped_matmul.py), by `GroupedMatmulRun`; a loop's counted once per trip,
     as `permutation_ops` does.
 
     Read from the instructions' metadata: the grouped matmul's name scope, and whether autodiff

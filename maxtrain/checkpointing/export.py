@@ -1,5 +1,5 @@
-"""Parameters-only checkpoints written outside a train run: what maxtrain.tools.upcycle and
-maxtrain.tools.depth_upscale produce, for `checkpoint.load_parameters_path` (or load_parameters)
+"""Parameters-only checkpoints written outside a train run: what tools/upcycle.py and
+tools/depth_upscale.py produce, for `checkpoint.load_parameters_path` (or load_parameters)
 to
 read.
 
@@ -7,7 +7,7 @@ The Checkpointer itself writes them, as step 0 of a one-tier checkpoint director
 is the train loop's (Orbax state item, config, meta, integrity manifest, Orbax's commit
 markers); the state item holds {"params": ...} alone, written in one OCDBT transaction, so
 its bytes on disk are a function of the parameters (checkpointer.py _one_transaction_registry;
-PTQ exists to shrink them, and maxtrain.tools.quantize reports them). One process.
+PTQ exists to shrink them, and tools/quantize.py reports them). One process.
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ type Mixer = Literal["attention", "linear"]
 
 class RopeScaling(Section):
     """RoPE frequency scaling for a longer context (absent = no scaling); `type` picks the
-    method, and with it which of the other keys apply (model/layers/rope.py)."""
+    method, and with it which of the other keys apply (layers/rope.py)."""
 
     # linear: every frequency divided by factor (Gemma 3's global layers)
     type: Literal["llama3", "yarn", "linear"] = "llama3"
@@ -49,7 +49,7 @@ class RopeScaling(Section):
 class ClampedSwiglu(Section):
     """GPT-OSS's experts' activation in place of SwiGLU's silu(gate) * up: the gate clamped
     above at `limit`, the up projection to [-limit, limit], then
-    (up + 1) * gate * sigmoid(alpha * gate) (model/layers/activations.py)."""
+    (up + 1) * gate * sigmoid(alpha * gate) (layers/activations.py)."""
 
     alpha: PositiveFloat = 1.702
     limit: PositiveFloat = 7.0
@@ -58,7 +58,7 @@ class ClampedSwiglu(Section):
 class KernelTiles(Section):
     """One grouped matmul kernel's tiles: fields of the platform's tokamax kernel config, null
     for tokamax's choice (its autotuning cache for the exact shape, else its heuristics).
-    model/build.py platform_choices checks them against the kernel of the devices' platform."""
+    models/build.py platform_choices checks them against the kernel of the devices' platform."""
 
     # TPU (tokamax's Mosaic TPU kernel): rows, contraction and output columns per tile, and the
     # input buffers its pipeline keeps.
@@ -201,7 +201,7 @@ class MoeConfig(Section):
 
 
 class MtpConfig(Section):
-    """Multi-token prediction (DeepSeek-V3, model/mtp.py): `depth` extra modules, module j
+    """Multi-token prediction (DeepSeek-V3, models/mtp.py): `depth` extra modules, module j
     predicting the token j + 1 places after the next; their mean loss, times `loss_weight`, is
     added to the training loss."""
 
@@ -210,7 +210,7 @@ class MtpConfig(Section):
 
 
 class MlaConfig(Section):
-    """Multi-head latent attention (DeepSeek-V2/V3; model/layers/mla.py): queries and keys/values
+    """Multi-head latent attention (DeepSeek-V2/V3; layers/mla.py): queries and keys/values
     through low-rank latents; each head's query/key is a per-head part without position plus a
     rotary part whose key is shared by all heads."""
 
@@ -226,7 +226,7 @@ class MlaConfig(Section):
 
 
 class LocalAttention(Section):
-    """What a `local` layer of model.layer_pattern attends to (model/layers/attention_pattern.py):
+    """What a `local` layer of model.layer_pattern attends to (layers/attention_pattern.py):
     a sliding window of the last `window` positions (Gemma 3, GPT-OSS, Mistral) or its own
     chunk of `chunk` positions (Llama 4), always within its document. Exactly one of the two."""
 
@@ -255,7 +255,7 @@ class LocalAttention(Section):
 
 class LinearAttention(Section):
     """A `linear` layer of model.layer_pattern: Gated DeltaNet (Qwen3-Next), a recurrence over
-    a fixed-size state per head in place of softmax attention (model/layers/gated_deltanet.py),
+    a fixed-size state per head in place of softmax attention (layers/gated_deltanet.py),
     whose cost grows linearly with the sequence. Query/key heads may be fewer than value heads
     (a divisor of them), as attention's key/value heads are."""
 
@@ -280,7 +280,7 @@ class GlobalAttention(Section):
     """What a `global` layer of model.layer_pattern (every layer, without a pattern) does besides
     attending to its whole document, where a family's global layers differ from the model's
     defaults: Llama 4's are NoPE layers, with no position encoding, no qk-norm and a query
-    temperature that grows with the position (model/layers/attention_pattern.py)."""
+    temperature that grows with the position (layers/attention_pattern.py)."""
 
     rope: bool = True  # false: no position encoding (NoPE)
     qk_norm: bool = True  # false: model.qk_norm leaves these layers alone
@@ -292,7 +292,7 @@ class GlobalAttention(Section):
 
 class ModelArchitecture(Section):
     """The model itself: what its parameters' shapes and its function depend on. A model file
-    (configs/models/<name>.yml) holds these keys; maxtrain.tools.convert_hf writes them."""
+    (configs/models/<name>.yml) holds these keys; tools/convert_hf.py writes them."""
 
     vocab_size: int = Field(gt=0)
     emb_dim: int = Field(gt=0)
@@ -309,8 +309,8 @@ class ModelArchitecture(Section):
     # Partial RoPE (GLM-4.5: 0.5): the first partial_rotary_factor x head_dim dims of each
     # query/key head rotate (pairing as above, among themselves); the rest carry no position.
     partial_rotary_factor: float = Field(default=1.0, gt=0, le=1)
-    # gqa: grouped-query attention (model/layers/attention.py); mla: multi-head latent attention
-    # (model/layers/mla.py), shaped by the `mla` section (num_kv_heads and head_dim are then
+    # gqa: grouped-query attention (layers/attention.py); mla: multi-head latent attention
+    # (layers/mla.py), shaped by the `mla` section (num_kv_heads and head_dim are then
     # unused).
     attention_type: Literal["gqa", "mla"] = "gqa"
     mla: MlaConfig | None = None
@@ -324,7 +324,7 @@ class ModelArchitecture(Section):
     # and v biases; GPT-OSS has the output's too.
     attention_bias: Literal["none", "qkv", "qkvo"] = "none"
     # GPT-OSS: a learned logit per query head that joins the softmax's denominator and carries
-    # no value (model/kernels/attention.py masked_attention), so a head may attend to nothing.
+    # no value (kernels/attention.py masked_attention), so a head may attend to nothing.
     attention_sinks: bool = False
     # Qwen3-Next: the attention output, per head and dim, times sigmoid of a gate projected
     # from the layer's input (x W_gate [D, N, H]), before the output projection.
@@ -435,7 +435,7 @@ class ModelArchitecture(Section):
 
     def layer_mixer(self, layer: int) -> Mixer:
         """Model layer `layer`'s (0-based) token mixer, which picks its parameter stack
-        (model/stacks.py): softmax "attention", or "linear" attention (a recurrence) for the
+        (models/stacks.py): softmax "attention", or "linear" attention (a recurrence) for the
         `linear` layers of model.layer_pattern."""
         return "linear" if self.layer_attention(layer) == "linear" else "attention"
 
@@ -454,7 +454,7 @@ class ModelConfig(ModelArchitecture):
     scan_layers: bool = True
     remat: Literal["none", "full", "minimal"] = "full"
     # auto: splash on TPU, mosaic_gpu on GPU, xla elsewhere, by the platform of the devices the
-    # run is built for; mosaic: tokamax's mosaic_gpu or mosaic_tpu (model/kernels/attention.py)
+    # run is built for; mosaic: tokamax's mosaic_gpu or mosaic_tpu (kernels/attention.py)
     attention: Literal[
         "auto",
         "xla",
@@ -469,7 +469,7 @@ class ModelConfig(ModelArchitecture):
     ] = "auto"
     # Each attention head's largest pre-softmax logit over the step's batch, as a statistic
     # (metric attention/max_logit; QK-clip reads it: optim.qk_clip_threshold turns it on).
-    # Only the xla kernel computes it (model/kernels/attention.py).
+    # Only the xla kernel computes it (kernels/attention.py).
     attention_max_logit: bool = False
     # With mesh.context > 1 (parallel/context.py): how keys/values reach the queries,
     # and how the sequence is cut over the devices.

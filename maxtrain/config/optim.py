@@ -43,7 +43,7 @@ class OptimConfig(Section):
     eps: PositiveFloat = 1e-8
     weight_decay: NonNegativeFloat = 0.1
     clip_norm: NonNegativeFloat = 1.0  # 0 disables clipping
-    # MuonClip's QK-clip (Kimi K2; model/qk_clip.py): after each update, the query and key
+    # MuonClip's QK-clip (Kimi K2; models/qk_clip.py): after each update, the query and key
     # weights of every attention head whose largest logit over the step's batch exceeded this
     # are scaled down so that it would have been this. None: off.
     qk_clip_threshold: PositiveFloat | None = None

@@ -99,7 +99,7 @@ class RunConfig(Section):
     # allocated or written. false: start anyway.
     check_memory: bool = True
     # The device kind the config is written for, as jax names it (a recipe's chip: "TPU v5
-    # lite", "NVIDIA H100 80GB HBM3"): `maxtrain.tools.benchmark --dry-run` checks the memory
+    # lite", "NVIDIA H100 80GB HBM3"): `tools/benchmark.py --dry-run` checks the memory
     # estimate against it unless --device names another. null: this host's devices.
     device: str | None = None
 

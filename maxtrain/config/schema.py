@@ -144,7 +144,7 @@ class Config(Section):
     @model_validator(mode="after")
     def _check_qk_clip(self) -> Config:
         """QK-clip rescales the attention layers of the decoder's stacks from the xla kernel's
-        max logits (model/qk_clip.py); what it cannot see or whose logits its rescale does not
+        max logits (models/qk_clip.py); what it cannot see or whose logits its rescale does not
         move is refused here."""
         tau = self.optim.qk_clip_threshold
         key = f"optim.qk_clip_threshold={tau}" if tau is not None else ""

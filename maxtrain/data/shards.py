@@ -1,6 +1,6 @@
 """Prepared sources: tokenized ArrayRecord shards plus metadata.json, written and checked.
 
-The format ("maxtrain-tokens-v1") is the contract between maxtrain.tools.prepare_data and the
+The format ("maxtrain-tokens-v1") is the contract between tools/prepare_data.py and the
 training pipeline. A prepared source is a directory of `shard-NNNNN.arrayrecord` files and a
 `metadata.json`. Each record is one document: its token ids as little-endian int32 with the
 tokenizer's EOS id appended, so documents stay delimited after the pipeline concatenates them.
@@ -198,7 +198,7 @@ def read_metadata(source_dir: str | Path) -> dict[str, Any]:
     if not path.is_file():
         raise DataError(
             f"{source_dir} has no {METADATA}: not a prepared source (or an interrupted "
-            "maxtrain.tools.prepare_data run)"
+            "tools/prepare_data.py run)"
         )
     try:
         metadata = json.loads(path.read_text())
@@ -279,7 +279,7 @@ def check_vocab(metadata: Mapping[str, Any], model_vocab_size: int) -> None:
         raise DataError(
             f"tokenizer {metadata['tokenizer']} has a vocab of {metadata['vocab_size']}, larger "
             f"than the model's vocab_size {model_vocab_size}; train on data prepared with the "
-            "model's own tokenizer (python -m maxtrain.tools.prepare_data ... --tokenizer "
+            "model's own tokenizer (python tools/prepare_data.py ... --tokenizer "
             "TOKENIZER: docs/data.md), or give the model model.vocab_size="
             f"{metadata['vocab_size']} or more"
         )

@@ -26,7 +26,7 @@ from maxtrain.config import Config, ConfigError
 from maxtrain.evaluation.scoring import Request, Scorer
 from maxtrain.evaluation.tasks import Task, load_task
 from maxtrain.inference.loading import data_tokenizer_path
-from maxtrain.model import ModelDef
+from maxtrain.models import ModelDef
 from maxtrain.tokenizers import Tokenizer, load_tokenizer
 
 

@@ -23,7 +23,7 @@ from tqdm import tqdm
 
 from maxtrain.common.errors import UserError
 from maxtrain.data import batch_sharding
-from maxtrain.model import ModelDef
+from maxtrain.models import ModelDef
 from maxtrain.parallel.mesh import sharding_rules
 
 type Request = tuple[Sequence[int], Sequence[int]]

@@ -10,7 +10,7 @@ examples). One example per line:
                                                           greedy decoding gives, and how likely
 
 A name without a path separator is one of the committed tasks (maxtrain/evaluation/tasks/,
-made by maxtrain.tools.make_eval_tasks from the embedded corpus's held-out documents).
+made by tools/make_eval_tasks.py from the embedded corpus's held-out documents).
 """
 
 from __future__ import annotations

@@ -5,10 +5,10 @@
     layout.py          each Hugging Face tensor's place and layout in our parameter tree
     safetensors_io.py  streaming safetensors reader and writer
     convert.py         import / export, tensor by tensor, outputs written atomically
-    cli.py             maxtrain.tools.convert_hf
+    cli.py             tools/convert_hf.py
 
 transformers is the oracle: tests/hf/test_convert_hf.py compares our logits with the ones it
-computed on the committed fixtures (maxtrain.tools.make_hf_fixtures builds them).
+computed on the committed fixtures (tools/make_hf_fixtures.py builds them).
 """
 
 from maxtrain.hf.convert import (

@@ -1,7 +1,7 @@
-"""The command line of maxtrain.tools.convert_hf.
+"""The command line of tools/convert_hf.py.
 
-    python -m maxtrain.tools.convert_hf import --hf-dir DIR --output CKPT [--param-dtype bfloat16]
-    python -m maxtrain.tools.convert_hf export --checkpoint CKPT --output DIR [--dtype bfloat16]
+    python tools/convert_hf.py import --hf-dir DIR --output CKPT [--param-dtype bfloat16]
+    python tools/convert_hf.py export --checkpoint CKPT --output DIR [--dtype bfloat16]
                                       [--max-shard-gb 5]
 
 Bad or unsupported input (a missing config.json or tensor, a shape the config does not imply,
@@ -11,7 +11,7 @@ leaving no output directory behind.
 
 from __future__ import annotations
 
-from maxtrain import model as model_lib
+from maxtrain import models as model_lib
 from maxtrain.common.errors import ArgumentParser, UserError, positive_float, refuse
 from maxtrain.hf.convert import DTYPES, MODEL_YAML, export_checkpoint, import_checkpoint
 

@@ -24,7 +24,7 @@ from pydantic import ValidationError
 from maxtrain.config import GlobalAttention, ModelConfig
 from maxtrain.hf.errors import ConversionError
 from maxtrain.hf.families import FAMILIES, FEATURE_DEFAULTS, Family
-from maxtrain.model.stacks import is_moe_per_layer
+from maxtrain.models.stacks import is_moe_per_layer
 
 CONFIG_JSON = "config.json"
 _NO_DEFAULT = object()

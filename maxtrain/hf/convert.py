@@ -36,7 +36,7 @@ from flax import nnx
 from jax.sharding import SingleDeviceSharding
 from pydantic import ValidationError
 
-from maxtrain import model as model_lib
+from maxtrain import models as model_lib
 from maxtrain.checkpointing import CheckpointError, load_parameters, read_saved_config
 from maxtrain.checkpointing.checkpointer import resolve_step_dir
 from maxtrain.checkpointing.common import absolute
@@ -106,7 +106,7 @@ def import_checkpoint(
     if any((Path(hf_dir) / name).is_file() for name in TOKENIZER_MODELS):
         load_tokenizer(hf_dir)  # a broken tokenizer is refused before anything is written
     cfg, params = read_hf_model(hf_dir, param_dtype)
-    source = f"Imported from {Path(hf_dir).resolve()} by maxtrain.tools.convert_hf."
+    source = f"Imported from {Path(hf_dir).resolve()} by tools/convert_hf.py."
     meta = {"source": {"hugging_face": str(Path(hf_dir).resolve())}}
     with atomic_directory(output) as staging:
         save_parameters(staging, params, config_yaml=model_config_yaml(cfg, output.name), meta=meta)
@@ -180,7 +180,7 @@ def export_checkpoint(
     if qtype := quantized_kind(step_dir):
         raise ConversionError(
             f"checkpoint {step_dir} holds {qtype} post-training-quantized weights "
-            "(maxtrain.tools.quantize), which export does not write; export the float checkpoint "
+            "(tools/quantize.py), which export does not write; export the float checkpoint "
             "it was quantized from"
         )
     cfg = checkpoint_model_config(step_dir)

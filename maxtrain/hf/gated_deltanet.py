@@ -1,5 +1,5 @@
 """transformers' fused Gated DeltaNet tensors (Qwen3-Next's `linear_attn.`) and the layer's
-parameters (model/layers/gated_deltanet.py), both ways.
+parameters (layers/gated_deltanet.py), both ways.
 
 transformers projects q, k, v and z with one linear map and b and a with another, their outputs
 grouped by query/key head: with G = Nv / Nk value heads per query/key head, output row block g
@@ -34,7 +34,7 @@ from flax import nnx
 
 from maxtrain.config import LinearAttention
 from maxtrain.hf.layout import Slot, hf_tensor, linear_attention_tensors
-from maxtrain.model.layers.gated_deltanet import GatedDeltaNet
+from maxtrain.layers.gated_deltanet import GatedDeltaNet
 
 _PREFIX = "linear_attn."
 

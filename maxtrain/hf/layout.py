@@ -10,7 +10,7 @@ does. Embedding and norm scales have the same layout on both sides; a bias is th
 output of its projection (q_proj.bias: [N*H], ours [N, H]).
 
 Our per-layer parameters are stacked: model layer i is row stack_positions(...)[i] of its
-kind's stack (model/stacks.py), and a MoE layer's experts add one more axis. A Slot names one
+kind's stack (models/stacks.py), and a MoE layer's experts add one more axis. A Slot names one
 Hugging Face tensor (or its part) and that position. A family may store all of a layer's
 experts as one tensor, in our layout, with two projections side by side (Llama 4's
 gate_up_proj [E, D, 2F]) or interleaved (GPT-OSS's): each of ours is then a Slot of one Part
@@ -27,7 +27,7 @@ import numpy as np
 
 from maxtrain.config import LinearAttention, ModelConfig, MoeConfig
 from maxtrain.hf.families import Family
-from maxtrain.model.stacks import STACKS, layer_kinds, stack_positions
+from maxtrain.models.stacks import STACKS, layer_kinds, stack_positions
 
 
 class Part(NamedTuple):
@@ -72,7 +72,7 @@ _ATTENTION = (
     (("attn", "v", "kernel"), "self_attn.v_proj.weight", 1),
     (("attn", "o", "kernel"), "self_attn.o_proj.weight", 2),
 )
-# Multi-head latent attention (model/layers/mla.py): the query's two layouts, then the rest.
+# Multi-head latent attention (layers/mla.py): the query's two layouts, then the rest.
 _MLA_Q = ((("attn", "q", "kernel"), "self_attn.q_proj.weight", 1),)
 _MLA_Q_LORA = (
     (("attn", "q_a", "kernel"), "self_attn.q_a_proj.weight", 1),

@@ -1,3 +1,3 @@
-"""Generation from a trained or imported model: the decode cache (model/kv_cache.py), token
+"""Generation from a trained or imported model: the decode cache (layers/kv_cache.py), token
 sampling (sampling.py) and the jitted prefill and decode steps with their loop (decode.py).
 maxtrain/generate.py is the command line."""

@@ -2,7 +2,7 @@
 
 Prompts of different lengths share a batch right-padded to the longest: the prefill runs every
 row over the padded length, the padding at position -1, writes what attention keeps into the
-cache (keys and values, or multi-head latent attention's latents: model/kv_cache.py; a local
+cache (keys and values, or multi-head latent attention's latents: layers/kv_cache.py; a local
 layer's ring keeps a window's and no padding; a linear-attention layer's state advances past
 each row's last prompt token, not its padding), and takes each row's next token from the logits
 at its own last prompt token. Each decode step then feeds one token per row at that row's next
@@ -32,10 +32,10 @@ from maxtrain.common.errors import UserError
 from maxtrain.config import ModelConfig
 from maxtrain.inference.loading import LoadedModel
 from maxtrain.inference.sampling import Sampling, next_tokens
-from maxtrain.model import compute_dtype
-from maxtrain.model.kv_cache import cache_kind, cache_shardings, init_cache
-from maxtrain.model.layers.attention_pattern import kind_per_layer
-from maxtrain.model.stacks import STACKS, layer_kinds
+from maxtrain.layers.attention_pattern import kind_per_layer
+from maxtrain.layers.kv_cache import cache_kind, cache_shardings, init_cache
+from maxtrain.models import compute_dtype
+from maxtrain.models.stacks import STACKS, layer_kinds
 from maxtrain.parallel.mesh import batch_degree, logical_to_spec, sharding_rules
 
 GREEDY = Sampling()
@@ -71,7 +71,7 @@ class Generation:
 
 def cache_stacks(model_cfg: ModelConfig) -> dict[str, dict[str, int]]:
     """{params key of a layer stack: {cache kind: its layers of that kind}} for the stacks
-    and kinds the model has: the decode cache's arrays (model/kv_cache.py; a linear stack's
+    and kinds the model has: the decode cache's arrays (layers/kv_cache.py; a linear stack's
     layers keep their states under one kind)."""
     stacks: dict[str, dict[str, int]] = {}
     for layer_kind, kind in zip(layer_kinds(model_cfg), kind_per_layer(model_cfg), strict=True):

@@ -3,8 +3,8 @@
     model = load_model("runs/base", ["mesh.fsdp=4", "mesh.tensor=2"])
 
 The path is anything `checkpoint.load_parameters_path` takes (a step, a tier or a run
-directory: the newest complete step), an imported checkpoint (maxtrain.tools.convert_hf) or a
-post-training-quantized one (maxtrain.tools.quantize: its kernels dequantized as they are read).
+directory: the newest complete step), an imported checkpoint (tools/convert_hf.py) or a
+post-training-quantized one (tools/quantize.py: its kernels dequantized as they are read).
 Which
 model it holds is the config saved with the step: a training run's resolved config, or an
 import's model section on top of configs/base.yml's defaults. Overrides (`mesh.*`, ...) apply
@@ -28,7 +28,7 @@ from maxtrain.checkpointing.saved_config import TOKENIZER_SEARCH_DEPTH, saved_co
 from maxtrain.config import MESH_AXES, Config, ConfigError
 from maxtrain.data.grain_pipeline import EMBEDDED_PREFIX
 from maxtrain.data.shards import read_metadata
-from maxtrain.model import ModelDef, build
+from maxtrain.models import ModelDef, build
 from maxtrain.parallel.mesh import build_mesh, sharding_rules
 from maxtrain.posttrain import parameter_split
 from maxtrain.surgery.initialize import initial_params
@@ -92,7 +92,7 @@ def load_model(
     )
     if initial:
         return LoadedModel(cfg, mdef, _initial(cfg, abstract), mesh, step_dir, 0, initial=True)
-    # float, or maxtrain.tools.quantize's (the package imports Qwix: only when a model is loaded)
+    # float, or tools/quantize.py's (the package imports Qwix: only when a model is loaded)
     from maxtrain.quantization.ptq import load_parameters_dequantized
 
     params = load_parameters_dequantized(step_dir, abstract)

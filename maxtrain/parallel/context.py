@@ -10,12 +10,12 @@ document, which the exchange (`model.context_exchange`) brings to the device:
   (GQA), at the cost of one whole sequence of K/V per device.
 - ring: K/V blocks travel around the ring of context devices by `ppermute` (C - 1 passes per
   layer); each device attends its queries to the block it holds while the next one arrives,
-  merging blocks with the online softmax (model/kernels/attention.py merge_blocks). Per-device
+  merging blocks with the online softmax (kernels/attention.py merge_blocks). Per-device
   memory
   stays one block.
 
 A sliding window masks by original token index too (block_attention), and sinks rescale the
-merged output once, by the log-sum-exp over every block (model/kernels/sinks.py), never per
+merged output once, by the log-sum-exp over every block (kernels/sinks.py), never per
 block. Chunked layers arrive as segment ids cut at the chunks (attention_pattern.py).
 
 Layout (`model.context_layout`): under a causal mask the query at index t attends to t + 1 keys,
@@ -38,8 +38,8 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from maxtrain.config import ConfigError, ModelConfig
-from maxtrain.model.kernels.attention import block_attention, merge_blocks
-from maxtrain.model.kernels.sinks import with_sinks
+from maxtrain.kernels.attention import block_attention, merge_blocks
+from maxtrain.kernels.sinks import with_sinks
 from maxtrain.parallel.mesh import active_rules, constrain
 
 AXIS = "context"

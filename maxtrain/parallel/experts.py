@@ -73,8 +73,8 @@ import jax
 import jax.numpy as jnp
 
 from maxtrain.config import MoeConfig
-from maxtrain.model.kernels.grouped_matmul import ExpertMatmuls
-from maxtrain.model.layers.moe_dispatch import (
+from maxtrain.kernels.grouped_matmul import ExpertMatmuls
+from maxtrain.layers.moe_dispatch import (
     Dispatch,
     DispatchCounts,
     ExpertBlocks,
@@ -86,7 +86,7 @@ from maxtrain.model.layers.moe_dispatch import (
     sort_by_expert,
     swiglu_grouped,
 )
-from maxtrain.model.layers.permutation import Permutation
+from maxtrain.layers.permutation import Permutation
 
 type RaggedAllToAll = Callable[..., jax.Array]  # the signature of jax.lax.ragged_all_to_all
 type Overflow = Literal["rounds", "drop"]
@@ -119,7 +119,7 @@ def in_rounds(one_round: Round, most: int, needed: jax.Array, plan: Any, inputs:
     those devices the same collectives (devices of other exchange groups, e.g. other
     data-parallel replicas or pipeline stages, may run a different number: nothing in the loop
     joins them; inside the stage map each stage's dispatch is traced on its own for this,
-    parallel/pipeline.py `per_stage`).
+    parallel/stage_scope.py `per_stage`).
     The backward pass replays the rounds: round 0 from the residuals its forward saved (one
     round's buffers), every later one recomputed from the inputs and the plan, one at a time,
     so that no more than one round's buffers are ever alive.

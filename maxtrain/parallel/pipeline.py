@@ -31,7 +31,6 @@ as any other: `to_stages` / `to_model_order` convert at the boundary.
 
 from __future__ import annotations
 
-import contextvars
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -40,7 +39,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from maxtrain.model.stacks import STACKS, STAGES, LayerKind
+from maxtrain.models.stacks import STACKS, STAGES, LayerKind
+from maxtrain.parallel import stage_scope
 from maxtrain.parallel.mesh import active_rules, constrain, logical_to_spec
 
 
@@ -51,10 +51,10 @@ class StageLayout:
     stages: int  # S
     repeats: int  # R: groups per stage
     microbatches: int  # M
-    # the kinds (model/stacks.py) of the leading dense layers, run before the pipeline
+    # the kinds (models/stacks.py) of the leading dense layers, run before the pipeline
     prologue: tuple[LayerKind, ...]
     group: tuple[LayerKind, ...]  # the kind of each layer of a group, in order
-    # each layer's attention kind (model/layers/attention_pattern.py), alike in every group
+    # each layer's attention kind (layers/attention_pattern.py), alike in every group
     attention: tuple[int, ...]
 
     def per_group(self, kind: LayerKind) -> int:
@@ -169,11 +169,11 @@ def run(
         valid = (unit >= 0) & (unit < R * M)
         m, repeat = unit % M, jnp.clip(unit // M, 0, R - 1)
         group = jax.tree.map(lambda a: a[repeat], state)  # this stage's group of the repeat
-        token = _IN_STAGE.set(True)
+        token = stage_scope.IN_STAGE.set(True)
         try:
             y, stats = run_group(graphdefs, group, x, pos[m], seg[m])
         finally:
-            _IN_STAGE.reset(token)
+            stage_scope.IN_STAGE.reset(token)
         totals = jax.tree.map(lambda t, s: t.at[repeat].add(jnp.where(valid, s, 0)), totals, stats)
         return y, slots, totals
 
@@ -203,43 +203,6 @@ def run(
 
 
 _TOKENS = ("batch", "length", "act_embed")
-
-
-def per_stage(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """fn, traced inside the stage map (`run`'s vmap) once for each stage's share, as a program
-    of its own rather than batched over the stages; outside the map, fn itself.
-
-    For code whose batched form jax gets wrong: a custom VJP whose forward holds a loop of
-    collectives (the MoE exchange's dropless rounds, parallel/experts.py `in_rounds`). jax
-    batches such a forward lazily, after the map's mesh axis has left its scope, and stops at
-    the first operation joining a per-stage value to a constant ("Primitive sub requires
-    varying manual axes to match"). Under `per_stage` the map hands fn each device's own slice
-    (one stage per device of the `stage` axis), so fn runs as it would without stages: its
-    loops take their own stage's trip count, its collectives join only that stage's devices.
-    The map unbatches fn before anything differentiates it (custom_vmap has no reverse-mode
-    rule), which is why fn is wrapped only while a stage is being traced.
-    """
-    if not _IN_STAGE.get():
-        return fn
-    mapped = jax.custom_batching.custom_vmap(fn)
-
-    @mapped.def_vmap
-    def each_stage(size: int, batched: Any, *args: Any) -> tuple[Any, Any]:
-        leaves, tree = jax.tree.flatten(args)
-        flags = jax.tree.leaves(batched)
-
-        def stage(i: int) -> Any:
-            own = [a[i] if b else a for a, b in zip(leaves, flags, strict=True)]
-            return fn(*jax.tree.unflatten(tree, own))
-
-        outs = [stage(i) for i in range(size)]
-        return jax.tree.map(lambda *o: jnp.stack(o), *outs), jax.tree.map(lambda _: True, outs[0])
-
-    return mapped
-
-
-# True while `run` traces one stage's work (inside the stage map): see `per_stage`.
-_IN_STAGE: contextvars.ContextVar[bool] = contextvars.ContextVar("maxtrain_in_stage", default=False)
 
 
 def _shift(out: jax.Array) -> jax.Array:

@@ -4,7 +4,7 @@
 sees them. They build a mesh like real devices do (mesh.build_mesh), and a jitted step lowered
 over that mesh with abstract arguments compiles into the program a real slice would run, with
 the compiler's own memory and cost figures. Nothing can execute on them. This is how a run is
-checked before a slice is paid for (`maxtrain.tools.benchmark ... --dry-run --compile
+checked before a slice is paid for (`tools/benchmark.py ... --dry-run --compile
 --topology`).
 
 Where libtpu comes from, first found wins:

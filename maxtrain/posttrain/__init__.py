@@ -50,6 +50,6 @@ def partial_checkpoint(step_dir: str, saved: dict) -> str | None:
         return None
     return (
         f"checkpoint {step_dir} holds a LoRA run's adapters (lora.rank={rank}), not a whole "
-        "model; merge them into their base first (python -m maxtrain.tools.merge_lora "
+        "model; merge them into their base first (python tools/merge_lora.py "
         f"{step_dir} MERGED) and export MERGED"
     )

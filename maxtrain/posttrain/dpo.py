@@ -23,8 +23,8 @@ import jax.numpy as jnp
 
 from maxtrain.config import Config
 from maxtrain.config.run import DPOConfig
-from maxtrain.model import ModelDef
-from maxtrain.model.kernels.cross_entropy import cross_entropy
+from maxtrain.kernels.cross_entropy import cross_entropy
+from maxtrain.models import ModelDef
 from maxtrain.training.objectives import LossSums
 from maxtrain.training.split import WholeModel
 

@@ -32,8 +32,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from maxtrain.config.run import GRPOConfig
-from maxtrain.model import ModelDef
-from maxtrain.model.kernels.cross_entropy import cross_entropy
+from maxtrain.kernels.cross_entropy import cross_entropy
+from maxtrain.models import ModelDef
 from maxtrain.training.objectives import LossSums
 
 ADVANTAGE_EPS = 1e-6  # added to the group's std before dividing (a group of equal rewards: A = 0)

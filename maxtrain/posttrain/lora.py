@@ -6,12 +6,12 @@ random and B [rank, outputs] zero at the start, so the adapted model starts as t
 
 Qwix's LoRA provider computes the projections' adapter path while the model runs: it intercepts
 each adapted module's einsum and adds (x A) B. Qwix would create A and B during the model's
-first call, but maxtrain's layers run from one stacked parameter tree (model/decoder.py), where
+first call, but maxtrain's layers run from one stacked parameter tree (models/decoder.py), where
 a module created inside the layer scan cannot keep a variable. So `add_adapters` creates them
 beforehand, stacked like the kernels they adapt, under the names Qwix looks up
 (`kernel_lora_a`, `kernel_lora_b`): Qwix then finds them on every layer's module and only
 computes. The routed experts run a grouped matmul, which Qwix's LoRA provider does not intercept:
-their adapters are added to the expert weights before the experts run (model/layers/moe.py
+their adapters are added to the expert weights before the experts run (layers/moe.py
 ExpertKernel.weight), which computes the same function; its backward forms each layer's expert
 weight gradient before projecting it onto A and B.
 
@@ -19,7 +19,7 @@ The train state keeps the two apart (training/state.py): `params` holds only the
 optimizer and the checkpoints see; `frozen` holds the base, read from
 checkpoint.load_parameters_path at every start and resume and never saved. With
 lora.base_quantization set, the base's layer kernels are stored as Qwix QArrays and dequantized
-one layer at a time inside the layer loop (model/decoder.py run_stack). `merge` folds the
+one layer at a time inside the layer loop (models/decoder.py run_stack). `merge` folds the
 adapters into the base: a plain model, for export, generation and evaluation.
 """
 
@@ -35,12 +35,12 @@ import jax.numpy as jnp
 import qwix
 from flax import nnx
 
-from maxtrain import model as model_lib
+from maxtrain import models as model_lib
 from maxtrain.common.units import count
 from maxtrain.config import Config, ConfigError, LoraConfig, ModelConfig
-from maxtrain.model.layers.base import ADAPTER_A, ADAPTER_B, Projection
-from maxtrain.model.layers.moe import ExpertKernel
-from maxtrain.model.stacks import STACKS, STAGES
+from maxtrain.layers.base import ADAPTER_A, ADAPTER_B, Projection
+from maxtrain.layers.moe import ExpertKernel
+from maxtrain.models.stacks import STACKS, STAGES
 
 A, B = ADAPTER_A, ADAPTER_B  # the names Qwix's provider looks up beside `kernel`
 # The logical axis of the adapters' rank dim (mesh.rules; by default split over fsdp): where
@@ -198,7 +198,7 @@ def quantized_kernels(params: dict, abstract_state: nnx.State, lcfg: LoraConfig)
     return out
 
 
-# Run by model/decoder.py run_stack, which dequantizes; pipelined, the stacks are in STAGES.
+# Run by models/decoder.py run_stack, which dequantizes; pipelined, the stacks are in STAGES.
 _LAYER_STACKS = (*STACKS.values(), STAGES)
 
 

@@ -116,7 +116,7 @@ def merge_checkpoint(
     params = merged_params(cfg, step_dir, build_mesh(cfg.mesh))
     merged = plain_config(cfg, start=str(absolute(output)))
     base_dir = Path(resolve_step_dir(absolute(cfg.checkpoint.load_parameters_path)))
-    comment = f"The model of LoRA run {step_dir} merged into its base by maxtrain.tools.merge_lora."
+    comment = f"The model of LoRA run {step_dir} merged into its base by tools/merge_lora.py."
     with atomic_directory(output) as staging:
         save_parameters(
             staging,

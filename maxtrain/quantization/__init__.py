@@ -1,5 +1,5 @@
 """Quantization: quantized training from the config (training.py) and post-training
-quantization of a checkpoint's parameters (ptq.py, for maxtrain.tools.quantize)."""
+quantization of a checkpoint's parameters (ptq.py, for tools/quantize.py)."""
 
 from maxtrain.quantization.ptq import (
     contraction_axes,

@@ -1,7 +1,7 @@
-"""Post-training quantization of a parameter tree (maxtrain.tools.quantize): int8/int4 values
+"""Post-training quantization of a parameter tree (tools/quantize.py): int8/int4 values
 plus scales.
 
-A quantized checkpoint (maxtrain.tools.quantize's output) holds {qvalue, scale} where the model
+A quantized checkpoint (tools/quantize.py's output) holds {qvalue, scale} where the model
 has a
 kernel, so load_parameters cannot read it into the model; load_parameters_dequantized can, for
 evaluation and generation: it reads the stored values and multiplies them out on the fly.
@@ -27,10 +27,10 @@ from maxtrain.checkpointing.checkpointer import load_parameters, resolve_step_di
 from maxtrain.checkpointing.common import absolute
 from maxtrain.checkpointing.integrity import CheckpointError
 from maxtrain.common.errors import first_line
-from maxtrain.model.stacks import STAGES, is_stacked
+from maxtrain.models.stacks import STAGES, is_stacked
 
 # Logical axes that index whole matmuls (stacked layers, pipeline repeats and stages: see
-# model/decoder.py Stages; experts), never contracted.
+# models/decoder.py Stages; experts), never contracted.
 _STACK_AXES = ("layers", "repeats", STAGES, "exp")
 
 
@@ -101,7 +101,7 @@ def dequantize_params(qparams: dict) -> dict:
 
 
 def quantized_kind(step_dir: epath.Path) -> str | None:
-    """The qtype ('int8', 'int4') of a maxtrain.tools.quantize checkpoint step, or None for a
+    """The qtype ('int8', 'int4') of a tools/quantize.py checkpoint step, or None for a
     float
     one. Read from the meta the tool saves, else from the stored leaves' names (qvalue)."""
     meta = epath.Path(step_dir) / "meta" / "metadata"  # what Orbax's JsonSave wrote
@@ -119,7 +119,7 @@ def quantized_kind(step_dir: epath.Path) -> str | None:
 
 
 def load_parameters_dequantized(path: str | epath.PathLike, abstract_params: Any) -> Any:
-    """The model's float parameters from a checkpoint, quantized (maxtrain.tools.quantize: each
+    """The model's float parameters from a checkpoint, quantized (tools/quantize.py: each
     kernel
     becomes qvalue x scale, in the model's dtype and sharding) or not (load_parameters).
 

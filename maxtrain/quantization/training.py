@@ -25,7 +25,7 @@ import tokamax
 from flax import nnx
 
 from maxtrain.config import ConfigError, QuantizationConfig, QuantRule
-from maxtrain.model.kernels.quantized_grouped_matmul import GroupedMatmulQuant, quantized_ragged_dot
+from maxtrain.kernels.quantized_grouped_matmul import GroupedMatmulQuant, quantized_ragged_dot
 
 # The presets quantize every projection and the routed experts. They leave alone the attention
 # core (scores and weighted values: both operands are activations, and softmax inputs are
@@ -92,10 +92,10 @@ class _QtProvider(qwix.QtProvider):
 
     On the xla path Qwix intercepts `jax.lax.ragged_dot` itself. On GPU/TPU the experts call
     `tokamax.ragged_dot`, which this provider intercepts too and sends to
-    model/kernels/quantized_grouped_matmul.py: the quantized operands go to tokamax's kernel, with a
+    kernels/quantized_grouped_matmul.py: the quantized operands go to tokamax's kernel, with a
     straight-through backward.
 
-    Either way the experts run per device (model/layers/moe.py): the tokens vary over the
+    Either way the experts run per device (layers/moe.py): the tokens vary over the
     data-parallel mesh axes while the gathered weights do not. A plain ragged_dot lets jax mark
     the weights varying implicitly, and the transpose of that mark sums their gradient over
     those axes. A quantized ragged_dot is a custom_vjp, whose backward must return a gradient

@@ -1,6 +1,6 @@
-"""The command line shared by maxtrain.tools.upcycle and maxtrain.tools.depth_upscale.
+"""The command line shared by tools/upcycle.py and tools/depth_upscale.py.
 
-    python maxtrain/tools/<mode>.py CONFIG.yml [key=value ...] --source CKPT --output DIR
+    python tools/<mode>.py CONFIG.yml [key=value ...] --source CKPT --output DIR
 
 CONFIG (plus overrides) describes the new model and its `init:` section, exactly as a train run
 starting from CKPT would (`init.mode` is set by the tool, `checkpoint.load_parameters_path` by
@@ -14,7 +14,7 @@ nothing written.
 from __future__ import annotations
 
 from maxtrain import config as config_lib
-from maxtrain import model as model_lib
+from maxtrain import models as model_lib
 from maxtrain.checkpointing.export import save_parameters
 from maxtrain.common.errors import ArgumentParser, UserError, refuse
 from maxtrain.hf.convert import MODEL_YAML, model_yaml
@@ -36,7 +36,7 @@ def main(mode: str, argv: list[str], description: str) -> int:
         cfg = config_lib.load(args.config, [*args.overrides, f"init.mode={mode}", source])
         mesh = build_mesh(cfg.mesh)
         params = initial_params(cfg, abstract_params(cfg, mesh))
-        comment = f"Made by maxtrain/tools/{mode}.py from {cfg.init.source_model} at {args.source}."
+        comment = f"Made by tools/{mode}.py from {cfg.init.source_model} at {args.source}."
         step_dir = save_parameters(
             args.output,
             params,

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from maxtrain.config import ConfigError, ModelConfig
-from maxtrain.model.stacks import (
+from maxtrain.models.stacks import (
     STACKS,
     LayerKind,
     layer_kinds,
@@ -37,7 +37,7 @@ def solar_layer_map(num_layers: int, trim: int) -> list[int]:
 
 
 def copied_kinds(cfg: ModelConfig, layer_map: Sequence[int]) -> tuple[LayerKind, ...]:
-    """Per new layer: its kind (model/stacks.py), that of the source layer it copies."""
+    """Per new layer: its kind (models/stacks.py), that of the source layer it copies."""
     check_layer_map(cfg, layer_map)
     kinds = layer_kinds(cfg)
     return tuple(kinds[source] for source in layer_map)

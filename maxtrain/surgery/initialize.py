@@ -6,7 +6,7 @@ model `init.source_model` and turned into this run's model per `init.mode`.
     mode depth_upscale  this model's layers are copies of the checkpoint's (depth.py)
 
 The train loop calls initial_params when a run starts with no checkpoint of its own (resume
-always wins); maxtrain.tools.upcycle and maxtrain.tools.depth_upscale call it to write the
+always wins); tools/upcycle.py and tools/depth_upscale.py call it to write the
 result to disk.
 Config mistakes surface before a byte of the checkpoint is read: the transform is traced on
 shapes alone and its result checked against the model.
@@ -25,7 +25,7 @@ from maxtrain import config as config_lib
 from maxtrain.checkpointing import load_parameters
 from maxtrain.checkpointing.integrity import flat_shapes
 from maxtrain.config import Config, ConfigError, ModelConfig
-from maxtrain.model.stacks import is_moe_per_layer
+from maxtrain.models.stacks import is_moe_per_layer
 from maxtrain.surgery.depth import copied_kinds, depth_upscale
 from maxtrain.surgery.upcycle import upcycle
 from maxtrain.training.run_model import model_def

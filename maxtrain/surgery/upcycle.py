@@ -35,7 +35,7 @@ import jax
 import jax.numpy as jnp
 
 from maxtrain.config import ConfigError, ModelConfig, MoeConfig
-from maxtrain.model.stacks import (
+from maxtrain.models.stacks import (
     STACKS,
     layer_kinds,
     mixer_per_layer,

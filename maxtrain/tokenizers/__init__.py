@@ -4,7 +4,7 @@
     tokenizer = load_tokenizer("imported-checkpoint/")                 # tokenizer.json + configs
     ids = tokenizer.encode(["some text"])[0]; text = tokenizer.decode(ids)
 
-Data preparation (maxtrain.tools.prepare_data), the embedded corpus, generation and evaluation
+Data preparation (tools/prepare_data.py), the embedded corpus, generation and evaluation
 all
 take a `Tokenizer`; `load_tokenizer` is the one factory that picks the implementation from a path.
 """

@@ -1,5 +1,5 @@
 """A sentencepiece model (`.model` file): the default tokenizer and
-maxtrain.tools.train_tokenizer's."""
+tools/train_tokenizer.py's."""
 
 from __future__ import annotations
 

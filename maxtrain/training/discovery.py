@@ -9,7 +9,7 @@ import inspect
 from pydantic import BaseModel
 
 from maxtrain import config as config_lib
-from maxtrain import model as model_lib
+from maxtrain import models as model_lib
 from maxtrain.config import Config
 
 USAGE = "python -m maxtrain.train [--debug] [--print-config] CONFIG.yml [key=value ...]"

@@ -24,10 +24,10 @@ import numpy as np
 
 from maxtrain.common.files import write_atomic
 from maxtrain.config import ModelConfig
-from maxtrain.model.layers.attention import AttentionCounts
-from maxtrain.model.layers.attention_pattern import keys_per_query
-from maxtrain.model.layers.attention_types import attention_type, mixer_counts
-from maxtrain.model.stacks import is_moe_per_layer
+from maxtrain.layers.attention import AttentionCounts
+from maxtrain.layers.attention_pattern import keys_per_query
+from maxtrain.layers.attention_types import attention_type, mixer_counts
+from maxtrain.models.stacks import is_moe_per_layer
 
 # ---- FLOP counting ------------------------------------------------------------------------
 
@@ -83,7 +83,7 @@ def matmul_params(model: ModelConfig) -> int:
 
 
 def mtp_module_matmul_params(model: ModelConfig) -> int:
-    """One multi-token prediction module (model/mtp.py): its 2D -> D projection, a block of
+    """One multi-token prediction module (models/mtp.py): its 2D -> D projection, a block of
     the last layer's kind, and the shared head it runs again."""
     last_is_moe = is_moe_per_layer(model)[-1]
     ffn = active_moe_params(model) if last_is_moe else mlp_params(model)

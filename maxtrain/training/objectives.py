@@ -17,8 +17,8 @@ from typing import Any, NamedTuple, Protocol
 import jax
 import jax.numpy as jnp
 
-from maxtrain.model import ModelDef
-from maxtrain.model.kernels.cross_entropy import cross_entropy
+from maxtrain.kernels.cross_entropy import cross_entropy
+from maxtrain.models import ModelDef
 from maxtrain.parallel.context import to_layout
 
 

@@ -12,12 +12,12 @@ from __future__ import annotations
 
 from flax import nnx
 
-from maxtrain import model as model_lib
+from maxtrain import models as model_lib
 from maxtrain.config import Config, ConfigError
-from maxtrain.model import ModelDef
-from maxtrain.model.decoder import Decoder
-from maxtrain.model.layers.attention_pattern import kind_per_layer
-from maxtrain.model.stacks import layer_kinds
+from maxtrain.layers.attention_pattern import kind_per_layer
+from maxtrain.models import ModelDef
+from maxtrain.models.decoder import Decoder
+from maxtrain.models.stacks import layer_kinds
 from maxtrain.parallel.pipeline import StageLayout
 from maxtrain.posttrain import parameter_split
 
@@ -35,7 +35,7 @@ def for_platform(
 
 def with_max_logit(cfg: Config) -> Config:
     """The config with model.attention_max_logit on where optim.qk_clip_threshold is set:
-    QK-clip (model/qk_clip.py) reads the max logits the model then reports."""
+    QK-clip (models/qk_clip.py) reads the max logits the model then reports."""
     if cfg.optim.qk_clip_threshold is None or cfg.model.attention_max_logit:
         return cfg
     model = cfg.model.model_copy(update={"attention_max_logit": True})

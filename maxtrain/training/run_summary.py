@@ -16,7 +16,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from maxtrain import model as model_lib
+from maxtrain import models as model_lib
 from maxtrain.common.files import write_atomic
 from maxtrain.common.units import count
 from maxtrain.config import Config

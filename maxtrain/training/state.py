@@ -1,6 +1,6 @@
 """The train state (step, params, optimizer state), created directly in its sharded layout.
 
-Parameters are a plain nested dict of arrays (see model/definition.py); their shardings come
+Parameters are a plain nested dict of arrays (see models/definition.py); their shardings come
 from each parameter's logical axes and the config's mesh rules.
 """
 
@@ -18,7 +18,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from maxtrain.config import Config
-from maxtrain.model import ModelDef
+from maxtrain.models import ModelDef
 from maxtrain.parallel import pipeline
 from maxtrain.parallel.mesh import logical_to_spec
 from maxtrain.parallel.pipeline import StageLayout
@@ -159,7 +159,7 @@ def init_state(
     A pipelined model starts from the parameters the plain one is initialised with, moved into
     its stages: the same run with or without stages starts from the same model. abstract=True:
     the state's shapes and shardings only, nothing allocated (to compile a step for a model
-    bigger than this host: maxtrain.tools.benchmark --dry-run --compile).
+    bigger than this host: tools/benchmark.py --dry-run --compile).
     """
     shardings = state_shardings(mdef, cfg, mesh, tx)
     split = parameter_split(cfg)

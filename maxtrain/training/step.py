@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from maxtrain.model import ModelDef, combine_stats, no_stats
+from maxtrain.models import ModelDef, combine_stats, no_stats
 from maxtrain.parallel.mesh import constrain
 from maxtrain.training.objectives import NEXT_TOKEN, LossSums, Objective
 from maxtrain.training.split import ParameterSplit, WholeModel
@@ -66,7 +66,7 @@ def train_step(
     Gradients are sums over tokens divided by the token count of the whole batch, so any number
     of micro-batches gives the update one big batch would (up to float rounding). The model's
     statistics are summed over the micro-batches (its maxima, the attention's max logits,
-    maxed: model/definition.py MAXIMA).
+    maxed: models/definition.py MAXIMA).
 
     A step whose loss or gradient is NaN/inf (metrics["finite"] false) leaves the parameters and
     optimizer state as they were (only the step count moves on): the state is never poisoned,

@@ -20,7 +20,7 @@ from jax.sharding import Mesh, NamedSharding
 from maxtrain import optim, posttrain
 from maxtrain.config import Config, ConfigError
 from maxtrain.data import BATCH_KEYS, batch_sharding, to_global
-from maxtrain.model import ModelDef
+from maxtrain.models import ModelDef
 from maxtrain.parallel.context import check_context
 from maxtrain.parallel.experts import exchange_implementation, ragged_supported
 from maxtrain.parallel.mesh import batch_degree, build_mesh, mesh_platform, sharding_rules
@@ -39,7 +39,7 @@ from maxtrain.training.step import eval_step, train_step
 
 @dataclass
 class Trainer:
-    """The compiled pieces of a run, shared by the train loop and maxtrain.tools.benchmark."""
+    """The compiled pieces of a run, shared by the train loop and tools/benchmark.py."""
 
     cfg: Config
     mesh: Mesh

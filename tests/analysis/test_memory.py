@@ -161,7 +161,7 @@ def test_the_pre_flight_refuses_beyond_the_margin_and_the_override_skips_it(make
 def test_dry_run_fit_on_cpu_is_the_hosts_ram_shared_by_the_devices(monkeypatch):
     """--dry-run --device cpu: the host's RAM split over the run's simulated devices (it used
     to say "memory not known"); an accelerator keeps its own memory."""
-    from maxtrain.tools import benchmark
+    from maxtrain.benchmarks import step as benchmark
 
     monkeypatch.setattr(benchmark, "host_memory_bytes", lambda: 8 * 2**30)
     fit = benchmark._fit(3.0, "cpu", 2)
@@ -173,7 +173,7 @@ def test_dry_run_fit_on_cpu_is_the_hosts_ram_shared_by_the_devices(monkeypatch):
 def test_a_recipe_dry_run_checks_the_chip_it_names(capsys):
     """recipes/tpu-v5e set run.device: --dry-run reports the fit against a v5e chip without
     --device (it printed fits: null, measured against this host's CPU)."""
-    from maxtrain.tools import benchmark
+    from maxtrain.benchmarks import step as benchmark
 
     recipe = str(REPO_ROOT / "recipes" / "tpu-v5e" / "llama3-8b.yml")
     assert benchmark.main([recipe, "--dry-run", "--devices", "256"]) == 0

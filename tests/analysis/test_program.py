@@ -10,7 +10,7 @@ from maxtrain.analysis.program import (
     loop_trip_counts,
     matmul_flops,
 )
-from maxtrain.model.kernels.grouped_matmul import xla_grouped_matmul
+from maxtrain.kernels.grouped_matmul import xla_grouped_matmul
 
 
 def _product_chain(length: int) -> jax.stages.Compiled:

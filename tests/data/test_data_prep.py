@@ -61,7 +61,7 @@ def mixed_jsonl(path: Path) -> Path:
 
 def run_tool(tool: str, *args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, str(REPO_ROOT / "maxtrain" / "tools" / tool), *map(str, args)],
+        [sys.executable, str(REPO_ROOT / "tools" / tool), *map(str, args)],
         capture_output=True,
         text=True,
         timeout=120,

@@ -1,6 +1,6 @@
 """data.kind megatron against Megatron itself: the samples, blends, splits and token handling
 megatron-core 0.16.1 produced for the committed corpora (tests/fixtures/megatron, written by
-maxtrain.tools.make_megatron_fixtures), the format checks, per-host reading and resume, and the
+tools/make_megatron_fixtures.py), the format checks, per-host reading and resume, and the
 tools.
 """
 
@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 import sentencepiece as spm
 import support
+from support.data import load_tool
 from support.runs import env, interrupt, logged_step_at_least, losses, run_to_end
 
 from maxtrain import config as config_lib
@@ -293,17 +294,6 @@ def test_every_megatron_dtype_round_trips_through_the_writer_and_reader(tmp_path
 
 
 # ---- the tools ----------------------------------------------------------------------------------
-
-
-def load_tool(name: str):
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location(
-        name, config_lib.REPO_ROOT / "maxtrain" / "tools" / f"{name}.py"
-    )
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def test_prepare_data_writes_what_megatron_read_back(tmp_path):

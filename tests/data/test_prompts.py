@@ -7,9 +7,9 @@ import pytest
 
 from maxtrain import config as config_lib
 from maxtrain.data import chat
+from maxtrain.data.corpora.sums import problems
 from maxtrain.data.errors import DataError
 from maxtrain.data.prompts import PromptStream
-from maxtrain.tools.make_arithmetic_prompts import problems
 
 
 def _cfg(tmp_path, lines):

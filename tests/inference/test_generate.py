@@ -4,7 +4,7 @@ Hugging Face models (GQA, GLM-4.5's, Mistral's sliding window, Llama 4's chunked
 layers, Gemma 3's sliding windows, GPT-OSS's windows and sinks, DeepSeek-V3's MLA) is
 token-identical to transformers' generate().
 
-The oracle for the second is tests/fixtures/hf/*/generate.json (maxtrain.tools.make_hf_fixtures
+The oracle for the second is tests/fixtures/hf/*/generate.json (tools/make_hf_fixtures.py
 generate): the tokens transformers' greedy generate() appended to each prompt, one prompt at a
 time; here all prompts run in one batch, of different lengths.
 """
@@ -25,11 +25,11 @@ from flax import nnx
 from maxtrain import config as config_lib
 from maxtrain import evaluate as evaluate_cli
 from maxtrain import generate as generate_cli
-from maxtrain import model as model_lib
+from maxtrain import models as model_lib
 from maxtrain.checkpointing.export import save_parameters
 from maxtrain.hf.convert import import_checkpoint
 from maxtrain.inference.decode import cache_stacks
-from maxtrain.model.kv_cache import init_cache
+from maxtrain.layers.kv_cache import init_cache
 from maxtrain.tokenizers import DEFAULT_TOKENIZER
 from maxtrain.training import run_model
 
@@ -237,7 +237,7 @@ def test_greedy_generation_of_a_hybrid_model_follows_its_training_forward(make_c
     ],
 )
 def test_greedy_generation_from_an_import_equals_transformers(case, mesh, tmp_path, capsys):
-    """The tools' path: maxtrain.tools.convert_hf's import (which keeps the tokenizer), then
+    """The tools' path: tools/convert_hf.py's import (which keeps the tokenizer), then
     `python -m maxtrain.generate` with text prompts of different lengths in one batch, on one
     device and on 8 with the weights and cache split over fsdp and tensor."""
     oracle = json.loads((FIXTURES / case / "generate.json").read_text())

@@ -11,7 +11,7 @@ import jax
 from maxtrain import config as config_lib
 from maxtrain.analysis.program import collective_bytes, device_groups
 from maxtrain.data.streams import data_streams
-from maxtrain.model import param_count
+from maxtrain.models import param_count
 from maxtrain.parallel.mesh import device_slices
 from maxtrain.training.trainer import build_trainer
 

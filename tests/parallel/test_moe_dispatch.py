@@ -20,9 +20,9 @@ from jax.sharding import PartitionSpec as P
 from support.ragged_all_to_all_reference import emulated_ragged_all_to_all
 
 from maxtrain.analysis.program import collective_bytes
-from maxtrain.model.kernels.grouped_matmul import expert_matmuls
-from maxtrain.model.layers.activations import ClampedSwiglu
-from maxtrain.model.layers.moe_dispatch import (
+from maxtrain.kernels.grouped_matmul import expert_matmuls
+from maxtrain.layers.activations import ClampedSwiglu
+from maxtrain.layers.moe_dispatch import (
     ExpertBlocks,
     ExpertWeights,
     Parallelism,
@@ -154,7 +154,7 @@ def test_default_exchange_drops_nothing_and_equals_one_device(exchange, case, pe
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("exchange", ["all_to_all", "all_gather"])  # ragged: tests/model/test_moe
+@pytest.mark.parametrize("exchange", ["all_to_all", "all_gather"])  # ragged: tests/layers/test_moe
 def test_expert_biases_and_activation_travel_with_the_experts(exchange):
     """GPT-OSS's experts (gate and up biases, the clamped SwiGLU) through the exchanges, over
     several rounds (every token's first choice is one expert): the single device's values
@@ -342,8 +342,8 @@ def test_capacity_blocks_move_each_expert_block_once_per_way():
 def dense_mixture(x, ids, mix, w):
     """Every expert on every token, each token's k outputs mixed by its weights: no sort, no
     permutation, so its autodiff gradients share nothing with the dispatches' backward (the
-    gathers by inverse permutations of model/layers/permutation.py), and gate and up are two
-    matmuls (the layer's reference, tests/model/test_moe.py, holds them to the parameters)."""
+    gathers by inverse permutations of layers/permutation.py), and gate and up are two
+    matmuls (the layer's reference, tests/layers/test_moe.py, holds them to the parameters)."""
     gate, up = jnp.split(w.gate_up, 2, axis=-1)
     gate, up = jnp.einsum("nd,edf->nef", x, gate), jnp.einsum("nd,edf->nef", x, up)
     every = jnp.einsum("nef,efd->ned", w.activation(gate, up), w.down)

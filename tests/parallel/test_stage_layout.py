@@ -1,11 +1,11 @@
-"""A hybrid model's layers (model/stacks.py's four kinds) move into pipeline stages and back:
+"""A hybrid model's layers (models/stacks.py's four kinds) move into pipeline stages and back:
 the prologue's dense layers stay in their own stacks, each stack's other layers go into
 params["stages"], and to_model_order undoes it."""
 
 import jax
 import numpy as np
 
-from maxtrain.model.stacks import ATTENTION_MOE, LINEAR, LINEAR_MOE, STAGES
+from maxtrain.models.stacks import ATTENTION_MOE, LINEAR, LINEAR_MOE, STAGES
 from maxtrain.parallel.pipeline import StageLayout, to_model_order, to_stages
 
 

@@ -20,7 +20,7 @@ from jax.sharding import PartitionSpec as P
 from maxtrain import config as config_lib
 from maxtrain.analysis import program
 from maxtrain.config import MeshConfig
-from maxtrain.model.kernels.attention import attention_kernel
+from maxtrain.kernels.attention import attention_kernel
 from maxtrain.parallel.mesh import build_mesh, mesh_platform, sharding_rules
 from maxtrain.parallel.topology import topology_devices
 from maxtrain.training import run_model
@@ -124,7 +124,7 @@ def test_moe_exchanges(make_cfg, dispatch, overflow, collective):
 
 
 def _moves_rows_by_gathers_and_sorts_once(trainer, hlo: str, layer_runs: int | None = None) -> None:
-    """The TPU program moves the MoE's rows as the CPU one does (tests/model/test_moe_permutation):
+    """The TPU program moves the MoE's rows as the CPU one does (tests/layers/test_moe_permutation):
     no scatter of a device's tokens' rows (float, at least its tokens, emb wide) in any pass
     but the embedding's gradient (a scatter-add into the [vocab, emb] table), and one sort of
     the assignments (integers: the router's top-k sorts its float scores) per MoE layer a

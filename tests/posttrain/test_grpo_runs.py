@@ -10,9 +10,9 @@ import pytest
 from support import runs
 
 from maxtrain import config as config_lib
+from maxtrain.data.corpora.sums import problems
 from maxtrain.data.streams import data_streams
 from maxtrain.posttrain.rollout import Rollouts
-from maxtrain.tools.make_arithmetic_prompts import problems
 from maxtrain.training.loop import build_trainer
 
 # The tolerance of the sampler's log-probabilities (decode: prefill, then one token at a time

@@ -393,7 +393,7 @@ def test_minimal_remat_recomputes_low_rank_products():
     """remat=minimal keeps a projection's output but not a low-rank product's ((x A) B sums
     over the adapter rank): kept, LoRA's products doubled the activations (H100: 44.8 GiB for
     the dense-1.5b recipe at rank 16, 27.6 GiB recomputed)."""
-    from maxtrain.model.decoder import REMAT_POLICIES
+    from maxtrain.models.decoder import REMAT_POLICIES
 
     policy = REMAT_POLICIES["minimal"]
     tokens = jax.core.ShapedArray((4096, 16), jnp.float32)  # x A: [tokens, rank]
@@ -408,7 +408,7 @@ def test_minimal_remat_recomputes_low_rank_products():
 def test_adapters_compute_in_the_compute_dtype(make_cfg):
     """With bfloat16 compute a LoRA step has no more float32 matmuls than the plain model's step
     (its loss and statistics): the float32 adapters are cast like the kernels
-    (model/definition.py), so the low-rank products multiply bfloat16 operands."""
+    (models/definition.py), so the low-rank products multiply bfloat16 operands."""
     from maxtrain.analysis.program import matmul_dtypes
 
     def not_bf16(trainer):

@@ -11,7 +11,7 @@ import pytest
 from support import BASE, FIXTURES
 from support.data import load_tool
 
-from maxtrain import model as model_lib
+from maxtrain import models as model_lib
 from maxtrain.analysis import memory
 from maxtrain.checkpointing import integrity
 from maxtrain.hf.convert import import_checkpoint

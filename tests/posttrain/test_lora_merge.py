@@ -1,12 +1,11 @@
 """Merging a LoRA run's adapters into its base (maxtrain/posttrain/merging.py,
-maxtrain.tools.merge_lora):
+tools/merge_lora.py):
 the merged checkpoint computes the adapted model's function (QLoRA: on the dequantized base),
 exports to Hugging Face with the merged weights, and loads wherever a model checkpoint does;
 a LoRA run's own checkpoint loads as that merged model."""
 
 from __future__ import annotations
 
-import runpy
 import shutil
 from pathlib import Path
 
@@ -21,7 +20,7 @@ from jax.sharding import PartitionSpec as P
 from safetensors.numpy import load_file
 
 from maxtrain import config as config_lib
-from maxtrain import model as model_lib
+from maxtrain import models as model_lib
 from maxtrain import optim
 from maxtrain.checkpointing import read_saved_config
 from maxtrain.checkpointing.export import save_parameters
@@ -30,7 +29,7 @@ from maxtrain.hf import ConversionError
 from maxtrain.hf.convert import export_checkpoint
 from maxtrain.inference.loading import data_tokenizer_path, load_model
 from maxtrain.parallel.mesh import build_mesh, sharding_rules
-from maxtrain.posttrain import lora
+from maxtrain.posttrain import lora, merge_cli
 from maxtrain.surgery.initialize import initial_params
 from maxtrain.tokenizers import DEFAULT_TOKENIZER
 from maxtrain.training import run_model
@@ -38,9 +37,7 @@ from maxtrain.training.run_model import model_def
 from maxtrain.training.state import abstract_frozen, frozen_state, state_shardings
 
 BASE = config_lib.CONFIGS_DIR / "base.yml"
-MERGE_LORA = runpy.run_path(str(config_lib.REPO_ROOT / "maxtrain" / "tools" / "merge_lora.py"))[
-    "main"
-]
+MERGE_LORA = merge_cli.main
 T = 16  # sequence length of the logits compared
 
 

@@ -2,10 +2,7 @@
 
 import functools
 import json
-import runpy
-import sys
 import warnings
-from unittest import mock
 
 import jax
 import jax.numpy as jnp
@@ -16,7 +13,7 @@ import tensorstore as ts
 from flax import nnx
 from jax.experimental import pallas as pl
 
-from maxtrain import model as model_lib
+from maxtrain import models as model_lib
 from maxtrain import quantization
 from maxtrain.analysis.program import matmul_dtypes
 from maxtrain.checkpointing import integrity
@@ -24,6 +21,7 @@ from maxtrain.checkpointing.export import save_parameters
 from maxtrain.config import CONFIGS_DIR, to_yaml
 from maxtrain.data.streams import data_streams
 from maxtrain.inference.loading import load_model
+from maxtrain.quantization import cli as quantize_cli
 from maxtrain.training.loop import main, run
 from maxtrain.training.run_model import model_def
 from maxtrain.training.step import summed_grads
@@ -160,7 +158,7 @@ def test_quantized_expert_gradients_match_float_on_an_8_device_mesh(make_cfg):
 def test_tokamax_and_xla_paths_quantize_weight_only_experts_identically(make_cfg):
     """A weight-only rule takes the same numbers through both grouped-matmul paths (int8
     weights per expert and output channel, straight-through gradient), so the tokamax path's
-    custom VJP (model/kernels/quantized_grouped_matmul.py), run per device under shard_map, must
+    custom VJP (kernels/quantized_grouped_matmul.py), run per device under shard_map, must
     reproduce the xla path's gradients, their sum over the data-parallel devices included."""
     rule = EXPERTS_INT8.replace(", act_qtype: int8, bwd_qtype: int8", "")
     xla = _expert_grads(make_cfg, "model.moe.grouped_matmul=xla", rule)
@@ -258,7 +256,7 @@ def test_bad_quantization_config_exits_2_with_one_line(tmp_path, capsys, overrid
 
 
 def test_ptq_stores_quantized_kernels_and_scales_experts_included(make_cfg, tmp_path):
-    """maxtrain.tools.quantize on a trained tiny-moe checkpoint: every attention, expert and
+    """tools/quantize.py on a trained tiny-moe checkpoint: every attention, expert and
     lm_head
     kernel is stored as int8/int4 values with float32 scales (one per layer, expert and output
     channel); router, embedding and norms stay float. The held-out loss moves by under 0.05
@@ -268,14 +266,10 @@ def test_ptq_stores_quantized_kernels_and_scales_experts_included(make_cfg, tmp_
     disk_bytes = {}
     for qtype in ("int8", "int4"):
         out = tmp_path / qtype
-        argv = ["maxtrain.tools.quantize", str(BASE), "model_name=tiny-moe", "data.kind=synthetic"]
+        argv = [str(BASE), "model_name=tiny-moe", "data.kind=synthetic"]
         argv += ["train.seq_len=32", "train.global_batch_size=8", "--eval-batches=2"]
         argv += ["--source", str(tmp_path / "float"), "--output", str(out), f"--qtype={qtype}"]
-        with mock.patch.object(sys, "argv", argv), pytest.raises(SystemExit) as exit_status:
-            runpy.run_path(
-                str(CONFIGS_DIR.parent / "maxtrain" / "tools" / "quantize.py"), run_name="__main__"
-            )
-        assert exit_status.value.code == 0
+        assert quantize_cli.main(argv) == 0
         disk_bytes[qtype] = _check_ptq_output(out, qtype)
         _check_ptq_loads_dequantized(out, make_cfg("model_name=tiny-moe"))
     assert disk_bytes["int4"] < disk_bytes["int8"]  # int4 is stored packed

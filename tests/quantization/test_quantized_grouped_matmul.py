@@ -1,4 +1,4 @@
-"""The experts' quantized grouped matmul on tokamax (model/kernels/quantized_grouped_matmul.py).
+"""The experts' quantized grouped matmul on tokamax (kernels/quantized_grouped_matmul.py).
 
 On CPU tokamax runs its XLA implementation, which dequantizes the QArrays it is given: the
 numbers below check the custom VJP's contract (quantize -> multiply forward, straight-through
@@ -12,7 +12,7 @@ import pytest
 import qwix
 import tokamax
 
-from maxtrain.model.kernels.quantized_grouped_matmul import GroupedMatmulQuant, quantized_ragged_dot
+from maxtrain.kernels.quantized_grouped_matmul import GroupedMatmulQuant, quantized_ragged_dot
 
 M, K, N, GROUP_SIZES = 64, 32, 48, (10, 20, 4, 22)  # 8 rows past the groups: parked rows
 

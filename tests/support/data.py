@@ -3,7 +3,7 @@ sources, and the data tools loaded as modules."""
 
 from __future__ import annotations
 
-import importlib.util
+import importlib
 import json
 from pathlib import Path
 from types import ModuleType
@@ -11,7 +11,6 @@ from types import ModuleType
 import numpy as np
 from array_record.python.array_record_module import ArrayRecordWriter
 
-from maxtrain.config import REPO_ROOT
 from maxtrain.data import shards
 from maxtrain.data.corpora import embedded
 from maxtrain.data.shards import write_shards
@@ -24,7 +23,7 @@ BIG_VOCAB = 1 << 20  # pipeline-only tests use unique token ids; no model is bui
 
 
 def write_source(out: Path, docs: list[list[int]], vocab_size: int, docs_per_shard: int = 40):
-    """A prepared source as maxtrain.tools.prepare_data writes it: shards of int32 + EOS,
+    """A prepared source as tools/prepare_data.py writes it: shards of int32 + EOS,
     metadata."""
     out.mkdir(parents=True, exist_ok=True)
     listed = []
@@ -70,13 +69,20 @@ def sources_override(specs: list[tuple[str, Path, float]]) -> str:
     )
 
 
+# The package module each tools/<name>.py script runs: tests call it, never the script.
+TOOL_MODULES = {
+    "benchmark": "maxtrain.benchmarks.step",
+    "benchmark_data": "maxtrain.benchmarks.data_pipeline",
+    "prepare_data": "maxtrain.data.prepare",
+    "quantize": "maxtrain.quantization.cli",
+    "show_data": "maxtrain.data.show",
+    "train_tokenizer": "maxtrain.tokenizers.train",
+}
+
+
 def load_tool(name: str) -> ModuleType:
-    spec = importlib.util.spec_from_file_location(
-        name, REPO_ROOT / "maxtrain" / "tools" / f"{name}.py"
-    )
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    """The package module behind tools/<name>.py (its main(argv) is the script's)."""
+    return importlib.import_module(TOOL_MODULES[name])
 
 
 def prepared(tmp_path: Path, docs: list[str], name: str = "src", **kwargs) -> Path:

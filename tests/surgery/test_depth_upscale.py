@@ -1,9 +1,6 @@
 """Depth upscaling: a deeper model of exact layer copies, its layer maps, presets and tool."""
 
 import functools
-import runpy
-import sys
-from unittest import mock
 
 import jax
 import numpy as np
@@ -11,7 +8,7 @@ import pytest
 from flax import nnx
 
 from maxtrain import config as config_lib
-from maxtrain import model as model_lib
+from maxtrain import models as model_lib
 from maxtrain.checkpointing import Checkpointer, CheckpointError, load_parameters
 from maxtrain.checkpointing.export import save_parameters
 from maxtrain.config import ConfigError
@@ -148,11 +145,7 @@ def test_tool_writes_exact_copies_atomically_or_nothing(make_cfg, tmp_path, caps
             "model.num_layers=3", "init.source_model=tiny", "init.layer_map=[0, 1, 1]"]  # fmt: skip
     args = [*base, "--source", str(source), "--output", str(out)]
 
-    with mock.patch.object(sys, "argv", ["maxtrain.tools.depth_upscale", *args]):
-        with pytest.raises(SystemExit) as exit_status:
-            tool = str(config_lib.REPO_ROOT / "maxtrain" / "tools" / "depth_upscale.py")
-            runpy.run_path(tool, run_name="__main__")
-    assert exit_status.value.code == 0
+    assert cli.main("depth_upscale", args, "depth_upscale") == 0
     target = make_cfg("model.num_layers=3")
     written = load_parameters(out, abstract_params(target, build_mesh(target.mesh)))
     expected = depth_upscale(params, source_cfg.model, [0, 1, 1])

@@ -1,11 +1,8 @@
 """Sparse upcycling: the MoE model starts as exactly the dense model, through the library, the
-train loop's init.mode=upcycle and maxtrain.tools.upcycle on real checkpoints."""
+train loop's init.mode=upcycle and tools/upcycle.py on real checkpoints."""
 
 import functools
 import json
-import runpy
-import sys
-from unittest import mock
 
 import jax
 import jax.numpy as jnp
@@ -14,7 +11,7 @@ import pytest
 from flax import nnx
 
 from maxtrain import config as config_lib
-from maxtrain import model as model_lib
+from maxtrain import models as model_lib
 from maxtrain.checkpointing import load_parameters
 from maxtrain.checkpointing.export import save_parameters
 from maxtrain.config import ConfigError
@@ -178,7 +175,7 @@ def read_params(cfg: config_lib.Config, path) -> dict:
 
 
 def test_tool_and_train_loop_start_the_moe_from_a_dense_checkpoint(make_cfg, tmp_path):
-    """A dense checkpoint on disk -> maxtrain.tools.upcycle -> the upcycled parameters on disk;
+    """A dense checkpoint on disk -> tools/upcycle.py -> the upcycled parameters on disk;
     and a
     run with init.mode=upcycle starts at the dense model's loss and trains on."""
     dense = make_cfg(FP32)
@@ -190,7 +187,6 @@ def test_tool_and_train_loop_start_the_moe_from_a_dense_checkpoint(make_cfg, tmp
     out = tmp_path / "upcycled"
     base = [str(config_lib.CONFIGS_DIR / "base.yml"), "model_name=tiny", "data.kind=synthetic"]
     argv = [
-        "maxtrain.tools.upcycle",
         *base,
         *moe_args,
         "--source",
@@ -198,11 +194,7 @@ def test_tool_and_train_loop_start_the_moe_from_a_dense_checkpoint(make_cfg, tmp
         "--output",
         str(out),
     ]
-    with mock.patch.object(sys, "argv", argv), pytest.raises(SystemExit) as exit_status:
-        runpy.run_path(
-            str(config_lib.REPO_ROOT / "maxtrain" / "tools" / "upcycle.py"), run_name="__main__"
-        )
-    assert exit_status.value.code == 0
+    assert cli.main("upcycle", argv, "upcycle") == 0
     expected = upcycled(params, dense, moe)
     for a, b in zip(jax.tree.leaves(read_params(moe, out)), jax.tree.leaves(expected), strict=True):
         np.testing.assert_array_equal(a, b)

@@ -2,7 +2,7 @@
 reads either kind through maxtrain.tokenizers.
 
 The oracle is tests/fixtures/hf/*/generate.json: the ids transformers' AutoTokenizer gave each
-prompt (maxtrain.tools.make_hf_fixtures generate), with the model's special tokens applied.
+prompt (tools/make_hf_fixtures.py generate), with the model's special tokens applied.
 """
 
 from __future__ import annotations
@@ -79,7 +79,7 @@ def test_a_directory_picks_the_kind_and_a_copy_keeps_it(tmp_path):
 
 
 def test_prepared_data_from_a_tokenizer_json(tmp_path):
-    """maxtrain.tools.prepare_data's writer takes a Hugging Face tokenizer like a sentencepiece
+    """tools/prepare_data.py's writer takes a Hugging Face tokenizer like a sentencepiece
     one:
     each record is the document's ids and the tokenizer's EOS."""
     tokenizer = load_tokenizer(FIXTURES / WITH_TOKENIZER[1])

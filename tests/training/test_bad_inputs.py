@@ -211,7 +211,7 @@ ROWS = [
      "argument --max-shard-gb: must be a finite number above 0, not 0"),
     ("export of a quantized checkpoint", "convert_hf",
      ["export", "--checkpoint", "{in}/ptq", "--output", "{out}/hf"],
-     "checkpoint {in}/ptq/0 holds int8 post-training-quantized weights (maxtrain.tools.quantize), "
+     "checkpoint {in}/ptq/0 holds int8 post-training-quantized weights (tools/quantize.py), "
      "which export does not write"),
     ("upcycle without --source", "upcycle", [BASE, "--output", "{out}/moe"],
      "the following arguments are required: --source"),
@@ -335,7 +335,7 @@ def test_at_the_process_boundary_exit_2_one_line_no_traceback(tmp_path):
     (tmp_path / "latin1.yml").write_bytes(b"model_name: tiny\n# caf\xe9\n")
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": xla_flags()}
     env.pop(DEBUG_ENV, None)
-    tool = str(config_lib.REPO_ROOT / "maxtrain" / "tools" / "benchmark.py")
+    tool = str(config_lib.REPO_ROOT / "tools" / "benchmark.py")
     commands = {
         "maxtrain": ([sys.executable, "-m", "maxtrain.train", str(tmp_path / "latin1.yml")], env),
         "benchmark": ([sys.executable, tool, BASE, "--steps", "0"], env),

@@ -12,7 +12,7 @@ import types
 import pytest
 
 from maxtrain import config as config_lib
-from maxtrain import model as model_lib
+from maxtrain import models as model_lib
 from maxtrain import optim
 from maxtrain.training import loop as train_lib
 from maxtrain.training import run_lock

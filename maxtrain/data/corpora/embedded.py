@@ -21,7 +21,7 @@ directory, so a reader never sees half of it.
 The committed tokenizer (maxtrain/data/assets/default.model) was trained on these documents:
 
     python -m maxtrain.data.corpora.embedded dump /tmp/embedded
-    python -m maxtrain.tools.train_tokenizer --input '/tmp/embedded/*.jsonl' \\
+    python tools/train_tokenizer.py --input '/tmp/embedded/*.jsonl' \\
         --output maxtrain/data/assets/default --vocab-size 1024 --model-type bpe
 
 `python -m maxtrain.data.corpora.embedded stats` builds the corpus (if needed) and prints its size

@@ -8,7 +8,7 @@
     batches.py      samples -> the train step's batch, with Megatron's token switches
     checks.py       token ids within the vocabulary, EOD tokens where the switches need them
     stream.py       data.kind megatron: train and eval streams, per host, resumable
-    prepare.py      text -> a Megatron pair (maxtrain.tools.prepare_data --output-format
+    prepare.py      text -> a Megatron pair (tools/prepare_data.py --output-format
     megatron)
 
 Nothing here needs torch or Megatron; tests/fixtures/megatron holds what Megatron produced.

@@ -1,4 +1,4 @@
-"""Text -> a Megatron `PREFIX.bin` / `PREFIX.idx` pair (`maxtrain.tools.prepare_data
+"""Text -> a Megatron `PREFIX.bin` / `PREFIX.idx` pair (`tools/prepare_data.py
 --output-format
 megatron`), so a corpus prepared on maxtrain's side feeds Megatron-LM too.
 

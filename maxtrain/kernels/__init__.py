@@ -1,0 +1,5 @@
+"""One module per hot operation, each with a plain-XLA reference beside its fast paths:
+attention (attention.py: the reference, banded, cached and block forms; splash.py on TPU,
+tokamax on GPU; sinks.py), the gated delta rule (gated_delta_rule.py), grouped matmul
+(grouped_matmul.py, quantized_grouped_matmul.py) and cross-entropy (cross_entropy.py).
+Kernels take arrays, never a layer or a config."""

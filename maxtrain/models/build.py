@@ -1,0 +1,120 @@
+"""Model assembly: build a decoder from config and count its parameters."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from maxtrain.config import ConfigError, ModelConfig, named_tiles
+from maxtrain.kernels.attention import attention_implementation
+from maxtrain.kernels.grouped_matmul import grouped_matmul_implementation, tile_problem
+from maxtrain.models.decoder import Decoder, PipelinedDecoder
+from maxtrain.models.stacks import is_moe_per_layer
+from maxtrain.parallel.experts import exchange_implementation
+from maxtrain.parallel.pipeline import StageLayout
+
+_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+
+
+def compute_dtype(cfg: ModelConfig) -> jnp.dtype:
+    """'auto' is bfloat16 on accelerators and float32 on CPU (where bf16 is emulated, slowly),
+    on this process's default backend; `for_platform` makes the choice for other devices."""
+    return _DTYPES[_compute_dtype_name(cfg.compute_dtype, jax.default_backend())]
+
+
+def _compute_dtype_name(name: str, platform: str) -> str:
+    if name == "auto":
+        return "float32" if platform == "cpu" else "bfloat16"
+    return name
+
+
+def platform_choices(
+    model: ModelConfig, platform: str, device_kind: str = "", chips_per_slice: int = 1
+) -> ModelConfig:
+    """The model config with every choice that depends on the hardware made for `platform`
+    ("cpu", "gpu", "tpu") and, where it matters, the device kind and slice size: the attention
+    kernel, the grouped matmul, the expert-parallel exchange and the compute dtype, each "auto"
+    (or "mosaic") replaced by what it means there.
+
+    The platform is that of the devices the program is built for, which need not be the
+    process's: a CPU host compiles for compile-only TPU devices (maxtrain/parallel/topology.py).
+    Made once, where the mesh is known (training/run_model.py for_platform), so that every
+    layer, check and estimate downstream reads a concrete choice and none asks
+    `jax.default_backend()`.
+    """
+    update: dict = {
+        "attention": attention_implementation(model.attention, platform),
+        "compute_dtype": _compute_dtype_name(model.compute_dtype, platform),
+    }
+    if model.attention_max_logit and update["attention"] != "xla":
+        raise ConfigError(
+            f"optim.qk_clip_threshold (model.attention_max_logit) needs each attention head's "
+            f"max logit, which only model.attention=xla computes; model.attention="
+            f"{model.attention} is {update['attention']} on {platform}"
+        )
+    if model.moe is not None:
+        grouped_matmul = grouped_matmul_implementation(model.moe.grouped_matmul, platform)
+        if grouped_matmul == "tokamax":
+            _check_tiles(named_tiles(model.moe.grouped_matmul_tiles), platform)
+        update["moe"] = model.moe.model_copy(
+            update={
+                "grouped_matmul": grouped_matmul,
+                "ep_dispatch": exchange_implementation(
+                    model.moe.ep_dispatch, platform, device_kind, chips_per_slice
+                ),
+            }
+        )
+    return model.model_copy(update=update)
+
+
+def _check_tiles(tiles: dict, platform: str) -> None:
+    """Tiles named for tokamax's kernels must be those of `platform`'s kernel: known when the
+    devices are, here, not when the config is read."""
+    for projection, per_pass in tiles.items():
+        if problem := tile_problem(per_pass, platform):
+            raise ConfigError(f"model.moe.grouped_matmul_tiles.{projection}.{problem}")
+
+
+def build(cfg: ModelConfig, seed: int = 0, layout: StageLayout | None = None) -> Decoder:
+    """A freshly initialised model (call under jit to get sharded parameters, see
+    training/state.py); with a layout, the pipelined model (whose parameters come from the
+    plain one's, never from its own initialisation: parallel/pipeline.py to_stages)."""
+    kwargs = dict(
+        param_dtype=_DTYPES[cfg.param_dtype],
+        compute_dtype=compute_dtype(cfg),
+        rngs=nnx.Rngs(params=seed),
+    )
+    return Decoder(cfg, **kwargs) if layout is None else PipelinedDecoder(cfg, layout, **kwargs)
+
+
+def abstract(cfg: ModelConfig, layout: StageLayout | None = None) -> Decoder:
+    """The model with ShapeDtypeStruct leaves: shapes and metadata, no memory."""
+    return nnx.eval_shape(lambda: build(cfg, layout=layout))
+
+
+def param_count(cfg: ModelConfig) -> int:
+    """Total parameters of the model this config builds (embedding and head included)."""
+    state = nnx.state(abstract(cfg), nnx.Param)
+    return sum(int(x.size) for x in jax.tree.leaves(state))
+
+
+def active_param_count(cfg: ModelConfig) -> int:
+    """Parameters one token uses: the total less the experts it was not routed to."""
+    idle = 0
+    if cfg.moe is not None:
+        m = cfg.moe
+        kinds = is_moe_per_layer(cfg)
+        mtp_moe_blocks = cfg.mtp.depth if kinds[-1] else 0  # models/mtp.py: last layer's kind
+        expert = 3 * cfg.emb_dim * m.expert_mlp_dim
+        if m.expert_bias:  # gate, up and down biases
+            expert += 2 * m.expert_mlp_dim + cfg.emb_dim
+        idle = (sum(kinds) + mtp_moe_blocks) * (m.num_experts - m.top_k) * expert
+    return param_count(cfg) - idle
+
+
+def embedding_lookup_params(cfg: ModelConfig) -> int:
+    """The input embedding's parameters where only a lookup reads them (untied: a tied one is
+    the head's matmul too). Published active counts differ on them: OpenAI's gpt-oss and
+    DeepSeek-V3 count active parameters without them, Mistral and Qwen with them."""
+    return 0 if cfg.tie_embeddings else cfg.vocab_size * cfg.emb_dim

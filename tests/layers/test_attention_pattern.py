@@ -1,0 +1,182 @@
+"""Sliding-window, chunked and sink attention (layers/attention_pattern.py and the
+reference kernel), against a NumPy statement of the masks and the sink's softmax."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from maxtrain import config as config_lib
+from maxtrain.config import ConfigError
+from maxtrain.kernels import attention as attn
+from maxtrain.layers.attention_pattern import chunk_segments, kind_per_layer
+from maxtrain.models import build
+
+B, T, N, K, H = 2, 24, 4, 2, 8
+# Two packed documents per row, of lengths that leave their starts off the chunk grid.
+SEGMENTS = np.array([[1] * 11 + [2] * 13, [5] * 17 + [6] * 7], np.int32)
+POSITIONS = np.concatenate(
+    [np.concatenate([np.arange(11), np.arange(13)]), np.concatenate([np.arange(17), np.arange(7)])]
+).reshape(B, T)
+
+
+def _inputs():
+    kq, kk, kv, ks = jax.random.split(jax.random.key(0), 4)
+    return (
+        jax.random.normal(kq, (B, T, N, H), jnp.float32),
+        jax.random.normal(kk, (B, T, K, H), jnp.float32),
+        jax.random.normal(kv, (B, T, K, H), jnp.float32),
+        2.0 * jax.random.normal(ks, (N,), jnp.float32),
+    )
+
+
+def _numpy_mask(window=None, chunk=None) -> np.ndarray:
+    """[B, T, S]: same document, causal, within the window, within the chunk of positions."""
+    i, j = np.arange(T)[:, None], np.arange(T)[None, :]
+    mask = (SEGMENTS[:, :, None] == SEGMENTS[:, None, :]) & (j <= i)
+    if window is not None:
+        mask &= i - j < window
+    if chunk is not None:
+        mask &= POSITIONS[:, :, None] // chunk == POSITIONS[:, None, :] // chunk
+    return mask
+
+
+def _naive(q, k, v, mask, sinks=None):
+    """softmax over the visible keys (and the sink, a logit with no value), in plain jnp:
+    autodiff of this is the gradients' oracle."""
+    g = N // K
+    k, v = jnp.repeat(k, g, axis=2), jnp.repeat(v, g, axis=2)
+    scores = jnp.einsum("btnh,bsnh->bnts", q, k) / np.sqrt(H)
+    scores = jnp.where(jnp.asarray(mask)[:, None], scores, -jnp.inf)
+    if sinks is not None:
+        sink = jnp.broadcast_to(sinks[None, :, None, None], (*scores.shape[:3], 1))
+        scores = jnp.concatenate([scores, sink], axis=-1)
+    probs = jax.nn.softmax(scores, axis=-1)[..., :T]
+    return jnp.einsum("bnts,bsnh->btnh", probs, v)
+
+
+@pytest.mark.parametrize("window", [None, 1, 5])
+@pytest.mark.parametrize("with_sinks", [False, True])
+def test_reference_window_and_sinks_equal_the_formula(window, with_sinks):
+    q, k, v, sinks = _inputs()
+    sinks = sinks if with_sinks else None
+    segments = jnp.asarray(SEGMENTS)
+    got = attn.attention_kernel("xla", window)(q, k, v, segments, sinks)
+    want = _naive(q, k, v, _numpy_mask(window), sinks)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+    cot = jax.random.normal(jax.random.key(3), q.shape)
+    args = (q, k, v) + ((sinks,) if with_sinks else ())
+    argnums = tuple(range(len(args)))
+
+    def loss(fn):
+        return lambda *a: jnp.sum(fn(*a) * cot)
+
+    kernel = attn.attention_kernel("xla", window)
+    got_grads = jax.grad(loss(lambda q, k, v, *s: kernel(q, k, v, segments, *s)), argnums)(*args)
+    mask = _numpy_mask(window)
+    want_grads = jax.grad(loss(lambda q, k, v, *s: _naive(q, k, v, mask, *s)), argnums)(*args)
+    for got_g, want_g in zip(got_grads, want_grads, strict=True):
+        np.testing.assert_allclose(got_g, want_g, rtol=1e-4, atol=1e-5)
+
+
+def test_tokamax_k_start_path_honours_the_window():
+    """The mask the GPU kernels receive (k_start = the later of the document's start and
+    i - window + 1), through tokamax's own XLA kernel on CPU."""
+    q, k, v, _ = _inputs()
+    got = attn.attention_kernel("tokamax_xla", 5)(q, k, v, jnp.asarray(SEGMENTS))
+    np.testing.assert_allclose(got, _naive(q, k, v, _numpy_mask(5)), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("chunk", [4, 8])
+def test_chunked_attention_is_causal_attention_over_chunk_segments(chunk):
+    """Chunks follow each document's positions, not the row's index: a document starting at
+    index 11 starts a chunk there."""
+    q, k, v, _ = _inputs()
+    segments = chunk_segments(jnp.asarray(SEGMENTS), jnp.asarray(POSITIONS), chunk)
+    got = attn.attention_kernel("xla", chunk)(q, k, v, segments)
+    want = _naive(q, k, v, _numpy_mask(chunk=chunk))
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_cached_attention_masks_window_and_chunk_by_position():
+    q, k, v, sinks = _inputs()
+    positions = jnp.broadcast_to(jnp.arange(T), (B, T))
+    one_doc = np.ones((B, T), np.int32)
+    for window, chunk in ((6, None), (None, 5)):
+        got = attn.cached_attention(q, k, v, positions, sinks, window=window, chunk=chunk)
+        i, j = np.arange(T)[:, None], np.arange(T)[None, :]
+        mask = np.broadcast_to(j <= i, (B, T, T))
+        mask = mask & (i - j < window) if window else mask & (i // chunk == j // chunk)
+        want = _naive(q, k, v, mask & (one_doc[:, :, None] > 0), sinks)
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+def _pattern_model(*overrides):
+    cfg = config_lib.load(
+        config_lib.CONFIGS_DIR / "base.yml",
+        ["model_name=tiny", "data.kind=synthetic", "model.remat=none", *overrides],
+    )
+    return cfg.model
+
+
+def _logits(model_cfg, params_of, args):
+    """Logits of a model built from model_cfg, holding the parameters of module params_of."""
+    module = build(model_cfg, seed=0)
+    nnx.update(module, nnx.state(params_of, nnx.Param))
+    return module(*args)[0]
+
+
+def test_a_window_covering_the_sequence_is_global_attention():
+    """Local layers with a window no shorter than the sequence compute what global layers do
+    (the pattern changes masks, not parameters), and a short window changes the logits."""
+    tokens = jax.random.randint(jax.random.key(1), (B, T), 0, 256)
+    args = (tokens, jnp.asarray(POSITIONS), jnp.asarray(SEGMENTS))
+    plain = build(_pattern_model(), seed=0)
+    want = plain(*args)[0]
+    pattern = ["model.layer_pattern=[local,global]"]
+    wide = _logits(_pattern_model(*pattern, "model.local_attention.window=64"), plain, args)
+    np.testing.assert_allclose(wide, want, rtol=1e-5, atol=1e-5)
+    moved = _logits(_pattern_model(*pattern, "model.local_attention.window=3"), plain, args) - want
+    assert float(jnp.abs(moved).max()) > 1e-3
+
+
+def test_scanned_and_unrolled_layers_of_mixed_kinds_agree():
+    """A run of layers of several kinds is scanned with each layer's kind as data
+    (lax.switch); unrolled, each layer's kind is a constant. Same logits."""
+    overrides = ["model.layer_pattern=[local,global]", "model.local_attention.window=3"]
+    scanned = build(_pattern_model(*overrides), seed=0)
+    tokens = jax.random.randint(jax.random.key(1), (B, T), 0, 256)
+    args = (tokens, jnp.asarray(POSITIONS), jnp.asarray(SEGMENTS))
+    unrolled = _logits(_pattern_model(*overrides, "model.scan_layers=false"), scanned, args)
+    np.testing.assert_allclose(scanned(*args)[0], unrolled, rtol=1e-5, atol=1e-5)
+
+
+def test_layer_pattern_repeats_over_the_layers():
+    model = _pattern_model(
+        "model.num_layers=5", "model.layer_pattern=[local,local,global]",
+        "model.local_attention.chunk=8",
+    )  # fmt: skip
+    assert kind_per_layer(model) == (1, 1, 0, 1, 1)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["model.layer_pattern=[local,global]"], "local_attention is absent"),
+        (["model.local_attention.window=4"], "local_attention is set"),
+        (
+            [
+                "model.layer_pattern=[local]",
+                "model.local_attention.window=4",
+                "model.local_attention.chunk=4",
+            ],
+            "exactly one of window and chunk",
+        ),  # fmt: skip
+        (["model.layer_pattern=[sliding]"], "layer_pattern"),
+    ],
+)
+def test_pattern_mistakes_are_named(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        _pattern_model(*overrides)
