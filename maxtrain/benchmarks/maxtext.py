@@ -34,7 +34,6 @@ from maxtrain.common.errors import ArgumentParser, UserError, refuse
 from maxtrain.config import CONFIGS_DIR, REPO_ROOT
 from maxtrain.parallel.topology import parse_topology
 
-
 # MaxText's names for a maxtrain preset's shape (configs/models/*.yml).
 SHAPES = {
     "dense-1.5b": dict(
