@@ -55,7 +55,7 @@ from jax.sharding import PartitionSpec as P
 from maxtrain.config import MESH_AXES, Config
 from maxtrain.kernels.attention import attention_implementation, banded_keys
 from maxtrain.kernels.grouped_matmul import grouped_matmul_implementation
-from maxtrain.layers.attention_pattern import KINDS, kind_per_layer
+from maxtrain.layers.attention_pattern import model_kinds, span
 from maxtrain.layers.attention_types import mixer_counts
 from maxtrain.models import ModelDef, compute_dtype
 from maxtrain.models.stacks import LayerKind, is_moe_per_layer, layer_kinds
@@ -140,7 +140,7 @@ def fit(estimate_gib: float, device_kind: str) -> dict[str, object]:
 def estimate(cfg: Config, num_devices: int) -> MemoryEstimate:
     sizes = axis_sizes(cfg.mesh, num_devices)
     mesh = AbstractMesh(tuple(sizes[a] for a in MESH_AXES), MESH_AXES)
-    param_bytes = _BYTES[cfg.model.param_dtype]
+    param_bytes = _BYTES[cfg.compute.param_dtype]
     trained, frozen = _param_shards(cfg, mesh)
     params = sum(_shard_bytes(leaf, shard) for _, leaf, shard in trained)  # adapters: float32
     moments, scratch = 2 * params, 0
@@ -151,7 +151,7 @@ def estimate(cfg: Config, num_devices: int) -> MemoryEstimate:
     batch = math.ceil(cfg.micro_batch_size / batch_ways)
     length = math.ceil(cfg.train.seq_len / length_ways)
     tokens = batch * length
-    c = jnp.dtype(compute_dtype(cfg.model)).itemsize
+    c = jnp.dtype(compute_dtype(cfg.compute)).itemsize
     layout = stage_layout(cfg)
     activations = _activation_bytes(cfg, sizes, batch, length, c, layout)
     head_tokens = tokens // (layout.stages if layout else 1)
@@ -266,17 +266,17 @@ def _activation_bytes(
         # Keys a device's queries meet at once: the whole sequence, or under context
         # parallelism with the ring exchange one block (parallel/context.py).
         split = length < cfg.train.seq_len
-        keys = length if split and model.context_exchange == "ring" else cfg.train.seq_len
+        keys = length if split and cfg.compute.context_exchange == "ring" else cfg.train.seq_len
         if not split:  # local layers' plain-XLA kernel scores a band of keys only
             keys = _reference_keys(model, keys)
-        if split or attention_implementation(model.attention) == "xla":
+        if split or attention_implementation(cfg.compute.attention) == "xla":
             # The reference attention materialises float32 scores and probabilities of one
             # layer at a time (its custom VJP keeps neither for the backward); every block of a
             # split sequence keeps them, every layer's without remat.
-            count = passes * len(layers) if split and model.remat == "none" else 1
+            count = passes * len(layers) if split and cfg.compute.remat == "none" else 1
             scores += count * 2 * 4 * rows * model.num_heads * length * keys
         if split:  # the exchanged K and V (all_gather: the whole sequence)
-            kv = 2 * rows * keys * model.num_kv_heads * model.resolved_head_dim * c
+            kv = 2 * rows * keys * model.resolved_kv_heads * model.resolved_head_dim * c
             working = max(working, tokens * per_token + kv)
         if any(kind.is_moe for kind in layers):
             dispatch = max(dispatch, _moe_dispatch_bytes(cfg, sizes, tokens, c))
@@ -291,8 +291,7 @@ def _reference_keys(model, seq_len: int) -> int:
     """Keys per query of the largest score array any layer's plain-XLA kernel holds: the whole
     sequence if a layer is global (multi-token prediction's blocks are), else the band of the
     local layers' window or chunk (kernels/attention.py banded_attention)."""
-    spans = {None if KINDS[kind] == "global" else model.local_attention.span
-             for kind in kind_per_layer(model)}  # fmt: skip
+    spans = {span(model, kind) for kind in model_kinds(model)}
     if model.mtp.depth:
         spans.add(None)
     return max(banded_keys(span, seq_len) for span in spans)
@@ -308,11 +307,12 @@ def _moe_dispatch_bytes(cfg: Config, sizes: dict[str, int], tokens: int, c: int)
     computed = routed  # rows through the experts on this device
     sorted_rows = routed  # the assignments' rows in expert order
     # Expert-parallel buffers of routed rows (parallel/experts.py), those of one round:
-    # further rounds (moe.ep_overflow: rounds) run one after another and reuse them.
+    # further rounds (compute.expert_exchange_overflow rounds) run one after another, reusing them.
     exchange = 0
-    if m.capacity_factor is None and ways > 1:
-        computed = routed_capacity(routed, m.ep_capacity_factor, ways * routed)
-        name = exchange_implementation(m.ep_dispatch)
+    compute = cfg.compute
+    if m.expert_capacity_factor is None and ways > 1:
+        computed = routed_capacity(routed, compute.expert_exchange_capacity, ways * routed)
+        name = exchange_implementation(compute.expert_exchange)
         if name == "all_to_all":  # the blocks sent and received, gathered from the tokens
             exchange, sorted_rows = 2 * computed, 0
         elif name == "ragged":  # the receive buffer, and the sorted rows the outputs return to
@@ -321,7 +321,7 @@ def _moe_dispatch_bytes(cfg: Config, sizes: dict[str, int], tokens: int, c: int)
             exchange = 2 * ways * tokens
     # sorted rows, the experts' outputs, the exchange; gate and up (one [rows, 2F]), their product
     total = (sorted_rows + computed + exchange) * D * c + 3 * computed * Fe * c
-    if grouped_matmul_implementation(m.grouped_matmul) == "xla":
+    if grouped_matmul_implementation(compute.grouped_matmul) == "xla":
         # lax.ragged_dot lowers densely: every projection computed for every expert this
         # device holds (its share of them under expert parallelism).
         total += computed * (m.num_experts // ways) * (2 * Fe + D) * 4
@@ -333,7 +333,7 @@ def _saved_per_token(cfg: Config, kind: LayerKind, c: int, policy: str | None = 
     mixer's (attention's K/V and scores' inputs, or a linear layer's projections and chunk
     states) and its feed-forward's."""
     model = cfg.model
-    policy = policy or model.remat
+    policy = policy or cfg.compute.remat
     D = model.emb_dim
     is_moe = kind.is_moe
     if policy == "full":
@@ -344,7 +344,8 @@ def _saved_per_token(cfg: Config, kind: LayerKind, c: int, policy: str | None = 
         m = model.moe
         ffn = m.num_experts * 4  # float32 router logits
         ffn += (2 * m.shared_experts * m.expert_mlp_dim + D) * c if m.shared_experts else 0
-        if policy == "none" or grouped_matmul_implementation(m.grouped_matmul) == "tokamax":
+        tokamax = grouped_matmul_implementation(cfg.compute.grouped_matmul) == "tokamax"
+        if policy == "none" or tokamax:
             ffn += m.top_k * (2 * m.expert_mlp_dim + D) * c  # kernel outputs are kept
     else:
         ffn = (2 * model.mlp_dim + D) * c  # gate, up, down

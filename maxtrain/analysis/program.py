@@ -497,18 +497,19 @@ _ATTENTION_KERNELS = {
 _GROUPED_MATMUL_KERNELS = {"tokamax": r"ragged_dot|gmm"}
 
 
-def check_kernels(model: Any, found: dict[str, int], context: int = 1) -> None:
-    """Raises MissingKernel if the attention or grouped-matmul kernel `model` (a ModelConfig
-    whose choices are made: training/run_model.py) names is missing from `found` (`kernels`).
+def check_kernels(model: Any, compute: Any, found: dict[str, int], context: int = 1) -> None:
+    """Raises MissingKernel if the attention or grouped-matmul kernel `compute` (a
+    ComputeConfig whose choices are made: training/run_model.py) names for `model` (a
+    ModelConfig) is missing from `found` (`kernels`).
 
     context: the mesh's context degree. Above 1 the sequence is split over devices and its
     attention runs as blocks in plain XLA inside the context exchange
-    (parallel/context.py), whatever model.attention says: no attention kernel is due."""
-    attention = _ATTENTION_KERNELS.get(model.attention) if context == 1 else None
-    wanted = [("model.attention", model.attention, attention)]
+    (parallel/context.py), whatever compute.attention says: no attention kernel is due."""
+    attention = _ATTENTION_KERNELS.get(compute.attention) if context == 1 else None
+    wanted = [("compute.attention", compute.attention, attention)]
     if model.moe is not None:
-        impl = model.moe.grouped_matmul
-        wanted.append(("model.moe.grouped_matmul", impl, _GROUPED_MATMUL_KERNELS.get(impl)))
+        impl = compute.grouped_matmul
+        wanted.append(("compute.grouped_matmul", impl, _GROUPED_MATMUL_KERNELS.get(impl)))
     for key, impl, pattern in wanted:
         if pattern and not any(re.search(pattern, name) for name in found):
             raise MissingKernel(

@@ -26,6 +26,7 @@ from maxtrain import config as config_lib
 from maxtrain import models as model_lib
 from maxtrain.checkpointing.export import save_parameters
 from maxtrain.common.errors import ArgumentParser, UserError, refuse
+from maxtrain.training import run_model
 
 
 def disk_bytes(directory: Path) -> int:
@@ -46,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
             raise UserError(f"{args.dir} already exists; name a new directory")
     except UserError as e:
         return refuse("benchmark_ptq", e)
-    params = nnx.to_pure_dict(nnx.state(model_lib.build(cfg.model), nnx.Param))
+    params = nnx.to_pure_dict(nnx.state(model_lib.build(run_model.model_spec(cfg)), nnx.Param))
     root = Path(args.dir or tempfile.mkdtemp(prefix="benchmark_ptq-"))
     try:
         step_dir = save_parameters(root / "float", params, config_yaml=config_lib.to_yaml(cfg))

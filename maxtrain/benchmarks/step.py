@@ -66,28 +66,29 @@ def peak_memory_gib() -> float | None:
     return None if peak is None else peak / 2**30
 
 
-def moe_settings(model: config_lib.ModelConfig) -> dict:
+def moe_settings(cfg: config_lib.Config) -> dict:
     """The MoE choices that decide its speed (none for a dense model)."""
-    if model.moe is None:
+    moe, compute = cfg.model.moe, cfg.compute
+    if moe is None:
         return {}
     return {
-        "experts": f"{model.moe.num_experts} top-{model.moe.top_k}",
-        "grouped_matmul": grouped_matmul_implementation(model.moe.grouped_matmul),
-        "moe_mode": "dropless" if model.moe.capacity_factor is None else "capacity",
-        "ep_dispatch": exchange_implementation(model.moe.ep_dispatch),
-        "ep_overflow": model.moe.ep_overflow,
+        "experts": f"{moe.num_experts} top-{moe.top_k}",
+        "grouped_matmul": grouped_matmul_implementation(compute.grouped_matmul),
+        "moe_mode": "dropless" if moe.expert_capacity_factor is None else "capacity",
+        "expert_exchange": exchange_implementation(compute.expert_exchange),
+        "expert_exchange_overflow": compute.expert_exchange_overflow,
     }
 
 
-def routing_measured(model: config_lib.ModelConfig, step_metrics: dict) -> dict:
+def routing_measured(cfg: config_lib.Config, step_metrics: dict) -> dict:
     """Under which routing the step was timed (an MoE's speed depends on it): learned, or the
-    balanced diagnostic (model.moe.balanced_routing), with the last timed step's busiest
+    balanced diagnostic (compute.balanced_routing), with the last timed step's busiest
     expert's load relative to fair (1.0 = balanced), the exchange rounds its busiest buffer
     needed, and the share of assignments dropped."""
-    if model.moe is None:
+    if cfg.model.moe is None:
         return {}
     return {
-        "routing": "balanced (diagnostic)" if model.moe.balanced_routing else "learned",
+        "routing": "balanced (diagnostic)" if cfg.compute.balanced_routing else "learned",
         "moe_max_load": round(float(step_metrics["moe/max_load"]), 3),
         "moe_rounds": int(step_metrics["moe/rounds"]),
         "moe_dropped": round(float(step_metrics.get("moe/dropped", 0.0)), 5),
@@ -156,8 +157,8 @@ def context_settings(cfg: config_lib.Config, context: int) -> dict:
     return {
         "context": {
             "degree": context,
-            "exchange": model.context_exchange,
-            "layout": model.context_layout,
+            "exchange": cfg.compute.context_exchange,
+            "layout": cfg.compute.context_layout,
             "attention_flops_per_device_layer": {
                 layout: flops(layout) for layout in ("balanced", "contiguous")
             },
@@ -179,7 +180,7 @@ def routed_bytes(cfg: config_lib.Config, trainer) -> dict:
         return {}
     tokens = cfg.tokens_per_step // batch_degree(cfg.mesh.rules, trainer.mesh)
     moe_layers = sum(is_moe_per_layer(cfg.model))
-    itemsize = jnp.dtype(model_lib.compute_dtype(cfg.model)).itemsize
+    itemsize = jnp.dtype(model_lib.compute_dtype(cfg.compute)).itemsize
     return {
         "moe_routed_bytes_one_way": moe_layers * tokens * m.top_k * cfg.model.emb_dim * itemsize
     }
@@ -229,9 +230,9 @@ def benchmark(cfg: config_lib.Config, steps: int, warmup: int, profile_dir: str 
         "active_params": model_lib.active_param_count(cfg.model),  # what FLOPs and MFU count
         "global_batch": cfg.train.global_batch_size,
         "seq_len": cfg.train.seq_len,
-        "attention": cfg.model.attention,
-        "remat": cfg.model.remat,
-        **moe_settings(cfg.model),
+        "attention": cfg.compute.attention,
+        "remat": cfg.compute.remat,
+        **moe_settings(cfg),
         **pipeline_settings(cfg),
         **context_settings(cfg, trainer.mesh.shape["context"]),
         "quantization": cfg.quantization.preset,
@@ -252,7 +253,7 @@ def benchmark(cfg: config_lib.Config, steps: int, warmup: int, profile_dir: str 
         "tokens_per_sec_per_device": round(stats["tokens_per_sec_per_device"], 1),
         "tflops_per_device": round(stats["tflops_per_device"], 2),
         "mfu": None if stats["mfu"] is None else round(stats["mfu"], 4),
-        **routing_measured(cfg.model, step_metrics),
+        **routing_measured(cfg, step_metrics),
         "peak_memory_gib": peak_memory_gib(),
         "final_loss": float(step_metrics["loss"]),
     }
@@ -301,10 +302,10 @@ def dry_run(
         # the convention of OpenAI's and DeepSeek's published active counts
         "active_params_without_embedding": model_lib.active_param_count(cfg.model)
         - model_lib.embedding_lookup_params(cfg.model),
-        "compute_dtype": cfg.model.compute_dtype,
-        "attention": cfg.model.attention,
-        "remat": cfg.model.remat,
-        **moe_settings(cfg.model),
+        "compute_dtype": cfg.compute.compute_dtype,
+        "attention": cfg.compute.attention,
+        "remat": cfg.compute.remat,
+        **moe_settings(cfg),
         **pipeline_settings(cfg),
         **context_settings(cfg, sizes["context"]),
         **lora_settings(cfg, estimate, num_devices),
@@ -348,7 +349,9 @@ def compiled_program(
     if hlo_path:
         files.write_atomic(hlo_path, hlo)
     found = program.kernels(hlo)
-    program.check_kernels(trainer.cfg.model, found, trainer.mesh.shape["context"])
+    program.check_kernels(
+        trainer.cfg.model, trainer.cfg.compute, found, trainer.mesh.shape["context"]
+    )
     analysis = compiled.memory_analysis()
     cost = compiled.cost_analysis()
     gib = lambda n: round(n / 2**30, 3)  # noqa: E731

@@ -4,7 +4,6 @@ evaluation, merging, export) starts here."""
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -17,7 +16,8 @@ from maxtrain.config import (
     Config,
     TrainConfig,
     deep_merge,
-    parse_override,
+    migration,
+    overridden,
     validate,
 )
 
@@ -29,19 +29,18 @@ TOKENIZER_SEARCH_DEPTH = 4
 def saved_config(step_dir: Path, overrides: Sequence[str] = (), dropless: bool = True) -> Config:
     """The config a step was saved with, over base.yml's defaults, with `overrides` applied.
     dropless: mixture-of-experts layers without a capacity limit, so inference drops no token
-    (False: the run's own capacity, for a config to train with)."""
+    (False: the run's own capacity, for a config to train with). Keys of an older maxtrain
+    are migrated, with a note on stderr (config/migration.py)."""
     saved = yaml.safe_load(read_saved_config(step_dir)) or {}
     if not isinstance(saved.get("model"), dict):
         raise CheckpointError(f"{step_dir}: its saved config names no model")
+    saved, notes = migration.migrate_source(saved)
+    migration.note(str(step_dir), notes)
     base = yaml.safe_load((CONFIGS_DIR / "base.yml").read_text())
     tree = deep_merge(deep_merge(base, saved), _seq_len_within_model(saved))
-    for text in overrides:
-        keys, value = parse_override(text)
-        tree = deep_merge(
-            tree, functools.reduce(lambda inner, key: {key: inner}, keys[::-1], value)
-        )
+    tree = migration.resolve(overridden(tree, overrides))
     if dropless and tree["model"].get("moe"):
-        tree = deep_merge(tree, {"model": {"moe": {"capacity_factor": None}}})
+        tree = deep_merge(tree, {"model": {"moe": {"expert_capacity_factor": None}}})
     return validate(tree)
 
 

@@ -1,4 +1,4 @@
-"""The `checkpoint:` tiers and the `init:` section (how a new run starts from a checkpoint)."""
+"""The `checkpoint:` tiers and the `init:` section (how a new run's parameters start)."""
 
 from __future__ import annotations
 
@@ -27,9 +27,11 @@ class CheckpointConfig(Section):
 
 
 class InitConfig(Section):
-    """How a new run turns checkpoint.load_parameters_path into its parameters
-    (maxtrain/surgery/). A run resuming from its own checkpoint ignores it: resume wins."""
+    """How a new run's parameters start: drawn at random, or from
+    checkpoint.load_parameters_path as it is or transformed (maxtrain/surgery/). A run
+    resuming from its own checkpoint ignores it: resume wins."""
 
+    std: NonNegativeFloat = 0.02  # std of the truncated-normal draw of kernels and embeddings
     # none: the checkpoint holds this model; upcycle: a dense checkpoint becomes this MoE
     # model; depth_upscale: this model's layers are copies of the checkpoint's layers
     mode: Literal["none", "upcycle", "depth_upscale"] = "none"

@@ -13,16 +13,14 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ValidationError
 
-from maxtrain.common.errors import UserError, first_line
+from maxtrain.common.errors import first_line
+from maxtrain.config import migration
+from maxtrain.config.errors import ConfigError
 from maxtrain.config.model import ModelConfig
 from maxtrain.config.schema import Config
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 CONFIGS_DIR = REPO_ROOT / "configs"
-
-
-class ConfigError(UserError):
-    """A user mistake in the config: the CLI prints it as one line and exits with status 2."""
 
 
 # libyaml's safe loader where PyYAML has it: the same documents, ~10x faster than the pure-Python
@@ -71,15 +69,28 @@ def deep_merge(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]
     return out
 
 
+def _merged(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
+    """deep_merge of two migrated sources: an override that sets model.layers replaces the
+    older layout keys before it too (migration.py)."""
+    return deep_merge(migration.without_layout(base, override), override)
+
+
+def _read_source(path: Path) -> dict[str, Any]:
+    """A config or model file, its keys of an older maxtrain migrated (a note on stderr)."""
+    tree, notes = migration.migrate_source(_read_yaml(path))
+    migration.note(str(path), notes)
+    return tree
+
+
 def _load_with_parents(path: Path, seen: tuple[Path, ...] = ()) -> dict[str, Any]:
     path = path.resolve()
     if path in seen:
         raise ConfigError(f"base_config cycle: {' -> '.join(str(p) for p in (*seen, path))}")
-    data = _data_paths_beside(_read_yaml(path), path.parent)
+    data = _data_paths_beside(_read_source(path), path.parent)
     parent = data.get("base_config")
     if parent:
         parent_path = (path.parent / parent).resolve()
-        data = deep_merge(_load_with_parents(parent_path, (*seen, path)), data)
+        data = _merged(_load_with_parents(parent_path, (*seen, path)), data)
     return data
 
 
@@ -138,6 +149,24 @@ def _set_dotted(tree: dict[str, Any], keys: list[str], value: Any) -> None:
     node[keys[-1]] = value
 
 
+def overridden(tree: dict[str, Any], overrides: list[str] | tuple[str, ...]) -> dict[str, Any]:
+    """`tree` with command-line overrides set, each key=value replacing what is there, their
+    keys of an older maxtrain migrated (one note on stderr for all of them)."""
+    notes: list[str] = []
+    for keys, value in [parse_override(o) for o in overrides]:
+        nested: dict[str, Any] = {}
+        _set_dotted(nested, keys, value)
+        moved, said = migration.migrate_source(nested)
+        notes += said
+        tree = migration.without_layout(tree, moved)
+        if said:
+            tree = deep_merge(tree, moved)
+        else:
+            _set_dotted(tree, keys, value)
+    migration.note("the command line", notes)
+    return tree
+
+
 def _model_file(name: str) -> Path:
     """configs/models/<name>.yml, or the model file `name` is a path to (it ends in .yml or
     .yaml, or has a /): the model.yml that convert_hf import, upcycle and depth_upscale write
@@ -166,25 +195,33 @@ def preset_names() -> list[str]:
 
 def preset(name: str) -> ModelConfig:
     """The model a preset (or a model file's path) describes, at the schema's defaults."""
-    return validate_model(_read_yaml(_model_file(name)))
+    path = _model_file(name)
+    return validate_model(migration.migrate({"model": _read_yaml(path)}, str(path))["model"])
 
 
 def load(config_path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> Config:
-    """Builds the validated Config for a config file plus CLI overrides."""
-    parsed = [parse_override(o) for o in overrides]
-    user = _load_with_parents(Path(config_path))
-    for keys, value in parsed:
-        _set_dotted(user, keys, value)
-
+    """Builds the validated Config for a config file plus CLI overrides, each source's keys of
+    an older maxtrain migrated as it is read (migration.py)."""
+    for text in overrides:
+        parse_override(text)  # a malformed override is refused before any file is read
+    user = overridden(_load_with_parents(Path(config_path)), overrides)
     merged = _read_yaml(CONFIGS_DIR / "base.yml")
     model_name = user.get("model_name", merged.get("model_name"))
     if not isinstance(model_name, str):
         raise ConfigError(
             "model_name must be set to the name of a file in configs/models/ or a model file's path"
         )
-    merged = deep_merge(merged, {"model": _read_yaml(_model_file(model_name))})
-    merged = deep_merge(merged, user)
-    return validate(merged)
+    path = _model_file(model_name)
+    model_file, notes = migration.migrate_source({"model": _read_yaml(path)})
+    migration.note(str(path), notes)
+    merged = _merged(_merged(merged, model_file), user)
+    return validate(migration.resolve(merged))
+
+
+def validate_saved(tree: dict[str, Any], source: str) -> Config:
+    """A whole config as it was saved (with a checkpoint: `source`), its keys of an older
+    maxtrain migrated (a note on stderr)."""
+    return validate(migration.migrate(tree, source))
 
 
 def validate(tree: dict[str, Any]) -> Config:
@@ -259,7 +296,9 @@ def _describe(err: dict[str, Any], tree: dict[str, Any]) -> str:
         hint = difflib.get_close_matches(loc[-1], valid, n=1, cutoff=0.5)
         where = ".".join(loc[:-1]) or "the top level"
         msg = f"unknown config key {key!r}"
-        if hint:
+        if now := migration.replacement(key):
+            msg += f"; it is now {now}"
+        elif hint:
             prefix = _dotted(err["loc"][:-1])  # with list indices: data.sources[0]
             msg += f"; did you mean {(prefix + '.' if prefix else '') + hint[0]!r}?"
         else:
@@ -287,7 +326,7 @@ def _number(value: Any) -> Any:
 
 
 def _schema_at(path: list[str]) -> type[BaseModel] | None:
-    """The section at a dotted path of keys; a mapping of sections (model.moe.grouped_matmul_tiles)
+    """The section at a dotted path of keys; a mapping of sections (compute.grouped_matmul_tiles)
     takes any one key to its value's section."""
     schema: type[BaseModel] = Config
     parts = iter(path)

@@ -1,9 +1,9 @@
-"""The config schema: every key a run config may hold, its type, default and checks, and the
-values derived from others (head_dim, global batch in tokens, parallel degrees), computed once,
-here, and nowhere else. Each section lives in a module of its own (model.py, parallel.py,
-optim/factory.py, data.py, run.py, checkpoint.py, quantization.py); this module composes them into
-the
-one Config. How a config is assembled from files and overrides is loading.py.
+"""The config schema: every key a run config may hold, its type, default and checks, and the values
+derived from others (head_dim, global batch in tokens, parallel degrees), computed once, here, and
+nowhere else. Each section lives in a module of its own (model.py with rope.py, moe.py and
+layer_list.py; compute.py, parallel.py, optim.py, data.py, run.py, checkpoint.py, quantization.py,
+lora.py); this module composes them into the one Config. How a config is assembled from files and
+overrides is loading.py.
 
 Every key declares its domain where it is declared: its type, its bounds (`Field(gt=...)` or
 the named types of domains.py), its choices (`Literal`), and finiteness: every float is finite
@@ -20,10 +20,11 @@ from pathlib import Path
 from pydantic import model_validator
 
 from maxtrain.config.checkpoint import CheckpointConfig, InitConfig
+from maxtrain.config.compute import ComputeConfig, named_tiles
 from maxtrain.config.data import DataConfig
 from maxtrain.config.domains import Section
 from maxtrain.config.lora import LoraConfig
-from maxtrain.config.model import ModelConfig, named_tiles
+from maxtrain.config.model import ModelConfig
 from maxtrain.config.optim import OptimConfig
 from maxtrain.config.parallel import MeshConfig, PipelineConfig
 from maxtrain.config.quantization import QuantizationConfig
@@ -34,6 +35,7 @@ class Config(Section):
     base_config: str | None = None
     model_name: str
     model: ModelConfig
+    compute: ComputeConfig = ComputeConfig()
     mesh: MeshConfig = MeshConfig()
     pipeline: PipelineConfig = PipelineConfig()
     optim: OptimConfig = OptimConfig()
@@ -106,17 +108,21 @@ class Config(Section):
         return self
 
     @model_validator(mode="after")
-    def _check_grouped_matmul_tiles(self) -> Config:
-        quantized = self.quantization.preset != "none" or self.quantization.rules
-        if (
-            quantized
-            and self.model.moe is not None
-            and named_tiles(self.model.moe.grouped_matmul_tiles)
-        ):
+    def _check_experts(self) -> Config:
+        moe = self.model.moe
+        if moe is None:
+            return self
+        if moe.expert_projection_bias and self.compute.expert_exchange_overflow == "drop":
             raise ValueError(
-                "model.moe.grouped_matmul_tiles tiles the float grouped matmul, but quantized "
+                "model.moe.expert_projection_bias needs every routed assignment computed: "
+                "compute.expert_exchange_overflow rounds, not drop"
+            )
+        quantized = self.quantization.preset != "none" or self.quantization.rules
+        if quantized and named_tiles(self.compute.grouped_matmul_tiles):
+            raise ValueError(
+                "compute.grouped_matmul_tiles tiles the float grouped matmul, but quantized "
                 "training runs tokamax's quantized kernel on its own tiles: set "
-                "model.moe.grouped_matmul_tiles={} or quantization.preset=none"
+                "compute.grouped_matmul_tiles={} or quantization.preset=none"
             )
         return self
 
@@ -148,13 +154,13 @@ class Config(Section):
         move is refused here."""
         tau = self.optim.qk_clip_threshold
         key = f"optim.qk_clip_threshold={tau}" if tau is not None else ""
-        if not key and not self.model.attention_max_logit:
+        if not key and not self.compute.attention_max_logit:
             return self
-        key = key or "model.attention_max_logit=true"
-        if self.model.attention not in ("auto", "xla"):
+        key = key or "compute.attention_max_logit=true"
+        if self.compute.attention not in ("auto", "xla"):
             raise ValueError(
-                f"{key} needs each attention head's max logit, which only model.attention=xla "
-                f"computes, not model.attention={self.model.attention}"
+                f"{key} needs each attention head's max logit, which only compute.attention=xla "
+                f"computes, not compute.attention={self.compute.attention}"
             )
         if self.mesh.context != 1 or self.mesh.dcn.context != 1:
             raise ValueError(f"{key} needs mesh.context=1: split attention gives no max logit")
@@ -163,9 +169,8 @@ class Config(Section):
         if tau is None:
             return self
         problems = {
-            "model.qk_norm=true (the norm undoes a rescale of the weights before it)": (
-                self.model.qk_norm
-            ),
+            f"model.qk_norm={self.model.qk_norm} (the norm undoes a rescale of the weights "
+            "before it)": self.model.qk_norm != "none",
             "lora (the query and key weights are frozen)": self.lora.enabled,
             "model.mtp.depth > 0 (its block's attention is not clipped)": self.model.mtp.depth > 0,
         }

@@ -30,7 +30,7 @@ def main(argv: list[str]) -> int:
                 f"checkpoint.load_parameters_path={args.output}"
             )
         else:
-            cfg, family, step_dir, tokenizer = export_checkpoint(
+            cfg, family, step_dir, tokenizer, dtype = export_checkpoint(
                 args.checkpoint,
                 args.output,
                 args.dtype,
@@ -40,7 +40,7 @@ def main(argv: list[str]) -> int:
             print(
                 f"{PROG}: wrote {args.output} from step {step_dir.name} ({step_dir}): "
                 f"{family.architecture}, {model_lib.param_count(cfg):,} parameters, "
-                f"{args.dtype or cfg.param_dtype}, "
+                f"{dtype}, "
                 + (
                     f"tokenizer {tokenizer} with generation_config.json"
                     if tokenizer

@@ -21,7 +21,8 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from maxtrain.config import GlobalAttention, ModelConfig
+from maxtrain.config import LayerType, ModelConfig
+from maxtrain.config.layer_list import shortest_entries
 from maxtrain.hf.errors import ConversionError
 from maxtrain.hf.families import FAMILIES, FEATURE_DEFAULTS, Family
 from maxtrain.models.stacks import is_moe_per_layer
@@ -45,9 +46,9 @@ _REQUIRED_SCALING_KEYS = {
 _SCALING_FAMILIES = {"yarn": ("deepseek_v3", "gpt_oss"), "linear": ("gemma3_text",)}
 # The scaling types that scale relative to an original context (original_max_position).
 _EXTENDS_A_CONTEXT = ("llama3", "yarn")
-# transformers' layer_types -> our model.layer_pattern kinds.
-_LAYER_KINDS = {"full_attention": "global", "sliding_attention": "local"}
-# Qwen3-Next's layer_types -> our model.layer_pattern kinds.
+# transformers' layer_types -> our model.layers' attention kinds.
+_LAYER_KINDS = {"full_attention": "global", "sliding_attention": "sliding"}
+# Qwen3-Next's layer_types -> our model.layers' attention kinds.
 _LINEAR_LAYER_KINDS = {"linear_attention": "linear", "full_attention": "global"}
 # Qwen3-Next's config.json keys of its Gated DeltaNet -> model.linear_attention's.
 _LINEAR_KEYS = {
@@ -86,6 +87,11 @@ def read_config_json(hf_dir: Path) -> tuple[dict[str, Any], Family]:
     return hf, FAMILIES[model_type]
 
 
+def init_std(hf: dict[str, Any], family: Family) -> float:
+    """config.json's initializer_range: the init.std of a run of the imported model."""
+    return hf.get("initializer_range", family.defaults["initializer_range"])
+
+
 def model_config(hf: dict[str, Any], family: Family, where: str) -> ModelConfig:
     """Our ModelConfig for a config.json of `family` (where: its path, for messages)."""
     _check_supported(hf, family, where)
@@ -103,82 +109,112 @@ def model_config(hf: dict[str, Any], family: Family, where: str) -> ModelConfig:
     theta, scaling = _rope(hf, family, where, value("max_position_embeddings"))
     mla = {key: value(key) for key in family.mla_keys} or None
     biases = family.attention_bias if family.attention_bias and value("attention_bias") else "none"
-    pattern = _layer_pattern(hf, family, where, value, num_layers) if family.layer_types else {}
-    if family.linear_layers:
-        pattern = _linear_pattern(hf, where, value, num_layers)
+    kv_heads = None if mla else value("num_key_value_heads") or heads
+    qk_norm = value(family.qk_norm_key) if family.qk_norm_key else family.qk_norm
     fields = dict(
         vocab_size=value("vocab_size"),
         emb_dim=value("hidden_size"),
         num_layers=num_layers,
         num_heads=heads,
-        # Multi-head latent attention has as many key/value heads as query heads, its head
-        # sizes in model.mla (transformers' head_dim is then the rotary part's).
-        num_kv_heads=heads if mla else value("num_key_value_heads") or heads,
+        # Multi-head latent attention has its head sizes in model.mla (transformers' head_dim
+        # is then the rotary part's); as many key/value heads as query heads is the default.
+        num_kv_heads=None if kv_heads == heads else kv_heads,
         head_dim=None if mla else value("head_dim"),
-        attention_type="mla" if mla else "gqa",
         mla=mla,
-        rope_interleaved=value("rope_interleave") if mla else family.rope_interleaved,
-        partial_rotary_factor=_partial_rotary_factor(hf, family, where),
-        mlp_dim=value(family.dense_width_key),
-        rope_theta=theta,
-        rope_scaling=scaling,
-        qk_norm=value(family.qk_norm_key) if family.qk_norm_key else family.qk_norm,
-        attention_bias=biases,
+        rope=dict(
+            theta=theta,
+            scaling=scaling,
+            interleaved=value("rope_interleave") if mla else family.rope_interleaved,
+            fraction=_partial_rotary_factor(hf, family, where),
+        ),
+        qk_norm="rms" if qk_norm else "none",
+        attention_projection_bias=biases,
         tie_embeddings=value("tie_word_embeddings"),
         norm_eps=value("rms_norm_eps"),
         max_seq_len=value("max_position_embeddings"),
-        init_std=value("initializer_range"),
+        attention_sinks=family.attention_sinks,
     )
-    if family.chunked_nope:
-        fields.update(_chunked_nope(value, num_layers, where))
-    window = value(family.window_key) if family.window_key else None
-    if window is not None:
-        fields.update(layer_pattern=["local"], local_attention=dict(window=window))
-    fields.update(**pattern, **family.features)
+    attention, sizes = _attention_kinds(hf, family, where, value, num_layers)
+    if local_theta := sizes.pop("local_theta", None):
+        fields["rope"]["local_theta"] = local_theta
+    fields.update(sizes, **family.features)
     if family.softmax_scale_key:
         fields["softmax_scale_dim"] = value(family.softmax_scale_key)
-    fields["attention_sinks"] = family.attention_sinks
-    hf_layers = None  # Qwen3-MoE, Llama 4: which layers transformers makes MoE
+    moe_layers = [False] * num_layers
     if family.is_moe:
-        count_key = next((k for k in family.expert_count_keys if k in hf), None)
-        fields["moe"] = dict(
-            num_experts=value(count_key or family.expert_count_keys[0]),
-            top_k=value("num_experts_per_tok"),
-            expert_mlp_dim=value(family.expert_width_key),
-            score=family.score,
-            aux_loss_weight=value(family.aux_loss_key) if family.aux_loss_key else 0.0,
-            **{ours: value(key) for key, ours in family.moe_keys.items()},
-            **family.fixed_moe,
-        )
-        if family.renormalize_key:
-            fields["moe"]["renormalize"] = value(family.renormalize_key)
-        if family.shared_width_key:
-            fields["moe"]["shared_experts"] = _shared_experts(family, value, where)
-        if family.router_bias:
-            fields["moe"]["bias_update_rate"] = IMPORTED_BIAS_UPDATE_RATE
-        if family.expert_layout == "gpt_oss":
-            fields["moe"].update(
-                router_bias=True,
-                expert_bias=True,
-                clamped_swiglu=dict(alpha=value("swiglu_alpha"), limit=value("swiglu_limit")),
-            )
-        if family.sparse_layer_keys or family.moe_layer_list:
-            hf_layers, step, chosen_by = _hf_moe_layers(family, value, num_layers, where)
-            fields["moe"].update(_sparse_layer_keys(hf_layers, step))
-    cfg = _validated(fields, where)
-    if hf_layers is not None and is_moe_per_layer(cfg) != hf_layers:
-        raise ConversionError(
-            f"{where}: {chosen_by} makes layers {_indices(hf_layers)} MoE, which "
-            "model.moe.first_dense_layers and interval cannot express (only a leading run of "
-            "layers may be dense besides the interval)"
-        )
-    return cfg
+        fields["moe"] = _moe(hf, family, value, where)
+        moe_layers = _moe_layers(family, value, num_layers, where)
+    kinds = [
+        LayerType(a, "moe" if m else "dense") for a, m in zip(attention, moe_layers, strict=True)
+    ]
+    fields["layers"] = shortest_entries(kinds, family.is_moe)
+    if not all(moe_layers):  # the dense layers' width
+        fields["mlp_dim"] = value(family.dense_width_key)
+    return _validated(fields, where)
 
 
-def _linear_pattern(hf: dict[str, Any], where: str, value, num_layers: int) -> dict[str, Any]:
-    """Qwen3-Next's layer kinds as model.layer_pattern (linear_attention: `linear`,
-    full_attention: `global`) with model.linear_attention: layer_types, else, as transformers
-    derives it, every full_attention_interval-th layer full."""
+def _moe(hf: dict[str, Any], family: Family, value, where: str) -> dict[str, Any]:
+    """model.moe of a config.json of an MoE family."""
+    count_key = next((k for k in family.expert_count_keys if k in hf), None)
+    moe = dict(
+        num_experts=value(count_key or family.expert_count_keys[0]),
+        top_k=value("num_experts_per_tok"),
+        expert_mlp_dim=value(family.expert_width_key),
+        score=family.score,
+        aux_loss_weight=value(family.aux_loss_key) if family.aux_loss_key else 0.0,
+        **{ours: value(key) for key, ours in family.moe_keys.items()},
+        **family.fixed_moe,
+    )
+    if family.renormalize_key:
+        moe["renormalize"] = value(family.renormalize_key)
+    if family.shared_width_key:
+        moe["shared_experts"] = _shared_experts(family, value, where)
+    if family.router_bias:
+        moe["balance_bias_update_rate"] = IMPORTED_BIAS_UPDATE_RATE
+    if family.expert_layout == "gpt_oss":
+        moe.update(
+            router_logit_bias=True,
+            expert_projection_bias=True,
+            clamped_swiglu=dict(alpha=value("swiglu_alpha"), limit=value("swiglu_limit")),
+        )
+    return moe
+
+
+def _moe_layers(family: Family, value, num_layers: int, where: str) -> list[bool]:
+    """Per layer, whether transformers builds it a mixture of experts: by the family's lists
+    and steps (Qwen3-MoE, Llama 4), after its first dense layers (DeepSeek-V3, GLM-4.5), else
+    every layer."""
+    if family.sparse_layer_keys or family.moe_layer_list:
+        return list(_hf_moe_layers(family, value, num_layers, where))
+    first = value(family.first_dense_key) if family.first_dense_key else 0
+    if not isinstance(first, int) or first < 0:
+        raise ConversionError(f"{where}: {family.first_dense_key}={first!r} is not supported")
+    return [i >= first for i in range(num_layers)]
+
+
+def _attention_kinds(
+    hf: dict[str, Any], family: Family, where: str, value, num_layers: int
+) -> tuple[list[str], dict[str, Any]]:
+    """Per layer, its attention kind (model.layers), and the model keys that size those kinds
+    (sliding_window, attention_chunk, linear_attention, ...; local_theta: model.rope's)."""
+    if family.layer_types:
+        return _layer_pattern(hf, family, where, value, num_layers)
+    if family.linear_layers:
+        return _linear_pattern(hf, where, value, num_layers)
+    if family.chunked_nope:
+        return _chunked_nope(value, num_layers, where)
+    window = value(family.window_key) if family.window_key else None
+    if window is not None:
+        return ["sliding"] * num_layers, dict(sliding_window=window)
+    return ["global"] * num_layers, {}
+
+
+def _linear_pattern(
+    hf: dict[str, Any], where: str, value, num_layers: int
+) -> tuple[list[str], dict[str, Any]]:
+    """Qwen3-Next's layer kinds (linear_attention: `linear`, full_attention: `global`) with
+    model.linear_attention: layer_types, else, as transformers derives it, every
+    full_attention_interval-th layer full."""
     types = value("layer_types")
     if types is None:
         interval = value("full_attention_interval")
@@ -200,9 +236,8 @@ def _linear_pattern(hf: dict[str, Any], where: str, value, num_layers: int) -> d
         )
     kinds = [_LINEAR_LAYER_KINDS[t] for t in types]
     if "linear" not in kinds:
-        return {}
-    linear = {ours: value(key) for key, ours in _LINEAR_KEYS.items()}
-    return dict(layer_pattern=_period(kinds), linear_attention=linear)
+        return kinds, {}
+    return kinds, dict(linear_attention={ours: value(key) for key, ours in _LINEAR_KEYS.items()})
 
 
 def _shared_experts(family: Family, value, where: str) -> int:
@@ -217,10 +252,10 @@ def _shared_experts(family: Family, value, where: str) -> int:
     return width // expert
 
 
-def _chunked_nope(value, num_layers: int, where: str) -> dict[str, Any]:
+def _chunked_nope(value, num_layers: int, where: str) -> tuple[list[str], dict[str, Any]]:
     """Llama 4's attention as our keys: its RoPE layers (no_rope_layers 1; without the list,
-    all but every no_rope_layer_interval-th) chunked local layers with the unscaled qk-norm
-    (use_qk_norm), the others global NoPE layers with attention temperature tuning."""
+    all but every no_rope_layer_interval-th) chunked layers, the others nope layers with
+    attention temperature tuning; the unscaled qk-norm (use_qk_norm), which nope layers skip."""
     rope_layers = value("no_rope_layers")  # transformers reads an empty list as absent too
     if not rope_layers:
         interval = value("no_rope_layer_interval")
@@ -229,8 +264,8 @@ def _chunked_nope(value, num_layers: int, where: str) -> dict[str, Any]:
         raise ConversionError(
             f"{where}: no_rope_layers has {len(rope_layers)} entries for {num_layers} layers"
         )
-    kinds = ["local" if rope_layers[i] else "global" for i in range(num_layers)]
-    implied = ["chunked_attention" if k == "local" else "full_attention" for k in kinds]
+    kinds = ["chunked" if rope_layers[i] else "nope" for i in range(num_layers)]
+    implied = ["chunked_attention" if k == "chunked" else "full_attention" for k in kinds]
     layer_types = value("layer_types")
     if layer_types is not None and list(layer_types) != implied:
         raise ConversionError(
@@ -238,56 +273,60 @@ def _chunked_nope(value, num_layers: int, where: str) -> dict[str, Any]:
             f"the RoPE layers and full attention on the others: {implied})"
         )
     chunk = value("attention_chunk_size")
-    if "local" in kinds and chunk is None:
+    if "chunked" in kinds and chunk is None:
         raise ConversionError(f"{where}: attention_chunk_size is null; chunked layers need it")
     tuning = value("attn_temperature_tuning")  # a number in published configs (Scout's 4)
-    return dict(
-        layer_pattern=None if "local" not in kinds else _period(kinds),
-        local_attention={"chunk": chunk} if "local" in kinds else None,
-        global_attention=dict(
-            rope=False,
-            qk_norm=False,
-            temperature_floor=value("floor_scale") if tuning else None,
-            temperature_scale=value("attn_scale"),
-        ),
-        qk_norm=bool(value("use_qk_norm")),
-        qk_norm_scale=False,
-    )
+    sizes: dict[str, Any] = dict(qk_norm="rms_unscaled" if value("use_qk_norm") else "none")
+    if "chunked" in kinds:
+        sizes["attention_chunk"] = chunk
+    if tuning and "nope" in kinds:
+        sizes["attention_temperature"] = dict(floor=value("floor_scale"), scale=value("attn_scale"))
+    return kinds, sizes
 
 
-def _period(kinds: list[str]) -> list[str]:
-    """The shortest list whose repetition gives `kinds` (model.layer_pattern)."""
-    n = next(
+def _period(kinds: list[Any]) -> int:
+    """The length of the shortest list whose repetition gives `kinds`."""
+    return next(
         p for p in range(1, len(kinds) + 1) if all(k == kinds[i % p] for i, k in enumerate(kinds))
     )
-    return kinds[:n]
 
 
-def hf_config(cfg: ModelConfig, family: Family, dtype: str) -> dict[str, Any]:
-    """The config.json (older layout) of `cfg` as a `family` model with weights in `dtype`."""
+def _moe_step(moe_layers: list[bool]) -> int:
+    """The largest step s with every MoE layer i at (i + 1) % s == 0: Qwen3-MoE's
+    decoder_sparse_step and Llama 4's interleave_moe_layer_step, the rest of the dense layers
+    listed."""
+    return next(
+        s
+        for s in range(len(moe_layers), 0, -1)
+        if all((i + 1) % s == 0 for i, moe in enumerate(moe_layers) if moe)
+    )
+
+
+def hf_config(cfg: ModelConfig, family: Family, dtype: str, init_std: float) -> dict[str, Any]:
+    """The config.json (older layout) of `cfg` as a `family` model with weights in `dtype`,
+    initialised with `init_std` (initializer_range)."""
     _check_exportable(cfg, family)
-    scaling = cfg.rope_scaling
     out: dict[str, Any] = {
         "architectures": [family.architecture],
         "model_type": family.model_type,
         "vocab_size": cfg.vocab_size,
         "hidden_size": cfg.emb_dim,
-        family.dense_width_key: cfg.mlp_dim,
+        family.dense_width_key: _dense_width(cfg, family),
         "num_hidden_layers": cfg.num_layers,
         "num_attention_heads": cfg.num_heads,
-        "num_key_value_heads": cfg.num_kv_heads,
+        "num_key_value_heads": cfg.resolved_kv_heads,
         "head_dim": cfg.resolved_head_dim,
         "rms_norm_eps": cfg.norm_eps,
         "max_position_embeddings": cfg.max_seq_len,
-        "rope_theta": cfg.rope_theta,
-        "rope_scaling": _hf_rope_scaling(scaling, family),
+        "rope_theta": cfg.rope.theta,
+        "rope_scaling": _hf_rope_scaling(cfg.rope.scaling, family),
         "tie_word_embeddings": cfg.tie_embeddings,
-        "initializer_range": cfg.init_std,
+        "initializer_range": init_std,
         "torch_dtype": dtype,
         **family.required,
     }
     if family.window_key:
-        out[family.window_key] = cfg.local_attention.window if cfg.local_attention else None
+        out[family.window_key] = cfg.sliding_window
     if family.layer_types:
         out.update(_layer_types_keys(cfg, family))
     if family.softmax_scale_key:
@@ -295,39 +334,62 @@ def hf_config(cfg: ModelConfig, family: Family, dtype: str) -> dict[str, Any]:
     if cfg.mla is not None:
         out.update({key: getattr(cfg.mla, key) for key in family.mla_keys})
         out["head_dim"] = cfg.mla.qk_rope_head_dim  # what transformers sets it to
-        out["rope_interleave"] = cfg.rope_interleaved
+        out["rope_interleave"] = cfg.rope.interleaved
     if family.nextn_key:
         out[family.nextn_key] = 0  # no multi-token prediction module is written
     if family.qk_norm_key:
-        out[family.qk_norm_key] = cfg.qk_norm
+        out[family.qk_norm_key] = cfg.qk_norm != "none"
     if family.attention_bias:
-        out["attention_bias"] = cfg.attention_bias != "none"
+        out["attention_bias"] = cfg.attention_projection_bias != "none"
     if "partial_rotary_factor" in family.defaults:  # top level, as published GLM-4.5 has it
-        out["partial_rotary_factor"] = cfg.partial_rotary_factor
-    m = cfg.moe
-    if m is not None and m.clamped_swiglu is not None:
-        out["swiglu_alpha"], out["swiglu_limit"] = m.clamped_swiglu.alpha, m.clamped_swiglu.limit
-    if m is not None:
-        out[family.expert_count_keys[0]] = m.num_experts
-        out["num_experts_per_tok"] = m.top_k
-        out[family.expert_width_key] = m.expert_mlp_dim
-        if family.aux_loss_key:
-            out[family.aux_loss_key] = m.aux_loss_weight
-        out.update({key: getattr(m, ours) for key, ours in family.moe_keys.items()})
-        if family.renormalize_key:
-            out[family.renormalize_key] = m.renormalize
-        if family.shared_width_key:
-            out[family.shared_width_key] = m.shared_experts * m.expert_mlp_dim
-        if family.sparse_layer_keys:
-            out["decoder_sparse_step"] = m.interval
-            out["mlp_only_layers"] = list(range(m.first_dense_layers))
-        if family.moe_layer_list:
-            out["interleave_moe_layer_step"] = m.interval
-            out["moe_layers"] = _indices(is_moe_per_layer(cfg))
+        out["partial_rotary_factor"] = cfg.rope.fraction
+    if cfg.moe is not None:
+        out.update(_moe_keys(cfg, family))
     if family.chunked_nope:
         out.update(_chunked_nope_keys(cfg, family))
     if family.linear_layers:
         out.update(_linear_keys(cfg, family))
+    return out
+
+
+def _dense_width(cfg: ModelConfig, family: Family) -> int:
+    """config.json's dense feed-forward width: model.mlp_dim, else (no layer is dense, the key
+    unread) transformers' default, or the experts' width."""
+    if cfg.mlp_dim is not None:
+        return cfg.mlp_dim
+    assert cfg.moe is not None  # a model without dense layers has experts
+    return family.defaults.get(family.dense_width_key, cfg.moe.expert_mlp_dim)
+
+
+def _moe_keys(cfg: ModelConfig, family: Family) -> dict[str, Any]:
+    """config.json's mixture-of-experts keys of `cfg` (_moe's and _moe_layers' inverse)."""
+    m = cfg.moe
+    assert m is not None
+    out: dict[str, Any] = {}
+    if m.clamped_swiglu is not None:
+        out["swiglu_alpha"], out["swiglu_limit"] = m.clamped_swiglu.alpha, m.clamped_swiglu.limit
+    out[family.expert_count_keys[0]] = m.num_experts
+    out["num_experts_per_tok"] = m.top_k
+    out[family.expert_width_key] = m.expert_mlp_dim
+    if family.aux_loss_key:
+        out[family.aux_loss_key] = m.aux_loss_weight
+    out.update({key: getattr(m, ours) for key, ours in family.moe_keys.items()})
+    if family.renormalize_key:
+        out[family.renormalize_key] = m.renormalize
+    if family.shared_width_key:
+        out[family.shared_width_key] = m.shared_experts * m.expert_mlp_dim
+    moe_layers = list(is_moe_per_layer(cfg))
+    step = _moe_step(moe_layers)
+    if family.first_dense_key:
+        out[family.first_dense_key] = moe_layers.index(True)
+    if family.sparse_layer_keys:
+        out["decoder_sparse_step"] = step
+        out["mlp_only_layers"] = [
+            i for i, moe in enumerate(moe_layers) if not moe and (i + 1) % step == 0
+        ]
+    if family.moe_layer_list:
+        out["interleave_moe_layer_step"] = step
+        out["moe_layers"] = _indices(moe_layers)
     return out
 
 
@@ -337,7 +399,7 @@ def _linear_keys(cfg: ModelConfig, family: Family) -> dict[str, Any]:
     hf_names = {kind: name for name, kind in _LINEAR_LAYER_KINDS.items()}
     linear = cfg.linear_attention
     return {
-        "layer_types": [hf_names[cfg.layer_attention(i)] for i in range(cfg.num_layers)],
+        "layer_types": [hf_names[t.attention] for t in cfg.layer_types],
         **{
             key: getattr(linear, ours) if linear else family.defaults[key]
             for key, ours in _LINEAR_KEYS.items()
@@ -347,16 +409,15 @@ def _linear_keys(cfg: ModelConfig, family: Family) -> dict[str, Any]:
 
 def _chunked_nope_keys(cfg: ModelConfig, family: Family) -> dict[str, Any]:
     """Llama 4's config.json keys of a model's layer kinds (_chunked_nope's inverse)."""
-    glob = cfg.global_attention or GlobalAttention()
-    local = cfg.local_attention
+    temperature = cfg.attention_temperature
     return {
-        "no_rope_layers": [int(cfg.layer_attention(i) == "local") for i in range(cfg.num_layers)],
+        "no_rope_layers": [int(t.attention == "chunked") for t in cfg.layer_types],
         # transformers builds the chunked mask whatever the layers: one chunk is the context
-        "attention_chunk_size": local.chunk if local is not None else cfg.max_seq_len,
-        "use_qk_norm": cfg.qk_norm,
-        "attn_temperature_tuning": glob.temperature_floor is not None,
-        "floor_scale": glob.temperature_floor or family.defaults["floor_scale"],
-        "attn_scale": glob.temperature_scale,
+        "attention_chunk_size": cfg.attention_chunk or cfg.max_seq_len,
+        "use_qk_norm": cfg.qk_norm != "none",
+        "attn_temperature_tuning": temperature is not None,
+        "floor_scale": temperature.floor if temperature else family.defaults["floor_scale"],
+        "attn_scale": temperature.scale if temperature else family.defaults["attn_scale"],
     }
 
 
@@ -384,7 +445,7 @@ def _check_supported(hf: dict[str, Any], family: Family, where: str) -> None:
 def _rope(
     hf: dict[str, Any], family: Family, where: str, max_position: int
 ) -> tuple[float, dict[str, Any] | None]:
-    """(theta, the model.rope_scaling keys or None) from either layout. As in transformers,
+    """(theta, the model.rope.scaling keys or None) from either layout. As in transformers,
     `rope_scaling` wins over `rope_parameters`, and a theta inside them over the top-level
     `rope_theta`."""
     params = (
@@ -432,11 +493,11 @@ def _rope(
 
 def _layer_pattern(
     hf: dict[str, Any], family: Family, where: str, value, num_layers: int
-) -> dict[str, Any]:
-    """model.layer_pattern and local_attention of a config.json with sliding-window layers:
+) -> tuple[list[str], dict[str, Any]]:
+    """The layer kinds of a config.json with sliding-window layers (sliding or global) and the
+    window, with the sliding layers' RoPE base where the family has one (local_theta):
     layer_types, else every global_period-th layer global (sliding_window_pattern-th for
-    Gemma 3, as transformers derives it), written as the shortest pattern that repeats into
-    them; none for all-global layers."""
+    Gemma 3, as transformers derives it)."""
     types = hf.get("layer_types")
     if types is None:
         period = family.global_period or value("sliding_window_pattern")
@@ -454,25 +515,20 @@ def _layer_pattern(
                 f"{where}: layer_types names {len(types)} layers, num_hidden_layers is {num_layers}"
             )
         kinds = [_LAYER_KINDS[t] for t in types]
-    if "local" not in kinds:
-        return {}
-    period = next(p for p in range(1, num_layers + 1) if kinds == _repeated(kinds[:p], num_layers))
+    if "sliding" not in kinds:
+        return kinds, {}
     window = value("sliding_window")
     if window is None:
         raise ConversionError(f"{where}: layer_types has sliding layers but sliding_window is null")
-    local = dict(window=window)
+    sizes: dict[str, Any] = dict(sliding_window=window)
     if family.local_rope_key:  # else the model's RoPE, scaled as the global layers'
-        local["rope_theta"] = _local_rope_theta(hf, family, where, value)
-    return dict(layer_pattern=kinds[:period], local_attention=local)
+        sizes["local_theta"] = _local_rope_theta(hf, family, where, value)
+    return kinds, sizes
 
 
 def _every_nth_global(period: int, num_layers: int) -> list[str]:
     """Layer i global iff (i + 1) % period == 0 (Gemma's sliding_window_pattern)."""
-    return ["global" if (i + 1) % period == 0 else "local" for i in range(num_layers)]
-
-
-def _repeated(pattern: list[str], num_layers: int) -> list[str]:
-    return [pattern[i % len(pattern)] for i in range(num_layers)]
+    return ["global" if (i + 1) % period == 0 else "sliding" for i in range(num_layers)]
 
 
 def _local_rope_theta(hf: dict[str, Any], family: Family, where: str, value) -> float:
@@ -493,18 +549,16 @@ def _layer_types_keys(cfg: ModelConfig, family: Family) -> dict[str, Any]:
     """The config.json keys of cfg's attention pattern as Gemma 3 and GPT-OSS state it (what
     _layer_pattern reads back), with Gemma's sliding_window_pattern too where that period
     expresses it, for transformers versions that read no layer_types."""
-    kinds = [cfg.layer_attention(i) for i in range(cfg.num_layers)]
-    local = cfg.local_attention
+    kinds = [t.attention for t in cfg.layer_types]
     hf_names = {kind: name for name, kind in _LAYER_KINDS.items()}
     out = {
         "layer_types": [hf_names[kind] for kind in kinds],
         # transformers builds the sliding mask whether a layer uses it or not: never null
-        "sliding_window": local.window if local else family.defaults["sliding_window"],
+        "sliding_window": cfg.sliding_window or family.defaults["sliding_window"],
     }
     if family.local_rope_key:
-        theta = local.rope_theta if local and local.rope_theta else cfg.rope_theta
-        out[family.local_rope_key] = theta
-    period = len(cfg.layer_pattern or ["global"])
+        out[family.local_rope_key] = cfg.rope.local_theta or cfg.rope.theta
+    period = _period(kinds)
     if not family.global_period and kinds == _every_nth_global(period, cfg.num_layers):
         out["sliding_window_pattern"] = period
     return out
@@ -526,7 +580,7 @@ def _partial_rotary_factor(hf: dict[str, Any], family: Family, where: str) -> fl
 
 
 def _hf_rope_scaling(scaling, family: Family) -> dict[str, Any] | None:
-    """config.json's rope_scaling for model.rope_scaling. None where transformers reads null as
+    """config.json's rope_scaling for model.rope.scaling. None where transformers reads null as
     plain RoPE; {"rope_type": "default"} where it reads null as its family's default scaling."""
     if scaling is None:
         return {"rope_type": "default"} if "rope_parameters" in family.defaults else None
@@ -552,27 +606,17 @@ def _hf_sparse_layers(
     return tuple(i not in dense and (i + 1) % step == 0 for i in range(num_layers))
 
 
-def _hf_moe_layers(
-    family: Family, value, num_layers: int, where: str
-) -> tuple[tuple[bool, ...], int, str]:
-    """Per layer, True where transformers builds a sparse block; the step between them; the
-    keys that say so (for messages)."""
+def _hf_moe_layers(family: Family, value, num_layers: int, where: str) -> tuple[bool, ...]:
+    """Per layer, True where transformers builds a sparse block: Qwen3-MoE's by
+    mlp_only_layers and decoder_sparse_step, Llama 4's by moe_layers, else
+    interleave_moe_layer_step."""
     if family.sparse_layer_keys:  # Qwen3-MoE
         step, dense = value("decoder_sparse_step"), value("mlp_only_layers")
-        chosen_by = f"mlp_only_layers {dense} with decoder_sparse_step {step}"
-        return _hf_sparse_layers(dense, step, num_layers, where), step, chosen_by
+        return _hf_sparse_layers(dense, step, num_layers, where)
     step, listed = value("interleave_moe_layer_step"), value("moe_layers")  # Llama 4
     if listed is None:
-        layers = _hf_sparse_layers([], step, num_layers, where)
-        return layers, step, f"interleave_moe_layer_step {step}"
-    return tuple(i in listed for i in range(num_layers)), step, f"moe_layers {listed}"
-
-
-def _sparse_layer_keys(hf_layers: tuple[bool, ...], step: int) -> dict[str, int]:
-    """The only candidate (first_dense_layers, interval): the first MoE layer, the step.
-    model_config checks that the candidate reproduces every layer."""
-    first = hf_layers.index(True) if any(hf_layers) else len(hf_layers)
-    return {"first_dense_layers": first, "interval": step}
+        return _hf_sparse_layers([], step, num_layers, where)
+    return tuple(i in listed for i in range(num_layers))
 
 
 def _validated(fields: dict[str, Any], where: str) -> ModelConfig:
@@ -587,44 +631,22 @@ def _validated(fields: dict[str, Any], where: str) -> ModelConfig:
 
 def _check_exportable(cfg: ModelConfig, family: Family) -> None:
     """Raises ConversionError for what `family` cannot express."""
-    name = family.architecture
-    m = cfg.moe
-    unsupported = []
-    if m is not None:
-        if m.score != family.score:
-            unsupported.append(f"model.moe.score={m.score}")
-        if (m.bias_update_rate > 0) != bool(family.router_bias):
-            unsupported.append(f"model.moe.bias_update_rate={m.bias_update_rate} (a routing bias)")
-        kinds = is_moe_per_layer(cfg)
-        if family.sparse_layer_keys or family.moe_layer_list:
-            pass  # any first_dense_layers and interval
-        elif "first_dense_layers" in family.moe_keys.values():
-            if not all(kinds[m.first_dense_layers :]):
-                unsupported.append(f"model.moe.interval={m.interval}")
-        elif not all(kinds):
-            unsupported.append("dense layers between MoE layers")
-        if family.shared_width_key and not m.shared_experts:
-            unsupported.append("model.moe.shared_experts=0 (its MoE layers have a shared expert)")
-        for key, want in family.fixed_moe.items():
-            if getattr(m, key) != want:
-                unsupported.append(f"model.moe.{key}={_shown(getattr(m, key))}")
-    elif family.is_moe:
-        unsupported.append("a dense model (its MoE layers are required)")
+    unsupported = _unexportable_experts(cfg, family)
     if cfg.mla is not None and not family.mla_keys:
-        unsupported.append("model.attention_type=mla")
-    if cfg.rope_interleaved != family.rope_interleaved and not family.mla_keys:
-        unsupported.append(f"model.rope_interleaved={_shown(cfg.rope_interleaved)}")
+        unsupported.append("model.mla")
+    if cfg.rope.interleaved != family.rope_interleaved and not family.mla_keys:
+        unsupported.append(f"model.rope.interleaved={_shown(cfg.rope.interleaved)}")
     unsupported += _unexportable_pattern(cfg, family)
-    if cfg.attention_bias not in ("none", family.attention_bias):
-        unsupported.append(f"model.attention_bias={cfg.attention_bias}")
-    if cfg.partial_rotary_factor != 1 and "partial_rotary_factor" not in family.defaults:
-        unsupported.append(f"model.partial_rotary_factor={cfg.partial_rotary_factor}")
+    if cfg.attention_projection_bias not in ("none", family.attention_bias):
+        unsupported.append(f"model.attention_projection_bias={cfg.attention_projection_bias}")
+    if cfg.rope.fraction != 1 and "partial_rotary_factor" not in family.defaults:
+        unsupported.append(f"model.rope.fraction={cfg.rope.fraction}")
     unsupported += _unexpressed_attention(cfg, family)
-    scaling = cfg.rope_scaling
+    scaling = cfg.rope.scaling
     if scaling is not None and family.model_type not in _SCALING_FAMILIES.get(
         scaling.type, (family.model_type,)
     ):
-        unsupported.append(f"model.rope_scaling.type={scaling.type}")
+        unsupported.append(f"model.rope.scaling.type={scaling.type}")
     for key, default in {**FEATURE_DEFAULTS, **family.features}.items():
         want = family.features.get(key, default)
         if getattr(cfg, key) != want:
@@ -634,31 +656,58 @@ def _check_exportable(cfg: ModelConfig, family: Family) -> None:
     unsupported += _unexportable_layer_types(cfg, family)
     unsupported += _unexportable_sinks_and_biases(cfg, family)
     if unsupported:
+        attention = "multi-head latent attention" if cfg.mla else "grouped-query attention"
         raise ConversionError(
-            f"cannot export as {name} (the family for attention_type={cfg.attention_type}, "
-            f"qk_norm={cfg.qk_norm}, {'MoE' if m else 'dense'}): {unsupported[0]} is not "
+            f"cannot export as {family.architecture} (the family for {attention}, "
+            f"qk_norm={cfg.qk_norm}, {'MoE' if cfg.moe else 'dense'}): {unsupported[0]} is not "
             "supported"
         )
 
 
+def _unexportable_experts(cfg: ModelConfig, family: Family) -> list[str]:
+    """What of the model's experts, and of which layers have them, `family` cannot write."""
+    m = cfg.moe
+    if m is None:
+        return ["a dense model (its MoE layers are required)"] if family.is_moe else []
+    unsupported = []
+    if m.score != family.score:
+        unsupported.append(f"model.moe.score={m.score}")
+    if (m.balance_bias_update_rate > 0) != bool(family.router_bias):
+        unsupported.append(
+            f"model.moe.balance_bias_update_rate={m.balance_bias_update_rate} (a routing bias)"
+        )
+    moe_layers = is_moe_per_layer(cfg)
+    if family.sparse_layer_keys or family.moe_layer_list:
+        pass  # any layers: listed
+    elif family.first_dense_key:
+        if not all(moe_layers[moe_layers.index(True) :]):
+            unsupported.append(f"model.layers={cfg.layers} (dense layers between MoE layers)")
+    elif not all(moe_layers):
+        unsupported.append(f"model.layers={cfg.layers} (dense layers beside MoE layers)")
+    if family.shared_width_key and not m.shared_experts:
+        unsupported.append("model.moe.shared_experts=0 (its MoE layers have a shared expert)")
+    for key, want in family.fixed_moe.items():
+        if getattr(m, key) != want:
+            unsupported.append(f"model.moe.{key}={_shown(getattr(m, key))}")
+    return unsupported
+
+
 def _unexpressed_attention(cfg: ModelConfig, family: Family) -> list[str]:
-    """What of model.global_attention, model.local_attention and the qk-norm's scale `family`
-    cannot express (Llama 4's NoPE layers and chunks: only its own)."""
-    glob, local = cfg.global_attention or GlobalAttention(), cfg.local_attention
-    found = []
+    """What of the nope and chunked layers and the qk-norm's scale `family` cannot express
+    (Llama 4's NoPE layers and chunks: only its own)."""
+    kinds = {t.attention for t in cfg.layer_types}
     if not family.chunked_nope:
-        if glob != GlobalAttention():
-            found.append(f"model.global_attention={glob.model_dump()}")
-        if cfg.qk_norm and not cfg.qk_norm_scale:
-            found.append("model.qk_norm_scale=false")
+        found = ["model.layers' nope layers"] if "nope" in kinds else []
+        if cfg.qk_norm == "rms_unscaled":
+            found.append("model.qk_norm=rms_unscaled")
         return found
-    if cfg.qk_norm and cfg.qk_norm_scale:
-        found.append("model.qk_norm_scale=true (its qk-norm has no scale)")
-    if local is not None and (local.window is not None or local.rope_theta is not None):
-        found.append(f"model.local_attention={local.model_dump()} (only a chunk, the model's RoPE)")
-    has_global = any(cfg.layer_attention(i) == "global" for i in range(cfg.num_layers))
-    if has_global and (glob.rope or glob.qk_norm):
-        found.append(f"model.global_attention={glob.model_dump()} (its global layers are NoPE)")
+    found = []
+    if cfg.qk_norm == "rms":
+        found.append("model.qk_norm=rms (its qk-norm has no scale)")
+    if other := sorted(kinds - {"chunked", "nope"}):
+        found.append(f"model.layers' {other[0]} layers (its layers are chunked or nope)")
+    if cfg.rope.local_theta is not None:
+        found.append(f"model.rope.local_theta={cfg.rope.local_theta} (only the model's RoPE)")
     return found
 
 
@@ -668,35 +717,35 @@ def _shown(value: Any) -> str:
 
 def _unexportable_pattern(cfg: ModelConfig, family: Family) -> list[str]:
     """What of the layers' attention kinds `family` cannot write: a family with a window key
-    has one sliding window on every layer, the others have no local layers."""
-    local = cfg.local_attention
-    if local is None or family.chunked_nope or family.layer_types:
-        return []  # Llama 4's chunks: _unexpressed_attention; Gemma 3's layer_types: its own
+    has one sliding window on every layer, the others no sliding or chunked layers (Llama 4's
+    chunks: _unexpressed_attention; Gemma 3's and GPT-OSS's layer_types: their own)."""
+    kinds = {t.attention for t in cfg.layer_types} - {"global", "nope", "linear"}
+    if not kinds or family.chunked_nope or family.layer_types:
+        return []
     if not family.window_key:
-        return ["model.layer_pattern with local layers"]
-    if {cfg.layer_attention(i) for i in range(cfg.num_layers)} != {"local"}:
-        return [f"model.layer_pattern={cfg.layer_pattern} (global layers beside local ones)"]
-    if local.chunk is not None:
-        return [f"model.local_attention.chunk={local.chunk}"]
-    if local.rope_theta is not None:
-        return [f"model.local_attention.rope_theta={local.rope_theta}"]
+        return [f"model.layers' {sorted(kinds)[0]} layers"]
+    if "chunked" in kinds:
+        return [f"model.attention_chunk={cfg.attention_chunk}"]
+    if {t.attention for t in cfg.layer_types} != {"sliding"}:
+        return [f"model.layers={cfg.layers} (global layers beside sliding ones)"]
+    if cfg.rope.local_theta is not None:
+        return [f"model.rope.local_theta={cfg.rope.local_theta}"]
     return []
 
 
 def _unexportable_layer_types(cfg: ModelConfig, family: Family) -> list[str]:
     """What of the local layers a family with layer_types cannot write: chunks, and a local
     RoPE base unlike its own (Gemma 3: one of their own, unscaled; GPT-OSS: the model's)."""
-    local = cfg.local_attention  # other families' local layers: _unexportable_pattern
-    if local is None or not family.layer_types:
-        return []
-    if local.chunk is not None:
-        return [f"model.local_attention.chunk={local.chunk} (windows only)"]
-    if not family.local_rope_key and local.rope_theta is not None:
-        return [f"model.local_attention.rope_theta={local.rope_theta} (the model's RoPE only)"]
-    if family.local_rope_key and local.rope_theta is None and cfg.rope_scaling is not None:
+    kinds = {t.attention for t in cfg.layer_types}
+    if not family.layer_types or not kinds & {"sliding", "chunked"}:
+        return []  # other families' local layers: _unexportable_pattern
+    if "chunked" in kinds:
+        return [f"model.attention_chunk={cfg.attention_chunk} (windows only)"]
+    if not family.local_rope_key and cfg.rope.local_theta is not None:
+        return [f"model.rope.local_theta={cfg.rope.local_theta} (the model's RoPE only)"]
+    if family.local_rope_key and cfg.rope.local_theta is None and cfg.rope.scaling is not None:
         return [
-            "model.local_attention.rope_theta=null with model.rope_scaling (local layers' RoPE "
-            "is unscaled)"
+            "model.rope.local_theta=null with model.rope.scaling (sliding layers' RoPE is unscaled)"
         ]
     return []
 
@@ -711,7 +760,7 @@ def _unexportable_sinks_and_biases(cfg: ModelConfig, family: Family) -> list[str
     m = cfg.moe
     if m is not None:
         fused = family.expert_layout == "gpt_oss"
-        for key in ("router_bias", "expert_bias"):
+        for key in ("router_logit_bias", "expert_projection_bias"):
             if getattr(m, key) != fused:
                 out.append(f"model.moe.{key}={_shown(getattr(m, key))}")
         if (m.clamped_swiglu is not None) != fused:
@@ -719,5 +768,5 @@ def _unexportable_sinks_and_biases(cfg: ModelConfig, family: Family) -> list[str
     return out
 
 
-def _indices(flags: tuple[bool, ...]) -> list[int]:
+def _indices(flags) -> list[int]:
     return [i for i, f in enumerate(flags) if f]

@@ -34,7 +34,6 @@ import numpy as np
 import yaml
 from flax import nnx
 from jax.sharding import SingleDeviceSharding
-from pydantic import ValidationError
 
 from maxtrain import models as model_lib
 from maxtrain.checkpointing import CheckpointError, load_parameters, read_saved_config
@@ -42,8 +41,15 @@ from maxtrain.checkpointing.checkpointer import resolve_step_dir
 from maxtrain.checkpointing.common import absolute
 from maxtrain.checkpointing.export import save_parameters
 from maxtrain.common.files import atomic_directory
-from maxtrain.config import ModelArchitecture, ModelConfig
-from maxtrain.hf.config_map import CONFIG_JSON, hf_config, model_config, read_config_json
+from maxtrain.config import (
+    ComputeConfig,
+    ConfigError,
+    InitConfig,
+    ModelConfig,
+    migration,
+    validate_model,
+)
+from maxtrain.hf.config_map import CONFIG_JSON, hf_config, init_std, model_config, read_config_json
 from maxtrain.hf.errors import ConversionError
 from maxtrain.hf.families import Family, family_for
 from maxtrain.hf.layout import Slot, hf_tensor, slots
@@ -71,9 +77,10 @@ def read_hf_model(
     hf_dir = Path(hf_dir)
     hf, family = read_config_json(hf_dir)
     cfg = model_config(hf, family, where=str(hf_dir / CONFIG_JSON))
-    cfg = cfg.model_copy(update={"param_dtype": param_dtype})
     host = jax.devices("cpu")[0]
-    params = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype, device=host), _abstract_params(cfg))
+    params = jax.tree.map(
+        lambda a: jnp.zeros(a.shape, a.dtype, device=host), _abstract_params(cfg, param_dtype)
+    )
     why = f"{CONFIG_JSON} ({family.model_type})"
     layout = slots(cfg, family)
     with TensorReader(hf_dir) as reader:
@@ -106,10 +113,12 @@ def import_checkpoint(
     if any((Path(hf_dir) / name).is_file() for name in TOKENIZER_MODELS):
         load_tokenizer(hf_dir)  # a broken tokenizer is refused before anything is written
     cfg, params = read_hf_model(hf_dir, param_dtype)
+    std = init_std(*read_config_json(Path(hf_dir)))
     source = f"Imported from {Path(hf_dir).resolve()} by tools/convert_hf.py."
     meta = {"source": {"hugging_face": str(Path(hf_dir).resolve())}}
+    saved = model_config_yaml(cfg, output.name, param_dtype, std)
     with atomic_directory(output) as staging:
-        save_parameters(staging, params, config_yaml=model_config_yaml(cfg, output.name), meta=meta)
+        save_parameters(staging, params, config_yaml=saved, meta=meta)
         (staging / MODEL_YAML).write_text(model_yaml(cfg, source))
         copy_tokenizer_files(hf_dir, staging)
     return cfg
@@ -123,16 +132,18 @@ def write_hf_model(
     max_shard_bytes: int = 5 * 2**30,
     extra_config: dict[str, Any] | None = None,
     files: dict[str, str | bytes] | None = None,
+    std: float = InitConfig().std,
 ) -> Family:
     """Writes params (numpy or CPU jax arrays, our layout) as a Hugging Face model directory
-    `output` (config.json + safetensors) with weights in dtype (default: cfg.param_dtype).
+    `output` (config.json + safetensors) with weights in dtype (default: the params' own).
     extra_config: more config.json keys (the special token ids); files: {name: content} written
-    beside (the tokenizer's). Returns the family it was written as."""
+    beside (the tokenizer's); std: the initialisation's (initializer_range). Returns the family
+    it was written as."""
     output = Path(output)
     _refuse_existing(output)
     family = family_for(cfg)
-    dtype = dtype or cfg.param_dtype
-    config_json = {**hf_config(cfg, family, dtype), **(extra_config or {})}
+    dtype = dtype or _dtype_name(params)
+    config_json = {**hf_config(cfg, family, dtype, std), **(extra_config or {})}
     arrays = jax.tree.map(np.asarray, params)  # no copy for arrays already on the host
 
     def produce(parts: list[Slot]) -> np.ndarray:
@@ -167,12 +178,12 @@ def export_checkpoint(
     dtype: str | None = None,
     max_shard_bytes: int = 5 * 2**30,
     tokenizer: str | os.PathLike | None = None,
-) -> tuple[ModelConfig, Family, Path, Path | None]:
+) -> tuple[ModelConfig, Family, Path, Path | None, str]:
     """Writes the parameters of a maxtrain checkpoint (a step, tier or run directory; the model
     is the config saved with it) as a Hugging Face model directory `output`, with the run's
     tokenizer files, special ids and generation_config.json (tokenizer_files.py) where the
     tokenizer is known or given. Returns (model, family, the step directory read, the
-    tokenizer written or None)."""
+    tokenizer written or None, the weights' dtype: `dtype`, else the checkpoint's own)."""
     _refuse_existing(Path(output))  # before reading gigabytes
     step_dir = resolve_step_dir(absolute(checkpoint))
     from maxtrain.quantization.ptq import quantized_kind  # qwix: only when exporting
@@ -183,13 +194,15 @@ def export_checkpoint(
             "(tools/quantize.py), which export does not write; export the float checkpoint "
             "it was quantized from"
         )
-    cfg = checkpoint_model_config(step_dir)
+    cfg, param_dtype, std = checkpoint_model(step_dir)
     if why := partial_checkpoint(step_dir, yaml.safe_load(read_saved_config(step_dir)) or {}):
         raise ConversionError(why)
-    hf_config(cfg, family_for(cfg), dtype or cfg.param_dtype)  # unsupported: fail before reading
+    dtype = dtype or param_dtype
+    hf_config(cfg, family_for(cfg), dtype, std)  # unsupported: fail before reading
     device = SingleDeviceSharding(jax.devices("cpu")[0])
     abstract = jax.tree.map(
-        lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=device), _abstract_params(cfg)
+        lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=device),
+        _abstract_params(cfg, param_dtype),
     )
     if tokenizer is None:
         tokenizer = run_tokenizer(read_saved_config(step_dir))
@@ -198,45 +211,62 @@ def export_checkpoint(
         tokenizer = Path(tokenizer)
         extra, files = special_ids(tokenizer), tokenizer_files(tokenizer, cfg.max_seq_len)
     params = load_parameters(step_dir, abstract)
-    family = write_hf_model(cfg, params, output, dtype, max_shard_bytes, extra, files)
-    return cfg, family, step_dir, tokenizer
+    family = write_hf_model(cfg, params, output, dtype, max_shard_bytes, extra, files, std)
+    return cfg, family, step_dir, tokenizer, dtype
 
 
-def checkpoint_model_config(step_dir: Path) -> ModelConfig:
-    """The model of a checkpoint step, from the resolved config saved with it (either layout:
-    checkpointing.read_saved_config)."""
+def checkpoint_model(step_dir: Path) -> tuple[ModelConfig, str, float]:
+    """The model of a checkpoint step, the dtype its parameters are stored in and the std they
+    were initialised with, from the config saved with it (either layout:
+    checkpointing.read_saved_config; an older maxtrain's keys migrated)."""
     try:
-        text = read_saved_config(step_dir)
+        saved = yaml.safe_load(read_saved_config(step_dir)) or {}
     except CheckpointError as e:
         raise ConversionError(f"{e}; cannot tell the model") from None
-    model = (yaml.safe_load(text) or {}).get("model")
+    saved = migration.migrate(saved, str(step_dir))
     try:
-        return ModelConfig.model_validate(model)
-    except ValidationError as e:
+        cfg = validate_model(saved.get("model"))
+    except ConfigError as e:
         raise ConversionError(
-            f"{step_dir}: the model section of its saved config is not a valid model "
-            f"({e.errors()[0]['msg']})"
+            f"{step_dir}: the model section of its saved config is not a valid model ({e})"
         ) from None
-
-
-def model_yaml(cfg: ModelConfig, comment: str) -> str:
-    """cfg as a model file (configs/models/<name>.yml): its architecture keys, not the run-time
-    ones (dtypes, remat, attention kernel, init) that a run sets."""
-    keys = cfg.model_dump(mode="json", include=set(ModelArchitecture.model_fields))
-    return f"# {comment}\n" + yaml.safe_dump(keys, sort_keys=False)
-
-
-def model_config_yaml(cfg: ModelConfig, model_name: str) -> str:
-    """The config saved with an imported checkpoint: its model alone (what export reads back).
-    No run settings: importing must not depend on them (a model whose max_seq_len is below
-    the default train.seq_len imports all the same)."""
-    return yaml.safe_dump(
-        {"model_name": model_name, "model": cfg.model_dump(mode="json")}, sort_keys=False
+    compute, init = saved.get("compute") or {}, saved.get("init") or {}
+    return (
+        cfg,
+        compute.get("param_dtype", ComputeConfig().param_dtype),
+        init.get("std", InitConfig().std),
     )
 
 
-def _abstract_params(cfg: ModelConfig) -> dict[str, Any]:
-    return nnx.to_pure_dict(nnx.state(model_lib.abstract(cfg), nnx.Param))
+def model_yaml(cfg: ModelConfig, comment: str) -> str:
+    """cfg as a model file (configs/models/<name>.yml): the architecture, none of the keys
+    (dtypes, remat, attention kernel, init) that a run sets."""
+    return f"# {comment}\n" + yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)
+
+
+def model_config_yaml(cfg: ModelConfig, model_name: str, param_dtype: str, std: float) -> str:
+    """The config saved with an imported checkpoint: its model, the dtype of its parameters
+    and their initialiser's std (what export reads back). No other run settings: importing
+    must not depend on them (a model whose max_seq_len is below the default train.seq_len
+    imports all the same)."""
+    saved = {
+        "model_name": model_name,
+        "model": cfg.model_dump(mode="json"),
+        "compute": {"param_dtype": param_dtype},
+        "init": {"std": std},
+    }
+    return yaml.safe_dump(saved, sort_keys=False)
+
+
+def _abstract_params(cfg: ModelConfig, param_dtype: str = "float32") -> dict[str, Any]:
+    spec = model_lib.ModelSpec(cfg, ComputeConfig(param_dtype=param_dtype))
+    return nnx.to_pure_dict(nnx.state(model_lib.abstract(spec), nnx.Param))
+
+
+def _dtype_name(params: dict[str, Any]) -> str:
+    """The name in DTYPES of the parameters' dtype (float32 or bfloat16)."""
+    dtype = np.dtype(jax.tree.leaves(params)[0].dtype)
+    return next(name for name, known in DTYPES.items() if known == dtype)
 
 
 def _at(tree: dict[str, Any], path: tuple[str, ...]) -> Any:

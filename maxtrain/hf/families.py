@@ -63,7 +63,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from maxtrain.config import ModelArchitecture, ModelConfig
+from maxtrain.config import ModelConfig
 
 
 @dataclass(frozen=True)
@@ -91,13 +91,16 @@ class Family:
     aux_loss_key: str | None = "router_aux_loss_coef"  # -> model.moe.aux_loss_weight
     # config.json keys mapped one to one onto keys of model.moe.
     moe_keys: Mapping[str, str] = field(default_factory=dict)
+    # The config.json key counting the dense layers before the MoE ones (DeepSeek-V3's
+    # first_k_dense_replace: model.layers [global-dense*k, global-moe*...]).
+    first_dense_key: str | None = None
     router_bias: str | None = None  # the router's selection bias tensor, inside `gate.`
     shared_block: str | None = None  # the shared experts' SwiGLU, inside moe_block
     # Multi-head latent attention (model.mla, its keys named alike); empty: GQA.
     mla_keys: tuple[str, ...] = ()
     # A config.json key that switches qk-norm (its default in `defaults`); None: `qk_norm`.
     qk_norm_key: str | None = None
-    # model.attention_bias of config.json's `attention_bias: true`; None: no biases.
+    # model.attention_projection_bias of config.json's `attention_bias: true`; None: no biases.
     attention_bias: str | None = None
     # The config.json key counting the multi-token prediction layers a checkpoint holds.
     nextn_key: str | None = None
@@ -131,9 +134,9 @@ class Family:
         return {key: want for key, want in fixed.items() if key not in mapped}
 
     # The config.json key of a sliding window on every layer (null in it: no window), which is
-    # model.layer_pattern [local] with model.local_attention.window; None: the family has none.
+    # model.layers [sliding-dense] with model.sliding_window; None: the family has none.
     window_key: str | None = None
-    # Our model keys (ModelArchitecture) the family fixes; the others of FEATURE_DEFAULTS stay
+    # Our model keys (ModelConfig) the family fixes; the others of FEATURE_DEFAULTS stay
     # at their defaults: import sets them, export refuses a model without them.
     features: Mapping[str, Any] = field(default_factory=dict)
     # Sliding-window layers named by config.json's layer_types (sliding_attention or
@@ -157,7 +160,7 @@ class Family:
     # model.moe.shared_experts x expert_mlp_dim), with a gate (shared_expert_gate.weight [1, D]
     # inside moe_block); None: shared experts as moe_keys map them, if any.
     shared_width_key: str | None = None
-    # Gated DeltaNet layers (model.layer_pattern `linear`, model.linear_attention) named by
+    # Gated DeltaNet layers (model.layers' `linear`, model.linear_attention) named by
     # layer_types' linear_attention (config_map.py).
     linear_layers: bool = False
 
@@ -316,10 +319,10 @@ DEEPSEEK_V3 = Family(
     moe_keys={
         "routed_scaling_factor": "routed_scale",
         "n_shared_experts": "shared_experts",
-        "first_k_dense_replace": "first_dense_layers",
         "n_group": "n_group",
         "topk_group": "topk_group",
     },
+    first_dense_key="first_k_dense_replace",
     router_bias="e_score_correction_bias",
     shared_block="shared_experts",
     mla_keys=("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"),
@@ -360,6 +363,7 @@ GLM4_MOE = Family(
     score="sigmoid",
     aux_loss_key=None,
     moe_keys=DEEPSEEK_V3.moe_keys,
+    first_dense_key=DEEPSEEK_V3.first_dense_key,
     router_bias="e_score_correction_bias",
     shared_block="shared_experts",
     qk_norm_key="use_qk_norm",
@@ -437,7 +441,7 @@ GEMMA3 = Family(
         "use_bidirectional_attention": False,
     },
     features={
-        "qk_norm": True,
+        "qk_norm": "rms",
         "block_norms": "sandwich",
         "norm_scale_plus_one": True,
         "scale_embeddings": True,
@@ -525,7 +529,7 @@ QWEN3_NEXT = Family(
     },
     shared_block="shared_expert",
     moe_fixed={"shared_expert_gate": True},
-    features={"qk_norm": True, "norm_scale_plus_one": True, "attention_output_gate": True},
+    features={"qk_norm": "rms", "norm_scale_plus_one": True, "attention_output_gate": True},
     shared_width_key="shared_expert_intermediate_size",
     linear_layers=True,
 )
@@ -547,7 +551,7 @@ FAMILIES = {
 }
 # The model keys a Family's `features` may fix, at the value every other family has.
 FEATURE_DEFAULTS = {
-    key: ModelArchitecture.model_fields[key].default
+    key: ModelConfig.model_fields[key].default
     for key in (
         "block_norms",
         "norm_scale_plus_one",
@@ -568,7 +572,7 @@ def family_for(cfg: ModelConfig) -> Family:
     (config_map refuses what it cannot express)."""
     if cfg.linear_attention is not None or cfg.attention_output_gate:
         return QWEN3_NEXT
-    if cfg.attention_type == "mla":
+    if cfg.mla is not None:
         return DEEPSEEK_V3
     if cfg.attention_sinks:
         return GPT_OSS
@@ -578,8 +582,10 @@ def family_for(cfg: ModelConfig) -> Family:
         return GEMMA3
     if cfg.moe is not None and cfg.moe.score == "sigmoid":
         return GLM4_MOE
+    qk_norm = cfg.qk_norm != "none"
     if cfg.moe is None:
-        if cfg.qk_norm:
+        if qk_norm:
             return QWEN3
-        return MISTRAL if cfg.local_attention is not None else LLAMA
-    return QWEN3_MOE if cfg.qk_norm else MIXTRAL
+        local = {t.attention for t in cfg.layer_types} & {"sliding", "chunked"}
+        return MISTRAL if local else LLAMA
+    return QWEN3_MOE if qk_norm else MIXTRAL

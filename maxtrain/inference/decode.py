@@ -32,7 +32,7 @@ from maxtrain.common.errors import UserError
 from maxtrain.config import ModelConfig
 from maxtrain.inference.loading import LoadedModel
 from maxtrain.inference.sampling import Sampling, next_tokens
-from maxtrain.layers.attention_pattern import kind_per_layer
+from maxtrain.layers.attention_pattern import kind_per_layer, model_kinds
 from maxtrain.layers.kv_cache import cache_kind, cache_shardings, init_cache
 from maxtrain.models import compute_dtype
 from maxtrain.models.stacks import STACKS, layer_kinds
@@ -74,9 +74,10 @@ def cache_stacks(model_cfg: ModelConfig) -> dict[str, dict[str, int]]:
     and kinds the model has: the decode cache's arrays (layers/kv_cache.py; a linear stack's
     layers keep their states under one kind)."""
     stacks: dict[str, dict[str, int]] = {}
+    names = model_kinds(model_cfg)
     for layer_kind, kind in zip(layer_kinds(model_cfg), kind_per_layer(model_cfg), strict=True):
         per_kind = stacks.setdefault(STACKS[layer_kind], {})
-        name = cache_kind(layer_kind.mixer, kind)
+        name = cache_kind(layer_kind.mixer, names[kind])
         per_kind[name] = per_kind.get(name, 0) + 1
     return stacks
 
@@ -131,7 +132,7 @@ def generate(
         cache_stacks(cfg.model),
         len(lengths),
         cache_length,
-        compute_dtype(cfg.model),
+        compute_dtype(cfg.compute),
     )
     cache_sharding = cache_shardings(jax.eval_shape(make_cache), mesh, rules)
 

@@ -33,7 +33,7 @@ from maxtrain.parallel.mesh import build_mesh, sharding_rules
 from maxtrain.posttrain import parameter_split
 from maxtrain.surgery.initialize import initial_params
 from maxtrain.tokenizers import DEFAULT_TOKENIZER, TOKENIZER_MODELS, Tokenizer, load_tokenizer
-from maxtrain.training.run_model import model_def
+from maxtrain.training.run_model import model_def, model_spec
 from maxtrain.training.state import param_shardings
 
 
@@ -105,7 +105,8 @@ def _initial(cfg: Config, abstract: Any) -> Any:
     initialised with run.seed."""
     if cfg.checkpoint.load_parameters_path:
         return initial_params(cfg, abstract)
-    init = lambda: nnx.to_pure_dict(nnx.state(build(cfg.model, seed=cfg.run.seed), nnx.Param))  # noqa: E731
+    spec = model_spec(cfg)
+    init = lambda: nnx.to_pure_dict(nnx.state(build(spec, seed=cfg.run.seed), nnx.Param))
     shardings = jax.tree.map(lambda a: a.sharding, abstract)
     return jax.jit(init, out_shardings=shardings)()
 

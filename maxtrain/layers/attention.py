@@ -1,6 +1,6 @@
 """Grouped-query self-attention with optional qk-norm, biases, sinks and RoPE; the kernel lives
-in kernels/, the layer kinds (global, sliding-window or chunked local; with or without RoPE,
-qk-norm and query temperature) in attention_pattern.py."""
+in kernels/, the layer kinds (global, sliding, chunked, nope: which keys a query sees, with or
+without RoPE, qk-norm and query temperature) in attention_pattern.py."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from maxtrain.layers.attention_pattern import AttentionVariant, variants
 from maxtrain.layers.base import Projection
 from maxtrain.layers.kv_cache import LayerCache, WindowCache
 from maxtrain.layers.norms import RMSNorm
+from maxtrain.layers.spec import ModelSpec
 from maxtrain.parallel.context import context_attention, context_degree
 from maxtrain.parallel.mesh import constrain
 
@@ -41,7 +42,7 @@ class AttentionCounts:
 class Attention(nnx.Module):
     @staticmethod
     def counts(cfg: ModelConfig) -> AttentionCounts:
-        D, N, K, H = cfg.emb_dim, cfg.num_heads, cfg.num_kv_heads, cfg.resolved_head_dim
+        D, N, K, H = cfg.emb_dim, cfg.num_heads, cfg.resolved_kv_heads, cfg.resolved_head_dim
         gate = N * H if cfg.attention_output_gate else 0  # the output gate's projection
         return AttentionCounts(
             matmul_params=2 * D * N * H + 2 * D * K * H + D * gate,  # q and o; k and v; gate
@@ -50,17 +51,16 @@ class Attention(nnx.Module):
             saved=2 * N * H + 2 * K * H + D + gate,  # q, k, v, the kernel's output, o, gate
         )
 
-    def __init__(self, cfg: ModelConfig, *, param_dtype, compute_dtype, rngs: nnx.Rngs):
-        D, N, K, H = cfg.emb_dim, cfg.num_heads, cfg.num_kv_heads, cfg.resolved_head_dim
-        kw = dict(
-            init_std=cfg.init_std, param_dtype=param_dtype, compute_dtype=compute_dtype, rngs=rngs
-        )
-        qkv_bias = cfg.attention_bias != "none"
+    def __init__(self, spec: ModelSpec, *, rngs: nnx.Rngs):
+        cfg, compute = spec.model, spec.compute
+        D, N, K, H = cfg.emb_dim, cfg.num_heads, cfg.resolved_kv_heads, cfg.resolved_head_dim
+        kw = spec.projection(rngs)
+        qkv_bias = cfg.attention_projection_bias != "none"
         q_axes, kv_axes = ("embed", "heads", "head_dim"), ("embed", "kv_heads", "head_dim")
         self.q = Projection("btd,dnh->btnh", (D, N, H), q_axes, bias=qkv_bias, **kw)
         self.k = Projection("btd,dkh->btkh", (D, K, H), kv_axes, bias=qkv_bias, **kw)
         self.v = Projection("btd,dkh->btkh", (D, K, H), kv_axes, bias=qkv_bias, **kw)
-        o_bias = cfg.attention_bias == "qkvo"
+        o_bias = cfg.attention_projection_bias == "qkvo"
         self.o = Projection(
             "btnh,nhd->btd", (N, H, D), ("heads", "head_dim", "embed"), bias=o_bias, **kw
         )
@@ -73,13 +73,15 @@ class Attention(nnx.Module):
         # GPT-OSS's attention sinks: one logit per query head in every softmax's denominator
         # (the kernels take it as `sinks`), starting at zero.
         self.sinks = (
-            nnx.Param(jnp.zeros((N,), param_dtype), out_sharding=("heads",), eager_sharding=False)
+            nnx.Param(
+                jnp.zeros((N,), spec.param_dtype), out_sharding=("heads",), eager_sharding=False
+            )
             if cfg.attention_sinks
             else None
         )
-        if cfg.qk_norm:
-            norm_kw = dict(eps=cfg.norm_eps, param_dtype=param_dtype, rngs=rngs)
-            norm_kw.update(scaled=cfg.qk_norm_scale, plus_one=cfg.norm_scale_plus_one)
+        if cfg.qk_norm != "none":
+            norm_kw = dict(eps=cfg.norm_eps, param_dtype=spec.param_dtype, rngs=rngs)
+            norm_kw.update(scaled=cfg.qk_norm == "rms", plus_one=cfg.norm_scale_plus_one)
             self.q_norm = RMSNorm(H, **norm_kw)
             self.k_norm = RMSNorm(H, **norm_kw)
         else:
@@ -87,22 +89,22 @@ class Attention(nnx.Module):
         # The kernels divide the logits by sqrt(H); queries scaled by this divide them by
         # sqrt(model.softmax_scale_dim) instead, in every kernel and the decode path alike.
         self.q_scale = math.sqrt(H / (cfg.softmax_scale_dim or H))
-        # The layer kinds this model has (attention_pattern.KINDS order), each with its kernel,
+        # The layer kinds this model has (attention_pattern.model_kinds), each with its kernel,
         # picked once, and the exchange that runs it on a sequence split over mesh.context.
         self.variants = variants(cfg, H)
-        # With model.attention_max_logit the kernels also give each head's largest logit.
-        self.max_logit = cfg.attention_max_logit
+        # With compute.attention_max_logit the kernels also give each head's largest logit.
+        self.max_logit = compute.attention_max_logit
         self.kernels = tuple(
-            attention_kernel(cfg.attention, var.window, self.max_logit) for var in self.variants
+            attention_kernel(compute.attention, var.window, self.max_logit) for var in self.variants
         )
-        self.attend_split = context_attention(cfg.context_exchange, cfg.context_layout)
+        self.attend_split = context_attention(compute.context_exchange, compute.context_layout)
 
     def __call__(
         self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array, kind: int | jax.Array = 0
     ) -> jax.Array | tuple[jax.Array, jax.Array]:
-        """x [B, T, D] -> [B, T, D]; `kind`: the layer's index in attention_pattern.KINDS, a
-        constant, or a traced scalar where a scan runs layers of several kinds. With
-        model.attention_max_logit: (that, each query head's largest logit [N])."""
+        """x [B, T, D] -> [B, T, D]; `kind`: the layer's index in attention_pattern.model_kinds,
+        a constant, or a traced scalar where a scan runs layers of several kinds. With
+        compute.attention_max_logit: (that, each query head's largest logit [N])."""
         q, k, v = self._project(x)
 
         def attend(variant: AttentionVariant, kernel) -> jax.Array:
@@ -123,12 +125,11 @@ class Attention(nnx.Module):
     def cached(
         self, x: jax.Array, positions: jax.Array, cache: LayerCache | WindowCache, kind: int = 0
     ) -> tuple[jax.Array, LayerCache | WindowCache]:
-        """Generation's path (maxtrain/inference/): the new tokens' keys and values are written
-        into the layer's cache at their positions ([B, T], consecutive per row; -1: a prefill's
-        padding), and the queries attend over what the cache gives them: all of a global
-        layer's, a local layer's ring and the new keys (layers/kv_cache.py). `kind` is a
-        constant: the cache is of its kind. Same projections, norms and RoPE as the training
-        path."""
+        """Generation's path (maxtrain/inference/): the new tokens' keys and values are written into
+        the layer's cache at their positions ([B, T], consecutive per row; -1: a prefill's padding),
+        and the queries attend over what the cache gives them: all of a global layer's, a sliding or
+        chunked layer's ring and the new keys (layers/kv_cache.py). `kind` is a constant: the cache
+        is of its kind. Same projections, norms and RoPE as the training path."""
         q, k, v = self._project(x)
         variant = self.variants[kind]
         q, k = self._as_scored(variant, q, k, positions)

@@ -1,16 +1,17 @@
-"""Attention patterns: which keys each layer's queries see, stated per layer by model.layer_pattern.
+"""Attention kinds: which keys each layer's queries see and how positions reach them, stated
+per layer by model.layers (config/layer_list.py).
 
-A model's layers are `global` (causal over the whole document) or `local`, shaped by
-model.local_attention: a sliding window of the last `window` positions (Gemma 3, GPT-OSS,
-Mistral) or a chunk of `chunk` positions (Llama 4), with its own RoPE base where the family has
-one (Gemma 3). Global layers may differ from the model's defaults too (model.global_attention):
-Llama 4's have no RoPE (NoPE), no qk-norm, and a query temperature that grows with the position
-(`QueryTemperature`). The kinds differ in masks, position encoding, whether the qk-norm runs and
-the query's temperature only, never in parameters, so
-layers of every kind share one stack (models/stacks.py) and one checkpoint layout; the decoder
-hands each layer its kind's index (`KINDS`), a constant where a run of layers is all one kind
-and a scanned value otherwise (the layer then picks its kind's attention with `lax.switch`:
-only the taken branch runs).
+A softmax attention layer is `global` (causal over its whole document, RoPE), `sliding` (the
+last model.sliding_window positions: Gemma 3, GPT-OSS, Mistral), `chunked` (its chunk of
+model.attention_chunk positions: Llama 4) or `nope` (global with no position encoding and no
+qk-norm, its query's temperature growing with the position where the model sets
+model.attention_temperature: Llama 4's `QueryTemperature`). Sliding and chunked layers take
+model.rope.local_theta where the family has a RoPE base of their own (Gemma 3). The kinds
+differ in masks, position encoding, whether the qk-norm runs and the query's temperature only,
+never in parameters, so layers of every kind share one stack (models/stacks.py) and one
+checkpoint layout; the decoder hands each layer the index of its kind among the model's own
+(`model_kinds`), a constant where a run of layers is all one kind and a scanned value otherwise
+(the layer then picks its kind's attention with `lax.switch`: only the taken branch runs).
 
 A chunked layer is a sliding window in disguise: within a document, a query at position p sees
 the keys from p - p % chunk on, which is causal attention over documents cut at every multiple
@@ -25,10 +26,11 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 
-from maxtrain.config import GlobalAttention, ModelArchitecture
+from maxtrain.config import ModelConfig
 from maxtrain.layers.rope import Rope
 
-KINDS = ("global", "local")  # a layer's kind index is its position here
+# The softmax attention kinds, in the order a model's own are indexed (`model_kinds`).
+KINDS = ("global", "sliding", "chunked", "nope")
 
 
 @dataclass(frozen=True)
@@ -67,36 +69,49 @@ class AttentionVariant:
         )
 
 
-def variants(cfg: ModelArchitecture, head_dim: int) -> tuple[AttentionVariant, ...]:
-    """Per kind of KINDS, its variant for a model (a local one only if the model has one)."""
-    rotated = round(head_dim * cfg.partial_rotary_factor)  # the config checked it is whole
-    rope = Rope(rotated, cfg.rope_theta, cfg.rope_scaling, cfg.rope_interleaved)
-    glob = cfg.global_attention or GlobalAttention()
-    temperature = None
-    if glob.temperature_floor is not None:
-        temperature = QueryTemperature(glob.temperature_floor, glob.temperature_scale)
-    found = [
-        AttentionVariant(
-            rope=rope if glob.rope else None, qk_norm=glob.qk_norm, temperature=temperature
-        )
-    ]
-    local = cfg.local_attention
-    if local is not None:
-        local_rope = rope
-        if local.rope_theta is not None:
-            local_rope = Rope(rotated, local.rope_theta, None, cfg.rope_interleaved)
-        found.append(AttentionVariant(window=local.span, chunk=local.chunk, rope=local_rope))
-    return tuple(found)
+def model_kinds(cfg: ModelConfig) -> tuple[str, ...]:
+    """The softmax attention kinds of a model's layers, in KINDS order (("global",) for a model
+    without any): a layer's kind index is its kind's position here."""
+    present = {t.attention for t in cfg.layer_types}
+    return tuple(kind for kind in KINDS if kind in present) or ("global",)
 
 
-def kind_per_layer(cfg: ModelArchitecture) -> tuple[int, ...]:
-    """Per model layer: the index in KINDS of its attention kind; 0 for a linear-attention
-    layer, whose mixer has no kinds (layers/gated_deltanet.py)."""
-    kinds = [cfg.layer_attention(i) for i in range(cfg.num_layers)]
-    return tuple(0 if kind == "linear" else KINDS.index(kind) for kind in kinds)
+def variants(cfg: ModelConfig, head_dim: int) -> tuple[AttentionVariant, ...]:
+    """Per kind of model_kinds, its variant."""
+    rotated = round(head_dim * cfg.rope.fraction)  # the config checked it is whole
+    rope = Rope(rotated, cfg.rope.theta, cfg.rope.scaling, cfg.rope.interleaved)
+    local_rope = rope
+    if cfg.rope.local_theta is not None:
+        local_rope = Rope(rotated, cfg.rope.local_theta, None, cfg.rope.interleaved)
+    tuning = cfg.attention_temperature
+    temperature = None if tuning is None else QueryTemperature(tuning.floor, tuning.scale)
+    found = {
+        "global": AttentionVariant(rope=rope),
+        "sliding": AttentionVariant(window=cfg.sliding_window, rope=local_rope),
+        "chunked": AttentionVariant(
+            window=cfg.attention_chunk, chunk=cfg.attention_chunk, rope=local_rope
+        ),
+        "nope": AttentionVariant(qk_norm=False, temperature=temperature),
+    }
+    return tuple(found[kind] for kind in model_kinds(cfg))
 
 
-def keys_per_query(cfg: ModelArchitecture, seq_len: int) -> tuple[float, ...]:
+def kind_per_layer(cfg: ModelConfig) -> tuple[int, ...]:
+    """Per model layer: the index in model_kinds of its attention kind; 0 for a
+    linear-attention layer, whose mixer has no kinds (layers/gated_deltanet.py)."""
+    kinds = model_kinds(cfg)
+    return tuple(
+        0 if t.attention == "linear" else kinds.index(t.attention) for t in cfg.layer_types
+    )
+
+
+def span(cfg: ModelConfig, kind: str) -> int | None:
+    """The most positions a query of this kind reaches back, itself included (None: its whole
+    document): a sliding layer's window, a chunked layer's chunk."""
+    return {"sliding": cfg.sliding_window, "chunked": cfg.attention_chunk}.get(kind)
+
+
+def keys_per_query(cfg: ModelConfig, seq_len: int) -> tuple[float, ...]:
     """Per model layer: the keys a query attends to on average in a sequence of `seq_len`
     tokens, under its kind's causal mask, counted as model FLOPs count causal attention (the
     continuous half: seq_len / 2 for a global layer, training/metrics.py). A sliding window of
@@ -105,17 +120,14 @@ def keys_per_query(cfg: ModelArchitecture, seq_len: int) -> tuple[float, ...]:
     C^2 / 2 each, over T. A linear-attention layer attends to no keys: its recurrence's cost
     is its own (training/metrics.py)."""
     t = seq_len
-    local = cfg.local_attention
-    if local is None:
-        local_keys = t / 2
-    elif local.chunk is not None:
-        full, rest = divmod(t, local.chunk)
-        local_keys = (full * local.chunk**2 + rest**2) / (2 * t)
-    else:
-        w = min(local.window, t)
-        local_keys = w - w * w / (2 * t)
-    keys = {"global": t / 2, "local": local_keys, "linear": 0.0}
-    return tuple(keys[cfg.layer_attention(i)] for i in range(cfg.num_layers))
+    keys = {"global": t / 2, "nope": t / 2, "linear": 0.0}
+    if cfg.attention_chunk is not None:
+        full, rest = divmod(t, cfg.attention_chunk)
+        keys["chunked"] = (full * cfg.attention_chunk**2 + rest**2) / (2 * t)
+    if cfg.sliding_window is not None:
+        w = min(cfg.sliding_window, t)
+        keys["sliding"] = w - w * w / (2 * t)
+    return tuple(keys[t.attention] for t in cfg.layer_types)
 
 
 def chunk_segments(segment_ids: jax.Array, positions: jax.Array, chunk: int) -> jax.Array:

@@ -8,15 +8,16 @@ scan over a stack's parameters carries them. On a mesh the cache is split like t
 it comes from: the batch over the data-parallel axes, grouped-query attention's key/value heads
 over `tensor`.
 
-What a position keeps depends on the attention (`init_cache` picks by model.attention_type):
+What a position keeps depends on the attention (`init_cache` picks by model.mla's presence):
 grouped-query attention its keys and values (`LayerCache`), multi-head latent attention only the
 compressed latent and the shared rotary key its keys and values are made from (`LatentCache`).
 
 How many positions a layer keeps depends on its kind (layers/attention_pattern.py): a
-global layer every position of the generation, a local one only the last `span` (its window or
-chunk: no query reaches further back), in a ring (`WindowCache`), so that its memory is
-O(window), not O(length). A stack's layers may mix kinds (Gemma 3's 5 local : 1 global), so a
-stack's cache is one array per kind, {kind name: [L_kind, B, ...]}, each layer owning the entry
+global (or nope) layer every position of the generation, a sliding or chunked one only the last
+`span` (its window or chunk: no query reaches further back), in a ring (`WindowCache`), so that
+its memory is O(window), not O(length). A stack's layers may mix kinds (Gemma 3's 5 sliding : 1
+global), so a stack's cache is one array per kind, {kind name: [L_kind, B, ...]}, each layer
+owning the entry
 of its rank among the stack's layers of its kind (models/decoder.py run_stack_cached). One array
 per layer of the stack would hold the same but be scanned over by no lax.scan; both kinds at
 full length would spend the memory a window saves.
@@ -42,7 +43,7 @@ from jax.sharding import Mesh, NamedSharding
 
 from maxtrain.config import ModelConfig
 from maxtrain.config.model import Mixer
-from maxtrain.layers.attention_pattern import KINDS
+from maxtrain.layers.attention_pattern import span
 from maxtrain.parallel.mesh import constrain, logical_to_spec
 
 
@@ -63,7 +64,7 @@ class LayerCache(NamedTuple):
 
     @classmethod
     def zeros(cls, cfg: ModelConfig, layers: int, batch: int, length: int, dtype) -> LayerCache:
-        shape = (layers, batch, length, cfg.num_kv_heads, cfg.resolved_head_dim)
+        shape = (layers, batch, length, cfg.resolved_kv_heads, cfg.resolved_head_dim)
         return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
 
     def update(
@@ -85,9 +86,9 @@ def _ring_positions(last: jax.Array, size: int) -> jax.Array:
 
 
 class WindowCache(NamedTuple):
-    """A local layer's keys and values of its last `size` positions ([B, size, K, H] each, or
-    [L, ...] stacked): entry s holds the newest position p written with p % size == s. Which
-    position an entry holds follows from the row's next position (`_ring_positions`), since a
+    """A sliding or chunked layer's keys and values of its last `size` positions ([B, size, K, H]
+    each, or [L, ...] stacked): entry s holds the newest position p written with p % size == s.
+    Which position an entry holds follows from the row's next position (`_ring_positions`), since a
     row's positions are written in order, each once: nothing records it."""
 
     k: jax.Array
@@ -96,12 +97,10 @@ class WindowCache(NamedTuple):
     axes = LayerCache.axes
 
     @classmethod
-    def zeros(cls, cfg: ModelConfig, layers: int, batch: int, length: int, dtype) -> WindowCache:
-        """A ring of the positions a local query reaches back (its window or chunk), or of
-        the whole generation if shorter."""
-        assert cfg.local_attention is not None  # a local layer implies it (config validation)
-        size = min(cfg.local_attention.span, length)
-        return cls(*LayerCache.zeros(cfg, layers, batch, size, dtype))
+    def ring(cls, size: int, cfg: ModelConfig, layers: int, batch: int, length: int, dtype):
+        """A ring of the `size` positions a query reaches back (a window or chunk), or of the
+        whole generation if shorter."""
+        return cls(*LayerCache.zeros(cfg, layers, batch, min(size, length), dtype))
 
     def update(
         self, k: jax.Array, v: jax.Array, positions: jax.Array
@@ -144,7 +143,7 @@ class LatentCache(NamedTuple):
 
     @classmethod
     def zeros(cls, cfg: ModelConfig, layers: int, batch: int, length: int, dtype) -> LatentCache:
-        assert cfg.mla is not None  # attention_type mla implies it (config validation)
+        assert cfg.mla is not None  # built only for a model with model.mla
         width = cfg.mla.kv_lora_rank + cfg.mla.qk_rope_head_dim
         return cls(jnp.zeros((layers, batch, length, width), dtype))
 
@@ -190,16 +189,16 @@ def _linear_zeros(cfg: ModelConfig, layers: int, batch: int, length: int, dtype)
 
 
 type Cache = LayerCache | LatentCache | WindowCache | DeltaNetState
-# A layer stack's caches per cache kind: its attention kind's name (KINDS), or LINEAR.
+# A layer stack's caches per cache kind: its attention kind's name (attention_pattern.KINDS), or
+# LINEAR.
 type StackCache = dict[str, Cache]
-CACHES: dict[str, type[LayerCache] | type[LatentCache]] = {"gqa": LayerCache, "mla": LatentCache}
 LINEAR = "linear"
 
 
-def cache_kind(mixer: Mixer, kind: int) -> str:
-    """The key of a layer's cache among its stack's: its attention kind's name (KINDS[kind]),
-    or LINEAR for a linear-attention layer, which has no attention kind."""
-    return LINEAR if mixer == "linear" else KINDS[kind]
+def cache_kind(mixer: Mixer, kind: str) -> str:
+    """The key of a layer's cache among its stack's: its attention kind's name, or LINEAR for a
+    linear-attention layer, which has no attention kind."""
+    return LINEAR if mixer == "linear" else kind
 
 
 def init_cache(
@@ -207,16 +206,19 @@ def init_cache(
 ) -> dict[str, StackCache]:
     """Zeroed caches for a generation of `length` positions: per params key of a layer stack,
     per cache kind of its layers ({stack: {cache_kind: layers of that kind}}), the model's
-    attention's full-length cache for global layers, a ring for local ones, the state for
-    linear ones."""
-    zeros = {
-        "global": CACHES[cfg.attention_type].zeros,
-        "local": WindowCache.zeros,
-        LINEAR: _linear_zeros,
-    }
+    attention's full-length cache for global and nope layers, a ring for sliding and chunked
+    ones, the state for linear ones."""
+
+    def zeros(kind: str, layers: int) -> Cache:
+        if kind == LINEAR:
+            return _linear_zeros(cfg, layers, batch, length, dtype)
+        if (size := span(cfg, kind)) is not None:
+            return WindowCache.ring(size, cfg, layers, batch, length, dtype)
+        full = LatentCache if cfg.mla is not None else LayerCache
+        return full.zeros(cfg, layers, batch, length, dtype)
+
     return {
-        stack: {kind: zeros[kind](cfg, n, batch, length, dtype) for kind, n in per.items()}
-        for stack, per in stacks.items()
+        stack: {kind: zeros(kind, n) for kind, n in per.items()} for stack, per in stacks.items()
     }
 
 

@@ -43,6 +43,7 @@ from maxtrain.layers.base import Projection
 from maxtrain.layers.kv_cache import LatentCache
 from maxtrain.layers.norms import RMSNorm
 from maxtrain.layers.rope import Rope
+from maxtrain.layers.spec import ModelSpec
 from maxtrain.parallel.mesh import constrain
 
 # The latents' RMSNorm epsilon: DeepSeek's reference code and transformers fix it, whatever
@@ -68,16 +69,15 @@ class MLA(nnx.Module):
             saved=N * H + (m.q_lora_rank or 0) + latent + kv_b + N * V + D,
         )
 
-    def __init__(self, cfg: ModelConfig, *, param_dtype, compute_dtype, rngs: nnx.Rngs):
+    def __init__(self, spec: ModelSpec, *, rngs: nnx.Rngs):
+        cfg = spec.model
         m = cfg.mla
-        assert m is not None  # attention_type mla implies it (config validation)
+        assert m is not None  # an MLA layer is built only where the model has model.mla
         D, N, H = cfg.emb_dim, cfg.num_heads, m.qk_head_dim
-        kw = dict(
-            init_std=cfg.init_std, param_dtype=param_dtype, compute_dtype=compute_dtype, rngs=rngs
-        )
+        kw = spec.projection(rngs)
         norm_kw = dict(
             eps=LATENT_NORM_EPS,
-            param_dtype=param_dtype,
+            param_dtype=spec.param_dtype,
             rngs=rngs,
             plus_one=cfg.norm_scale_plus_one,
         )
@@ -104,17 +104,17 @@ class MLA(nnx.Module):
         )
         self.o = Projection("btnh,nhd->btd", (N, m.v_head_dim, D), (*heads, "embed"), **kw)
         self.dims = (m.kv_lora_rank, m.qk_nope_head_dim)  # where the fused outputs split
-        self.rope = Rope(m.qk_rope_head_dim, cfg.rope_theta, cfg.rope_scaling, cfg.rope_interleaved)
-        # the kernel, picked once; with model.attention_max_logit it gives each head's max logit
-        self.max_logit = cfg.attention_max_logit
-        self.attend = attention_kernel(cfg.attention, max_logit=self.max_logit)
+        self.rope = Rope(m.qk_rope_head_dim, cfg.rope.theta, cfg.rope.scaling, cfg.rope.interleaved)
+        # the kernel, picked once; with compute.attention_max_logit it gives each head's max logit
+        self.max_logit = spec.compute.attention_max_logit
+        self.attend = attention_kernel(spec.compute.attention, max_logit=self.max_logit)
 
     def __call__(
         self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array, kind: int = 0
     ) -> jax.Array | tuple[jax.Array, jax.Array]:
-        """x [B, T, D] -> [B, T, D]. Every MLA layer is global (`kind` 0: the config refuses a
-        local layer_pattern with MLA). With model.attention_max_logit: (that, each head's
-        largest logit [N])."""
+        """x [B, T, D] -> [B, T, D]. Every MLA layer is global (`kind` 0: the config refuses
+        other attention kinds with model.mla). With compute.attention_max_logit: (that, each
+        head's largest logit [N])."""
         _, nope = self.dims
         q = self._query(x, positions)  # [B, T, N, H]
         latent, k_rope = self._latent(x, positions)

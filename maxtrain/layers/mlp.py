@@ -6,8 +6,8 @@ from __future__ import annotations
 import jax
 from flax import nnx
 
-from maxtrain.config import ModelConfig
 from maxtrain.layers.base import Projection
+from maxtrain.layers.spec import ModelSpec
 
 # model.mlp_activation -> the gate's activation. gelu_tanh is transformers' gelu_pytorch_tanh.
 ACTIVATIONS = {"silu": jax.nn.silu, "gelu_tanh": lambda x: jax.nn.gelu(x, approximate=True)}
@@ -39,15 +39,11 @@ class MLP(SwiGLU):
     feed-forward it was built with the same way; a dense block has no statistics.
     """
 
-    def __init__(self, cfg: ModelConfig, *, param_dtype, compute_dtype, rngs: nnx.Rngs):
+    def __init__(self, spec: ModelSpec, *, rngs: nnx.Rngs):
+        cfg = spec.model
+        assert cfg.mlp_dim is not None  # a dense layer implies it (config validation)
         super().__init__(
-            cfg.emb_dim,
-            cfg.mlp_dim,
-            activation=cfg.mlp_activation,
-            init_std=cfg.init_std,
-            param_dtype=param_dtype,
-            compute_dtype=compute_dtype,
-            rngs=rngs,
+            cfg.emb_dim, cfg.mlp_dim, activation=cfg.mlp_activation, **spec.projection(rngs)
         )
 
     def __call__(self, x: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:

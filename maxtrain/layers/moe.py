@@ -7,7 +7,8 @@ parallelism: rows travel to their experts by one of the exchanges of parallel/ex
 and the `tensor` axis (each device computes a slice of every expert's hidden units; the partial
 outputs are summed).
 
-GPT-OSS's experts (moe.router_bias, expert_bias, clamped_swiglu): a bias on the router's logits;
+GPT-OSS's experts (moe.router_logit_bias, expert_projection_bias, clamped_swiglu): a bias on the
+router's logits;
 the gate's and up projection's biases and the activation travel with the expert weights through
 the exchanges (moe_dispatch.ExpertWeights); the down projection's bias is added per token from
 its routing weights, outside them, so that experts whose hidden units are split over `tensor`
@@ -37,12 +38,13 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from maxtrain.config import ModelConfig, named_tiles
+from maxtrain.config import named_tiles
 from maxtrain.kernels.grouped_matmul import expert_matmuls
 from maxtrain.layers import moe_dispatch
 from maxtrain.layers.activations import gated_activation
 from maxtrain.layers.base import Projection, make_param
 from maxtrain.layers.mlp import SwiGLU
+from maxtrain.layers.spec import ModelSpec
 from maxtrain.parallel import stage_scope
 from maxtrain.parallel.experts import make_dispatch
 from maxtrain.parallel.mesh import active_rules, logical_to_spec, spec_axes
@@ -57,8 +59,8 @@ _OUT_AXES = ("exp", "mlp", "embed")
 
 class ExpertKernel(nnx.Module):
     """The stacked [E, in, out] weights of one projection of every expert, their [E, out] biases
-    where the model has them (moe.expert_bias, starting at zero), and their low-rank adapters
-    when a run trains adapters (maxtrain/posttrain/ sets them)."""
+    where the model has them (moe.expert_projection_bias, starting at zero), and their low-rank
+    adapters when a run trains adapters (maxtrain/posttrain/ sets them)."""
 
     def __init__(self, shape, axes, *, init_std: float, param_dtype, bias: bool, rngs: nnx.Rngs):
         self.kernel = make_param(rngs, shape, axes, std=init_std, dtype=param_dtype)
@@ -87,7 +89,7 @@ class ExpertKernel(nnx.Module):
 
 
 class Router(nnx.Module):
-    """Token -> expert logits (plus the logits' own bias where moe.router_bias), and the
+    """Token -> expert logits (plus the logits' own bias where moe.router_logit_bias), and the
     optional load-balancing bias (aux-loss-free mode)."""
 
     def __init__(
@@ -115,26 +117,28 @@ class Router(nnx.Module):
 
 
 class MoE(nnx.Module):
-    def __init__(self, cfg: ModelConfig, *, param_dtype, compute_dtype, rngs: nnx.Rngs):
-        m = cfg.moe
+    def __init__(self, spec: ModelSpec, *, rngs: nnx.Rngs):
+        m, compute = spec.model.moe, spec.compute
         assert m is not None
-        D, E, F = cfg.emb_dim, m.num_experts, m.expert_mlp_dim
+        D, E, F = spec.model.emb_dim, m.num_experts, m.expert_mlp_dim
         self.num_experts, self.top_k = E, m.top_k
         self.score, self.renormalize, self.routed_scale = m.score, m.renormalize, m.routed_scale
         self.weigh_inputs = m.weight_on == "input"
         self.n_group, self.topk_group = m.n_group, m.topk_group
-        self.balanced_routing = m.balanced_routing  # a benchmark's diagnostic
+        self.balanced_routing = compute.balanced_routing  # a benchmark's diagnostic
         self.gmm = expert_matmuls(
-            m.grouped_matmul, named_tiles(m.grouped_matmul_tiles)
+            compute.grouped_matmul, named_tiles(compute.grouped_matmul_tiles)
         )  # picked once
-        self.dispatch = make_dispatch(m)  # how rows reach their experts, picked once
-        self.compute_dtype = compute_dtype
-        std = cfg.init_std
-        kw = dict(init_std=std, param_dtype=param_dtype, rngs=rngs)
-        self.router = Router(D, E, use_bias=m.bias_update_rate > 0, logit_bias=m.router_bias, **kw)
-        self.gate = ExpertKernel((E, D, F), _IN_AXES, bias=m.expert_bias, **kw)
-        self.up = ExpertKernel((E, D, F), _IN_AXES, bias=m.expert_bias, **kw)
-        self.down = ExpertKernel((E, F, D), _OUT_AXES, bias=m.expert_bias, **kw)
+        self.dispatch = make_dispatch(m, compute)  # how rows reach their experts, picked once
+        compute_dtype = self.compute_dtype = spec.compute_dtype
+        kw = dict(init_std=spec.init_std, param_dtype=spec.param_dtype, rngs=rngs)
+        self.router = Router(
+            D, E, use_bias=m.balance_bias_update_rate > 0, logit_bias=m.router_logit_bias, **kw
+        )
+        bias = m.expert_projection_bias
+        self.gate = ExpertKernel((E, D, F), _IN_AXES, bias=bias, **kw)
+        self.up = ExpertKernel((E, D, F), _IN_AXES, bias=bias, **kw)
+        self.down = ExpertKernel((E, F, D), _OUT_AXES, bias=bias, **kw)
         self.activation = gated_activation(m.clamped_swiglu)  # picked once
         self.shared = (
             SwiGLU(D, m.shared_experts * F, compute_dtype=compute_dtype, **kw)
@@ -311,7 +315,7 @@ class MoE(nnx.Module):
 
 
 def balanced_choices(tokens: tuple[int, ...], top_k: int, num_experts: int) -> jax.Array:
-    """[*tokens, top_k] expert ids that load every expert equally (model.moe.balanced_routing):
+    """[*tokens, top_k] expert ids that load every expert equally (compute.balanced_routing):
     token n's j-th choice is expert (n top_k + j) mod E, so any run of E consecutive
     assignments, a device's share of the batch included, visits each expert once, and a token's
     k choices differ (k <= E)."""

@@ -2,7 +2,7 @@
 
 Everything here runs on one device's tokens (inside `shard_map` when there is a mesh). Each
 token was routed to k experts, giving R = n * k (token, expert, weight) assignments. Two ways to
-compute them, `moe.capacity_factor` picks:
+compute them, `moe.expert_capacity_factor` picks:
 
 * **Dropless** (null, the default): sort the assignments by expert and run each expert on
   exactly its rows with one grouped matmul. On one device nothing is dropped and the work is

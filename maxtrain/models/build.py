@@ -6,36 +6,33 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from maxtrain.config import ConfigError, ModelConfig, named_tiles
+from maxtrain.config import ComputeConfig, ConfigError, ModelConfig, named_tiles
 from maxtrain.kernels.attention import attention_implementation
 from maxtrain.kernels.grouped_matmul import grouped_matmul_implementation, tile_problem
+from maxtrain.layers.spec import DTYPES, ModelSpec, compute_dtype_name
 from maxtrain.models.decoder import Decoder, PipelinedDecoder
 from maxtrain.models.stacks import is_moe_per_layer
 from maxtrain.parallel.experts import exchange_implementation
 from maxtrain.parallel.pipeline import StageLayout
 
-_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
-
-def compute_dtype(cfg: ModelConfig) -> jnp.dtype:
-    """'auto' is bfloat16 on accelerators and float32 on CPU (where bf16 is emulated, slowly),
-    on this process's default backend; `for_platform` makes the choice for other devices."""
-    return _DTYPES[_compute_dtype_name(cfg.compute_dtype, jax.default_backend())]
-
-
-def _compute_dtype_name(name: str, platform: str) -> str:
-    if name == "auto":
-        return "float32" if platform == "cpu" else "bfloat16"
-    return name
+def compute_dtype(compute: ComputeConfig) -> jnp.dtype:
+    """compute.compute_dtype on this process's default backend ('auto': bfloat16 on
+    accelerators, float32 on CPU); `platform_choices` makes the choice for other devices."""
+    return DTYPES[compute_dtype_name(compute.compute_dtype)]
 
 
 def platform_choices(
-    model: ModelConfig, platform: str, device_kind: str = "", chips_per_slice: int = 1
-) -> ModelConfig:
-    """The model config with every choice that depends on the hardware made for `platform`
-    ("cpu", "gpu", "tpu") and, where it matters, the device kind and slice size: the attention
-    kernel, the grouped matmul, the expert-parallel exchange and the compute dtype, each "auto"
-    (or "mosaic") replaced by what it means there.
+    compute: ComputeConfig,
+    model: ModelConfig,
+    platform: str,
+    device_kind: str = "",
+    chips_per_slice: int = 1,
+) -> ComputeConfig:
+    """`compute:` with every choice that depends on the hardware made for `platform` ("cpu",
+    "gpu", "tpu") and, where it matters, the device kind and slice size: the attention kernel,
+    the grouped matmul, the expert-parallel exchange and the compute dtype, each "auto" (or
+    "mosaic") replaced by what it means there, and checked against `model`.
 
     The platform is that of the devices the program is built for, which need not be the
     process's: a CPU host compiles for compile-only TPU devices (maxtrain/parallel/topology.py).
@@ -43,29 +40,26 @@ def platform_choices(
     layer, check and estimate downstream reads a concrete choice and none asks
     `jax.default_backend()`.
     """
-    update: dict = {
-        "attention": attention_implementation(model.attention, platform),
-        "compute_dtype": _compute_dtype_name(model.compute_dtype, platform),
-    }
-    if model.attention_max_logit and update["attention"] != "xla":
+    attention = attention_implementation(compute.attention, platform)
+    if compute.attention_max_logit and attention != "xla":
         raise ConfigError(
-            f"optim.qk_clip_threshold (model.attention_max_logit) needs each attention head's "
-            f"max logit, which only model.attention=xla computes; model.attention="
-            f"{model.attention} is {update['attention']} on {platform}"
+            f"optim.qk_clip_threshold (compute.attention_max_logit) needs each attention head's "
+            f"max logit, which only compute.attention=xla computes; compute.attention="
+            f"{compute.attention} is {attention} on {platform}"
         )
-    if model.moe is not None:
-        grouped_matmul = grouped_matmul_implementation(model.moe.grouped_matmul, platform)
-        if grouped_matmul == "tokamax":
-            _check_tiles(named_tiles(model.moe.grouped_matmul_tiles), platform)
-        update["moe"] = model.moe.model_copy(
-            update={
-                "grouped_matmul": grouped_matmul,
-                "ep_dispatch": exchange_implementation(
-                    model.moe.ep_dispatch, platform, device_kind, chips_per_slice
-                ),
-            }
-        )
-    return model.model_copy(update=update)
+    grouped_matmul = grouped_matmul_implementation(compute.grouped_matmul, platform)
+    if model.moe is not None and grouped_matmul == "tokamax":
+        _check_tiles(named_tiles(compute.grouped_matmul_tiles), platform)
+    return compute.model_copy(
+        update={
+            "attention": attention,
+            "compute_dtype": compute_dtype_name(compute.compute_dtype, platform),
+            "grouped_matmul": grouped_matmul,
+            "expert_exchange": exchange_implementation(
+                compute.expert_exchange, platform, device_kind, chips_per_slice
+            ),
+        }
+    )
 
 
 def _check_tiles(tiles: dict, platform: str) -> None:
@@ -73,29 +67,27 @@ def _check_tiles(tiles: dict, platform: str) -> None:
     devices are, here, not when the config is read."""
     for projection, per_pass in tiles.items():
         if problem := tile_problem(per_pass, platform):
-            raise ConfigError(f"model.moe.grouped_matmul_tiles.{projection}.{problem}")
+            raise ConfigError(f"compute.grouped_matmul_tiles.{projection}.{problem}")
 
 
-def build(cfg: ModelConfig, seed: int = 0, layout: StageLayout | None = None) -> Decoder:
+def build(spec: ModelSpec, seed: int = 0, layout: StageLayout | None = None) -> Decoder:
     """A freshly initialised model (call under jit to get sharded parameters, see
     training/state.py); with a layout, the pipelined model (whose parameters come from the
     plain one's, never from its own initialisation: parallel/pipeline.py to_stages)."""
-    kwargs = dict(
-        param_dtype=_DTYPES[cfg.param_dtype],
-        compute_dtype=compute_dtype(cfg),
-        rngs=nnx.Rngs(params=seed),
-    )
-    return Decoder(cfg, **kwargs) if layout is None else PipelinedDecoder(cfg, layout, **kwargs)
+    rngs = nnx.Rngs(params=seed)
+    if layout is None:
+        return Decoder(spec, rngs=rngs)
+    return PipelinedDecoder(spec, layout, rngs=rngs)
 
 
-def abstract(cfg: ModelConfig, layout: StageLayout | None = None) -> Decoder:
+def abstract(spec: ModelSpec, layout: StageLayout | None = None) -> Decoder:
     """The model with ShapeDtypeStruct leaves: shapes and metadata, no memory."""
-    return nnx.eval_shape(lambda: build(cfg, layout=layout))
+    return nnx.eval_shape(lambda: build(spec, layout=layout))
 
 
 def param_count(cfg: ModelConfig) -> int:
     """Total parameters of the model this config builds (embedding and head included)."""
-    state = nnx.state(abstract(cfg), nnx.Param)
+    state = nnx.state(abstract(ModelSpec(cfg)), nnx.Param)
     return sum(int(x.size) for x in jax.tree.leaves(state))
 
 
@@ -107,7 +99,7 @@ def active_param_count(cfg: ModelConfig) -> int:
         kinds = is_moe_per_layer(cfg)
         mtp_moe_blocks = cfg.mtp.depth if kinds[-1] else 0  # models/mtp.py: last layer's kind
         expert = 3 * cfg.emb_dim * m.expert_mlp_dim
-        if m.expert_bias:  # gate, up and down biases
+        if m.expert_projection_bias:  # gate, up and down biases
             expert += 2 * m.expert_mlp_dim + cfg.emb_dim
         idle = (sum(kinds) + mtp_moe_blocks) * (m.num_experts - m.top_k) * expert
     return param_count(cfg) - idle

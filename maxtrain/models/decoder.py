@@ -17,10 +17,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from maxtrain.config import ModelConfig
 from maxtrain.config.model import Mixer
 from maxtrain.layers import embedding
-from maxtrain.layers.attention_pattern import KINDS, kind_per_layer
+from maxtrain.layers.attention_pattern import kind_per_layer, model_kinds
 from maxtrain.layers.attention_types import attention_type
 from maxtrain.layers.base import Projection, make_param
 from maxtrain.layers.gated_deltanet import GatedDeltaNet
@@ -29,6 +28,7 @@ from maxtrain.layers.mlp import MLP
 from maxtrain.layers.moe import MoE
 from maxtrain.layers.moe_dispatch import ASSIGNMENT_ORDER
 from maxtrain.layers.norms import RMSNorm
+from maxtrain.layers.spec import ModelSpec
 from maxtrain.models import qk_clip
 from maxtrain.models.mtp import MultiTokenPrediction
 from maxtrain.models.stacks import STACK_KINDS, STACKS, STAGES, LayerKind, layer_kinds, layer_runs
@@ -72,8 +72,8 @@ REMAT_POLICIES: dict[str, Callable | None] = {
 }
 
 
-# A layer's attention kind: an index into attention_pattern.KINDS, a constant for a run of layers
-# of one kind, else a traced scalar the scan hands each layer.
+# A layer's attention kind: an index into its model's attention_pattern.model_kinds, a constant
+# for a run of layers of one kind, else a traced scalar the scan hands each layer.
 type Kind = int | jax.Array
 
 
@@ -86,7 +86,7 @@ def run_kinds(kinds: tuple[int, ...]) -> Kind:
 class BlockKind:
     """A kind of decoder layer: the params key of its stack (models/stacks.py), its token mixer
     and its feed-forward block, kept under the attributes `mixer_name` and `ffn_name` (keys of
-    the checkpoint format). Factories: (cfg, *, param_dtype, compute_dtype, rngs) -> module."""
+    the checkpoint format). Factories: (spec, *, rngs) -> module."""
 
     stack: str
     mixer_name: str
@@ -95,14 +95,14 @@ class BlockKind:
     make_ffn: Callable[..., nnx.Module]
 
 
-def _attention(cfg: ModelConfig, **kwargs) -> nnx.Module:
-    """The softmax attention the config names (GQA or MLA)."""
-    return attention_type(cfg)(cfg, **kwargs)
+def _attention(spec: ModelSpec, *, rngs: nnx.Rngs) -> nnx.Module:
+    """The model's softmax attention (GQA, or MLA with model.mla)."""
+    return attention_type(spec.model)(spec, rngs=rngs)
 
 
-def _linear_attention(cfg: ModelConfig, **kwargs) -> nnx.Module:
+def _linear_attention(spec: ModelSpec, *, rngs: nnx.Rngs) -> nnx.Module:
     """The linear attention of model.linear_attention: Gated DeltaNet."""
-    la = cfg.linear_attention
+    cfg, la = spec.model, spec.model.linear_attention
     assert la is not None  # a linear layer implies it (config validation)
     return GatedDeltaNet(
         cfg.emb_dim,
@@ -113,8 +113,7 @@ def _linear_attention(cfg: ModelConfig, **kwargs) -> nnx.Module:
         conv_kernel=la.conv_kernel,
         chunk=la.chunk,
         norm_eps=cfg.norm_eps,
-        init_std=cfg.init_std,
-        **kwargs,
+        **spec.projection(rngs),
     )
 
 
@@ -132,19 +131,22 @@ class DecoderBlock(nnx.Module):
     with model.block_norms sandwich, each one's output is normed too before it joins the
     residual stream (attn_post_norm, mlp_post_norm)."""
 
-    def __init__(self, cfg: ModelConfig, kind: BlockKind, *, param_dtype, compute_dtype, rngs):
+    def __init__(self, spec: ModelSpec, kind: BlockKind, *, rngs: nnx.Rngs):
+        cfg = spec.model
         norm_kw = dict(
-            eps=cfg.norm_eps, param_dtype=param_dtype, rngs=rngs, plus_one=cfg.norm_scale_plus_one
+            eps=cfg.norm_eps,
+            param_dtype=spec.param_dtype,
+            rngs=rngs,
+            plus_one=cfg.norm_scale_plus_one,
         )
-        dtypes = dict(param_dtype=param_dtype, compute_dtype=compute_dtype)
         self.attn_norm = RMSNorm(cfg.emb_dim, **norm_kw)
         self.mixer_name = kind.mixer_name
-        # Attention's max logits (model.attention_max_logit) join the block's statistics.
-        self.max_logit = cfg.attention_max_logit and kind.mixer_name == qk_clip.MIXER
-        setattr(self, kind.mixer_name, kind.make_mixer(cfg, **dtypes, rngs=rngs))
+        # Attention's max logits (compute.attention_max_logit) join the block's statistics.
+        self.max_logit = spec.compute.attention_max_logit and kind.mixer_name == qk_clip.MIXER
+        setattr(self, kind.mixer_name, kind.make_mixer(spec, rngs=rngs))
         self.mlp_norm = RMSNorm(cfg.emb_dim, **norm_kw)
         self.ffn_name = kind.ffn_name
-        setattr(self, kind.ffn_name, kind.make_ffn(cfg, **dtypes, rngs=rngs))
+        setattr(self, kind.ffn_name, kind.make_ffn(spec, rngs=rngs))
         sandwich = cfg.block_norms == "sandwich"
         self.attn_post_norm = RMSNorm(cfg.emb_dim, **norm_kw) if sandwich else None
         self.mlp_post_norm = RMSNorm(cfg.emb_dim, **norm_kw) if sandwich else None
@@ -154,7 +156,7 @@ class DecoderBlock(nnx.Module):
     ) -> tuple[jax.Array, dict[str, jax.Array]]:
         """Returns the new residual stream [B, T, D] and the feed-forward's statistics (and
         attention's max logits, qk_clip.MAX_LOGIT [N], where the block reports them); `kind`
-        is the layer's attention kind (layers/attention_pattern.py)."""
+        is the layer's attention kind's index (layers/attention_pattern.py model_kinds)."""
         mixer = getattr(self, self.mixer_name)
         attn_out = mixer(self.attn_norm(x), positions, segment_ids, kind)
         if self.max_logit:
@@ -186,7 +188,7 @@ def _normed(norm: RMSNorm | None, x: jax.Array) -> jax.Array:
 
 
 def stacked_blocks(
-    cfg: ModelConfig, kind: BlockKind, counts: tuple[tuple[str, int], ...], *, dtypes, rngs
+    spec: ModelSpec, kind: BlockKind, counts: tuple[tuple[str, int], ...], *, rngs: nnx.Rngs
 ) -> DecoderBlock | None:
     """`kind` blocks stacked on leading axes: counts [(logical axis name, size), ...], outermost
     first; None when any size is 0. Each axis prepends its name to the parameters' logical
@@ -199,8 +201,8 @@ def stacked_blocks(
     @nnx.vmap(in_axes=0, out_axes=0, transform_metadata={nnx.PARTITION_NAME: name})
     def stack(rngs: nnx.Rngs) -> DecoderBlock:
         if inner:
-            return stacked_blocks(cfg, kind, inner, dtypes=dtypes, rngs=rngs)
-        return DecoderBlock(cfg, kind, **dtypes, rngs=rngs)
+            return stacked_blocks(spec, kind, inner, rngs=rngs)
+        return DecoderBlock(spec, kind, rngs=rngs)
 
     return stack(rngs)
 
@@ -274,11 +276,13 @@ def run_stack_cached(
     kinds: tuple[int, ...],
     ranks: tuple[int, ...],
     mixer: Mixer,
+    names: tuple[str, ...],
 ) -> tuple[jax.Array, StackCache]:
     """Layers [start, start + length) of a stack on new tokens; returns the updated caches.
     `cache` holds the stack's caches per cache kind ([L_kind, ...], layers/kv_cache.py
     cache_kind: the attention kind's, or one for `mixer` linear), of which layer i of the run
-    (attention kind kinds[i]) owns entry ranks[i] of its kind's.
+    (attention kind kinds[i], an index into `names`, the model's model_kinds) owns entry
+    ranks[i] of its kind's.
 
     The scan runs over the layers' parameters and carries the caches: the kinds' caches differ
     in length (a global layer's all positions, a local one's a window), so they cannot be
@@ -295,7 +299,7 @@ def run_stack_cached(
         block = nnx.merge(graphdef, dequantized(layer_state))
 
         def of_kind(k: int) -> Callable:
-            name = cache_kind(mixer, k)
+            name = cache_kind(mixer, names[k])
 
             def run(x, caches):
                 own = jax.tree.map(lambda a: a[rank], caches[name])
@@ -307,7 +311,7 @@ def run_stack_cached(
 
         if constant:
             return of_kind(kinds[0])(x, caches), None
-        return jax.lax.switch(kind, [of_kind(k) for k in range(len(KINDS))], x, caches), None
+        return jax.lax.switch(kind, [of_kind(k) for k in range(len(names))], x, caches), None
 
     per_layer = (jnp.asarray(kinds, jnp.int32), jnp.asarray(ranks, jnp.int32))
     (x, cache), _ = jax.lax.scan(apply_one, (x, cache), (layers(stacked), *per_layer))
@@ -352,22 +356,21 @@ def concatenate_runs(per_run: list[dict[str, jax.Array]]) -> dict[str, jax.Array
 
 
 class Decoder(nnx.Module):
-    def __init__(
-        self, cfg: ModelConfig, *, param_dtype: jnp.dtype, compute_dtype: jnp.dtype, rngs: nnx.Rngs
-    ):
+    def __init__(self, spec: ModelSpec, *, rngs: nnx.Rngs):
+        cfg = spec.model
         D, V = cfg.emb_dim, cfg.vocab_size
-        self.compute_dtype = compute_dtype
-        self.scan_layers = cfg.scan_layers
-        self.remat = cfg.remat
+        self.compute_dtype = spec.compute_dtype
+        self.scan_layers = spec.compute.scan_layers
+        self.remat = spec.compute.remat
+        self.attention_kinds = model_kinds(cfg)
         self.embedding = make_param(
-            rngs, (V, D), ("vocab", "embed"), std=cfg.init_std, dtype=param_dtype
+            rngs, (V, D), ("vocab", "embed"), std=spec.init_std, dtype=spec.param_dtype
         )
-        dtypes = dict(param_dtype=param_dtype, compute_dtype=compute_dtype)
-        self._build_layers(cfg, dtypes, rngs)
+        self._build_layers(spec, rngs)
         self.final_norm = RMSNorm(
             D,
             eps=cfg.norm_eps,
-            param_dtype=param_dtype,
+            param_dtype=spec.param_dtype,
             rngs=rngs,
             plus_one=cfg.norm_scale_plus_one,
         )
@@ -377,37 +380,28 @@ class Decoder(nnx.Module):
         self.lm_head = (
             None
             if cfg.tie_embeddings
-            else Projection(
-                "btd,dv->btv",
-                (D, V),
-                ("embed", "vocab"),
-                init_std=cfg.init_std,
-                param_dtype=param_dtype,
-                compute_dtype=compute_dtype,
-                rngs=rngs,
-            )
+            else Projection("btd,dv->btv", (D, V), ("embed", "vocab"), **spec.projection(rngs))
         )
         # Created last, so that the decoder initialises the same with or without it.
         self.mtp = (
             MultiTokenPrediction(
-                cfg,
+                spec,
                 # A block of the kind of the last layer (DeepSeek-V3's is MoE).
-                lambda: DecoderBlock(cfg, BLOCK_KINDS[layer_kinds(cfg)[-1]], **dtypes, rngs=rngs),
-                **dtypes,
+                lambda: DecoderBlock(spec, BLOCK_KINDS[layer_kinds(cfg)[-1]], rngs=rngs),
                 rngs=rngs,
             )
             if cfg.mtp.depth
             else None
         )
 
-    def _build_layers(self, cfg: ModelConfig, dtypes: dict, rngs: nnx.Rngs) -> None:
+    def _build_layers(self, spec: ModelSpec, rngs: nnx.Rngs) -> None:
         """One stack per kind of layer (models/stacks.py), run as consecutive runs."""
-        kinds = layer_kinds(cfg)
-        self.runs = runs_with_attention(layer_runs(kinds), kind_per_layer(cfg))
+        kinds = layer_kinds(spec.model)
+        self.runs = runs_with_attention(layer_runs(kinds), kind_per_layer(spec.model))
         # Created in this order (dense stack first) so the random initialisation stays the same.
         for layer_kind, kind in BLOCK_KINDS.items():
             counts = (("layers", kinds.count(layer_kind)),)
-            setattr(self, kind.stack, stacked_blocks(cfg, kind, counts, dtypes=dtypes, rngs=rngs))
+            setattr(self, kind.stack, stacked_blocks(spec, kind, counts, rngs=rngs))
 
     def __call__(
         self,
@@ -445,7 +439,7 @@ class Decoder(nnx.Module):
             graphdef, stacked = nnx.split(getattr(self, stack))
             x, cache[stack] = run_stack_cached(
                 graphdef, stacked, start, length, x, positions, cache[stack], kinds, ranks,
-                STACK_KINDS[stack].mixer,
+                STACK_KINDS[stack].mixer, self.attention_kinds,
             )  # fmt: skip
         return self._head(self.final_norm(x)), cache
 
@@ -492,14 +486,14 @@ class Decoder(nnx.Module):
 class Stages(nnx.Module):
     """The pipelined stacks (parallel/pipeline.py): per kind of layer, [R, S, per group] blocks."""
 
-    def __init__(self, cfg: ModelConfig, layout: StageLayout, dtypes: dict, rngs: nnx.Rngs):
+    def __init__(self, spec: ModelSpec, layout: StageLayout, rngs: nnx.Rngs):
         for layer_kind, kind in BLOCK_KINDS.items():
             counts = (
                 ("repeats", layout.repeats),
                 (STAGES, layout.stages),
                 ("layers", layout.per_group(layer_kind)),
             )
-            setattr(self, kind.stack, stacked_blocks(cfg, kind, counts, dtypes=dtypes, rngs=rngs))
+            setattr(self, kind.stack, stacked_blocks(spec, kind, counts, rngs=rngs))
 
 
 class PipelinedDecoder(Decoder):
@@ -512,18 +506,18 @@ class PipelinedDecoder(Decoder):
     # its share instead of all of them.
     head_batch = "stage_batch"
 
-    def __init__(self, cfg: ModelConfig, layout: StageLayout, **kwargs):
+    def __init__(self, spec: ModelSpec, layout: StageLayout, *, rngs: nnx.Rngs):
         self.layout = layout
-        super().__init__(cfg, **kwargs)
+        super().__init__(spec, rngs=rngs)
 
-    def _build_layers(self, cfg: ModelConfig, dtypes: dict, rngs: nnx.Rngs) -> None:
+    def _build_layers(self, spec: ModelSpec, rngs: nnx.Rngs) -> None:
         prologue = self.layout.prologue
         for layer_kind, kind in BLOCK_KINDS.items():
             counts = (("layers", prologue.count(layer_kind)),)
-            setattr(self, kind.stack, stacked_blocks(cfg, kind, counts, dtypes=dtypes, rngs=rngs))
-        self.stages = Stages(cfg, self.layout, dtypes, rngs)
+            setattr(self, kind.stack, stacked_blocks(spec, kind, counts, rngs=rngs))
+        self.stages = Stages(spec, self.layout, rngs)
         self.group_runs = runs_with_attention(layer_runs(self.layout.group), self.layout.attention)
-        attention = kind_per_layer(cfg)[: len(prologue)]
+        attention = kind_per_layer(spec.model)[: len(prologue)]
         self.prologue_runs = runs_with_attention(layer_runs(prologue), attention)
 
     def _layers(self, x, positions, segment_ids) -> tuple[jax.Array, dict[str, jax.Array]]:

@@ -17,9 +17,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from maxtrain.config import ModelConfig
 from maxtrain.layers.base import ADAPTER_A, ADAPTER_B
 from maxtrain.layers.kv_cache import StackCache
+from maxtrain.layers.spec import ModelSpec
 from maxtrain.models.mtp import MultiTokenTraining
 from maxtrain.models.qk_clip import MAX_LOGIT, QKClip
 from maxtrain.models.router_training import (
@@ -122,7 +122,7 @@ def _is_adapter(path: tuple) -> bool:
 
 def define(
     module: nnx.Module,
-    cfg: ModelConfig,
+    spec: ModelSpec,
     layout: StageLayout | None = None,
     adapter_dtype=None,
     qk_clip_threshold: float | None = None,
@@ -133,6 +133,7 @@ def define(
     whether it clips the attention's logits (qk_clip_threshold: optim.qk_clip_threshold) are
     the run's choice: training/run_model.py."""
     graphdef, abstract_state = nnx.split(module)
+    cfg = spec.model
     auxiliary = (
         RouterTraining(cfg.moe, moe_rows_per_stack(cfg)) if cfg.moe is not None else NoAuxiliary()
     )
@@ -140,5 +141,11 @@ def define(
         auxiliary = MultiTokenTraining(auxiliary, cfg.mtp)
     qk_clip = None if qk_clip_threshold is None else QKClip.of(cfg, qk_clip_threshold)
     return ModelDef(
-        graphdef, abstract_state, auxiliary, layout, cfg.context_layout, adapter_dtype, qk_clip
+        graphdef,
+        abstract_state,
+        auxiliary,
+        layout,
+        spec.compute.context_layout,
+        adapter_dtype,
+        qk_clip,
     )

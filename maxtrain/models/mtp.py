@@ -34,10 +34,11 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from maxtrain.config import ModelConfig, MtpConfig
+from maxtrain.config import MtpConfig
 from maxtrain.kernels.cross_entropy import cross_entropy
 from maxtrain.layers.base import Projection
 from maxtrain.layers.norms import RMSNorm
+from maxtrain.layers.spec import ModelSpec
 from maxtrain.models.router_training import AuxiliaryTraining, Stats
 from maxtrain.parallel.mesh import constrain
 
@@ -48,23 +49,19 @@ BlockFactory = Callable[[], nnx.Module]
 class MtpModule(nnx.Module):
     """One depth: [norm(embedding); norm(hidden)] -> 2D -> D projection -> a decoder block."""
 
-    def __init__(
-        self, cfg: ModelConfig, make_block: BlockFactory, *, param_dtype, compute_dtype, rngs
-    ):
+    def __init__(self, spec: ModelSpec, make_block: BlockFactory, *, rngs: nnx.Rngs):
+        cfg = spec.model
         D = cfg.emb_dim
         norm_kw = dict(
-            eps=cfg.norm_eps, param_dtype=param_dtype, rngs=rngs, plus_one=cfg.norm_scale_plus_one
+            eps=cfg.norm_eps,
+            param_dtype=spec.param_dtype,
+            rngs=rngs,
+            plus_one=cfg.norm_scale_plus_one,
         )
         self.embed_norm = RMSNorm(D, **norm_kw)
         self.hidden_norm = RMSNorm(D, **norm_kw)
         self.project = Projection(
-            "btc,cd->btd",
-            (2 * D, D),
-            (None, "embed"),
-            init_std=cfg.init_std,
-            param_dtype=param_dtype,
-            compute_dtype=compute_dtype,
-            rngs=rngs,
+            "btc,cd->btd", (2 * D, D), (None, "embed"), **spec.projection(rngs)
         )
         self.block = make_block()
         self.final_norm = RMSNorm(D, **norm_kw)
@@ -80,10 +77,10 @@ class MtpModule(nnx.Module):
 class MultiTokenPrediction(nnx.Module):
     """The D modules, run in sequence on the decoder's last hidden states."""
 
-    def __init__(self, cfg: ModelConfig, make_block: BlockFactory, **kwargs):
-        self.depth = cfg.mtp.depth
+    def __init__(self, spec: ModelSpec, make_block: BlockFactory, *, rngs: nnx.Rngs):
+        self.depth = spec.model.mtp.depth
         for j in range(1, self.depth + 1):  # params["mtp"]["depth_1"], ...
-            setattr(self, f"depth_{j}", MtpModule(cfg, make_block, **kwargs))
+            setattr(self, f"depth_{j}", MtpModule(spec, make_block, rngs=rngs))
 
     def __call__(
         self,

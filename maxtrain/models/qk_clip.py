@@ -94,7 +94,7 @@ class QKClip:
     def of(cls, cfg: ModelConfig, threshold: float) -> QKClip:
         attention = [kind for kind in layer_kinds(cfg) if kind.mixer == "attention"]
         mla = (cfg.mla.qk_nope_head_dim, cfg.mla.qk_rope_head_dim) if cfg.mla else None
-        return cls(threshold, rows_per_stack(attention), cfg.num_kv_heads, mla)
+        return cls(threshold, rows_per_stack(attention), cfg.resolved_kv_heads, mla)
 
     def __call__(self, params: Any, stats: dict[str, jax.Array]) -> Any:
         """`params` with every attention stack's query and key weights rescaled."""

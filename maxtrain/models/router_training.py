@@ -79,14 +79,16 @@ class RouterTraining:
     def after_update(self, params: Any, old_params: Any, stats: Stats) -> Any:
         """Aux-loss-free balancing (DeepSeek-V3): one step of the per-expert routing bias.
 
-        Each MoE layer's bias rises by `bias_update_rate` for experts below the mean load and
-        falls for those above it. The new value is computed from the bias before this step (the
-        optimizer never trains it: its gradient is stopped), and returned in a copy of `params`.
+        Each MoE layer's bias rises by `balance_bias_update_rate` for experts below the mean
+        load and falls for those above it. The new value is computed from the bias before this
+        step (the optimizer never trains it: its gradient is stopped), and returned in a copy of
+        `params`.
         """
-        if self.moe.bias_update_rate <= 0:
+        if self.moe.balance_bias_update_rate <= 0:
             return params
         load = stats["load"]  # [MoE layers, E] in model order
-        step = self.moe.bias_update_rate * jnp.sign(jnp.mean(load, axis=-1, keepdims=True) - load)
+        below_mean = jnp.sign(jnp.mean(load, axis=-1, keepdims=True) - load)
+        step = self.moe.balance_bias_update_rate * below_mean
         for stack, rows in self.moe_stacks or ((MOE_STACK, tuple(range(len(load)))),):
             path = stack_path(params, stack)
             blocks, old_blocks = _at(params, path), _at(old_params, path)

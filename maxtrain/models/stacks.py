@@ -1,8 +1,8 @@
 """Where a decoder's layers live: one stack of blocks per kind of layer.
 
 A layer's kind is its token mixer (softmax attention, or a linear-attention recurrence such as
-Gated DeltaNet) and whether its feed-forward block is dense or a mixture of experts
-(`model.moe`'s first_dense_layers and interval). Blocks of one kind are stored stacked on a
+Gated DeltaNet) and whether its feed-forward block is dense or a mixture of experts, both as
+model.layers says. Blocks of one kind are stored stacked on a
 leading `layers` axis under their own key of the parameter tree, in the order the layers run:
 
     params["layers"]             attention + dense feed-forward
@@ -63,7 +63,7 @@ def stack_path(params: dict[str, Any], stack: str) -> tuple[str, ...]:
 
 def is_moe_per_layer(cfg: ModelConfig) -> tuple[bool, ...]:
     """Per layer of the model: True where its feed-forward block is a mixture of experts."""
-    return tuple(cfg.moe is not None and cfg.moe.is_moe_layer(i) for i in range(cfg.num_layers))
+    return tuple(t.ffn == "moe" for t in cfg.layer_types)
 
 
 def mixer_per_layer(cfg: ModelConfig) -> tuple[Mixer, ...]:

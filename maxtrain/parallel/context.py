@@ -3,7 +3,7 @@
 With `mesh.context` (x `mesh.dcn.context`) = C > 1 the logical axis `length` is sharded over C
 devices (mesh.rules.length), so every activation holds T / C tokens per device. Everything but
 attention is per token and needs nothing more; attention needs every earlier key of a query's
-document, which the exchange (`model.context_exchange`) brings to the device:
+document, which the exchange (`compute.context_exchange`) brings to the device:
 
 - all_gather: each device gathers the K and V of the whole sequence ((C - 1) / C of them move
   per layer), then attends its queries to all of them. Simple, and cheap when K/V are small
@@ -18,7 +18,7 @@ A sliding window masks by original token index too (block_attention), and sinks 
 merged output once, by the log-sum-exp over every block (kernels/sinks.py), never per
 block. Chunked layers arrive as segment ids cut at the chunks (attention_pattern.py).
 
-Layout (`model.context_layout`): under a causal mask the query at index t attends to t + 1 keys,
+Layout (`compute.context_layout`): under a causal mask the query at index t attends to t + 1 keys,
 so a contiguous split gives the last device most of the work. `balanced` cuts the sequence into
 2C chunks and gives device i chunks i and 2C - 1 - i: every device gets the same number of
 (query, key) pairs. The permutation is applied once, to the batch's per-token arrays, in the
@@ -160,20 +160,22 @@ def context_attention(exchange: str, layout: str) -> Callable[..., jax.Array]:
     return attend
 
 
-def check_context(model: ModelConfig, seq_len: int, length_axes: list[str], degree: int) -> None:
-    """Refuses a sequence length the layout cannot split over `degree` devices, a length rule
-    (mesh.rules.length: `length_axes`) without the context axis, and the parts of a model that
-    do not follow the split yet (the key/value exchanges are GQA's; linear attention's state
-    runs along the whole sequence; multi-token prediction shifts targets along the array, which
-    the balanced layout reorders)."""
-    if degree > 1 and model.attention_type != "gqa":
+def check_context(
+    model: ModelConfig, layout: str, seq_len: int, length_axes: list[str], degree: int
+) -> None:
+    """Refuses a sequence length `layout` (compute.context_layout) cannot split over `degree`
+    devices, a length rule (mesh.rules.length: `length_axes`) without the context axis, and the
+    parts of a model that do not follow the split yet (the key/value exchanges are GQA's; linear
+    attention's state runs along the whole sequence; multi-token prediction shifts targets along the
+    array, which the balanced layout reorders)."""
+    if degree > 1 and model.mla is not None:
         raise ConfigError(
-            f"mesh.context={degree} splits GQA attention only; model.attention_type is "
-            f"{model.attention_type} (set mesh.context=1)"
+            f"mesh.context={degree} splits grouped-query attention only, not model.mla's "
+            "multi-head latent attention (set mesh.context=1)"
         )
-    if degree > 1 and "linear" in (model.layer_pattern or ()):
+    if degree > 1 and any(t.attention == "linear" for t in model.layer_types):
         raise ConfigError(
-            f"mesh.context={degree} splits attention layers only: model.layer_pattern's linear "
+            f"mesh.context={degree} splits attention layers only: model.layers' linear "
             "layers (Gated DeltaNet) would need each device's chunk states passed along the "
             "context axis; set mesh.context=1 (fsdp, tensor and expert split them)"
         )
@@ -182,11 +184,11 @@ def check_context(model: ModelConfig, seq_len: int, length_axes: list[str], degr
             f"mesh.context={degree} does not split multi-token prediction yet; set "
             "model.mtp.depth=0 or mesh.context=1"
         )
-    chunks = 2 * degree if model.context_layout == "balanced" else degree
+    chunks = 2 * degree if layout == "balanced" else degree
     if degree > 1 and seq_len % chunks:
         raise ConfigError(
             f"train.seq_len={seq_len} must be divisible by {chunks} "
-            f"(model.context_layout={model.context_layout} over a context degree of "
+            f"(compute.context_layout={layout} over a context degree of "
             f"{degree})"
         )
     if degree > 1 and AXIS not in length_axes:

@@ -8,8 +8,8 @@ each peer, and receives from all of them, is known only at run time. A buffer fo
 case (every row bound for one device) is P times the rows the routing fills, and so is the
 traffic of an all-to-all of it: what maxtrain did before, 8x the routed volume at P = 8.
 
-Three exchanges, each with buffers of `moe.ep_capacity_factor` (f) times the routed rows per
-round (the whole buffer is never more than the worst case):
+Three exchanges, each with buffers of `compute.expert_exchange_capacity` (f) times the routed
+rows per round (the whole buffer is never more than the worst case):
 
   all_to_all  every device sends each peer a block of Q = ceil(f * R / P) rows. Moves f x R
               rows each way, on any backend (the CPU default). A round is full when a device
@@ -24,7 +24,7 @@ round (the whole buffer is never more than the worst case):
               times the routed rows, so it pays when k >= P (Kanana-MoE: k = 8, P = 8); its
               rounds are local (the gathered tokens are all there), only compute is split.
 
-What does not fit, `moe.ep_overflow` decides:
+What does not fit, `compute.expert_exchange_overflow` decides:
 
   rounds (default)  dropless. The rows beyond a round's buffers go in the next round, the
               experts computing each round's rows before the next, until every row has been
@@ -72,7 +72,7 @@ from typing import Any, Literal
 import jax
 import jax.numpy as jnp
 
-from maxtrain.config import MoeConfig
+from maxtrain.config import ComputeConfig, MoeConfig
 from maxtrain.kernels.grouped_matmul import ExpertMatmuls
 from maxtrain.layers.moe_dispatch import (
     Dispatch,
@@ -425,22 +425,24 @@ def ragged_supported(device_kind: str, chips_per_slice: int) -> bool:
 def exchange_implementation(
     name: str, platform: str | None = None, device_kind: str = "", chips_per_slice: int = 1
 ) -> str:
-    """The exchange `moe.ep_dispatch` names on the devices the program is built for (platform
-    None: the default backend); "auto": see the module docstring, all_to_all where the ragged
-    exchange does not compile (`ragged_supported`)."""
+    """The exchange `compute.expert_exchange` names on the devices the program is built for
+    (platform None: the default backend); "auto": see the module docstring, all_to_all where the
+    ragged exchange does not compile (`ragged_supported`)."""
     if name == "auto":
         auto = _AUTO.get(platform or jax.default_backend(), "all_to_all")
         return auto if ragged_supported(device_kind, chips_per_slice) else "all_to_all"
     if name not in EXCHANGES:
-        raise ValueError(f"unknown moe.ep_dispatch {name!r}; expected auto or {(*EXCHANGES,)}")
+        raise ValueError(
+            f"unknown compute.expert_exchange {name!r}; expected auto or {(*EXCHANGES,)}"
+        )
     return name
 
 
-def make_dispatch(moe: MoeConfig) -> Dispatch:
+def make_dispatch(moe: MoeConfig, compute: ComputeConfig) -> Dispatch:
     """How an MoE layer's assignments reach their experts, picked once when it is built: the
-    capacity (GShard) blocks if moe.capacity_factor is set, else the dropless grouped matmul,
-    through the configured exchange when the experts are split over devices."""
-    if moe.capacity_factor is not None:
-        return ExpertBlocks(moe.capacity_factor)
-    exchange = EXCHANGES[exchange_implementation(moe.ep_dispatch)]
-    return exchange(moe.ep_capacity_factor, overflow=moe.ep_overflow)
+    capacity (GShard) blocks if moe.expert_capacity_factor is set, else the dropless grouped
+    matmul, through compute.expert_exchange when the experts are split over devices."""
+    if moe.expert_capacity_factor is not None:
+        return ExpertBlocks(moe.expert_capacity_factor)
+    exchange = EXCHANGES[exchange_implementation(compute.expert_exchange)]
+    return exchange(compute.expert_exchange_capacity, overflow=compute.expert_exchange_overflow)

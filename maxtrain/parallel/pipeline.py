@@ -6,8 +6,9 @@ stages. The layers after the leading dense ones are cut into S x R groups of con
 of consecutive layers (GPipe), with R > 1 several blocks spread over the depth (the circular,
 or interleaved, schedule). Each stage's parameters and optimizer state live only on its devices
 and are still split by fsdp, tensor and expert inside the stage. The leading dense layers of an
-MoE model (`model.moe.first_dense_layers`) run before the pipeline on every stage: the groups
-must all hold the same kinds of layers, so `model.moe.interval` must divide a group's size.
+MoE model (DeepSeek-V3's first three of model.layers) may run before the pipeline on every
+stage: the groups must all hold the same kinds of layers, so the period of model.layers must
+divide a group's size.
 
 The schedule. The batch is cut into M micro-batches (`pipeline.microbatches`). At iteration t,
 stage s runs unit u = t - s: micro-batch u mod M through its group of repeat u div M. Every

@@ -70,7 +70,7 @@ def adapted_modules(model: nnx.Module, lcfg: LoraConfig) -> dict[str, nnx.Module
 def add_adapters(model: nnx.Module, lcfg: LoraConfig, seed: int) -> nnx.Module:
     """Gives every adapted module its A (random) and B (zero), stacked like its kernel: the
     kernel's leading stack axes (layers, stages) come first, then the matmul's own shape. They
-    are float32 whatever model.param_dtype (which the frozen base keeps: bfloat16 halves it),
+    are float32 whatever compute.param_dtype (which the frozen base keeps: bfloat16 halves it),
     so that the optimizer's small updates are not lost to rounding."""
     modules = adapted_modules(model, lcfg)
     if not modules:
@@ -314,7 +314,7 @@ def adapter_count(model_cfg: ModelConfig, lcfg: LoraConfig) -> int:
     """The adapters' parameters: what a LoRA run trains."""
 
     def adapted() -> nnx.Module:
-        return add_adapters(model_lib.build(model_cfg, 0), lcfg, 0)
+        return add_adapters(model_lib.build(model_lib.ModelSpec(model_cfg), 0), lcfg, 0)
 
     state = nnx.state(nnx.eval_shape(adapted), nnx.LoRAParam)
     return sum(int(x.size) for x in jax.tree.leaves(state))

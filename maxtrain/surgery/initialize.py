@@ -50,11 +50,14 @@ def initial_params(cfg: Config, target: Any) -> Any:
 
 def source_config(cfg: Config) -> Config:
     """The checkpoint's model as a run of it is configured (configs/base.yml <- its preset),
-    kept in this run's param_dtype: the dtype it is read and transformed in."""
+    kept in this run's compute.param_dtype: the dtype it is read and transformed in."""
     try:
         return config_lib.load(
             config_lib.CONFIGS_DIR / "base.yml",
-            [f"model_name={cfg.init.source_model}", f"model.param_dtype={cfg.model.param_dtype}"],
+            [
+                f"model_name={cfg.init.source_model}",
+                f"compute.param_dtype={cfg.compute.param_dtype}",
+            ],
         )
     except ConfigError as e:
         raise ConfigError(f"init.source_model: {e}") from None
@@ -81,7 +84,7 @@ def transform(params: Any, source: ModelConfig, cfg: Config) -> Any:
         if kinds != is_moe_per_layer(cfg.model):
             raise ConfigError(
                 f"init.layer_map gives MoE layers {_moe_indices(kinds)} (the kinds of the "
-                f"source layers it copies), but model.moe makes layers "
+                f"source layers it copies), but model.layers makes layers "
                 f"{_moe_indices(is_moe_per_layer(cfg.model))} MoE"
             )
         _check_attention(source, cfg.model, [source.layer_attention(i) for i in init.layer_map])
@@ -119,22 +122,37 @@ def _shape(shape: tuple[int, ...] | None) -> str:
     return "absent" if shape is None else str(list(shape))
 
 
+# What a layer of an attention kind reads besides its parameters: the model's keys that a copy
+# keeps from its source.
+_KIND_KEYS = {
+    "sliding": ("sliding_window", "rope.local_theta"),
+    "chunked": ("attention_chunk", "rope.local_theta"),
+    "nope": ("attention_temperature",),
+}
+
+
 def _check_attention(source: ModelConfig, model: ModelConfig, copied: list[str]) -> None:
     """Raises ConfigError unless every new layer has the attention of the source layer it
-    copies (`copied`: their kinds, global or local), local layers alike: a transform carries
-    the attention pattern, it does not change it."""
+    copies (`copied`: their kinds), with the same window, chunk, local RoPE base or
+    temperature: a transform carries the attention pattern, it does not change it."""
     wanted = [model.layer_attention(i) for i in range(model.num_layers)]
     if copied != wanted:
         raise ConfigError(
             f"the layers copied from {source.num_layers} source layers have attention kinds "
-            f"{_pattern(copied)}, but model.layer_pattern gives {_pattern(wanted)}; set "
-            "model.layer_pattern to the copies' kinds"
+            f"{_pattern(copied)}, but model.layers gives {_pattern(wanted)}; set "
+            "model.layers to the copies' kinds"
         )
-    if "local" in copied and source.local_attention != model.local_attention:
-        raise ConfigError(
-            f"model.local_attention ({model.local_attention}) differs from the source model's "
-            f"({source.local_attention}); the copied local layers keep theirs"
-        )
+    for key in dict.fromkeys(k for kind in set(copied) for k in _KIND_KEYS.get(kind, ())):
+        theirs, ours = _dotted(source, key), _dotted(model, key)
+        if theirs != ours:
+            raise ConfigError(
+                f"model.{key} ({ours}) differs from the source model's ({theirs}); the copied "
+                "layers keep theirs"
+            )
+
+
+def _dotted(model: ModelConfig, key: str) -> Any:
+    return functools.reduce(getattr, key.split("."), model)
 
 
 def _pattern(kinds: list[str]) -> str:

@@ -17,12 +17,12 @@ ordinary MoE (Mixtral- or Qwen3-MoE-style) needing no extra factor wherever it i
 That equality is the starting point, not the training recipe: with a zero router and identical
 copies, copies of a slice differ only by the tokens they come to receive. `noise_std` perturbs
 every expert weight and `router_init_std` draws a random router, both to break that symmetry;
-with either, the step-0 equality no longer holds. In capacity mode (moe.capacity_factor) a zero
-router sends every token to experts 0..G-1, most of whose assignments then drop: upcycle into
-the dropless mode.
+with either, the step-0 equality no longer holds. In capacity mode (moe.expert_capacity_factor) a
+zero router sends every token to experts 0..G-1, most of whose assignments then drop: upcycle
+into the dropless mode.
 
 Supported targets: every MoE layer is upcycled from the dense layer at the same depth, and the
-target's dense layers (moe.first_dense_layers, moe.interval) are copied as they are. Shared
+target's dense layers (its model.layers' `dense` ones) are copied as they are. Shared
 experts are not supported: the routed experts already reproduce the whole dense MLP, so there
 is no part of it left for an always-on expert to start from.
 """
@@ -105,7 +105,11 @@ def check_upcycle(dense_cfg: ModelConfig, moe_cfg: ModelConfig) -> None:
             "upcycling does not support shared experts (the routed experts already hold the "
             "whole dense MLP); set model.moe.shared_experts=0"
         )
-    gpt_oss = [k for k in ("router_bias", "expert_bias", "clamped_swiglu") if getattr(m, k)]
+    gpt_oss = [
+        k
+        for k in ("router_logit_bias", "expert_projection_bias", "clamped_swiglu")
+        if getattr(m, k)
+    ]
     if gpt_oss:
         raise ConfigError(
             f"upcycling copies the source's SwiGLU MLPs into SwiGLU experts without biases; "
@@ -171,7 +175,7 @@ def _experts_from_mlp(
     router = {
         "kernel": (router_init_std * jax.random.normal(keys[3], router_shape)).astype(gate.dtype)
     }
-    if m.bias_update_rate > 0:  # aux-loss-free balancing starts from no preference
+    if m.balance_bias_update_rate > 0:  # aux-loss-free balancing starts from no preference
         router["bias"] = jnp.zeros((layers, m.num_experts), jnp.float32)
     return {"router": router, **experts}
 

@@ -344,7 +344,9 @@ def _schedule_change(cfg: Config, ckpt: TieredCheckpointer | None) -> str | None
     if not where:
         return None
     try:
-        saved = config_lib.validate(yaml.safe_load(read_saved_config(where)))
+        saved = config_lib.validate_saved(
+            yaml.safe_load(read_saved_config(where)) or {}, str(where)
+        )
     except UserError:  # an older or unreadable saved config: nothing to compare
         return None
     if saved.schedule_steps == cfg.schedule_steps:

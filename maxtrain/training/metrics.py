@@ -43,8 +43,9 @@ def mixer_counts_per_layer(model: ModelConfig) -> list[AttentionCounts]:
 
 
 def mlp_params(model: ModelConfig) -> int:
-    """Per-layer SwiGLU weights of a dense layer: gate and up (emb -> mlp), down (mlp -> emb)."""
-    return 3 * model.emb_dim * model.mlp_dim
+    """Per-layer SwiGLU weights of a dense layer: gate and up (emb -> mlp), down (mlp -> emb);
+    0 for a model without dense layers."""
+    return 3 * model.emb_dim * (model.mlp_dim or 0)
 
 
 def active_moe_params(model: ModelConfig) -> int:
@@ -376,6 +377,6 @@ def drop_warning(dropped: float, limit: float = 0.01) -> str | None:
         return None
     return (
         f"MoE layers dropped {dropped:.1%} of their routed assignments over the last log window: "
-        "raise model.moe.capacity_factor or model.moe.ep_capacity_factor, or set "
-        "model.moe.ep_overflow=rounds (dropless)"
+        "raise model.moe.expert_capacity_factor or compute.expert_exchange_capacity, or set "
+        "compute.expert_exchange_overflow=rounds (dropless)"
     )

@@ -8,7 +8,9 @@ if at all. The config each step was saved with (checkpointing/restore.py read_sa
 is what the new one is compared with.
 
 Everything else may change between starts: train.steps (to extend a run), the schedule, the
-batch, logging and eval cadence, the mesh, kernels and remat, checkpoint cadence.
+batch, logging and eval cadence, the mesh, all of `compute:` (dtypes, remat, kernels, the
+exchanges between devices), checkpoint cadence. A config saved by an older maxtrain is
+migrated to today's keys before it is compared (config/migration.py).
 """
 
 from __future__ import annotations
@@ -26,14 +28,14 @@ from maxtrain import posttrain
 from maxtrain.checkpointing import read_saved_config
 from maxtrain.checkpointing.integrity import newest_complete
 from maxtrain.common.errors import UserError
-from maxtrain.config import Config, ModelArchitecture
+from maxtrain.config import Config
 
 # Keys (with every key under them) whose change makes another run: the model's architecture
 # and where its parameters start from, the data, the objective. data's reader settings
 # (workers, buffers, the cache) read the same rows, so they may change.
 IDENTITY = (
     "model_name",
-    *(f"model.{name}" for name in ModelArchitecture.model_fields),
+    "model",
     "data",
     *posttrain.CONFIG_KEYS,
     "checkpoint.load_parameters_path",
@@ -57,7 +59,9 @@ def check_same_run(cfg: Config, tier_dirs: Iterable[epath.Path]) -> None:
         return
     step, step_dir = newest
     try:
-        saved = config_lib.validate(yaml.safe_load(read_saved_config(step_dir)))
+        saved = config_lib.validate_saved(
+            yaml.safe_load(read_saved_config(step_dir)) or {}, str(step_dir)
+        )
     except UserError:
         return
     changed = differences(saved, cfg)

@@ -128,10 +128,10 @@ def check_experts(cfg: Config, mesh: Mesh) -> None:
             f"mesh.rules.exp splits experts over {', '.join(missing)}, which mesh.rules.batch "
             f"does not split tokens over; add it to mesh.rules.batch"
         )
-    exchange = exchange_implementation(moe.ep_dispatch, mesh_platform(mesh))
+    exchange = exchange_implementation(cfg.compute.expert_exchange, mesh_platform(mesh))
     if degree > 1 and exchange == "ragged" and mesh_platform(mesh) == "cpu":
         raise ConfigError(
-            "model.moe.ep_dispatch=ragged needs a GPU or TPU (XLA:CPU has no ragged "
+            "compute.expert_exchange=ragged needs a GPU or TPU (XLA:CPU has no ragged "
             "all-to-all); use all_to_all or all_gather, or auto"
         )
     chips = mesh.size // cfg.mesh.num_slices
@@ -141,7 +141,7 @@ def check_experts(cfg: Config, mesh: Mesh) -> None:
         and not ragged_supported(mesh.devices.flat[0].device_kind, chips)
     ):
         raise ConfigError(
-            f"model.moe.ep_dispatch=ragged does not compile on a {chips}-chip v5e slice (the TPU "
+            f"compute.expert_exchange=ragged does not compile on a {chips}-chip v5e slice (the TPU "
             "compiler has no ragged all-to-all under its limited ICI routing beyond 16 chips); "
             "use all_to_all or all_gather, or auto"
         )
@@ -164,7 +164,11 @@ def build_trainer(
     check_batch(cfg, mesh)
     check_experts(cfg, mesh)
     check_context(
-        cfg.model, cfg.train.seq_len, cfg.mesh.rules.get("length", []), mesh.shape["context"]
+        cfg.model,
+        cfg.compute.context_layout,
+        cfg.train.seq_len,
+        cfg.mesh.rules.get("length", []),
+        mesh.shape["context"],
     )
     with sharding_rules(mesh, cfg.mesh.rules):
         mdef = run_model.model_def(cfg)
