@@ -85,7 +85,7 @@ _MLA = (
     (("attn", "kv_b", "kernel"), "self_attn.kv_b_proj.weight", 1),
     (("attn", "o", "kernel"), "self_attn.o_proj.weight", 2),
 )
-# Attention biases (model.attention_bias): input axes 0, as a bias has none.
+# Attention biases (model.attention_projection_bias): input axes 0, as a bias has none.
 _QKV_BIAS = (
     (("attn", "q", "bias"), "self_attn.q_proj.bias", 0),
     (("attn", "k", "bias"), "self_attn.k_proj.bias", 0),
@@ -186,9 +186,10 @@ def _attention(cfg: ModelConfig) -> tuple:
     """A layer's attention and norm tensors: (our path, Hugging Face name, input axes)."""
     norms = _SANDWICH_NORMS if cfg.block_norms == "sandwich" else _NORMS
     if cfg.mla is None:
-        biases = {"none": (), "qkv": _QKV_BIAS, "qkvo": _QKV_BIAS + _O_BIAS}[cfg.attention_bias]
+        by_kind = {"none": (), "qkv": _QKV_BIAS, "qkvo": _QKV_BIAS + _O_BIAS}
+        biases = by_kind[cfg.attention_projection_bias]
         sinks = _SINKS if cfg.attention_sinks else ()
-        qk_norm = _QK_NORM if cfg.qk_norm and cfg.qk_norm_scale else ()
+        qk_norm = _QK_NORM if cfg.qk_norm == "rms" else ()
         return norms + _ATTENTION + biases + sinks + qk_norm
     return norms + (_MLA_Q if cfg.mla.q_lora_rank is None else _MLA_Q_LORA) + _MLA
 

@@ -348,7 +348,7 @@ def _tokamax(kernel: str, make_mask: MaskFn, window: int | None) -> AttentionFn:
         if kernel in _NO_RESIDUALS:
             raise NotImplementedError(
                 f"attention sinks need the kernel's log-sum-exp, which tokamax's {kernel!r} does "
-                f"not return; use model.attention={_NO_RESIDUALS[kernel]}"
+                f"not return; use compute.attention={_NO_RESIDUALS[kernel]}"
             )
 
         lse_of = _RESIDUALS_LSE.get(kernel, _max_and_sum_lse)  # [B, N, T]

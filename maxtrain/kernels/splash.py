@@ -47,7 +47,7 @@ def check_length(length: int) -> None:
     if length % _LANES or length % block:
         raise ValueError(
             f"splash attention needs the sequence length to be a multiple of {_LANES} "
-            f"(and of {BLOCK} beyond it), got {length}; use model.attention=xla"
+            f"(and of {BLOCK} beyond it), got {length}; use compute.attention=xla"
         )
 
 

@@ -27,29 +27,29 @@ def compiled_bytes_per_device(cfg) -> int:
     [
         ("mesh.fsdp=8",),  # parameters and optimizer state sharded 8 ways
         ("mesh.fsdp=1", "mesh.data=8"),  # replicated: the state dominates
-        ("mesh.fsdp=8", "model.remat=none", "train.global_batch_size=16"),
-        ("mesh.fsdp=8", "model.remat=minimal", "train.global_batch_size=64"),
+        ("mesh.fsdp=8", "compute.remat=none", "train.global_batch_size=16"),
+        ("mesh.fsdp=8", "compute.remat=minimal", "train.global_batch_size=64"),
         (
             "mesh.fsdp=2",
             "mesh.expert=4",
             "model_name=tiny-moe",
             "model.vocab_size=256",
-            "model.remat=minimal",
+            "compute.remat=minimal",
         ),
         # every layer a sliding window of 64 over 1024 tokens: the scores are a band
         (
             "mesh.fsdp=8",
             "train.seq_len=1024",
             "train.global_batch_size=8",
-            "model.layer_pattern=[local]",
-            "model.local_attention.window=64",
+            "model.layers=[sliding-dense]",
+            "model.sliding_window=64",
         ),
         # Gated DeltaNet in 3 of 4 layers: their projections and chunk states, no K/V
         (
             "mesh.fsdp=8",
-            "model.remat=minimal",
+            "compute.remat=minimal",
             "train.global_batch_size=64",
-            "model.layer_pattern=[linear, linear, linear, global]",
+            "model.layers=[linear-dense*3, global-dense]",
             "model.linear_attention={num_key_heads: 2, num_value_heads: 4, key_head_dim: 32, "
             "value_head_dim: 32, chunk: 32}",
         ),
@@ -65,21 +65,21 @@ def test_estimate_is_within_30_percent_of_the_compiled_step(make_cfg, overrides)
 
 
 def test_sliding_windows_shrink_the_plain_xla_scores(make_cfg):
-    """The plain-XLA kernel of local layers scores a band of 2 x window keys per query
-    (banded_attention), not the sequence: with every layer local, the float32 scores and
+    """The plain-XLA kernel of sliding layers scores a band of 2 x window keys per query
+    (banded_attention), not the sequence: with every layer sliding, the float32 scores and
     probabilities of a layer shrink from [N, T, T] to [N, T, 2W] per sequence; one global
     layer keeps them whole (the largest layer's count: one layer's at a time)."""
     common = ("model_name=small", "mesh.fsdp=8", "train.seq_len=1024", "train.global_batch_size=8")
-    local = ("model.local_attention.window=64",)
+    local = ("model.sliding_window=64",)
 
     def activations(*overrides):
         return memory.estimate(make_cfg(*common, *overrides), num_devices=8).activations
 
     plain = activations()
-    windowed = activations("model.layer_pattern=[local]", *local)
+    windowed = activations("model.layers=[sliding-dense]", *local)
     rows, heads, t, w = 1, 4, 1024, 64  # a sequence per device, small's 4 heads
     assert plain - windowed == 2 * 4 * rows * heads * t * (t - 2 * w)
-    assert activations("model.layer_pattern=[local,local,local,global]", *local) == plain
+    assert activations("model.layers=[sliding-dense*3, global-dense]", *local) == plain
 
 
 def test_parameter_shards_follow_the_mesh(make_cfg):

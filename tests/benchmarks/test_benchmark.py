@@ -1,7 +1,7 @@
 """The benchmark says under which routing an MoE step was timed: tiny-moe's step with its
 experts split over 4 of 8 simulated devices and exchange buffers of exactly the fair share of
-rows (model.moe.ep_capacity_factor 1.0), timed once under its learned routing and once under
-the balanced diagnostic (model.moe.balanced_routing)."""
+rows (compute.expert_exchange_capacity 1.0), timed once under its learned routing and once
+under the balanced diagnostic (compute.balanced_routing)."""
 
 import pytest
 
@@ -22,8 +22,8 @@ def test_benchmark_reports_the_routing_and_its_imbalance(tmp_path, balanced):
             "train.global_batch_size=8",
             "train.seq_len=32",
             "mesh.expert=4",
-            "model.moe.ep_capacity_factor=1.0",
-            f"model.moe.balanced_routing={str(balanced).lower()}",
+            "compute.expert_exchange_capacity=1.0",
+            f"compute.balanced_routing={str(balanced).lower()}",
         ],
     )
     result = benchmark.benchmark(cfg, steps=1, warmup=0, profile_dir=None)

@@ -18,11 +18,15 @@ from pathlib import Path
 
 import jax
 import numpy as np
+import yaml
 from support import FIXTURES
 
 from maxtrain import config as config_lib
-from maxtrain.checkpointing import open_checkpointer
+from maxtrain.checkpointing import open_checkpointer, read_saved_config
+from maxtrain.checkpointing.saved_config import saved_config
 from maxtrain.data.streams import data_streams
+from maxtrain.hf.convert import checkpoint_model
+from maxtrain.training.run_identity import differences
 from maxtrain.training.trainer import build_trainer
 
 FIXTURE = FIXTURES / "pre_refactor"
@@ -99,3 +103,20 @@ def test_training_continues_from_the_old_checkpoint_as_the_old_code_did(tmp_path
             # vectorises reductions per instruction set), hence the tolerance; the state and
             # data position above are compared bit for bit.
             np.testing.assert_allclose(got[step][key], value, rtol=1e-6, err_msg=f"{step} {key}")
+
+
+def test_the_old_checkpoints_saved_config_reads_as_todays_keys(tmp_path, capsys):
+    """Its config was saved in the keys of before (model.moe.first_dense_layers, model.remat,
+    ...): the run identity, generation's loading and export read it as the same run and model
+    args.txt states today, with one note naming the moved keys."""
+    step_dir = FIXTURE / "checkpoints" / "local" / "3"
+    saved = yaml.safe_load(read_saved_config(step_dir))
+    assert "first_dense_layers" in saved["model"]["moe"]
+    cfg = config_lib.load(config_lib.CONFIGS_DIR / "base.yml", copy_run(tmp_path))
+    assert differences(config_lib.validate_saved(saved, "fixture"), cfg) == []
+    assert saved_config(step_dir).model == cfg.model
+    model, param_dtype, std = checkpoint_model(step_dir)
+    assert (model, param_dtype, std) == (cfg.model, "float32", 0.02)
+    notes = capsys.readouterr().err.splitlines()
+    assert notes[0].startswith("maxtrain: note: fixture: model.param_dtype is now compute.")
+    assert "model.moe.first_dense_layers is now model.layers" in notes[0]

@@ -29,13 +29,14 @@ TINY = ["model_name=tiny", "data.kind=synthetic"]
 # bad one into ("[*]" is any list item, ".*" any mapping key).
 CONTAINERS = {
     "model.moe": {"num_experts": 4, "top_k": 2, "expert_mlp_dim": 32},
-    "model.rope_scaling": {},
+    "model.rope.scaling": {},
+    "model.attention_temperature": {"floor": 4},
     "model.linear_attention": {"num_key_heads": 1, "num_value_heads": 2},
     "model.mla": {"kv_lora_rank": 4, "qk_nope_head_dim": 4, "qk_rope_head_dim": 2, "v_head_dim": 4},
     "data.sources[*]": {"name": "a", "path": "embedded:prose"},
     "quantization.rules[*]": {"module_path": "lm_head"},
     "mesh.rules.*": "embed",  # the mapping key to use
-    "model.moe.grouped_matmul_tiles.*": "gate_up",
+    "compute.grouped_matmul_tiles.*": "gate_up",
 }
 
 # Keys whose values a validator (or the loader) checks, with its own message: a bad value, and

@@ -31,7 +31,7 @@ from support import REPO
 from maxtrain import config as config_lib
 from maxtrain import models as model_lib
 from maxtrain.checkpointing import load_parameters
-from maxtrain.config import GlobalAttention, LocalAttention, MlaConfig, ModelConfig, MoeConfig
+from maxtrain.config import ComputeConfig, MlaConfig, ModelConfig, MoeConfig
 from maxtrain.hf import ConversionError, cli, read_hf_model, write_hf_model
 from maxtrain.hf import convert as convert_lib
 from maxtrain.hf.config_map import hf_config, model_config
@@ -50,8 +50,8 @@ TOLERANCE = 1e-4  # max |logits difference| in float32
 
 def logits(cfg: ModelConfig, params: dict, tokens: np.ndarray) -> np.ndarray:
     """Our model's float32 logits for tokens [B, T], one document per row."""
-    cfg = cfg.model_copy(update={"compute_dtype": "float32", "param_dtype": "float32"})
-    graphdef, state = nnx.split(model_lib.abstract(cfg))
+    spec = model_lib.ModelSpec(cfg, ComputeConfig(compute_dtype="float32"))
+    graphdef, state = nnx.split(model_lib.abstract(spec))
     nnx.replace_by_pure_dict(state, jax.tree.map(lambda a: jnp.asarray(a, jnp.float32), params))
     b, t = tokens.shape
     positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
@@ -64,7 +64,12 @@ def logits(cfg: ModelConfig, params: dict, tokens: np.ndarray) -> np.ndarray:
 
 
 def abstract_params(cfg: ModelConfig) -> dict:
-    return nnx.to_pure_dict(nnx.state(model_lib.abstract(cfg), nnx.Param))
+    return nnx.to_pure_dict(nnx.state(model_lib.abstract(model_lib.ModelSpec(cfg)), nnx.Param))
+
+
+def changed(cfg: ModelConfig, **update) -> ModelConfig:
+    """cfg with `update`'s keys, validated as a config file's would be."""
+    return ModelConfig.model_validate({**cfg.model_dump(), **update})
 
 
 def max_diff(a: np.ndarray, b: np.ndarray) -> float:
@@ -165,7 +170,7 @@ def test_export_reproduces_the_original_files(case, tmp_path):
 def test_preset_configs_round_trip(preset):
     cfg = config_lib.load(config_lib.CONFIGS_DIR / "base.yml", [f"model_name={preset}"]).model
     family = family_for(cfg)
-    hf = hf_config(cfg, family, "bfloat16")
+    hf = hf_config(cfg, family, "bfloat16", 0.02)
     assert model_config(hf, family, "config.json") == explicit_head_dim(cfg)
 
 
@@ -234,24 +239,22 @@ def llama4_test_config(**changes) -> ModelConfig:
         num_heads=2,
         num_kv_heads=1,
         mlp_dim=12,
-        rope_interleaved=True,
-        qk_norm=True,
-        qk_norm_scale=False,
-        layer_pattern=["local", "local", "local", "global"],
-        local_attention=LocalAttention(chunk=4),
-        global_attention=GlobalAttention(rope=False, qk_norm=False, temperature_floor=4),
-        moe=MoeConfig(
+        rope=dict(interleaved=True),
+        qk_norm="rms_unscaled",
+        layers=["chunked-dense", "chunked-moe", "chunked-dense", "nope-moe"],
+        attention_chunk=4,
+        attention_temperature=dict(floor=4),
+        moe=dict(
             num_experts=3,
             top_k=2,
             expert_mlp_dim=4,
-            interval=2,
             shared_experts=1,
             score="sigmoid",
             renormalize=False,
             weight_on="input",
         ),
     )
-    return ModelConfig(**{**fields, **changes})
+    return ModelConfig.model_validate({**fields, **changes})
 
 
 @pytest.mark.parametrize(
@@ -264,10 +267,9 @@ def llama4_test_config(**changes) -> ModelConfig:
             num_heads=2,
             num_kv_heads=1,
             mlp_dim=12,
-            qk_norm=True,
-            moe=MoeConfig(
-                num_experts=3, top_k=2, expert_mlp_dim=4, first_dense_layers=1, interval=2
-            ),
+            qk_norm="rms",
+            layers=["global-dense", "global-moe"],
+            moe=MoeConfig(num_experts=3, top_k=2, expert_mlp_dim=4),
         ),
         llama4_test_config(),  # experts stacked, a fused gate_up_proj
         ModelConfig(  # experts fused, gate and up interleaved, with biases; sinks
@@ -276,17 +278,16 @@ def llama4_test_config(**changes) -> ModelConfig:
             num_layers=3,
             num_heads=2,
             num_kv_heads=1,
-            mlp_dim=12,
-            attention_bias="qkvo",
+            attention_projection_bias="qkvo",
             attention_sinks=True,
-            layer_pattern=["local", "global"],
-            local_attention=LocalAttention(window=4),
+            layers=["sliding-moe", "global-moe"],
+            sliding_window=4,
             moe=MoeConfig(
                 num_experts=3,
                 top_k=2,
                 expert_mlp_dim=4,
-                router_bias=True,
-                expert_bias=True,
+                router_logit_bias=True,
+                expert_projection_bias=True,
                 clamped_swiglu={"limit": 7.0},
             ),
         ),
@@ -310,9 +311,7 @@ def test_mla_slots_cover_every_parameter_once(q_lora_rank):
         emb_dim=8,
         num_layers=3,
         num_heads=2,
-        num_kv_heads=2,
         mlp_dim=12,
-        attention_type="mla",
         mla=MlaConfig(
             q_lora_rank=q_lora_rank,
             kv_lora_rank=4,
@@ -324,11 +323,11 @@ def test_mla_slots_cover_every_parameter_once(q_lora_rank):
             num_experts=3,
             top_k=2,
             expert_mlp_dim=4,
-            first_dense_layers=1,
             shared_experts=1,
             score="sigmoid",
-            bias_update_rate=0.001,
+            balance_bias_update_rate=0.001,
         ),
+        layers=["global-dense", "global-moe*2"],
     )
     counts = jax.tree.map(lambda a: np.zeros(a.shape, int), abstract_params(cfg))
     for slot in slots(cfg, family_for(cfg)):
@@ -364,7 +363,7 @@ def test_partial_rope_defaults_to_half_for_glm_only(tmp_path):
     transformers' Glm4MoeConfig assumes; another family's partial RoPE is refused."""
     hf = json.loads((FIXTURES / "glm4_moe_air_grouped_legacy" / "config.json").read_text())
     del hf["partial_rotary_factor"]
-    assert model_config(hf, FAMILIES["glm4_moe"], "config.json").partial_rotary_factor == 0.5
+    assert model_config(hf, FAMILIES["glm4_moe"], "config.json").rope.fraction == 0.5
     llama = json.loads((FIXTURES / "llama_gqa_untied_sharded" / "config.json").read_text())
     with pytest.raises(ConversionError, match="partial_rotary_factor=0.5 is not supported for"):
         model_config({**llama, "partial_rotary_factor": 0.5}, FAMILIES["llama"], "config.json")
@@ -531,11 +530,6 @@ BAD_IMPORTS = {
         lambda d: edit_config(d, attention_bias=True),
         "attention_bias=true is not supported",
     ),
-    "mlp_only_layers not expressible": (
-        "qwen3_moe_top3_sparse_step_v5",
-        lambda d: edit_config(d, mlp_only_layers=[3]),
-        "mlp_only_layers [3] with decoder_sparse_step 2 makes layers [1, 5] MoE",
-    ),
     "quantized": (
         "mixtral_top2_v5",
         lambda d: edit_config(d, quantization_config={"quant_method": "fp8"}),
@@ -551,11 +545,6 @@ BAD_IMPORTS = {
         "llama4_chunked_nope_moe_v5",
         lambda d: edit_config(d, attention_chunk_size=None),
         "attention_chunk_size is null; chunked layers need it",
-    ),
-    "llama4 moe_layers not expressible": (
-        "llama4_chunked_nope_moe_v5",
-        lambda d: edit_config(d, moe_layers=[1, 2]),
-        "moe_layers [1, 2] makes layers [1, 2] MoE",
     ),
     "logit soft-capping (Gemma 2's, unmodelled)": (
         "gemma3_window4_linear_rope_v5",
@@ -649,6 +638,28 @@ def test_failed_export_leaves_no_directory(tmp_path, monkeypatch):
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.parametrize(
+    "case, change, moe_layers",
+    [
+        # Qwen3-MoE: every decoder_sparse_step-th layer, less those mlp_only_layers lists
+        ("qwen3_moe_top3_sparse_step_v5", dict(mlp_only_layers=[3]), [1, 5]),
+        # Llama 4: moe_layers lists them
+        ("llama4_chunked_nope_moe_v5", dict(moe_layers=[0, 3, 4]), [0, 3, 4]),
+        # DeepSeek-V3: all after the first_k_dense_replace first
+        ("deepseek_v3_grouped", dict(first_k_dense_replace=2), [2]),
+    ],
+)
+def test_every_hugging_face_layout_of_moe_layers_reads_and_writes_back(case, change, moe_layers):
+    """Whichever layers a config.json makes mixtures of experts, model.layers says, and the
+    export writes the config.json keys that make the same ones."""
+    hf = {**json.loads((FIXTURES / case / "config.json").read_text()), **change}
+    family = FAMILIES[hf["model_type"]]
+    cfg = model_config(hf, family, "config.json")
+    assert [i for i in range(cfg.num_layers) if cfg.is_moe_layer(i)] == moe_layers
+    again = model_config(hf_config(cfg, family, "float32", 0.02), family, "config.json")
+    assert again == explicit_head_dim(cfg)
+
+
 def test_a_gpt_oss_config_reads_as_transformers_fills_it_in():
     """What config.json leaves out, transformers' GptOssConfig fills in: layer_types
     alternating sliding and full from layer 0, sliding_window 128, YaRN (factor 32 over 4096,
@@ -658,14 +669,14 @@ def test_a_gpt_oss_config_reads_as_transformers_fills_it_in():
         hf.pop(key)
     hf.pop("swiglu_limit")
     cfg = model_config(hf, FAMILIES["gpt_oss"], "config.json")
-    assert cfg.layer_pattern == ["local", "global"] and cfg.local_attention.window == 128
-    assert cfg.rope_theta == 150000.0
-    assert cfg.rope_scaling == config_lib.RopeScaling(
+    assert cfg.layers == ["sliding-moe", "global-moe"] and cfg.sliding_window == 128
+    assert cfg.rope.theta == 150000.0
+    assert cfg.rope.scaling == config_lib.RopeScaling(
         type="yarn", factor=32.0, original_max_position=4096, truncate=False
     )
     assert cfg.moe.clamped_swiglu == config_lib.ClampedSwiglu(alpha=1.702, limit=7.0)
-    assert cfg.attention_bias == "qkvo" and cfg.attention_sinks
-    assert cfg.moe.router_bias and cfg.moe.expert_bias and cfg.moe.renormalize
+    assert cfg.attention_projection_bias == "qkvo" and cfg.attention_sinks
+    assert cfg.moe.router_logit_bias and cfg.moe.expert_projection_bias and cfg.moe.renormalize
     # transformers builds no sliding mask without a window (it raises): neither do we
     with pytest.raises(ConversionError, match="sliding layers but sliding_window is null"):
         model_config({**hf, "sliding_window": None}, FAMILIES["gpt_oss"], "config.json")
@@ -682,14 +693,14 @@ def test_a_qwen3_next_config_reads_as_transformers_fills_it_in():
     hf.pop("layer_types"), hf.pop("rope_parameters")
     family = FAMILIES["qwen3_next"]
     cfg = model_config(hf, family, "config.json")
-    assert cfg.layer_pattern == ["linear", "linear", "linear", "global"]
-    assert cfg.partial_rotary_factor == 0.25 and cfg.rope_theta == 10000.0
-    assert cfg.norm_scale_plus_one and cfg.qk_norm and cfg.attention_output_gate
+    assert cfg.layers == ["linear-dense", "linear-moe*2", "global-moe"]  # mlp_only_layers [0]
+    assert cfg.rope.fraction == 0.25 and cfg.rope.theta == 10000.0
+    assert cfg.norm_scale_plus_one and cfg.qk_norm == "rms" and cfg.attention_output_gate
     assert (cfg.moe.shared_experts, cfg.moe.shared_expert_gate) == (2, True)
     cfg = model_config({**hf, "full_attention_interval": 2}, family, "config.json")
-    assert cfg.layer_pattern == ["linear", "global"]
+    assert cfg.layers == ["linear-dense", "global-moe", "linear-moe", "global-moe"]
     cfg = model_config({**hf, "full_attention_interval": 1}, family, "config.json")
-    assert cfg.layer_pattern is None and cfg.linear_attention is None
+    assert cfg.layers == ["global-dense", "global-moe*3"] and cfg.linear_attention is None
 
 
 def test_qwen3_next_logits_do_not_depend_on_our_chunk():
@@ -713,17 +724,18 @@ def test_qwen3_next_logits_do_not_depend_on_our_chunk():
         (dict(norm_scale_plus_one=False), "model.norm_scale_plus_one=False"),
         (dict(moe=dict(shared_expert_gate=False)), "model.moe.shared_expert_gate=false"),
         (dict(moe=dict(shared_experts=0, shared_expert_gate=False)), "shared_experts=0"),
-        (dict(layer_pattern=["linear", "local"]), "layer_pattern with local layers"),
+        (
+            dict(layers=["linear-moe", "sliding-moe"], sliding_window=4, mlp_dim=None),
+            "model.layers' sliding",
+        ),
     ],
 )
 def test_what_qwen3_next_cannot_express_is_refused(change, expected):
     cfg, _ = read_hf_model(QWEN3_NEXT_CASE)
-    moe = cfg.moe.model_copy(update=change.pop("moe", {}))
-    if "layer_pattern" in change:
-        change["local_attention"] = LocalAttention(window=4)
-    cfg = cfg.model_copy(update={"moe": moe, **change})
+    moe = {**cfg.moe.model_dump(), **change.pop("moe", {})}
+    cfg = changed(cfg, moe=moe, **change)
     with pytest.raises(ConversionError, match="cannot export as Qwen3NextForCausalLM") as e:
-        hf_config(cfg, family_for(cfg), "float32")
+        hf_config(cfg, family_for(cfg), "float32", 0.02)
     assert expected in str(e.value)
 
 
@@ -732,20 +744,17 @@ def test_what_qwen3_next_cannot_express_is_refused(change, expected):
     [
         (dict(attention_sinks=False), "cannot export as MixtralForCausalLM"),  # no longer GPT-OSS
         (dict(moe=dict(clamped_swiglu=None)), "model.moe.clamped_swiglu=null"),
-        (dict(moe=dict(expert_bias=False)), "model.moe.expert_bias=false"),
-        (dict(attention_bias="qkv"), "model.attention_bias=qkv"),
-        (dict(local_attention=dict(window=4, rope_theta=10.0)), "local_attention.rope_theta=10.0"),
+        (dict(moe=dict(expert_projection_bias=False)), "moe.expert_projection_bias=false"),
+        (dict(attention_projection_bias="qkv"), "model.attention_projection_bias=qkv"),
+        (dict(rope=dict(theta=150000.0, local_theta=10.0)), "model.rope.local_theta=10.0"),
     ],
 )
 def test_what_gpt_oss_cannot_express_is_refused(change, expected):
     cfg, _ = read_hf_model(FIXTURES / "gpt_oss_window_sinks_yarn_v5")
-    moe = cfg.moe.model_copy(update=change.pop("moe", {}))
-    local = change.pop("local_attention", None)
-    if local is not None:
-        change["local_attention"] = config_lib.LocalAttention(**local)
-    cfg = cfg.model_copy(update={"moe": moe, **change})
+    moe = {**cfg.moe.model_dump(), **change.pop("moe", {})}
+    cfg = changed(cfg, moe=moe, **change)
     with pytest.raises(ConversionError, match="cannot export as") as e:
-        hf_config(cfg, family_for(cfg), "float32")
+        hf_config(cfg, family_for(cfg), "float32", 0.02)
     assert expected in str(e.value)
 
 
@@ -754,94 +763,97 @@ def test_what_gpt_oss_cannot_express_is_refused(change, expected):
     [
         (dict(shared_experts=1), "model.moe.shared_experts=1"),
         (dict(renormalize=False), "model.moe.renormalize=false"),  # Mixtral always renormalises
-        (dict(first_dense_layers=1), "dense layers between MoE layers"),
+        (dict(layers=["global-dense", "global-moe"], mlp_dim=32), "dense layers beside MoE"),
     ],
 )
 def test_unexportable_models_are_refused(moe, expected):
     cfg = config_lib.load(
         config_lib.CONFIGS_DIR / "base.yml", ["model_name=tiny-moe", "model.num_layers=3"]
     ).model
-    cfg = cfg.model_copy(update={"moe": cfg.moe.model_copy(update=moe)})
+    layout = {key: moe.pop(key) for key in ("layers", "mlp_dim") if key in moe}
+    cfg = changed(cfg, moe={**cfg.moe.model_dump(), **moe}, **layout)
     with pytest.raises(ConversionError, match="cannot export as MixtralForCausalLM") as e:
-        hf_config(cfg, family_for(cfg), "float32")
+        hf_config(cfg, family_for(cfg), "float32", 0.02)
     assert expected in str(e.value)
 
 
-GLM = ["model.moe.score=sigmoid", "model.moe.bias_update_rate=0.001"]  # exports as GLM-4.5
+GLM = ["model.moe.score=sigmoid", "model.moe.balance_bias_update_rate=0.001"]  # as GLM-4.5
+QKVO = "model.attention_projection_bias=qkvo"
 
 
 @pytest.mark.parametrize(
     "overrides, family, expected",
     [
         # GLM-4.5 has no o_proj bias, and its router always has the correction bias.
-        ([*GLM, "model.attention_bias=qkvo"], "Glm4MoeForCausalLM", "model.attention_bias=qkvo"),
-        (GLM[:1], "Glm4MoeForCausalLM", "model.moe.bias_update_rate=0.0"),
+        ([*GLM, QKVO], "Glm4MoeForCausalLM", QKVO),
+        (GLM[:1], "Glm4MoeForCausalLM", "model.moe.balance_bias_update_rate=0.0"),
         # Only GLM-4.5 rotates part of a head or has attention biases.
-        (["model.partial_rotary_factor=0.5"], "MixtralForCausalLM", "partial_rotary_factor=0.5"),
-        (["model.attention_bias=qkv"], "MixtralForCausalLM", "model.attention_bias=qkv"),
+        (["model.rope.fraction=0.5"], "MixtralForCausalLM", "model.rope.fraction=0.5"),
+        (["model.attention_projection_bias=qkv"], "MixtralForCausalLM", "bias=qkv"),
     ],
 )
 def test_what_a_family_cannot_express_is_refused(overrides, family, expected):
     tiny_moe = ["model_name=tiny-moe", "model.num_layers=3"]
     cfg = config_lib.load(config_lib.CONFIGS_DIR / "base.yml", [*tiny_moe, *overrides]).model
     with pytest.raises(ConversionError, match=f"cannot export as {family}") as e:
-        hf_config(cfg, family_for(cfg), "float32")
+        hf_config(cfg, family_for(cfg), "float32", 0.02)
     assert expected in str(e.value)
 
 
 @pytest.mark.parametrize(
     "changes, expected",
     [
-        (dict(qk_norm_scale=True), "model.qk_norm_scale=true"),
-        (dict(local_attention=LocalAttention(window=4)), "model.local_attention="),
-        (dict(global_attention=None), "model.global_attention="),  # RoPE on the global layers
-        (dict(rope_interleaved=False), "model.rope_interleaved=false"),
+        (dict(qk_norm="rms"), "model.qk_norm=rms (its qk-norm has no scale)"),
+        (dict(layers=["sliding-moe"], sliding_window=4, attention_chunk=None,
+              attention_temperature=None, mlp_dim=None), "model.layers' sliding layers"),
+        (dict(layers=["chunked-dense", "chunked-moe", "chunked-dense", "global-moe"],
+              attention_temperature=None), "model.layers' global layers"),  # RoPE on them
+        (dict(rope=dict(interleaved=False)), "model.rope.interleaved=false"),
     ],
-)
+)  # fmt: skip
 def test_unexportable_llama4_models_are_refused(changes, expected):
     cfg = llama4_test_config(**changes)
     with pytest.raises(ConversionError, match="cannot export as Llama4ForCausalLM") as e:
-        hf_config(cfg, family_for(cfg), "float32")
+        hf_config(cfg, family_for(cfg), "float32", 0.02)
     assert expected in str(e.value)
 
 
 @pytest.mark.parametrize(
     "overrides, family, expected",
     [
-        (["model.layer_pattern=[local,global]", "model.local_attention.window=4"],
-         "MistralForCausalLM", "model.layer_pattern=['local', 'global'] (global layers beside"),
-        (["model.layer_pattern=[local]", "model.local_attention.chunk=4"],
-         "MistralForCausalLM", "model.local_attention.chunk=4"),
-        (["model.layer_pattern=[local]", "model.local_attention.window=4",
-          "model.local_attention.rope_theta=500.0"],
-         "MistralForCausalLM", "model.local_attention.rope_theta=500.0"),
-        (["model_name=tiny-qk", "model.layer_pattern=[local]", "model.local_attention.window=4"],
-         "Qwen3ForCausalLM", "model.layer_pattern with local layers"),
+        (["model.layers=[sliding-dense, global-dense]", "model.sliding_window=4"],
+         "MistralForCausalLM", "model.layers=['sliding-dense', 'global-dense'] (global layers"),
+        (["model.layers=[chunked-dense]", "model.attention_chunk=4"],
+         "MistralForCausalLM", "model.attention_chunk=4"),
+        (["model.layers=[sliding-dense]", "model.sliding_window=4",
+          "model.rope.local_theta=500.0"],
+         "MistralForCausalLM", "model.rope.local_theta=500.0"),
+        (["model_name=tiny-qk", "model.layers=[sliding-dense]", "model.sliding_window=4"],
+         "Qwen3ForCausalLM", "model.layers' sliding layers"),
     ],
 )  # fmt: skip
 def test_unexportable_attention_patterns_are_refused(make_cfg, overrides, family, expected):
-    """Mistral writes one sliding window for every layer; what else a layer pattern says
-    (global layers among local ones, chunks, a RoPE base of their own), or local layers in a
+    """Mistral writes one sliding window for every layer; what else model.layers says (global
+    layers among sliding ones, chunks, a RoPE base of their own), or sliding layers in a
     family without a window, would be dropped from the export: refused, naming the key."""
     cfg = make_cfg(*overrides).model
     with pytest.raises(ConversionError, match=f"cannot export as {family}") as e:
-        hf_config(cfg, family_for(cfg), "float32")
+        hf_config(cfg, family_for(cfg), "float32", 0.02)
     assert expected in str(e.value)
 
 
 def test_what_only_llama4_expresses_is_refused_elsewhere():
     plain = config_lib.load(config_lib.CONFIGS_DIR / "base.yml", ["model_name=tiny-qk"]).model
     for changes, expected in [
-        (dict(qk_norm_scale=False), "model.qk_norm_scale=false"),
-        (dict(global_attention=GlobalAttention(rope=False)), "model.global_attention="),
+        (dict(qk_norm="rms_unscaled"), "model.qk_norm=rms_unscaled"),
+        (dict(layers=["nope-dense", "global-dense"]), "model.layers' nope layers"),
     ]:
-        cfg = plain.model_copy(update=changes)
+        cfg = changed(plain, **changes)
         with pytest.raises(ConversionError, match=expected):
-            hf_config(cfg, family_for(cfg), "float32")
+            hf_config(cfg, family_for(cfg), "float32", 0.02)
 
 
-LOCAL_ROPE_UNSET = dict(local_attention=dict(window=512, rope_theta=None))
-LINEAR = dict(rope_scaling=dict(type="linear", factor=8.0))
+LINEAR = dict(rope=dict(theta=500000.0, scaling=dict(type="linear", factor=8.0)))
 
 
 @pytest.mark.parametrize(
@@ -851,34 +863,35 @@ LINEAR = dict(rope_scaling=dict(type="linear", factor=8.0))
         ("gemma3-1b", dict(norm_scale_plus_one=False), "Gemma3", "model.norm_scale_plus_one"),
         (
             "gemma3-1b",
-            dict(local_attention=dict(chunk=8)),
+            dict(layers=["chunked-dense*5", "global-dense"], sliding_window=None,
+                 attention_chunk=8),
             "Gemma3",
-            "model.local_attention.chunk=8 (windows only)",
+            "model.attention_chunk=8 (windows only)",
         ),
         (
             "gemma3-1b",
-            {**LOCAL_ROPE_UNSET, **LINEAR},  # the local layers would take the scaling
+            LINEAR,  # without its own base, the sliding layers would take the scaling
             "Gemma3",
-            "model.local_attention.rope_theta=null with model.rope_scaling",
+            "model.rope.local_theta=null with model.rope.scaling",
         ),
         ("llama3.2-1b", dict(softmax_scale_dim=96), "Llama", "model.softmax_scale_dim=96"),
         ("llama3.2-1b", dict(scale_embeddings=True), "Llama", "model.scale_embeddings=True"),
         (
             "llama3.2-1b",
-            dict(layer_pattern=["local", "global"], local_attention=dict(window=8)),
+            dict(layers=["sliding-dense", "global-dense"], sliding_window=8),
             "Mistral",
-            "(global layers beside local ones)",
+            "(global layers beside sliding ones)",
         ),
-        ("llama3.2-1b", LINEAR, "Llama", "model.rope_scaling.type=linear"),
+        ("llama3.2-1b", LINEAR, "Llama", "model.rope.scaling.type=linear"),
     ],
-)
+)  # fmt: skip
 def test_gemma_3_options_export_only_as_gemma_3(preset, update, architecture, expected):
     """Export writes a family's config.json only for a model it computes: Gemma 3's fixed
     features, a window (not a chunk) with an unscaled local RoPE; none of them elsewhere."""
     cfg = config_lib.load(config_lib.CONFIGS_DIR / "base.yml", [f"model_name={preset}"]).model
-    cfg = ModelConfig.model_validate({**cfg.model_dump(), **update})
+    cfg = changed(cfg, **update)
     with pytest.raises(ConversionError, match=f"cannot export as {architecture}") as e:
-        hf_config(cfg, family_for(cfg), "float32")
+        hf_config(cfg, family_for(cfg), "float32", 0.02)
     assert expected in str(e.value)
 
 
@@ -978,7 +991,7 @@ def upcycled(case: str, moe: MoeConfig) -> tuple[ModelConfig, dict]:
     """A fixture's dense model upcycled to `moe`, with a random router and perturbed experts
     (so that routing decides the output)."""
     dense, params = read_hf_model(FIXTURES / case)
-    cfg = dense.model_copy(update={"moe": moe})
+    cfg = changed(dense, moe=moe.model_dump(), mlp_dim=None)
     return cfg, upcycle(params, dense, cfg, noise_std=0.3, router_init_std=0.5, seed=1)
 
 
@@ -987,10 +1000,12 @@ def gpt_oss_plain() -> tuple[ModelConfig, dict]:
     no sliding window (layer_types all full_attention), no attention biases, plain RoPE
     (transformers reads an absent or null rope_scaling as YaRN)."""
     cfg, params = read_hf_model(FIXTURES / "gpt_oss_window_sinks_yarn_v5")
-    cfg = cfg.model_copy(
-        update=dict(
-            layer_pattern=None, local_attention=None, attention_bias="none", rope_scaling=None
-        )
+    cfg = changed(
+        cfg,
+        layers=None,
+        sliding_window=None,
+        attention_projection_bias="none",
+        rope={**cfg.rope.model_dump(), "scaling": None},
     )
     attn = params["moe_layers"]["attn"]
     for name in "qkvo":

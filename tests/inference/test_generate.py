@@ -37,7 +37,7 @@ FIXTURES = support.FIXTURES / "hf"
 TOLERANCE = 2e-5  # float32 rounding: the cache path sums attention over more (masked) keys
 
 
-WINDOW_3 = ("model.local_attention.window=3",)
+WINDOW_3 = ("model.sliding_window=3",)
 # Gated DeltaNet layers in chunks of 4: the 5-token prompt's prefill takes two.
 LINEAR = (
     "model.linear_attention={num_key_heads: 2, num_value_heads: 4, key_head_dim: 8, "
@@ -46,10 +46,9 @@ LINEAR = (
 # Qwen3-Next's shape, tiny: three linear layers then a gated attention layer, MoE with a gated
 # shared expert.
 HYBRID = (
-    "model_name=tiny-moe", "model.num_layers=4", "model.moe.capacity_factor=null",
-    "model.layer_pattern=[linear,linear,linear,global]", *LINEAR,
-    "model.attention_output_gate=true", "model.moe.shared_experts=1",
-    "model.moe.shared_expert_gate=true", "model.partial_rotary_factor=0.25",
+    "model_name=tiny-moe", "model.num_layers=4", "model.layers=[linear-moe*3, global-moe]",
+    *LINEAR, "model.attention_output_gate=true", "model.moe.shared_experts=1",
+    "model.moe.shared_expert_gate=true", "model.rope.fraction=0.25",
 )  # fmt: skip
 
 
@@ -57,21 +56,21 @@ HYBRID = (
     "overrides",
     [
         ("model_name=tiny-qk",),
-        # A dense first layer, then MoE layers of both kinds: a global one between two local
+        # A dense first layer, then MoE layers of both kinds: a global one between two sliding
         # ones, whose ring of 3 positions is shorter than row 0's 5-token prompt.
         (
-            "model_name=tiny-moe", "model.num_layers=4", "model.moe.first_dense_layers=1",
-            "model.moe.capacity_factor=null", "model.layer_pattern=[global,local]", *WINDOW_3,
+            "model_name=tiny-moe", "model.num_layers=4", "model.mlp_dim=128",
+            "model.layers=[global-dense, sliding-moe, global-moe, sliding-moe]", *WINDOW_3,
         ),
         ("model_name=tiny-mla",),
-        # Every layer local (Mistral); local and global alternating in one stack; Llama 4's
-        # local layers, chunks of 4.
-        ("model.layer_pattern=[local]", *WINDOW_3),
-        ("model.num_layers=3", "model.layer_pattern=[local,global]", *WINDOW_3),
-        ("model.layer_pattern=[local,global]", "model.local_attention.chunk=4"),
+        # Every layer sliding (Mistral); sliding and global alternating in one stack; Llama 4's
+        # chunked layers, chunks of 4, beside its nope layers.
+        ("model.layers=[sliding-dense]", *WINDOW_3),
+        ("model.num_layers=3", "model.layers=[sliding-dense, global-dense]", *WINDOW_3),
+        ("model.layers=[chunked-dense, nope-dense]", "model.attention_chunk=4"),
         HYBRID,
         # Linear and attention layers alternating, dense: runs of one layer from two stacks.
-        ("model.layer_pattern=[linear,global]", *LINEAR),
+        ("model.layers=[linear-dense, global-dense]", *LINEAR),
     ],
     ids=[
         "dense-qk-norm", "moe-after-dense-mixed", "mla", "window", "window-mixed", "chunk",
@@ -85,7 +84,9 @@ def test_cached_decode_equals_the_full_forward(make_cfg, overrides):
     whole sequence."""
     cfg = make_cfg(*overrides)
     mdef = run_model.model_def(cfg, pipelined=False)
-    params = nnx.to_pure_dict(nnx.state(model_lib.build(cfg.model, seed=3), nnx.Param))
+    params = nnx.to_pure_dict(
+        nnx.state(model_lib.build(run_model.model_spec(cfg), seed=3), nnx.Param)
+    )
     T, lengths = 12, np.array([5, 3])
     tokens = jax.random.randint(jax.random.key(0), (2, T), 0, cfg.model.vocab_size)
     positions = jnp.broadcast_to(jnp.arange(T), (2, T))
@@ -127,24 +128,24 @@ def test_an_mla_cache_holds_only_the_latent_and_the_rope_key(model_name):
         # Mistral 7B: 32 layers, each a window of 4096, generating 32768 positions.
         (["model_name=mistral-7b"], 4096, 32768),
         # A shorter generation than the window: the ring holds the generation (5 positions).
-        (["model.layer_pattern=[local]", *WINDOW_3, "model.local_attention.window=8"], 5, 5),
-        # Local and global layers in a dense and a MoE stack: each stack keeps one array per kind.
-        (["model_name=tiny-moe", "model.num_layers=5", "model.moe.first_dense_layers=2",
-          "model.layer_pattern=[local,local,global]", *WINDOW_3], 3, 40),
+        (["model.layers=[sliding-dense]", "model.sliding_window=8"], 5, 5),
+        # Sliding and global layers in a dense and a MoE stack: each stack keeps one array per
+        # kind.
+        (["model_name=tiny-moe", "model.num_layers=5", "model.mlp_dim=128",
+          "model.layers=[sliding-dense*2, global-moe, sliding-moe*2]", *WINDOW_3], 3, 40),
     ],
     ids=["mistral-7b", "shorter-than-the-window", "mixed-stacks"],
 )  # fmt: skip
-def test_a_local_layer_caches_its_window_not_the_generation(make_cfg, overrides, local, length):
-    """The decode cache of a local layer is a ring of its window's positions: per stack, the
-    local layers' keys and values [L_local, B, window, K, H], the global layers'
-    [L_global, B, length, K, H]; memory O(window), not O(length), for local layers."""
+def test_a_sliding_layer_caches_its_window_not_the_generation(make_cfg, overrides, local, length):
+    """The decode cache of a sliding layer is a ring of its window's positions: per stack, the
+    sliding layers' keys and values [L_sliding, B, window, K, H], the global layers'
+    [L_global, B, length, K, H]; memory O(window), not O(length), for sliding layers."""
     model, B = make_cfg(*overrides).model, 2
     cache = jax.eval_shape(lambda: init_cache(model, cache_stacks(model), B, length, jnp.bfloat16))
-    K, H = model.num_kv_heads, model.resolved_head_dim
-    kinds = [(model.moe is not None and model.moe.is_moe_layer(i), model.layer_attention(i))
-             for i in range(model.num_layers)]  # fmt: skip
+    K, H = model.resolved_kv_heads, model.resolved_head_dim
+    kinds = [(model.is_moe_layer(i), model.layer_attention(i)) for i in range(model.num_layers)]
     for stack, is_moe in (("layers", False), ("moe_layers", True)):
-        for kind, positions in (("local", local), ("global", length)):
+        for kind, positions in (("sliding", local), ("global", length)):
             layers = kinds.count((is_moe, kind))
             held = cache.get(stack, {}).get(kind)
             assert (held is None) == (layers == 0), (stack, kind)
@@ -179,7 +180,9 @@ def test_greedy_generation_of_a_hybrid_model_follows_its_training_forward(make_c
     over tensor, its experts over expert) and on 1: each new token is the argmax of the
     training path's logits over the prompt and the tokens before it, and both meshes agree."""
     cfg = make_cfg(*HYBRID, "mesh.fsdp=2", "mesh.tensor=2", "mesh.expert=2")
-    init = lambda: nnx.to_pure_dict(nnx.state(model_lib.build(cfg.model, 5), nnx.Param))  # noqa: E731
+    init = lambda: nnx.to_pure_dict(
+        nnx.state(model_lib.build(run_model.model_spec(cfg), 5), nnx.Param)
+    )
     params = jax.jit(init)()
     save_parameters(tmp_path / "ckpt", params, config_yaml=config_lib.to_yaml(cfg))
     prompts = [list(range(11, 20)), [3, 4], [100, 90, 80, 70, 60, 50]]
@@ -339,7 +342,9 @@ def test_a_run_trained_on_8_devices_samples_on_1(make_cfg, tmp_path, capsys):
     so, and the greedy tokens are those of the saved mesh. A mesh the user names that does not
     fit is still refused."""
     cfg = make_cfg("mesh.fsdp=2", "mesh.tensor=4")
-    init = lambda: nnx.to_pure_dict(nnx.state(model_lib.build(cfg.model, 0), nnx.Param))  # noqa: E731
+    init = lambda: nnx.to_pure_dict(
+        nnx.state(model_lib.build(run_model.model_spec(cfg), 0), nnx.Param)
+    )
     save_parameters(tmp_path / "ckpt", jax.jit(init)(), config_yaml=config_lib.to_yaml(cfg))
     out = tmp_path / "out.jsonl"
     args = [str(tmp_path / "ckpt"), "--prompt-ids", "1,2,3", "--max-new-tokens", "6"]

@@ -235,7 +235,7 @@ def test_tokamax_tpu_kernel_sinks_through_its_own_backward(monkeypatch):
 )
 def test_kernels_without_a_log_sum_exp_refuse_sinks(kernel, instead):
     q, k, v = _qkv()
-    with pytest.raises(NotImplementedError, match=f"{kernel!r} .*model.attention={instead}"):
+    with pytest.raises(NotImplementedError, match=f"{kernel!r} .*compute.attention={instead}"):
         attn.attention_kernel(kernel)(q, k, v, jnp.asarray(SEGMENT_IDS), _sinks())
 
 

@@ -10,8 +10,9 @@ from flax import nnx
 from maxtrain import config as config_lib
 from maxtrain.config import ConfigError
 from maxtrain.kernels import attention as attn
-from maxtrain.layers.attention_pattern import chunk_segments, kind_per_layer
-from maxtrain.models import build
+from maxtrain.layers.attention_pattern import chunk_segments, kind_per_layer, model_kinds
+from maxtrain.models import ModelSpec, build
+from maxtrain.training.run_model import model_spec
 
 B, T, N, K, H = 2, 24, 4, 2, 8
 # Two packed documents per row, of lengths that leave their starts off the chunk grid.
@@ -113,70 +114,73 @@ def test_cached_attention_masks_window_and_chunk_by_position():
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
 
-def _pattern_model(*overrides):
+def _pattern_model(*overrides) -> ModelSpec:
     cfg = config_lib.load(
         config_lib.CONFIGS_DIR / "base.yml",
-        ["model_name=tiny", "data.kind=synthetic", "model.remat=none", *overrides],
+        ["model_name=tiny", "data.kind=synthetic", "compute.remat=none", *overrides],
     )
-    return cfg.model
+    return model_spec(cfg)
 
 
-def _logits(model_cfg, params_of, args):
-    """Logits of a model built from model_cfg, holding the parameters of module params_of."""
-    module = build(model_cfg, seed=0)
+def _logits(spec, params_of, args):
+    """Logits of a model built from spec, holding the parameters of module params_of."""
+    module = build(spec, seed=0)
     nnx.update(module, nnx.state(params_of, nnx.Param))
     return module(*args)[0]
 
 
 def test_a_window_covering_the_sequence_is_global_attention():
-    """Local layers with a window no shorter than the sequence compute what global layers do
-    (the pattern changes masks, not parameters), and a short window changes the logits."""
+    """Sliding layers with a window no shorter than the sequence compute what global layers do
+    (the kinds change masks, not parameters), and a short window changes the logits."""
     tokens = jax.random.randint(jax.random.key(1), (B, T), 0, 256)
     args = (tokens, jnp.asarray(POSITIONS), jnp.asarray(SEGMENTS))
     plain = build(_pattern_model(), seed=0)
     want = plain(*args)[0]
-    pattern = ["model.layer_pattern=[local,global]"]
-    wide = _logits(_pattern_model(*pattern, "model.local_attention.window=64"), plain, args)
+    layers = ["model.layers=[sliding-dense, global-dense]"]
+    wide = _logits(_pattern_model(*layers, "model.sliding_window=64"), plain, args)
     np.testing.assert_allclose(wide, want, rtol=1e-5, atol=1e-5)
-    moved = _logits(_pattern_model(*pattern, "model.local_attention.window=3"), plain, args) - want
+    moved = _logits(_pattern_model(*layers, "model.sliding_window=3"), plain, args) - want
     assert float(jnp.abs(moved).max()) > 1e-3
 
 
 def test_scanned_and_unrolled_layers_of_mixed_kinds_agree():
     """A run of layers of several kinds is scanned with each layer's kind as data
     (lax.switch); unrolled, each layer's kind is a constant. Same logits."""
-    overrides = ["model.layer_pattern=[local,global]", "model.local_attention.window=3"]
+    overrides = ["model.layers=[sliding-dense, global-dense]", "model.sliding_window=3"]
     scanned = build(_pattern_model(*overrides), seed=0)
     tokens = jax.random.randint(jax.random.key(1), (B, T), 0, 256)
     args = (tokens, jnp.asarray(POSITIONS), jnp.asarray(SEGMENTS))
-    unrolled = _logits(_pattern_model(*overrides, "model.scan_layers=false"), scanned, args)
+    unrolled = _logits(_pattern_model(*overrides, "compute.scan_layers=false"), scanned, args)
     np.testing.assert_allclose(scanned(*args)[0], unrolled, rtol=1e-5, atol=1e-5)
 
 
-def test_layer_pattern_repeats_over_the_layers():
-    model = _pattern_model(
-        "model.num_layers=5", "model.layer_pattern=[local,local,global]",
-        "model.local_attention.chunk=8",
-    )  # fmt: skip
-    assert kind_per_layer(model) == (1, 1, 0, 1, 1)
+def test_layers_repeat_over_the_model_or_are_cut_at_its_depth():
+    """model.layers' expanded list repeats over num_layers, a last repetition partial, and a
+    list longer than the model is cut at its depth; a layer's kind index is its kind's place
+    among the model's own kinds (global before chunked)."""
+    repeated = _pattern_model(
+        "model.num_layers=5", "model.layers=[chunked-dense*2, global-dense]",
+        "model.attention_chunk=8",
+    ).model  # fmt: skip
+    assert model_kinds(repeated) == ("global", "chunked")
+    assert kind_per_layer(repeated) == (1, 1, 0, 1, 1)
+    cut = _pattern_model("model.layers=[global-dense*3, sliding-dense*9]", "model.num_layers=3")
+    assert [t.attention for t in cut.model.layer_types] == ["global"] * 3
+    assert cut.model.layers is None  # as said: every layer global (the list is made canonical)
 
 
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
-        (["model.layer_pattern=[local,global]"], "local_attention is absent"),
-        (["model.local_attention.window=4"], "local_attention is set"),
-        (
-            [
-                "model.layer_pattern=[local]",
-                "model.local_attention.window=4",
-                "model.local_attention.chunk=4",
-            ],
-            "exactly one of window and chunk",
-        ),  # fmt: skip
-        (["model.layer_pattern=[sliding]"], "layer_pattern"),
+        (["model.layers=[sliding-dense, global-dense]"], "which need model.sliding_window"),
+        (["model.sliding_window=4"], "model.sliding_window is set but model.layers has no"),
+        (["model.layers=[local-dense]"], r"'model.layers\[0\]' must be ATTENTION-FFN or"),
+        (["model.layers=[global-dense*0]"], "COUNT >= 1"),
+        (["model.layers=[global-moe]"], "model.layers has moe layers, which need model.moe"),
+        (["model.attention_temperature={floor: 4}"], "model.layers has no nope layers"),
+        (["model.rope.local_theta=100"], "model.layers has no sliding or chunked layers"),
     ],
 )
-def test_pattern_mistakes_are_named(overrides, message):
+def test_layer_mistakes_are_named(overrides, message):
     with pytest.raises(ConfigError, match=message):
         _pattern_model(*overrides)

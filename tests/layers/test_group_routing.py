@@ -2,7 +2,6 @@
 and the config's one-line refusals."""
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
@@ -10,6 +9,7 @@ from flax import nnx
 from maxtrain import config as config_lib
 from maxtrain.config import ConfigError
 from maxtrain.layers.moe import MoE
+from maxtrain.layers.spec import ModelSpec
 
 D, E, GROUPS, KEEP, K = 8, 16, 4, 2, 3
 
@@ -20,21 +20,19 @@ def grouped_layer() -> MoE:
         emb_dim=D,
         num_layers=1,
         num_heads=2,
-        num_kv_heads=2,
-        mlp_dim=16,
-        compute_dtype="float32",
         moe=config_lib.MoeConfig(
             num_experts=E,
             top_k=K,
             expert_mlp_dim=8,
             score="sigmoid",
             routed_scale=2.5,
-            bias_update_rate=0.001,
+            balance_bias_update_rate=0.001,
             n_group=GROUPS,
             topk_group=KEEP,
         ),
     )
-    layer = MoE(cfg, param_dtype=jnp.float32, compute_dtype=jnp.float32, rngs=nnx.Rngs(0))
+    compute = config_lib.ComputeConfig(compute_dtype="float32")
+    layer = MoE(ModelSpec(cfg, compute), rngs=nnx.Rngs(0))
     layer.router.bias[...] = 0.3 * jax.random.normal(jax.random.key(1), (E,))
     return layer
 

@@ -8,9 +8,11 @@ import pytest
 from flax import nnx
 
 from maxtrain.layers.attention import Attention
+from maxtrain.layers.attention_pattern import model_kinds
 from maxtrain.layers.mla import LATENT_NORM_EPS, MLA
 from maxtrain.layers.mlp import MLP
 from maxtrain.layers.norms import RMSNorm
+from maxtrain.training.run_model import model_spec
 
 B, T = 2, 12
 RNG = np.random.default_rng(0)
@@ -34,8 +36,9 @@ def _randomised(module: nnx.Module) -> dict:
     return params
 
 
-def _layer(cls, model_cfg):
-    return cls(model_cfg, param_dtype=np.float32, compute_dtype=np.float32, rngs=nnx.Rngs(0))
+def _layer(cls, cfg):
+    """The layer of a run's config (float32 on CPU: compute.compute_dtype auto)."""
+    return cls(model_spec(cfg), rngs=nnx.Rngs(0))
 
 
 def rms_norm(x, scale, eps):
@@ -94,8 +97,8 @@ def gelu_tanh(x):
     ids=["swiglu", "geglu"],
 )
 def test_swiglu_mlp(make_cfg, activation, gate_fn):
-    cfg = make_cfg("model_name=tiny", f"model.mlp_activation={activation}").model
-    layer = _layer(MLP, cfg)
+    run = make_cfg("model_name=tiny", f"model.mlp_activation={activation}")
+    cfg, layer = run.model, _layer(MLP, run)
     p = _randomised(layer)
     x = RNG.standard_normal((B, T, cfg.emb_dim)).astype(np.float32)
     gate, up = x @ p["gate"]["kernel"], x @ p["up"]["kernel"]
@@ -116,64 +119,61 @@ def test_swiglu_mlp(make_cfg, activation, gate_fn):
     ids=["tiny", "tiny-qk", "gemma-qk-norm-softmax-scale"],
 )
 def test_grouped_query_attention(make_cfg, overrides):
-    cfg = make_cfg(*overrides, "model.attention=xla").model
-    layer = _layer(Attention, cfg)
+    run = make_cfg(*overrides, "compute.attention=xla")
+    cfg, layer = run.model, _layer(Attention, run)
     p = _randomised(layer)
     x = RNG.standard_normal((B, T, cfg.emb_dim)).astype(np.float32)
     q = np.einsum("btd,dnh->btnh", x, p["q"]["kernel"])
     k = np.einsum("btd,dkh->btkh", x, p["k"]["kernel"])
     v = np.einsum("btd,dkh->btkh", x, p["v"]["kernel"])
-    if cfg.qk_norm:
+    if cfg.qk_norm == "rms":
         offset = 1.0 if cfg.norm_scale_plus_one else 0.0
         q = rms_norm(q, offset + p["q_norm"]["scale"], cfg.norm_eps)
         k = rms_norm(k, offset + p["k_norm"]["scale"], cfg.norm_eps)
-    q, k = rope(q, POSITIONS, cfg.rope_theta), rope(k, POSITIONS, cfg.rope_theta)
+    q, k = rope(q, POSITIONS, cfg.rope.theta), rope(k, POSITIONS, cfg.rope.theta)
     out = attend(q, k, v, scale_dim=cfg.softmax_scale_dim)
     expected = np.einsum("btnh,nhd->btd", out, p["o"]["kernel"])
     np.testing.assert_allclose(_run(layer, x), expected, rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize("kind", [0, 1], ids=["global_nope_tempered", "local_chunked_rope"])
+@pytest.mark.parametrize("kind", ["nope", "chunked"], ids=["nope_tempered", "chunked_rope"])
 def test_llama4_attention_kinds(make_cfg, kind):
-    """Llama 4's two kinds of layer on one set of weights: global layers without RoPE or
-    qk-norm, their queries times 1 + s ln(1 + floor((p + 1) / f)); chunked local layers with
-    RoPE and a qk-norm that has no scale (an RMS norm of each head)."""
-    cfg = make_cfg(
+    """Llama 4's two kinds of layer on one set of weights: nope layers without RoPE or
+    qk-norm, their queries times 1 + s ln(1 + floor((p + 1) / f)); chunked layers with RoPE
+    and a qk-norm that has no scale (an RMS norm of each head)."""
+    run = make_cfg(
         "model_name=tiny",
-        "model.attention=xla",
-        "model.qk_norm=true",
-        "model.qk_norm_scale=false",
-        "model.layer_pattern=[global, local]",
-        "model.local_attention={chunk: 3}",
-        "model.global_attention={rope: false, qk_norm: false, temperature_floor: 2, "
-        "temperature_scale: 0.5}",
-    ).model
-    layer = _layer(Attention, cfg)
+        "compute.attention=xla",
+        "model.qk_norm=rms_unscaled",
+        "model.layers=[nope-dense, chunked-dense]",
+        "model.attention_chunk=3",
+        "model.attention_temperature={floor: 2, scale: 0.5}",
+    )
+    cfg, layer = run.model, _layer(Attention, run)
     p = _randomised(layer)
     assert "q_norm" not in p  # nothing learned in the norm
     x = RNG.standard_normal((B, T, cfg.emb_dim)).astype(np.float32)
     q = np.einsum("btd,dnh->btnh", x, p["q"]["kernel"])
     k = np.einsum("btd,dkh->btkh", x, p["k"]["kernel"])
     v = np.einsum("btd,dkh->btkh", x, p["v"]["kernel"])
-    if kind == 0:
+    if kind == "nope":
         q = q * (1 + 0.5 * np.log(1 + np.floor((POSITIONS + 1) / 2)))[..., None, None]
         chunk = None
     else:
         q, k = rms_norm(q, 1.0, cfg.norm_eps), rms_norm(k, 1.0, cfg.norm_eps)
-        q, k = rope(q, POSITIONS, cfg.rope_theta), rope(k, POSITIONS, cfg.rope_theta)
+        q, k = rope(q, POSITIONS, cfg.rope.theta), rope(k, POSITIONS, cfg.rope.theta)
         chunk = 3
     expected = np.einsum("btnh,nhd->btd", attend(q, k, v, chunk), p["o"]["kernel"])
-    got = np.asarray(layer(x, POSITIONS, SEGMENTS, kind))
+    got = np.asarray(layer(x, POSITIONS, SEGMENTS, model_kinds(cfg).index(kind)))
     np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-5)
 
 
 def test_multi_head_latent_attention(make_cfg):
     """DeepSeek-V2's MLA: queries through a low-rank latent, keys and values from one shared
     normed latent, a rotary key part shared by all heads beside each head's own."""
-    cfg = make_cfg("model_name=tiny-mla", "model.attention=xla", "model.rope_interleaved=false")
-    cfg = cfg.model
+    run = make_cfg("model_name=tiny-mla", "compute.attention=xla", "model.rope.interleaved=false")
+    cfg, layer = run.model, _layer(MLA, run)
     m = cfg.mla
-    layer = _layer(MLA, cfg)
     p = _randomised(layer)
     x = RNG.standard_normal((B, T, cfg.emb_dim)).astype(np.float32)
     if m.q_lora_rank is None:
@@ -189,8 +189,8 @@ def test_multi_head_latent_attention(make_cfg):
         p["kv_b"]["kernel"],
     )
     k_nope, v = kv[..., : m.qk_nope_head_dim], kv[..., m.qk_nope_head_dim :]
-    k_rope = rope(k_rope[:, :, None], POSITIONS, cfg.rope_theta)  # one for every head
-    q_rope = rope(q[..., m.qk_nope_head_dim :], POSITIONS, cfg.rope_theta)
+    k_rope = rope(k_rope[:, :, None], POSITIONS, cfg.rope.theta)  # one for every head
+    q_rope = rope(q[..., m.qk_nope_head_dim :], POSITIONS, cfg.rope.theta)
     k = np.concatenate(
         [k_nope, np.broadcast_to(k_rope, (*k_nope.shape[:3], m.qk_rope_head_dim))], -1
     )

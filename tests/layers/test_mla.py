@@ -84,8 +84,9 @@ def tiny_mla_reference(tmp_path_factory):
 
 def test_tiny_mla_with_expert_parallelism_equals_one_device(tiny_mla_reference):
     overrides, (ref_loss, ref_grads) = tiny_mla_reference
-    # Buffers for every routed row (ep_capacity_factor >= mesh.expert): nothing is dropped.
-    cfg = load(BASE, [*overrides, "mesh.expert=4", "mesh.fsdp=2", "model.moe.ep_capacity_factor=4"])
+    # Buffers for every routed row (expert_exchange_capacity >= mesh.expert): nothing drops.
+    capacity = "compute.expert_exchange_capacity=4"
+    cfg = load(BASE, [*overrides, "mesh.expert=4", "mesh.fsdp=2", capacity])
     trainer = build_trainer(cfg)
     assert trainer.mesh.size == 8
     loss, grads = loss_and_grads(trainer, synthetic_batch(cfg))
@@ -93,9 +94,13 @@ def test_tiny_mla_with_expert_parallelism_equals_one_device(tiny_mla_reference):
     assert_trees_close(grads, ref_grads)
 
 
-def test_mla_without_its_section_is_a_config_error_naming_the_key():
+@pytest.mark.parametrize(
+    "override", ["model.num_kv_heads=2", "model.qk_norm=rms", "model.rope.fraction=0.5"]
+)
+def test_a_grouped_query_key_beside_mla_is_a_config_error_naming_it(override):
     from maxtrain.config import ConfigError
 
-    with pytest.raises(ConfigError, match="model.mla is absent") as e:
-        load(BASE, ["model_name=tiny", "model.attention_type=mla"])
+    key = override.split("=")[0]
+    with pytest.raises(ConfigError, match=f"{key} applies to grouped-query attention") as e:
+        load(BASE, ["model_name=tiny-mla", override])
     assert "\n" not in str(e.value)

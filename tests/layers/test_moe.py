@@ -18,6 +18,7 @@ from maxtrain.data.streams import data_streams
 from maxtrain.kernels.grouped_matmul import xla_grouped_matmul
 from maxtrain.layers import moe_dispatch
 from maxtrain.layers.moe import MoE, router_stats
+from maxtrain.layers.spec import ModelSpec
 from maxtrain.models.router_training import RouterTraining
 from maxtrain.models.stacks import is_moe_per_layer, layer_runs
 from maxtrain.parallel.experts import Ragged
@@ -32,32 +33,30 @@ D, E, K, F = 16, 8, 2, 12
 def moe_model_cfg(**moe) -> config_lib.ModelConfig:
     settings = dict(num_experts=E, top_k=K, expert_mlp_dim=F) | moe
     return config_lib.ModelConfig(
-        vocab_size=32,
-        emb_dim=D,
-        num_layers=1,
-        num_heads=2,
-        num_kv_heads=2,
-        mlp_dim=32,
-        compute_dtype="float32",
-        moe=config_lib.MoeConfig(**settings),
+        vocab_size=32, emb_dim=D, num_layers=1, num_heads=2, moe=config_lib.MoeConfig(**settings)
     )
 
 
 # GPT-OSS's experts: a router with a bias, biased experts, the clamped SwiGLU (a limit low
 # enough that it clips).
 GPT_OSS = dict(
-    router_bias=True,
-    expert_bias=True,
+    router_logit_bias=True,
+    expert_projection_bias=True,
     clamped_swiglu=config_lib.ClampedSwiglu(alpha=1.702, limit=0.7),
 )
 
 
-def make_layer(seed: int = 0, **moe) -> MoE:
-    cfg = moe_model_cfg(**moe)
-    layer = MoE(cfg, param_dtype=jnp.float32, compute_dtype=jnp.float32, rngs=nnx.Rngs(seed))
+def make_layer(seed: int = 0, **settings) -> MoE:
+    """The layer of model.moe `settings`, computed as the compute.* ones among them say."""
+    compute = {k: v for k, v in settings.items() if k in config_lib.ComputeConfig.model_fields}
+    moe = {k: v for k, v in settings.items() if k not in compute}
+    spec = ModelSpec(
+        moe_model_cfg(**moe), config_lib.ComputeConfig(compute_dtype="float32", **compute)
+    )
+    layer = MoE(spec, rngs=nnx.Rngs(seed))
     # A router with real preferences (the 0.02 init makes routing nearly uniform).
     layer.router.kernel[...] = jax.random.normal(jax.random.key(seed + 1), (D, E))
-    if moe.get("expert_bias"):  # biases start at zero; experts of the biases' scale
+    if moe.get("expert_projection_bias"):  # biases start at zero; experts of their scale
         keys = iter(jax.random.split(jax.random.key(seed + 2), 7))
         for m in (layer.router.logit_bias, layer.gate.bias, layer.up.bias, layer.down.bias):
             m[...] = jax.random.normal(next(keys), m.shape)
@@ -158,31 +157,31 @@ def test_dropless_gradients_match_the_dense_reference(moe):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
 
 
-# ep_capacity_factor >= the expert degree: the exchanges' buffers hold the worst case, so the
-# sharded layer must equal the single-device one exactly (drops are tested in
+# expert_exchange_capacity >= the expert degree: the exchanges' buffers hold the worst case, so
+# the sharded layer must equal the single-device one exactly (drops are tested in
 # tests/parallel/test_moe_dispatch.py).
-NO_DROPS = dict(ep_capacity_factor=8.0)
+NO_DROPS = dict(expert_exchange_capacity=8.0)
 
 
 @pytest.mark.parametrize(
     "mesh_axes, batch, moe",
     [
-        ({"expert": 4, "fsdp": 2}, 8, dict(ep_dispatch="all_to_all", **NO_DROPS)),
-        ({"expert": 4, "fsdp": 2}, 8, dict(ep_dispatch="all_gather", **NO_DROPS)),
-        ({"expert": 4, "fsdp": 2}, 8, dict(ep_dispatch="ragged", **NO_DROPS)),
+        ({"expert": 4, "fsdp": 2}, 8, dict(expert_exchange="all_to_all", **NO_DROPS)),
+        ({"expert": 4, "fsdp": 2}, 8, dict(expert_exchange="all_gather", **NO_DROPS)),
+        ({"expert": 4, "fsdp": 2}, 8, dict(expert_exchange="ragged", **NO_DROPS)),
         # experts and hidden units split, with each exchange
-        ({"expert": 2, "tensor": 2, "fsdp": 2}, 8, dict(ep_dispatch="all_to_all", **NO_DROPS)),
-        ({"expert": 2, "tensor": 2, "fsdp": 2}, 8, dict(ep_dispatch="all_gather", **NO_DROPS)),
-        ({"expert": 2, "tensor": 2, "fsdp": 2}, 8, dict(ep_dispatch="ragged", **NO_DROPS)),
+        ({"expert": 2, "tensor": 2, "fsdp": 2}, 8, dict(expert_exchange="all_to_all", **NO_DROPS)),
+        ({"expert": 2, "tensor": 2, "fsdp": 2}, 8, dict(expert_exchange="all_gather", **NO_DROPS)),
+        ({"expert": 2, "tensor": 2, "fsdp": 2}, 8, dict(expert_exchange="ragged", **NO_DROPS)),
         ({"data": 2, "fsdp": 4}, 8, {}),  # experts replicated, gathered from FSDP shards
         ({"expert": 4, "fsdp": 2}, 1, {}),  # batch too small to split: tokens replicated
-        ({"expert": 4, "fsdp": 2}, 8, dict(capacity_factor=8.0)),  # GShard blocks, no drops
+        ({"expert": 4, "fsdp": 2}, 8, dict(expert_capacity_factor=8.0)),  # GShard blocks
         # GPT-OSS's biases: the gate's and up's travel with the experts' hidden units, the
         # down projection's is added once per token whatever splits the hidden units
         (
             {"expert": 2, "tensor": 2, "fsdp": 2},
             8,
-            dict(ep_dispatch="ragged", **GPT_OSS, **NO_DROPS),
+            dict(expert_exchange="ragged", **GPT_OSS, **NO_DROPS),
         ),
         ({"expert": 4, "fsdp": 2}, 1, GPT_OSS),
         # Llama 4's weights on the experts' inputs: a row per assignment, sent to its expert
@@ -192,8 +191,9 @@ NO_DROPS = dict(ep_capacity_factor=8.0)
 def test_sharded_layer_equals_the_single_device_result(mesh_axes, batch, moe):
     single_layer = make_layer(**{k: v for k, v in moe.items() if k in {*GPT_OSS, "weight_on"}})
     layer = make_layer(**moe)
-    if moe.get("ep_dispatch") == "ragged":  # XLA:CPU lacks the op: its documented semantics
-        layer.dispatch = Ragged(moe["ep_capacity_factor"], exchange=emulated_ragged_all_to_all)
+    if moe.get("expert_exchange") == "ragged":  # XLA:CPU lacks the op: its documented semantics
+        capacity = moe["expert_exchange_capacity"]
+        layer.dispatch = Ragged(capacity, exchange=emulated_ragged_all_to_all)
     nnx.update(layer, nnx.state(single_layer))
     x = jax.random.normal(jax.random.key(4), (batch, 8, D))
     rules = config_lib.MeshConfig().rules | {
@@ -234,7 +234,7 @@ def test_dropless_drops_nothing_when_every_token_wants_one_expert():
 
 def test_capacity_mode_drops_exactly_the_assignments_it_reports():
     factor = 0.75
-    layer = make_layer(capacity_factor=factor)
+    layer = make_layer(expert_capacity_factor=factor)
     x = jax.random.normal(jax.random.key(6), (2, 16, D))
     n = x.shape[0] * x.shape[1]
     cap = math.ceil(factor * n * K / E)
@@ -313,8 +313,8 @@ def test_sigmoid_scores_and_shared_expert_are_added_to_the_routed_output():
     np.testing.assert_allclose(y.reshape(-1, D), expected, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("capacity_factor", [None, 8.0], ids=["dropless", "capacity"])
-def test_weights_on_the_inputs_scale_what_each_expert_sees(capacity_factor):
+@pytest.mark.parametrize("capacity", [None, 8.0], ids=["dropless", "capacity"])
+def test_weights_on_the_inputs_scale_what_each_expert_sees(capacity):
     """Llama 4's routing (weight_on input): a token's output is the sum over its k experts of
     SwiGLU_e(w_e x), w_e its sigmoid score, plus the shared expert; not w_e SwiGLU_e(x)."""
     layer = make_layer(
@@ -322,7 +322,7 @@ def test_weights_on_the_inputs_scale_what_each_expert_sees(capacity_factor):
         renormalize=False,
         shared_experts=1,
         weight_on="input",
-        capacity_factor=capacity_factor,
+        expert_capacity_factor=capacity,
     )
     x = jax.random.normal(jax.random.key(8), (2, 4, D))
     y, stats = layer(x)
@@ -349,18 +349,13 @@ def test_capacity_helper_rounds_up_and_never_reaches_zero():
     assert moe_dispatch.capacity(1, 1, 64, 0.1) == 1
 
 
-def test_layer_schedule_first_dense_then_every_second_layer():
+def test_layer_schedule_dense_and_moe_layers_as_listed():
     cfg = config_lib.ModelConfig(
         **{
             **moe_model_cfg().model_dump(),
             "num_layers": 6,
-            "moe": {
-                "num_experts": E,
-                "top_k": K,
-                "expert_mlp_dim": F,
-                "first_dense_layers": 2,
-                "interval": 2,
-            },
+            "mlp_dim": 32,
+            "layers": ["global-dense*3", "global-moe", "global-dense", "global-moe"],
         }
     )
     assert is_moe_per_layer(cfg) == (False, False, False, True, False, True)
@@ -370,7 +365,7 @@ def test_layer_schedule_first_dense_then_every_second_layer():
         (False, 3, 1),
         (True, 1, 1),
     ]
-    params = nnx.to_pure_dict(nnx.state(model_lib.abstract(cfg), nnx.Param))
+    params = nnx.to_pure_dict(nnx.state(model_lib.abstract(ModelSpec(cfg)), nnx.Param))
     assert params["layers"]["mlp"]["gate"]["kernel"].shape == (4, D, 32)
     assert params["moe_layers"]["moe"]["gate"]["kernel"].shape == (2, E, D, F)
 
@@ -379,13 +374,13 @@ def test_mixed_stack_gives_the_same_logits_scanned_and_unrolled(make_cfg):
     overrides = (
         "model_name=tiny-moe",
         "model.num_layers=4",
-        "model.moe.first_dense_layers=1",
-        "model.moe.interval=2",
+        "model.layers=[global-dense, global-moe]",
+        "model.mlp_dim=128",
         "mesh.expert=2",
     )
     logits = []
     for scan in ("true", "false"):
-        trainer = build_trainer(make_cfg(*overrides, f"model.scan_layers={scan}"))
+        trainer = build_trainer(make_cfg(*overrides, f"compute.scan_layers={scan}"))
         tokens = jnp.arange(64, dtype=jnp.int32).reshape(2, 32) % 256
         with sharding_rules(trainer.mesh, trainer.cfg.mesh.rules):
             out, _, stats = jax.jit(trainer.mdef.apply)(
@@ -421,7 +416,7 @@ def test_tiny_moe_trains_with_expert_parallelism_and_logs_router_health(make_cfg
         "train.log_every=5",
         "optim.lr=1e-2",
         "optim.warmup_steps=3",
-        "model.moe.bias_update_rate=0.01",
+        "model.moe.balance_bias_update_rate=0.01",
     )
     run(cfg)
     lines = [json.loads(x) for x in (cfg.run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -432,16 +427,16 @@ def test_tiny_moe_trains_with_expert_parallelism_and_logs_router_health(make_cfg
     np.testing.assert_allclose(loads[-1].sum(-1), 1.0, rtol=1e-5)
     scalars = [x for x in lines if "train/moe/entropy" in x][-1]
     assert 0 < scalars["train/moe/entropy"] <= math.log(8) + 1e-5
-    # 32 tokens per device: 64 routed rows, 20 per peer and round (moe.ep_capacity_factor
-    # 1.25). What overflows while the router is still unbalanced goes in further rounds: none
-    # is dropped, at most ceil(4 / 1.25) = 4 rounds.
+    # 32 tokens per device: 64 routed rows, 20 per peer and round (compute.
+    # expert_exchange_capacity 1.25). What overflows while the router is still unbalanced goes
+    # in further rounds: none is dropped, at most ceil(4 / 1.25) = 4 rounds.
     logged = [x for x in lines if "train/moe/rounds" in x]
     assert all(x["train/moe/dropped"] == 0 for x in logged)
     assert all(1 <= x["train/moe/rounds"] <= 4 for x in logged)
 
 
 def test_bias_balancing_moves_load_toward_the_mean(make_cfg):
-    cfg = make_cfg("model_name=tiny-moe", "model.moe.bias_update_rate=0.1", "mesh.fsdp=8")
+    cfg = make_cfg("model_name=tiny-moe", "model.moe.balance_bias_update_rate=0.1", "mesh.fsdp=8")
     trainer = build_trainer(cfg)
     before = np.asarray(trainer.state.params["moe_layers"]["moe"]["router"]["bias"])
     batch = to_global(next(data_streams(cfg)[0]), trainer.batch_sharding)
@@ -456,15 +451,11 @@ def test_bias_balancing_moves_load_toward_the_mean(make_cfg):
 def test_expert_biases_where_assignments_may_drop_are_a_config_error(make_cfg):
     """The down projection's bias is added per routed assignment outside the exchanges, so
     every assignment must be computed."""
-    with pytest.raises(ConfigError, match="model.moe.expert_bias needs every routed assignment"):
-        make_cfg("model_name=tiny-moe", "model.moe.expert_bias=true", "model.moe.capacity_factor=2")
-    with pytest.raises(ConfigError, match="ep_overflow drop"):
-        make_cfg(
-            "model_name=tiny-moe",
-            "model.moe.expert_bias=true",
-            "model.moe.capacity_factor=null",
-            "model.moe.ep_overflow=drop",
-        )
+    bias = "model.moe.expert_projection_bias=true"
+    with pytest.raises(ConfigError, match="expert_projection_bias needs every routed assignment"):
+        make_cfg("model_name=tiny-moe", bias, "model.moe.expert_capacity_factor=2")
+    with pytest.raises(ConfigError, match="expert_exchange_overflow rounds, not drop"):
+        make_cfg("model_name=tiny-moe", bias, "compute.expert_exchange_overflow=drop")
 
 
 def test_top_k_above_expert_count_is_a_config_error(make_cfg):

@@ -7,16 +7,17 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from maxtrain.config import ModelConfig, MoeConfig
+from maxtrain.config import ComputeConfig, ModelConfig, MoeConfig
 from maxtrain.layers.attention import Attention
 from maxtrain.layers.moe import MoE
+from maxtrain.layers.spec import ModelSpec
 
-CFG = dict(vocab_size=16, emb_dim=8, num_layers=1, num_heads=2, num_kv_heads=1, mlp_dim=12)
+CFG = dict(vocab_size=16, emb_dim=8, num_layers=1, num_heads=2, num_kv_heads=1)
 
 
 def _layer(kind, **fields):
-    cfg = ModelConfig(**CFG, **fields)
-    return kind(cfg, param_dtype=jnp.float32, compute_dtype=jnp.float32, rngs=nnx.Rngs(0))
+    cfg = ModelConfig(**CFG, **({"mlp_dim": 12} if "moe" not in fields else {}), **fields)
+    return kind(ModelSpec(cfg, ComputeConfig(compute_dtype="float32")), rngs=nnx.Rngs(0))
 
 
 def _sigmoid(x):

@@ -23,7 +23,7 @@ def test_sharded_step_equals_one_device_with_sinks_and_biases_trained(tmp_path):
         "train.global_batch_size=8",
         "train.seq_len=16",  # four windows of 4
         "mesh.fsdp=1",
-        "model.moe.ep_capacity_factor=2",  # >= mesh.expert: nothing dropped
+        "compute.expert_exchange_capacity=2",  # >= mesh.expert: nothing dropped
         f"run.output_dir={tmp_path}",
     ]
     one = load(CONFIGS_DIR / "base.yml", overrides)

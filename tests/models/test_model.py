@@ -8,29 +8,31 @@ from flax import nnx
 from maxtrain import models as model_lib
 from maxtrain.config import CONFIGS_DIR, RopeScaling, load
 from maxtrain.layers.rope import Rope
+from maxtrain.training.run_model import model_spec
 
 
-def _model_cfg(*overrides):
-    return load(CONFIGS_DIR / "base.yml", ["model_name=tiny", *overrides]).model
+def _spec(*overrides) -> model_lib.ModelSpec:
+    return model_spec(load(CONFIGS_DIR / "base.yml", ["model_name=tiny", *overrides]))
 
 
-def _forward_jaxpr_size(cfg) -> int:
-    model = model_lib.build(cfg)
+def _forward_jaxpr_size(spec) -> int:
+    model = model_lib.build(spec)
     tokens = jnp.zeros((1, 8), jnp.int32)
     return len(jax.make_jaxpr(lambda: model(tokens, tokens, tokens + 1))().eqns)
 
 
 def test_scanned_program_size_does_not_grow_with_depth():
-    shallow = _forward_jaxpr_size(_model_cfg("model.num_layers=2"))
-    deep = _forward_jaxpr_size(_model_cfg("model.num_layers=6"))
-    unrolled = _forward_jaxpr_size(_model_cfg("model.num_layers=6", "model.scan_layers=false"))
+    shallow = _forward_jaxpr_size(_spec("model.num_layers=2"))
+    deep = _forward_jaxpr_size(_spec("model.num_layers=6"))
+    unrolled = _forward_jaxpr_size(_spec("model.num_layers=6", "compute.scan_layers=false"))
     assert shallow == deep
     assert unrolled > deep  # the unrolled loop really does grow
 
 
 def test_layer_parameters_are_stacked_with_a_layers_axis():
-    cfg = _model_cfg("model.num_layers=3")
-    state = nnx.state(model_lib.abstract(cfg), nnx.Param)
+    spec = _spec("model.num_layers=3")
+    cfg = spec.model
+    state = nnx.state(model_lib.abstract(spec), nnx.Param)
     kernel = state["layers"]["mlp"]["up"]["kernel"]
     assert kernel.get_value().shape == (3, cfg.emb_dim, cfg.mlp_dim)
     assert kernel.get_metadata()["out_sharding"] == ("layers", "embed", "mlp")
@@ -98,7 +100,7 @@ def test_partial_rope_rotates_the_first_dims_among_themselves():
 
 def test_qk_norm_tied_preset_builds_and_uses_the_embedding_as_head():
     cfg = load(CONFIGS_DIR / "base.yml", ["model_name=tiny-qk"]).model
-    model = model_lib.build(cfg)
+    model = model_lib.build(model_lib.ModelSpec(cfg))
     assert model.lm_head is None
     tokens = jnp.arange(8, dtype=jnp.int32)[None]
     logits, _ = model(tokens, tokens, jnp.ones_like(tokens))

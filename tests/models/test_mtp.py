@@ -53,7 +53,8 @@ def bound(mdef: model_lib.ModelDef, params) -> nnx.Module:
 def test_mtp_loss_equals_the_computation_by_hand(make_cfg):
     cfg = make_cfg("model.mtp.depth=2", "model.mtp.loss_weight=0.5")  # tiny, dense, float32
     mdef = run_model.model_def(cfg)
-    params = jax.jit(lambda: nnx.to_pure_dict(nnx.state(model_lib.build(cfg.model), nnx.Param)))()
+    spec = run_model.model_spec(cfg)
+    params = jax.jit(lambda: nnx.to_pure_dict(nnx.state(model_lib.build(spec), nnx.Param)))()
     b = packed_batch()
     pos, seg = b["positions"], b["segment_ids"]
     out = jax.jit(mdef.apply)(params, b["inputs"], pos, seg, b["targets"], b["loss_mask"])
@@ -113,12 +114,12 @@ def test_mtp_loss_equals_the_computation_by_hand(make_cfg):
 MOE_MTP = [
     "model_name=tiny-mla",  # DeepSeek-style: MLA, a dense first layer, 2 MoE layers; the MTP
     # block is the last layer's kind (MLA and MoE)
-    "model.moe.ep_capacity_factor=8",  # never drops: the device count must not change the routing
+    "compute.expert_exchange_capacity=8",  # never drops: the device count must not change routing
     "model.moe.score=sigmoid",  # DeepSeek-V3's routing: 4 groups of 2 experts (with mesh.expert=4
     "model.moe.n_group=4",  # one group per device), a token's 2 experts from its best 2 groups
     "model.moe.topk_group=2",
     "model.mtp.depth=1",
-    "model.remat=none",  # compiles faster; remat is not what is compared
+    "compute.remat=none",  # compiles faster; remat is not what is compared
     "data.kind=synthetic",
     "train.global_batch_size=8",
     "train.seq_len=32",
@@ -189,7 +190,9 @@ def test_flops_and_active_parameters_count_the_modules_as_built(make_cfg, model)
         make_cfg(f"model_name={model}").model,
         make_cfg(f"model_name={model}", "model.mtp.depth=2").model,
     )
-    tree = nnx.to_pure_dict(nnx.state(model_lib.abstract(with_mtp), nnx.Param))["mtp"]
+    tree = nnx.to_pure_dict(
+        nnx.state(model_lib.abstract(model_lib.ModelSpec(with_mtp)), nnx.Param)
+    )["mtp"]
     built = sum(int(np.prod(a.shape)) for a in jax.tree.leaves(tree))
     m, D = with_mtp.moe, with_mtp.emb_dim
     idle = 2 * (m.num_experts - m.top_k) * 3 * D * m.expert_mlp_dim if m else 0

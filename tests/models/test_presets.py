@@ -18,13 +18,11 @@ from pathlib import Path
 
 import pytest
 import yaml
+from pydantic import BaseModel
 
-from maxtrain.config import CONFIGS_DIR, ModelConfig, load
+from maxtrain.config import CONFIGS_DIR, ModelConfig, load, preset
 
 MODELS_DIR = CONFIGS_DIR / "models"
-
-# Keys that describe how a model runs, not what it is: they belong in base.yml or a run config.
-RUNTIME_KEYS = {"param_dtype", "compute_dtype", "scan_layers", "remat", "attention"}
 
 # Published total parameter counts: (preset, count, relative tolerance, source).
 # A tolerance of 0 means the source gives the exact integer.
@@ -41,7 +39,7 @@ PUBLISHED = [
     # qwen3_presets.py). Qwen3-0.6B model card: 0.6B total, 0.44B non-embedding.
     ("qwen3-0.6b", 596_049_920, 0.0),
     # HF safetensors metadata of mistralai/Mistral-7B-v0.1: 7.24B (rounded to 0.01B). The
-    # sliding window (layer_pattern [local]) adds no parameter.
+    # sliding window (layers [sliding-dense]) adds no parameter.
     ("mistral-7b", 7_241_732_096, 0.001),
     # Kanana report (arXiv 2502.18934) and model name: 2.1B, no exact integer published. The
     # single bf16 model.safetensors of kakaocorp/kanana-nano-2.1b-base is 4.17 GB -> 2.085e9
@@ -87,15 +85,15 @@ def closed_form_params(m: ModelConfig) -> int:
     d, hd = m.emb_dim, m.resolved_head_dim
     attention = (
         d * m.num_heads * hd  # q
-        + d * m.num_kv_heads * hd  # k
-        + d * m.num_kv_heads * hd  # v
+        + d * m.resolved_kv_heads * hd  # k
+        + d * m.resolved_kv_heads * hd  # v
         + m.num_heads * hd * d  # o
     )
     mlp = 3 * d * m.mlp_dim  # gate, up, down
     norms = 2 * d  # pre-attention and pre-MLP RMSNorm scales
     if m.block_norms == "sandwich":
         norms += 2 * d  # and the scales of the attention's and the MLP's output norms
-    if m.qk_norm:
+    if m.qk_norm == "rms":
         norms += 2 * hd  # q-norm and k-norm scales, shared across heads
     embedding = m.vocab_size * d
     head = 0 if m.tie_embeddings else m.vocab_size * d
@@ -164,10 +162,15 @@ def test_load_keeps_preset_shape(name: str, tmp_path: Path) -> None:
     preset = yaml.safe_load((MODELS_DIR / f"{name}.yml").read_text())
     loaded = load_preset(name, tmp_path).model_dump()
     for key, value in preset.items():
-        got = loaded[key]
-        if isinstance(value, dict):  # a section: the keys the file sets (others take defaults)
-            got = {k: got[k] for k in value}
+        got = as_given(loaded[key], value)
         assert got == value, f"{name}: model.{key} = {got!r}, file has {value!r}"
+
+
+def as_given(loaded, given):
+    """`loaded` cut to the keys `given` sets, at every depth (others take defaults)."""
+    if not isinstance(given, dict):
+        return loaded
+    return {k: as_given(loaded[k], v) for k, v in given.items()}
 
 
 @pytest.mark.parametrize("path", sorted(MODELS_DIR.glob("*.yml")), ids=lambda p: p.stem)
@@ -176,14 +179,37 @@ def test_model_file_holds_only_shape_keys(path: Path) -> None:
     assert text.startswith("#"), f"{path.name}: no header comment naming the source"
     data = yaml.safe_load(text)
     assert isinstance(data, dict) and "model" not in data, f"{path.name}: not bare model keys"
-    runtime = RUNTIME_KEYS & data.keys()
-    assert not runtime, f"{path.name} sets runtime keys {sorted(runtime)}"
-    ModelConfig.model_validate(data)  # every key known, every value valid
+    ModelConfig.model_validate(data)  # every key known (the model's alone), every value valid
 
 
-def test_runtime_keys_exist() -> None:
-    """RUNTIME_KEYS must track ModelConfig, or the check above silently checks nothing."""
-    assert RUNTIME_KEYS <= ModelConfig.model_fields.keys()
+def restated_defaults(given: dict, section: BaseModel, prefix: str = "") -> list[str]:
+    """The keys of `given` (a model file's, or a section of it) whose value, as validated into
+    `section`, is the schema's default for that key."""
+    found = []
+    for key, value in given.items():
+        field, validated = type(section).model_fields[key], getattr(section, key)
+        if isinstance(value, dict) and isinstance(validated, BaseModel):
+            found += restated_defaults(value, validated, f"{prefix}{key}.")
+        if not field.is_required() and validated == field.get_default(call_default_factory=True):
+            found.append(f"{prefix}{key}")
+    return found
+
+
+@pytest.mark.parametrize("path", sorted(MODELS_DIR.glob("*.yml")), ids=lambda p: p.stem)
+def test_no_preset_key_restates_a_schema_default(path: Path) -> None:
+    """A model file sets what makes its model differ from the schema's defaults, nothing else:
+    a default said twice is a default that can drift (the fact a restated key's comment
+    carried belongs to the key that stays or the file's header)."""
+    given = yaml.safe_load(path.read_text())
+    assert restated_defaults(given, preset(path.stem)) == []
+
+
+def test_a_restated_default_is_found() -> None:
+    """The walk above, on keys that restate defaults at each depth it looks."""
+    given = {"norm_eps": 1e-5, "rope": {"theta": 10000.0}, "mtp": {"depth": 2, "loss_weight": 0.3}}
+    shape = dict(vocab_size=8, emb_dim=4, num_layers=1, num_heads=2, mlp_dim=8)
+    model = ModelConfig.model_validate({**shape, **given})
+    assert restated_defaults(given, model) == ["norm_eps", "rope.theta", "rope", "mtp.loss_weight"]
 
 
 def test_closed_form_counts_what_it_should() -> None:
@@ -192,7 +218,7 @@ def test_closed_form_counts_what_it_should() -> None:
         vocab_size=10, emb_dim=4, num_layers=1, num_heads=2, num_kv_heads=1, mlp_dim=6
     )  # head_dim 2: q 16, k 8, v 8, o 16, mlp 72, norms 8 -> layer 128
     assert closed_form_params(m) == 40 + 128 + 4 + 40  # embedding, layer, final norm, head
-    tied_qk = m.model_copy(update={"tie_embeddings": True, "qk_norm": True, "head_dim": 3})
+    tied_qk = m.model_copy(update={"tie_embeddings": True, "qk_norm": "rms", "head_dim": 3})
     # head_dim 3: q 24, k 12, v 12, o 24, mlp 72, norms 8 + 6 -> layer 158
     assert closed_form_params(tied_qk) == 40 + 158 + 4
 
@@ -209,12 +235,17 @@ def mla_moe_closed_form(m: ModelConfig) -> tuple[int, int]:
     kv = d * (a.kv_lora_rank + a.qk_rope_head_dim) + a.kv_lora_rank  # kv_a and its norm
     kv += a.kv_lora_rank * heads * (a.qk_nope_head_dim + a.v_head_dim)  # kv_b
     attention = q + kv + heads * a.v_head_dim * d + 2 * d  # o, the two block norms
-    router = d * e.num_experts + (e.num_experts if e.bias_update_rate > 0 else 0)
+    router = d * e.num_experts + (e.num_experts if e.balance_bias_update_rate > 0 else 0)
     moe_layer = attention + router + (e.num_experts + e.shared_experts) * 3 * d * e.expert_mlp_dim
     dense_layer = attention + 3 * d * m.mlp_dim
-    dense = e.first_dense_layers
+    dense = dense_layers(m)
     layers = dense * dense_layer + (m.num_layers - dense) * moe_layer
     return 2 * m.vocab_size * d + layers + d, moe_layer
+
+
+def dense_layers(m: ModelConfig) -> int:
+    """How many of the model's layers are dense."""
+    return sum(not m.is_moe_layer(i) for i in range(m.num_layers))
 
 
 # (preset, published total, published active, published total with one multi-token prediction
@@ -263,13 +294,14 @@ def gqa_moe_closed_form(m: ModelConfig) -> tuple[int, int]:
     grouped-query attention with q/k/v biases and optional qk-norm, dense first layers, routed
     + shared SwiGLU experts behind a router with its correction bias, an untied head."""
     e, d, hd = m.moe, m.emb_dim, m.resolved_head_dim
-    q, kv = m.num_heads * hd, m.num_kv_heads * hd
+    q, kv = m.num_heads * hd, m.resolved_kv_heads * hd
     attention = 2 * d * q + 2 * d * kv + 2 * d  # q and o, k and v, the two block norms
-    attention += (q + 2 * kv) * (m.attention_bias != "none") + 2 * hd * m.qk_norm
+    attention += (q + 2 * kv) * (m.attention_projection_bias != "none")
+    attention += 2 * hd * (m.qk_norm == "rms")
     router = d * e.num_experts + e.num_experts
     moe_layer = attention + router + (e.num_experts + e.shared_experts) * 3 * d * e.expert_mlp_dim
     dense_layer = attention + 3 * d * m.mlp_dim
-    dense = e.first_dense_layers
+    dense = dense_layers(m)
     layers = dense * dense_layer + (m.num_layers - dense) * moe_layer
     return 2 * m.vocab_size * d + layers + d, moe_layer
 
@@ -308,15 +340,15 @@ def test_gqa_moe_presets_match_published_counts(case, tmp_path: Path) -> None:
 
 def llama4_closed_form(m: ModelConfig) -> tuple[int, int]:
     """(total, active) parameters of a Llama-4-shaped model, from its shape keys: grouped-query
-    attention (its qk-norm has no scale), every moe.interval-th layer routed and shared SwiGLU
+    attention (its qk-norm has no scale), model.layers' moe layers routed and shared SwiGLU
     experts with a router, the others a dense SwiGLU of mlp_dim; embedding and head untied."""
     d, e = m.emb_dim, m.moe
     hd = m.resolved_head_dim
-    attention = 2 * d * m.num_heads * hd + 2 * d * m.num_kv_heads * hd + 2 * d  # + block norms
+    attention = 2 * d * m.num_heads * hd + 2 * d * m.resolved_kv_heads * hd + 2 * d  # + norms
     expert = 3 * d * e.expert_mlp_dim
-    moe_layers = sum(e.is_moe_layer(i) for i in range(m.num_layers))
+    moe_layers = m.num_layers - dense_layers(m)
     moe_layer = attention + d * e.num_experts + (e.num_experts + e.shared_experts) * expert
-    dense_layer = attention + 3 * d * m.mlp_dim
+    dense_layer = attention + 3 * d * (m.mlp_dim or 0)
     total = (
         2 * m.vocab_size * d
         + d
@@ -358,7 +390,7 @@ def gpt_oss_closed_form(m: ModelConfig) -> int:
     q/k/v/o biases and a sink per head, every layer a mixture of experts whose router and
     experts (gate, up, down) carry biases."""
     d, hd, e = m.emb_dim, m.resolved_head_dim, m.moe
-    q, kv = m.num_heads * hd, m.num_kv_heads * hd
+    q, kv = m.num_heads * hd, m.resolved_kv_heads * hd
     attention = 2 * d * q + 2 * d * kv + (q + 2 * kv + d) + m.num_heads  # + biases, sinks
     router = d * e.num_experts + e.num_experts
     experts = e.num_experts * (3 * d * e.expert_mlp_dim + 2 * e.expert_mlp_dim + d)
@@ -386,7 +418,7 @@ def test_gpt_oss_presets_match_published_counts(case, tmp_path: Path) -> None:
     assert_close(model_params(m), int(total), 0.001, f"{name} total")
     without_embedding = active_param_count(m) - embedding_lookup_params(m)
     assert_close(without_embedding, int(active), 0.002, f"{name} active")
-    assert m.layer_pattern == ["local", "global"] and m.local_attention.window == 128
+    assert m.layers == ["sliding-moe", "global-moe"] and m.sliding_window == 128
 
 
 # ---- Qwen3-Next (Gated DeltaNet layers beside gated attention, a gated shared expert) --------
@@ -396,11 +428,11 @@ def qwen3_next_closed_form(m: ModelConfig) -> tuple[int, int]:
     """(total, active) parameters of a Qwen3-Next-shaped model from its shape keys: Gated
     DeltaNet layers (q, k, v, z, b, a and o projections, convolution taps over q, k and v, a
     decay and time-step bias per value head, the gated norm) and gated attention layers (q
-    with its output gate, k, v, o, qk-norm) by layer_pattern, every layer a MoE of routed
+    with its output gate, k, v, o, qk-norm) by model.layers, every layer a MoE of routed
     experts, shared ones and the shared ones' gate; embedding and head untied."""
     d, e, la = m.emb_dim, m.moe, m.linear_attention
     hd, heads = m.resolved_head_dim, la.num_value_heads
-    q, kv = m.num_heads * hd, m.num_kv_heads * hd
+    q, kv = m.num_heads * hd, m.resolved_kv_heads * hd
     attention = 3 * d * q + 2 * d * kv + 2 * hd
     key, value = la.num_key_heads * la.key_head_dim, heads * la.value_head_dim
     linear = d * (2 * key + 2 * value) + 2 * d * heads + value * d
@@ -429,4 +461,4 @@ def test_qwen3_next_preset_matches_published_counts(tmp_path: Path) -> None:
     embedding_and_head = 2 * m.vocab_size * m.emb_dim
     assert_close(closed_total - embedding_and_head, 79_000_000_000, 0.015, "non-embedding")
     assert round((closed_active - embedding_and_head) / 1e9) == 3
-    assert m.layer_pattern == ["linear", "linear", "linear", "global"]
+    assert m.layers == ["linear-moe*3", "global-moe"]

@@ -218,8 +218,9 @@ def test_mla_model_first_layer_clips_to_tau(tmp_path):
 @pytest.mark.parametrize(
     "overrides, expected",
     [
-        (["model.attention=splash"], "model.attention=xla computes, not model.attention=splash"),
-        (["model.qk_norm=true"], "model.qk_norm=true"),
+        (["compute.attention=splash"],
+         "compute.attention=xla computes, not compute.attention=splash"),
+        (["model.qk_norm=rms"], "model.qk_norm=rms"),
         (["mesh.context=2"], "mesh.context=1"),
         (["mesh.stage=2"], "pipeline stages"),
     ],
@@ -233,5 +234,5 @@ def test_refused_where_it_cannot_see_or_move_the_logits(overrides, expected):
 def test_auto_attention_on_tpu_is_refused_once_the_platform_is_known():
     cfg = load(BASE, ["model_name=tiny", "optim.qk_clip_threshold=0.5"])
     for_platform(cfg, "cpu")  # auto is xla there
-    with pytest.raises(ConfigError, match="optim.qk_clip_threshold.*model.attention=xla"):
+    with pytest.raises(ConfigError, match="optim.qk_clip_threshold.*compute.attention=xla"):
         for_platform(cfg, "tpu")

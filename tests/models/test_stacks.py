@@ -78,10 +78,10 @@ def test_routing_bias_moves_in_each_moe_stack_by_its_own_layers_load():
     from maxtrain.models.router_training import RouterTraining, moe_rows_per_stack
 
     cfg = ModelConfig(
-        vocab_size=16, emb_dim=8, num_layers=4, num_heads=2, num_kv_heads=1, mlp_dim=12,
-        layer_pattern=["linear", "global"],
+        vocab_size=16, emb_dim=8, num_layers=4, num_heads=2, num_kv_heads=1,
+        layers=["linear-moe", "global-moe"],
         linear_attention={"num_key_heads": 1, "num_value_heads": 2},
-        moe=MoeConfig(num_experts=2, top_k=1, expert_mlp_dim=4, bias_update_rate=0.5),
+        moe=MoeConfig(num_experts=2, top_k=1, expert_mlp_dim=4, balance_bias_update_rate=0.5),
     )  # fmt: skip
     rows = moe_rows_per_stack(cfg)
     assert rows == (("linear_moe_layers", (0, 2)), ("moe_layers", (1, 3)))

@@ -160,19 +160,19 @@ CASES = {
     "dense ring C=4 stage=2": (
         "tiny",
         "",
-        "mesh.context=4 mesh.stage=2 mesh.fsdp=1 model.context_exchange=ring",
+        "mesh.context=4 mesh.stage=2 mesh.fsdp=1 compute.context_exchange=ring",
     ),
     # every other layer a sliding window shorter than a device's block of the sequence
     "windowed ring C=4 fsdp=2": (
         "tiny",
-        "model.layer_pattern=[local,global] model.local_attention.window=5",
-        "mesh.context=4 mesh.fsdp=2 model.context_exchange=ring",
+        "model.layers=[sliding-dense,global-dense] model.sliding_window=5",
+        "mesh.context=4 mesh.fsdp=2 compute.context_exchange=ring",
     ),
     "moe ring C=2 expert=2 fsdp=2": (
         "tiny-moe",
         "",
-        "mesh.context=2 mesh.expert=2 mesh.fsdp=2 model.context_exchange=ring "
-        "model.moe.ep_capacity_factor=2",  # no row dropped: drops depend on token order
+        "mesh.context=2 mesh.expert=2 mesh.fsdp=2 compute.context_exchange=ring "
+        "compute.expert_exchange_capacity=2",  # no row dropped: drops depend on token order
     ),
 }
 

@@ -59,7 +59,7 @@ MODEL = [
     "data.kind=synthetic",
     "train.global_batch_size=16",
     "train.seq_len=32",
-    "model.compute_dtype=float32",
+    "compute.compute_dtype=float32",
     "mesh.num_slices=2",
 ]
 

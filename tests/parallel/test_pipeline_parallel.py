@@ -6,10 +6,11 @@ gradient norm of every step and every parameter at the end. The tolerance is flo
 the pipeline computes each micro-batch's gradient separately and sums them, so sums run in
 another order (measured differences: below 5e-7 in the parameters after 3 steps).
 
-The MoE case runs the dropless default (ep_overflow=rounds) inside the stages with buffers of
-half the routed rows (ep_capacity_factor=0.5: every layer needs at least two rounds, so the
-rounds' loop and its replayed backward run in every stage), against one stage whose one round
-holds the worst case (ep_capacity_factor=8): dropless, the two compute the same.
+The MoE case runs the dropless default (compute.expert_exchange_overflow rounds) inside the
+stages with buffers of half the routed rows (compute.expert_exchange_capacity 0.5: every layer
+needs at least two rounds, so the rounds' loop and its replayed backward run in every stage),
+against one stage whose one round holds the worst case (capacity 8): dropless, the two compute
+the same.
 """
 
 import jax
@@ -35,9 +36,10 @@ MOE = [  # a dense first layer, then 4 MoE layers; experts split over 2 devices 
     "model_name=tiny-moe",
     "model.vocab_size=256",  # every token frequent: no embedding row's Adam step is on rounding
     "model.num_layers=5",
-    "model.moe.first_dense_layers=1",
-    "model.moe.bias_update_rate=0.01",
-    "model.moe.ep_capacity_factor=8",  # one round of worst-case buffers: never a second
+    "model.layers=[global-dense, global-moe*4]",
+    "model.mlp_dim=128",
+    "model.moe.balance_bias_update_rate=0.01",
+    "compute.expert_exchange_capacity=8",  # one round of worst-case buffers: never a second
     *DENSE[2:],
 ]
 STEPS = 3
@@ -90,13 +92,13 @@ def assert_same_training(got: dict, want: dict) -> None:
 # (model, overrides, stages S, repeats R, micro-batches M)
 CASES = {
     "gpipe-S2-fsdp-tensor-remat-none": (
-        "dense", ["mesh.stage=2", "mesh.fsdp=2", "mesh.tensor=2", "model.remat=none"], 2, 1, 2,
+        "dense", ["mesh.stage=2", "mesh.fsdp=2", "mesh.tensor=2", "compute.remat=none"], 2, 1, 2,
     ),
     "circular-S2-R2-M4-unrolled-remat-minimal-accumulated": (
         "dense",
         ["mesh.stage=2", "mesh.fsdp=2", "mesh.tensor=2", "pipeline.schedule=circular",
-         "pipeline.repeats=2", "pipeline.microbatches=4", "model.scan_layers=false",
-         "model.remat=minimal", "train.grad_accum_steps=2"],
+         "pipeline.repeats=2", "pipeline.microbatches=4", "compute.scan_layers=false",
+         "compute.remat=minimal", "train.grad_accum_steps=2"],
         2, 2, 4,
     ),
     "circular-S4-R2-tensor": (
@@ -107,7 +109,7 @@ CASES = {
     ),
     "moe-dense-first-expert-parallel-S2-dropless-rounds": (
         "moe",
-        ["mesh.stage=2", "mesh.expert=2", "mesh.fsdp=2", "model.moe.ep_capacity_factor=0.5"],
+        ["mesh.stage=2", "mesh.expert=2", "mesh.fsdp=2", "compute.expert_exchange_capacity=0.5"],
         2, 1, 2,
     ),
 }  # fmt: skip

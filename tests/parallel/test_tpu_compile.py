@@ -42,7 +42,9 @@ def _compile(make_cfg, *overrides: str, slices: int = 1) -> tuple:
     compiled, _, _ = compile_step(trainer)
     hlo = compiled.as_text()
     found = program.kernels(hlo)
-    program.check_kernels(trainer.cfg.model, found, trainer.mesh.shape["context"])
+    program.check_kernels(
+        trainer.cfg.model, trainer.cfg.compute, found, trainer.mesh.shape["context"]
+    )
     return trainer, hlo, found
 
 
@@ -71,11 +73,11 @@ def test_choices_follow_the_devices_not_the_host(make_cfg):
         make_cfg(*SMALL, "model_name=tiny-moe", "mesh.fsdp=4"), devices=list(devices), abstract=True
     )
     assert mesh_platform(trainer.mesh) == "tpu"
-    model = trainer.cfg.model
-    assert (model.attention, model.compute_dtype) == ("splash", "bfloat16")
-    assert (model.moe.grouped_matmul, model.moe.ep_dispatch) == ("tokamax", "ragged")
-    host = run_model.for_platform(make_cfg(*SMALL, "model_name=tiny-moe"), "cpu").model
-    assert (host.attention, host.compute_dtype, host.moe.grouped_matmul) == (
+    compute = trainer.cfg.compute
+    assert (compute.attention, compute.compute_dtype) == ("splash", "bfloat16")
+    assert (compute.grouped_matmul, compute.expert_exchange) == ("tokamax", "ragged")
+    host = run_model.for_platform(make_cfg(*SMALL, "model_name=tiny-moe"), "cpu").compute
+    assert (host.attention, host.compute_dtype, host.grouped_matmul) == (
         "xla",
         "float32",
         "xla",
@@ -92,10 +94,11 @@ def test_dense_splash_under_fsdp_and_tensor(make_cfg):
 
 def test_configured_kernel_missing_is_an_error(make_cfg):
     """A program without the kernel a config names is refused, not passed off as that kernel."""
-    trainer, hlo, found = _compile(make_cfg, "mesh.fsdp=4", "model.attention=xla")
+    trainer, hlo, found = _compile(make_cfg, "mesh.fsdp=4", "compute.attention=xla")
     assert found == {}
-    with pytest.raises(program.MissingKernel, match="model.attention=splash"):
-        program.check_kernels(trainer.cfg.model.model_copy(update={"attention": "splash"}), found)
+    splash = trainer.cfg.compute.model_copy(update={"attention": "splash"})
+    with pytest.raises(program.MissingKernel, match="compute.attention=splash"):
+        program.check_kernels(trainer.cfg.model, splash, found)
 
 
 @pytest.mark.parametrize(
@@ -112,8 +115,8 @@ def test_moe_exchanges(make_cfg, dispatch, overflow, collective):
         *MOE,
         "mesh.fsdp=2",  # tokens split over fsdp x expert, the weights shared over fsdp
         "mesh.expert=2",
-        f"model.moe.ep_dispatch={dispatch}",
-        f"model.moe.ep_overflow={overflow}",
+        f"compute.expert_exchange={dispatch}",
+        f"compute.expert_exchange_overflow={overflow}",
     )
     _has(found, ATTENTION + GROUPED_MATMUL)
     moved = _collectives(trainer, hlo)
@@ -160,11 +163,11 @@ def _rows_per_tile(hlo: str, groups: int) -> dict[tuple[str, str, str], int]:
 
 
 def test_grouped_matmul_tiles_reach_each_pass_of_each_projection(make_cfg):
-    """model.moe.grouped_matmul_tiles picks tokamax's tiles per projection and pass: gate-up's
+    """compute.grouped_matmul_tiles picks tokamax's tiles per projection and pass: gate-up's
     forward at 256 rows a tile and its input gradient at 64, the rest on tokamax's choice (128
     on v5e for these shapes), read from the kernels' group metadata in the compiled program."""
     tiles = "{gate_up: {forward: {tile_m: 256}, input_grad: {tile_m: 64}}}"
-    _, hlo, _ = _compile(make_cfg, *MOE, "mesh.fsdp=4", f"model.moe.grouped_matmul_tiles={tiles}")
+    _, hlo, _ = _compile(make_cfg, *MOE, "mesh.fsdp=4", f"compute.grouped_matmul_tiles={tiles}")
     rows = "bf16[512,128]"  # a device's 256 tokens x top-2, emb 128 wide
     assert _rows_per_tile(hlo, groups=8) == {
         ("gmm", rows, "bf16[8,128,256]"): 256,  # gate-up forward
@@ -178,7 +181,7 @@ def test_grouped_matmul_tiles_reach_each_pass_of_each_projection(make_cfg):
 
 def test_grouped_matmul_tiles_of_another_platform_are_refused(make_cfg):
     """Tiles are checked against the kernel of the devices the program is built for."""
-    cfg = make_cfg(*MOE, "model.moe.grouped_matmul_tiles={down: {forward: {block_m: 64}}}")
+    cfg = make_cfg(*MOE, "compute.grouped_matmul_tiles={down: {forward: {block_m: 64}}}")
     with pytest.raises(config_lib.ConfigError, match=r"grouped_matmul_tiles\.down\.forward: "
                        r"\['block_m'\] are not fields of tokamax's tpu kernel"):  # fmt: skip
         run_model.for_platform(cfg, "tpu")
@@ -187,7 +190,7 @@ def test_grouped_matmul_tiles_of_another_platform_are_refused(make_cfg):
 @pytest.mark.parametrize("exchange", ["ring", "all_gather"])
 def test_context_parallel(make_cfg, exchange):
     trainer, hlo, _ = _compile(
-        make_cfg, "mesh.fsdp=1", "mesh.context=4", f"model.context_exchange={exchange}"
+        make_cfg, "mesh.fsdp=1", "mesh.context=4", f"compute.context_exchange={exchange}"
     )
     moved = _collectives(trainer, hlo)
     kind = "collective-permute" if exchange == "ring" else "all-gather"
@@ -310,7 +313,7 @@ def test_ragged_exchange_where_the_tpu_compiler_has_it(make_cfg):
     def exchange(topology):
         devices = topology_devices(topology)
         cfg = run_model.for_platform(make_cfg(*MOE), "tpu", devices[0].device_kind, len(devices))
-        return cfg.model.moe.ep_dispatch
+        return cfg.compute.expert_exchange
 
     assert exchange("v5e:4x4") == "ragged"
     assert exchange("v5e:8x8") == "all_to_all"
@@ -319,7 +322,7 @@ def test_ragged_exchange_where_the_tpu_compiler_has_it(make_cfg):
         *MOE,
         "mesh.fsdp=-1",
         "mesh.expert=4",
-        "model.moe.ep_dispatch=ragged",
+        "compute.expert_exchange=ragged",
         "train.global_batch_size=64",
     )
     with pytest.raises(ConfigError, match="ragged does not compile on a 64-chip v5e slice"):
@@ -399,8 +402,8 @@ def test_every_layer_kind_compiles_local_layers_to_windowed_splash(make_cfg):
         "model.max_seq_len=2048",
         "train.global_batch_size=4",
         "model.num_layers=4",
-        "model.layer_pattern=[local,global,linear,linear]",
-        "model.local_attention.window=256",
+        "model.layers=[sliding-dense, global-dense, linear-dense*2]",
+        "model.sliding_window=256",
         "model.attention_sinks=true",
         "model.attention_output_gate=true",
         "model.linear_attention={num_key_heads: 2, num_value_heads: 4, key_head_dim: 128, "

@@ -305,7 +305,11 @@ def test_adapter_trees_move_into_stages_and_back(make_cfg, stacks):
     from maxtrain.parallel import pipeline
 
     cfg = make_cfg(
-        "model_name=tiny-moe", "model.num_layers=5", "model.moe.first_dense_layers=1", *STAGED
+        "model_name=tiny-moe",
+        "model.num_layers=5",
+        "model.layers=[global-dense, global-moe*4]",
+        "model.mlp_dim=128",
+        *STAGED,
     )
     layout = run_model.stage_layout(cfg)  # 1 dense layer, then 2 stages of 2 MoE layers
     counts = {"layers": 1, "moe_layers": 4}
@@ -382,8 +386,7 @@ def test_bad_lora_configs_are_refused_in_one_line(make_cfg, overrides, error):
 def test_modules_that_match_no_matmul_are_refused(make_cfg):
     """Every layer an MoE without shared experts: lora.modules=[mlp] adapts nothing."""
     cfg = make_cfg(
-        "model_name=tiny-moe", "model.moe.first_dense_layers=0", "model.moe.shared_experts=0",
-        *LORA, "lora.modules=[mlp]",
+        "model_name=tiny-moe", "model.moe.shared_experts=0", *LORA, "lora.modules=[mlp]",
     )  # fmt: skip
     with pytest.raises(ConfigError, match=r"lora.modules=\['mlp'\] matches no matmul"):
         build_trainer(cfg, abstract=True)
@@ -415,6 +418,6 @@ def test_adapters_compute_in_the_compute_dtype(make_cfg):
         counts = matmul_dtypes(trainer.step_fn, trainer.state, _batch(trainer))
         return {key: n for key, n in counts.items() if key[1] != ("bfloat16", "bfloat16")}
 
-    bf16 = ["model.compute_dtype=bfloat16", "mesh.fsdp=8"]
+    bf16 = ["compute.compute_dtype=bfloat16", "mesh.fsdp=8"]
     plain, adapted = build_trainer(make_cfg(*bf16)), build_trainer(make_cfg(*bf16, *LORA))
     assert not_bf16(adapted) == not_bf16(plain)

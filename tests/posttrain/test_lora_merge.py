@@ -46,7 +46,7 @@ def config(tmp: Path, model: str, *overrides: str) -> config_lib.Config:
         BASE,
         [
             f"model_name={model}",
-            "model.compute_dtype=float32",  # 1e-5 compares the functions, not bf16 rounding
+            "compute.compute_dtype=float32",  # 1e-5 compares the functions, not bf16 rounding
             "data.kind=synthetic",
             f"run.output_dir={tmp}",
             "train.seq_len=32",
@@ -62,7 +62,8 @@ def lora_run(tmp: Path, model: str, *lora_keys: str):
     with the adapters beside it, run by the LoRA model: Qwix's provider on the projections,
     the experts' own adapter path)."""
     base_cfg = config(tmp, model)
-    init = lambda: nnx.to_pure_dict(nnx.state(model_lib.build(base_cfg.model, 1), nnx.Param))  # noqa: E731
+    spec = run_model.model_spec(base_cfg)
+    init = lambda: nnx.to_pure_dict(nnx.state(model_lib.build(spec, 1), nnx.Param))  # noqa: E731
     save_parameters(tmp / "base", jax.jit(init)(), config_yaml=config_lib.to_yaml(base_cfg))
     cfg = config(tmp, model, f"checkpoint.load_parameters_path={tmp / 'base'}", *lora_keys)
 

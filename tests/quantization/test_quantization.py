@@ -23,7 +23,7 @@ from maxtrain.data.streams import data_streams
 from maxtrain.inference.loading import load_model
 from maxtrain.quantization import cli as quantize_cli
 from maxtrain.training.loop import main, run
-from maxtrain.training.run_model import model_def
+from maxtrain.training.run_model import model_def, model_spec
 from maxtrain.training.step import summed_grads
 from maxtrain.training.trainer import _with_rules, build_trainer
 
@@ -57,7 +57,7 @@ def test_quantized_forward_is_close_to_float(make_cfg, model):
     tiny / tiny-moe: int8 0.65% / 0.73%, fp8 2.9% / 2.9%, w4a16-serving (int4 weights, experts
     included) 7.9% / 7.7%. Bounds: 1.5%, 5%, 12%; above 0.1%, or nothing was quantized."""
     float_cfg = make_cfg(f"model_name={model}")
-    params = nnx.to_pure_dict(nnx.state(model_lib.build(float_cfg.model), nnx.Param))
+    params = nnx.to_pure_dict(nnx.state(model_lib.build(model_spec(float_cfg)), nnx.Param))
     batch = _batch(float_cfg)
     ref = _logits(float_cfg, params, batch)
     for preset, bound in (("int8", 0.015), ("fp8", 0.05), ("w4a16-serving", 0.12)):
@@ -76,7 +76,7 @@ def test_weight_only_int4_quantizes_the_experts(make_cfg):
         "weight_qtype: int4}]"
     )
     float_cfg, cfg = make_cfg("model_name=tiny-moe"), make_cfg("model_name=tiny-moe", rule)
-    params = nnx.to_pure_dict(nnx.state(model_lib.build(float_cfg.model), nnx.Param))
+    params = nnx.to_pure_dict(nnx.state(model_lib.build(model_spec(float_cfg)), nnx.Param))
     batch = _batch(cfg)
     ref, got = _logits(float_cfg, params, batch), _logits(cfg, params, batch)
     assert 1e-3 < float(jnp.linalg.norm(got - ref) / jnp.linalg.norm(ref)) < 0.05
@@ -89,7 +89,7 @@ def test_experts_multiply_int8_operands_forward_and_backward(make_cfg):
     for the experts alone, every ragged dot of the training step, forward and backward, takes
     int8 operands, while the projections stay float32."""
     cfg = make_cfg("model_name=tiny-moe", EXPERTS_INT8)
-    params = nnx.to_pure_dict(nnx.state(model_lib.build(cfg.model), nnx.Param))
+    params = nnx.to_pure_dict(nnx.state(model_lib.build(model_spec(cfg)), nnx.Param))
     batch = _batch(cfg)
 
     def grads(mdef):
@@ -161,8 +161,8 @@ def test_tokamax_and_xla_paths_quantize_weight_only_experts_identically(make_cfg
     custom VJP (kernels/quantized_grouped_matmul.py), run per device under shard_map, must
     reproduce the xla path's gradients, their sum over the data-parallel devices included."""
     rule = EXPERTS_INT8.replace(", act_qtype: int8, bwd_qtype: int8", "")
-    xla = _expert_grads(make_cfg, "model.moe.grouped_matmul=xla", rule)
-    tok = _expert_grads(make_cfg, "model.moe.grouped_matmul=tokamax", rule)
+    xla = _expert_grads(make_cfg, "compute.grouped_matmul=xla", rule)
+    tok = _expert_grads(make_cfg, "compute.grouped_matmul=tokamax", rule)
     for proj in xla:
         np.testing.assert_allclose(tok[proj], xla[proj], rtol=1e-5, atol=1e-7, err_msg=proj)
 
@@ -205,7 +205,7 @@ def test_quantized_run_starts_from_a_float_checkpoint_and_resumes_exactly(make_c
     """Params stay float, so float parameters load into an int8 run, and an int8 run stopped
     at step 2 and restarted ends bit-identical to one that ran 4 steps straight."""
     float_cfg = make_cfg()
-    params = nnx.to_pure_dict(nnx.state(model_lib.build(float_cfg.model), nnx.Param))
+    params = nnx.to_pure_dict(nnx.state(model_lib.build(model_spec(float_cfg)), nnx.Param))
     save_parameters(tmp_path / "float", params, config_yaml=to_yaml(float_cfg))
     quantized = (
         "quantization.preset=int8",

@@ -15,22 +15,24 @@ from maxtrain.config import ConfigError
 from maxtrain.parallel.mesh import build_mesh
 from maxtrain.surgery import cli, depth_upscale, solar_layer_map
 from maxtrain.surgery.initialize import abstract_params, check_fits, source_config, transform
+from maxtrain.training.run_model import model_spec
 
 # 4 layers, MoE every second one (layers 1 and 3), with a balancing bias in the MoE stack.
 MOE_EVERY_SECOND = (
     "model.num_layers=4",
-    "model.moe={num_experts: 4, top_k: 2, expert_mlp_dim: 16, interval: 2, bias_update_rate: 0.1}",
+    "model.layers=[global-dense, global-moe]",
+    "model.moe={num_experts: 4, top_k: 2, expert_mlp_dim: 16, balance_bias_update_rate: 0.1}",
 )
 
 
 def init_params(cfg: config_lib.Config) -> dict:
-    return jax.jit(lambda: nnx.to_pure_dict(nnx.state(model_lib.build(cfg.model, 1), nnx.Param)))()
+    spec = model_spec(cfg)
+    return jax.jit(lambda: nnx.to_pure_dict(nnx.state(model_lib.build(spec, 1), nnx.Param)))()
 
 
 def layer(params: dict, cfg: config_lib.Config, i: int) -> dict:
     """Model layer i's parameters, found by counting (independently of the transforms' code)."""
-    m = cfg.model.moe
-    kinds = [m is not None and m.is_moe_layer(j) for j in range(cfg.model.num_layers)]
+    kinds = [cfg.model.is_moe_layer(j) for j in range(cfg.model.num_layers)]
     position = sum(kind == kinds[i] for kind in kinds[:i])
     stack = params["moe_layers" if kinds[i] else "layers"]
     return jax.tree.map(lambda a: a[position], stack)
@@ -113,12 +115,12 @@ def test_config_mistakes_are_one_line_errors(make_cfg, overrides, message):
     ("overrides", "message"),
     [
         (("model.num_layers=3", "init.layer_map=[0, 1, 2]"), "names layer 2, but the source"),
-        # layers 0..3, then 2..3 again: MoE at 1, 3, 5, where first_dense_layers=4 wants 5 only
+        # layers 0..3, then 2..3 again: MoE at 1, 3, 5, where model.layers wants 5 only
         (
             (
                 *MOE_EVERY_SECOND,
                 "model.num_layers=6",
-                "model.moe.first_dense_layers=4",
+                "model.layers=[global-dense*5, global-moe]",
                 "init.layer_map=[0..3, 2..3]",
             ),
             r"gives MoE layers \[1, 3, 5\].*makes layers \[5\]",
@@ -126,10 +128,10 @@ def test_config_mistakes_are_one_line_errors(make_cfg, overrides, message):
     ],
 )
 def test_maps_the_models_do_not_allow_are_caught_on_shapes_alone(make_cfg, overrides, message):
-    source_moe = [o for o in overrides if o.startswith("model.moe=")]
     cfg = make_cfg("init.mode=depth_upscale", "init.source_model=tiny",
                    "checkpoint.load_parameters_path=unused", *overrides)  # fmt: skip
-    source = make_cfg(*source_moe, "model.num_layers=4" if source_moe else "model.num_layers=2")
+    moe = MOE_EVERY_SECOND[0] in overrides
+    source = make_cfg(*MOE_EVERY_SECOND) if moe else make_cfg("model.num_layers=2")
     with pytest.raises(ConfigError, match=message):
         jax.eval_shape(
             lambda p: transform(p, source.model, cfg), abstract_params(source, build_mesh(cfg.mesh))
@@ -174,24 +176,25 @@ def test_tool_writes_exact_copies_atomically_or_nothing(make_cfg, tmp_path, caps
     assert sorted(p.name for p in tmp_path.iterdir()) == ["deep", "source"]  # no partial output
 
 
-LOCAL_GLOBAL = ("model.layer_pattern=[local, global]", "model.local_attention.window=4")
+SLIDING_GLOBAL = ("model.layers=[sliding-dense, global-dense]", "model.sliding_window=4")
+CARRIED = "model.layers=[sliding-dense, global-dense*2]"
 
 
 @pytest.mark.parametrize(
     ("target_overrides", "message"),
     [
-        (LOCAL_GLOBAL, r"attention kinds \[local, global, global\].*gives \[local, global, local"),
+        (SLIDING_GLOBAL, r"kinds \[sliding, global, global\].*gives \[sliding, global, sliding"),
         (
-            ("model.layer_pattern=[local, global, global]", "model.local_attention.window=8"),
-            "the copied local layers keep theirs",
-        ),  # fmt: skip
-        ((), r"\[local, global, global\], but model.layer_pattern gives all global"),
+            (CARRIED, "model.sliding_window=8"),
+            r"model.sliding_window \(8\) differs from the source model's \(4\)",
+        ),
+        ((), r"\[sliding, global, global\], but model.layers gives all global"),
     ],
 )
 def test_copies_keep_the_attention_of_their_source_layers(make_cfg, target_overrides, message):
     """A copied layer keeps its attention kind (a sliding window stays a sliding window): the
-    new model's layer_pattern must say so, or the transform names both patterns."""
-    source = make_cfg("model.num_layers=2", *LOCAL_GLOBAL)
+    new model's layers must say so, or the transform names both patterns."""
+    source = make_cfg("model.num_layers=2", *SLIDING_GLOBAL)
     depth = ("init.mode=depth_upscale", "init.source_model=tiny", "model.num_layers=3",
              "init.layer_map=[0, 1, 1]", "checkpoint.load_parameters_path=unused")  # fmt: skip
     mesh = build_mesh(source.mesh)
@@ -200,6 +203,5 @@ def test_copies_keep_the_attention_of_their_source_layers(make_cfg, target_overr
     )
     with pytest.raises(ConfigError, match=message):
         upscale(make_cfg(*depth, *target_overrides))
-    carried = make_cfg(*depth, "model.layer_pattern=[local, global, global]",
-                       "model.local_attention.window=4")  # fmt: skip
+    carried = make_cfg(*depth, CARRIED, "model.sliding_window=4")
     check_fits(carried, upscale(carried), abstract_params(carried, mesh))

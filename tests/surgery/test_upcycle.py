@@ -22,18 +22,20 @@ from maxtrain.surgery.initialize import abstract_params, check_fits, source_conf
 from maxtrain.surgery.upcycle import check_upcycle
 from maxtrain.training import metrics
 from maxtrain.training.loop import run
-from maxtrain.training.run_model import model_def
+from maxtrain.training.run_model import model_def, model_spec
 from maxtrain.training.step import eval_step
 
-FP32 = "model.compute_dtype=float32"
+FP32 = "compute.compute_dtype=float32"
+# Every layer MoE: the model has no dense width (the source's is tiny's 128).
+ALL_MOE = "model.mlp_dim=null"
 # tiny's dense MLP is 128 wide: top_k slices of 128 / top_k, copied num_experts / top_k times.
-MOE_4_OF_8 = "model.moe={num_experts: 8, top_k: 4, expert_mlp_dim: 32}"
-MOE_2_OF_8 = "model.moe={num_experts: 8, top_k: 2, expert_mlp_dim: 64}"
+MOE_4_OF_8 = ("model.moe={num_experts: 8, top_k: 4, expert_mlp_dim: 32}", ALL_MOE)
+MOE_2_OF_8 = ("model.moe={num_experts: 8, top_k: 2, expert_mlp_dim: 64}", ALL_MOE)
 
 
 def init_params(cfg: config_lib.Config, seed: int = 1) -> dict:
     return jax.jit(
-        lambda: nnx.to_pure_dict(nnx.state(model_lib.build(cfg.model, seed), nnx.Param))
+        lambda: nnx.to_pure_dict(nnx.state(model_lib.build(model_spec(cfg), seed), nnx.Param))
     )()
 
 
@@ -59,28 +61,28 @@ VARIANTS = {
     "softmax-unnormalized-scaled-qk-norm-tied": (
         "tiny-qk",
         (),
-        (MOE_4_OF_8, "model.moe.renormalize=false", "model.moe.routed_scale=2.5"),
+        (*MOE_4_OF_8, "model.moe.renormalize=false", "model.moe.routed_scale=2.5"),
     ),
     # sigmoid(0) = 1/2 each, renormalized to 1/top_k; a dense first layer; a balancing bias
     "sigmoid-renormalized-first-dense-bias": (
         "tiny",
         ("model.num_layers=3",),
         (
-            MOE_4_OF_8,
+            MOE_4_OF_8[0],
             "model.moe.score=sigmoid",
-            "model.moe.first_dense_layers=1",
-            "model.moe.bias_update_rate=0.01",
+            "model.layers=[global-dense, global-moe*2]",
+            "model.moe.balance_bias_update_rate=0.01",
         ),
     ),
     # a sliding window every second layer and attention biases: carried as they are
     "softmax-sliding-window-qkv-bias": (
         "tiny",
         (
-            "model.layer_pattern=[local, global]",
-            "model.local_attention.window=4",
-            "model.attention_bias=qkv",
+            "model.layers=[sliding-dense, global-dense]",
+            "model.sliding_window=4",
+            "model.attention_projection_bias=qkv",
         ),
-        (MOE_4_OF_8,),
+        (*MOE_4_OF_8, "model.layers=[sliding-moe, global-moe]"),
     ),  # fmt: skip
 }
 
@@ -107,7 +109,7 @@ def test_upcycled_model_computes_the_dense_function_at_step_0(make_cfg, variant)
 
 
 def test_experts_are_copies_of_the_dense_slices_and_noise_breaks_the_symmetry(make_cfg):
-    dense, moe = make_cfg(FP32), make_cfg(FP32, MOE_4_OF_8)
+    dense, moe = make_cfg(FP32), make_cfg(FP32, *MOE_4_OF_8)
     params = init_params(dense)
     exact = upcycled(params, dense, moe)["moe_layers"]["moe"]
     gate = np.asarray(params["layers"]["mlp"]["gate"]["kernel"])  # [L, D, 128]
@@ -138,13 +140,22 @@ def test_experts_are_copies_of_the_dense_slices_and_noise_breaks_the_symmetry(ma
 @pytest.mark.parametrize(
     ("target", "message"),
     [
-        (("model.moe={num_experts: 9, top_k: 3, expert_mlp_dim: 42}",), "128 is not divisible"),
-        (("model.moe={num_experts: 8, top_k: 2, expert_mlp_dim: 32}",), "must be the source's"),
-        (("model.moe={num_experts: 6, top_k: 4, expert_mlp_dim: 32}",), "multiple of model.moe"),
-        ((MOE_2_OF_8, "model.moe.shared_experts=1"), "does not support shared experts"),
+        (
+            ("model.moe={num_experts: 9, top_k: 3, expert_mlp_dim: 42}", ALL_MOE),
+            "128 is not divisible",
+        ),
+        (
+            ("model.moe={num_experts: 8, top_k: 2, expert_mlp_dim: 32}", ALL_MOE),
+            "must be the source's",
+        ),
+        (
+            ("model.moe={num_experts: 6, top_k: 4, expert_mlp_dim: 32}", ALL_MOE),
+            "multiple of model.moe",
+        ),
+        ((*MOE_2_OF_8, "model.moe.shared_experts=1"), "does not support shared experts"),
         (("model.num_layers=3",), "needs a mixture-of-experts target"),
-        ((MOE_2_OF_8, "model.num_layers=3"), "keeps the depth"),
-        ((MOE_2_OF_8, "model.moe.clamped_swiglu={limit: 7}"), "clamped_swiglu is not supported"),
+        ((*MOE_2_OF_8, "model.num_layers=3"), "keeps the depth"),
+        ((*MOE_2_OF_8, "model.moe.clamped_swiglu={limit: 7}"), "clamped_swiglu is not supported"),
     ],
 )
 def test_shapes_that_do_not_split_are_config_errors(make_cfg, target, message):
@@ -181,7 +192,7 @@ def test_tool_and_train_loop_start_the_moe_from_a_dense_checkpoint(make_cfg, tmp
     dense = make_cfg(FP32)
     params = init_params(dense)
     source = save_parameters(tmp_path / "dense", params)
-    moe_args = (FP32, MOE_2_OF_8, "init.source_model=tiny")
+    moe_args = (FP32, *MOE_2_OF_8, "init.source_model=tiny")
     moe = make_cfg(*moe_args)
 
     out = tmp_path / "upcycled"
@@ -219,9 +230,9 @@ def test_tool_mistakes_are_one_line_and_write_nothing(make_cfg, tmp_path, capsys
     base = [str(config_lib.CONFIGS_DIR / "base.yml"), "model_name=tiny", "data.kind=synthetic"]
     out = tmp_path / "out"
     cases = {
-        "no complete checkpoint found": [MOE_2_OF_8, "init.source_model=tiny"],
+        "no complete checkpoint found": [*MOE_2_OF_8, "init.source_model=tiny"],
         "needs a mixture-of-experts target": ["init.source_model=tiny"],
-        "init.source_model: model_name 'tny'": [MOE_2_OF_8, "init.source_model=tny"],
+        "init.source_model: model_name 'tny'": [*MOE_2_OF_8, "init.source_model=tny"],
     }
     for message, args in cases.items():
         code = cli.main("upcycle", [*base, *args, "--source", str(tmp_path / "none"),

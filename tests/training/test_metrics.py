@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from maxtrain.config import LinearAttention, LocalAttention, ModelConfig
+from maxtrain.config import LinearAttention, ModelConfig
 from maxtrain.training.metrics import (
     MetricsWriter,
     drop_warning,
@@ -56,7 +56,7 @@ def test_tied_embeddings_do_not_change_flops() -> None:
 
 
 def test_qk_norm_does_not_change_flops() -> None:
-    assert train_flops_per_token(_small(qk_norm=True), 32) == train_flops_per_token(_small(), 32)
+    assert train_flops_per_token(_small(qk_norm="rms"), 32) == train_flops_per_token(_small(), 32)
 
 
 def test_explicit_head_dim_is_used() -> None:
@@ -79,18 +79,19 @@ def test_explicit_head_dim_is_used() -> None:
     [
         # a window of 16 over 64 tokens: 16 keys per query once full, its triangle over the
         # first 16 queries: 16 - 16^2 / (2 x 64)
-        (LocalAttention(window=16), 14.0),
+        (dict(sliding_window=16), 14.0),
         # chunks of 24: two full ones and one of 16, each triangle c^2 / 2, over 64 queries
-        (LocalAttention(chunk=24), (2 * 24**2 / 2 + 16**2 / 2) / 64),
-        (LocalAttention(window=64), 32.0),  # a window covering the sequence is global
+        (dict(attention_chunk=24), (2 * 24**2 / 2 + 16**2 / 2) / 64),
+        (dict(sliding_window=64), 32.0),  # a window covering the sequence is global
     ],
 )
 def test_local_layers_count_their_window_or_chunk_not_the_sequence(local, local_keys) -> None:
-    """A local layer's attention matmuls run over its window's (chunk's) keys: the FLOP count
-    of [local, global] x 2 is the global model's less the two local layers' missing keys,
-    6 FLOPs x (N H_qk + N H_v) each; the projections count the same."""
+    """A sliding (chunked) layer's attention matmuls run over its window's (chunk's) keys: the
+    FLOP count of [local, global] x 2 is the global model's less the two local layers' missing
+    keys, 6 FLOPs x (N H_qk + N H_v) each; the projections count the same."""
     plain = _small(num_layers=4)
-    windowed = _small(num_layers=4, layer_pattern=["local", "global"], local_attention=local)
+    kind = "sliding" if "sliding_window" in local else "chunked"
+    windowed = _small(num_layers=4, layers=[f"{kind}-dense", "global-dense"], **local)
     assert matmul_params(windowed) == matmul_params(plain)
     per_key = 6 * (4 * 16 + 4 * 16)  # per layer and token: N x H for the scores, for the values
     global_keys = 64 / 2  # the causal half
@@ -108,7 +109,7 @@ def test_linear_layers_count_their_own_projections_and_recurrence_not_keys() -> 
     linear = LinearAttention(
         num_key_heads=2, num_value_heads=4, key_head_dim=8, value_head_dim=6, conv_kernel=4
     )
-    hybrid = _small(layer_pattern=["linear", "global"], linear_attention=linear)
+    hybrid = _small(layers=["linear-dense", "global-dense"], linear_attention=linear)
     d, key, value = 64, 2 * 8, 4 * 6
     projections = d * (2 * key + 2 * value) + 2 * d * 4 + value * d + 4 * (2 * key + value)
     attention = 2 * 64 * 4 * 16 + 2 * 64 * 2 * 16  # q and o, k and v: the global layer's

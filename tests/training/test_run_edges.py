@@ -124,13 +124,13 @@ def test_a_run_with_checkpoints_refuses_another_model_data_or_objective(tmp_path
 
     assert train_lib.main([*tiny, "model_name=tiny-qk"]) == 2
     err = capsys.readouterr().err
-    assert "model_name: 'tiny' -> 'tiny-qk'" in err and "model.qk_norm: False -> True" in err
+    assert "model_name: 'tiny' -> 'tiny-qk'" in err and "model.qk_norm: 'none' -> 'rms'" in err
     assert "another run.name" in err and err.count("\n") == 1
     assert train_lib.main([*tiny, "data.synthetic_branching=8"]) == 2
     assert "data.synthetic_branching: 4 -> 8" in capsys.readouterr().err
     assert train_lib.main([*tiny, "train.steps=4", "model_name=tiny-qk"]) == 2  # a resume
     assert "model_name: 'tiny' -> 'tiny-qk'" in capsys.readouterr().err
 
-    for same in ([], ["train.log_every=1", "model.remat=none"]):
+    for same in ([], ["train.log_every=1", "compute.remat=none"]):
         assert train_lib.main([*tiny, *same]) == 0
         assert f"run {tmp_path / 'default'} is complete: step 2" in capsys.readouterr().out

@@ -54,10 +54,10 @@ def test_sharded_loss_and_grads_equal_single_device(reference, mesh):
 @pytest.mark.parametrize(
     "variant",
     [
-        ["model.scan_layers=false"],
-        ["model.remat=none"],
-        ["model.remat=minimal"],
-        ["model.scan_layers=false", "model.remat=none"],
+        ["compute.scan_layers=false"],
+        ["compute.remat=none"],
+        ["compute.remat=minimal"],
+        ["compute.scan_layers=false", "compute.remat=none"],
     ],
     ids=["unrolled", "remat-none", "remat-minimal", "unrolled-remat-none"],
 )
@@ -92,18 +92,19 @@ def test_four_micro_batches_equal_one_big_batch(make_cfg):
     assert_trees_close(params_4, params_1, rtol=1e-5, atol=1e-6)
 
 
-# Local layers beside global ones: a sliding window (with attention biases) or Llama 4's chunks.
+# Sliding or chunked layers beside global ones: a sliding window (with attention biases) or
+# Llama 4's chunks.
 PATTERNS = {
-    "window": ["model.layer_pattern=[local, global]", "model.local_attention.window=8",
-               "model.attention_bias=qkvo"],
-    "chunk": ["model.layer_pattern=[local, local, global]", "model.local_attention.chunk=8",
+    "window": ["model.layers=[sliding-dense, global-dense]", "model.sliding_window=8",
+               "model.attention_projection_bias=qkvo"],
+    "chunk": ["model.layers=[chunked-dense*2, global-dense]", "model.attention_chunk=8",
               "model.num_layers=3"],
 }  # fmt: skip
 
 
 @pytest.fixture(scope="module", params=list(PATTERNS))
 def patterned_reference(request, tmp_path_factory):
-    """A model with local layers on one device."""
+    """A model with sliding or chunked layers on one device."""
     from maxtrain import config as config_lib
 
     overrides = [
@@ -133,11 +134,11 @@ def test_local_attention_layers_train_on_eight_devices_like_one(patterned_refere
 HYBRID = [
     "model_name=tiny-moe", "data.kind=synthetic", "train.global_batch_size=8",
     "train.seq_len=32", "mesh.fsdp=1", "model.num_layers=4",
-    "model.layer_pattern=[linear, linear, linear, global]",
+    "model.layers=[linear-moe*3, global-moe]",
     "model.linear_attention={num_key_heads: 2, num_value_heads: 4, key_head_dim: 8, "
     "value_head_dim: 8, chunk: 8}",
     "model.attention_output_gate=true", "model.moe.shared_experts=1",
-    "model.moe.shared_expert_gate=true", "model.partial_rotary_factor=0.25",
+    "model.moe.shared_expert_gate=true", "model.rope.fraction=0.25",
 ]  # fmt: skip
 
 
