@@ -5,9 +5,8 @@ A run's config is assembled in a fixed order, later layers winning key by key:
 
     configs/base.yml <- configs/models/<model_name>.yml <- the config file given <- CLI key=value
 
-Keys of an older maxtrain (model.ep_dispatch, model.layer_pattern, ...) are migrated to the
-current ones as each file, override or saved config is read, with a one-line note
-(migration.py).
+Keys of an older maxtrain (before `compute:`) are migrated to the current ones as each file,
+override or saved config is read, with a one-line note (migration.py).
 
 A config file may name a parent with ``base_config:`` (resolved recursively, relative to the
 file); the data files it names, when relative, are found beside it too (loading.py

@@ -74,10 +74,10 @@ AttentionKernel = Literal[
 
 
 class ComputeConfig(Section):
-    """How the model is computed: dtypes, kernels, exchanges and diagnostics (the schema
-    holds their defaults: configs/reference.yml). Besides float rounding, only a diagnostic
-    (balanced_routing) or a dropping exchange (expert_exchange_overflow drop) changes what
-    the model computes."""
+    """How the model is computed: dtypes, kernels, exchanges and diagnostics. Besides float
+    rounding, only a diagnostic (balanced_routing) or a dropping exchange
+    (expert_exchange_overflow drop) changes what the model computes; the schema holds the
+    defaults (configs/reference.yml)."""
 
     param_dtype: Literal["float32", "bfloat16"] = "float32"  # parameters and optimizer state
     compute_dtype: Literal["auto", "float32", "bfloat16"] = "auto"  # auto: bfloat16 off CPU
