@@ -8,11 +8,12 @@ its new place, and one line on stderr says what moved, once per source and proce
     maxtrain: note: run.yml: model.ep_dispatch is now compute.expert_exchange; ...
 
 The old keys that together said what each layer is (model.layer_pattern, local_attention,
-global_attention and qk_norm_scale, model.moe.first_dense_layers and interval) combine over
-sources, a model file's pattern with a command line's first dense layers, so they become
-model.layers and its sizes once the sources are merged (`resolve`); a later source that sets
-model.layers itself replaces them (`without_layout`). `migrate` does both, for a config that is one
-source (a checkpoint's, a model file read alone).
+global_attention, model.moe.first_dense_layers and interval) combine over sources, a model
+file's pattern with a command line's first dense layers, so they become model.layers and its
+sizes once the sources are merged (`resolve`), as do the two that said the qk-norm
+(qk_norm_scale) and the attention (attention_type); a later source that sets model.layers
+itself replaces the layout keys before it (`without_layout`). `migrate` does both, for a config
+that is one source (a checkpoint's, a model file read alone).
 """
 
 from __future__ import annotations
@@ -64,7 +65,7 @@ LAYOUT = {
 }
 # Old keys whose fact another key says now: checked against it (`resolve`), then dropped.
 DROPPED = {"model.attention_type": "the presence of model.mla"}
-_MODEL_LAYOUT = ("layer_pattern", "local_attention", "global_attention", "qk_norm_scale")
+_MODEL_LAYOUT = ("layer_pattern", "local_attention", "global_attention")
 _MOE_LAYOUT = ("first_dense_layers", "interval")
 _noted: set[str] = set()  # the notes printed by this process
 
@@ -117,15 +118,15 @@ def resolve(tree: dict[str, Any]) -> dict[str, Any]:
     model = dict(model)
     if (kind := model.pop("attention_type", None)) is not None:
         _check_attention_type(kind, model.get("mla"))
+    if "qk_norm_scale" in model:
+        scaled = model.pop("qk_norm_scale") is not False
+        if model.get("qk_norm") in ("rms", "rms_unscaled"):
+            model["qk_norm"] = "rms" if scaled else "rms_unscaled"
     legacy = {key: model.pop(key) for key in _MODEL_LAYOUT if key in model}
     if isinstance(model.get("moe"), dict):
         moe = dict(model["moe"])
         legacy.update({key: moe.pop(key) for key in _MOE_LAYOUT if key in moe})
         model["moe"] = moe
-    if "qk_norm_scale" in legacy:
-        scaled = legacy.pop("qk_norm_scale") is not False
-        if model.get("qk_norm") in ("rms", "rms_unscaled"):
-            model["qk_norm"] = "rms" if scaled else "rms_unscaled"
     if legacy:
         model = _layout(model, legacy)
     return {**tree, "model": model}

@@ -518,7 +518,7 @@ def attention_kernel(name: str, window: int | None = None, max_logit: bool = Fal
 
     With `max_logit`, the function returns (output, each query's largest logit [B, T, N]):
     only the plain-XLA kernel gives it (the fused kernels keep their scores to themselves), so
-    any other name raises ValueError (the config refuses it first: model.attention_max_logit)."""
+    any other name raises ValueError (the config refuses it first: compute.attention_max_logit)."""
     resolved = attention_implementation(name)
     if max_logit:
         if resolved != "xla":

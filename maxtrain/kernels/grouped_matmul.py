@@ -16,7 +16,7 @@ while the model runs. Rows past ``sum(group_sizes)`` produce zeros in both; the 
 on that to park dropped or padding rows at the end.
 
 The experts run two grouped matmuls of different shapes, gate-up and down (`ExpertMatmuls`),
-each with its own tokamax tiling where `model.moe.grouped_matmul_tiles` names one
+each with its own tokamax tiling where `compute.grouped_matmul_tiles` names one
 (`tiled_tokamax_grouped_matmul`): per pass, forward, input gradient and weight gradient, the
 fields of the platform's tokamax kernel config. Unnamed, tokamax chooses: its autotuning cache
 for the exact shape, else its heuristics (on an H100, its default tiles for every grouped
@@ -93,7 +93,7 @@ def grouped_bias(bias: jax.Array, group_sizes: jax.Array, num_rows: int) -> jax.
     return jnp.concatenate([bias, jnp.zeros_like(bias[:1])])[group]
 
 
-# One projection's tiles per pass (model.moe.grouped_matmul_tiles): forward, input_grad and
+# One projection's tiles per pass (compute.grouped_matmul_tiles): forward, input_grad and
 # weight_grad, the product and the gradients of its rows and of its weights, which tokamax runs
 # as kernels of their own.
 TilesPerPass = Mapping[str, Mapping[str, Any]]
