@@ -221,8 +221,9 @@ def test_pipeline_stages(make_cfg):
 
 def test_mla_with_multi_token_prediction(make_cfg):
     _, _, found = _compile(
-        make_cfg, "model_name=tiny-mla", "mesh.fsdp=4", "model.mtp.depth=1", "model.moe=null"
-    )
+        make_cfg, "model_name=tiny-mla", "mesh.fsdp=4", "model.mtp.depth=1", "model.moe=null",
+        "model.layers=null",
+    )  # fmt: skip
     _has(found, ATTENTION)
     # The MTP block attends outside the layer scan: a backward kernel of its own beside the
     # layers' (one without multi-token prediction).
