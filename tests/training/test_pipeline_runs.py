@@ -124,6 +124,7 @@ def test_hf_export_of_a_pipelined_run_round_trips(tmp_path, straight):
         [
             "init.mode=upcycle",
             "model.moe={num_experts: 4, top_k: 2, expert_mlp_dim: 192}",
+            "model.mlp_dim=null",  # every layer MoE
         ],
         ["init.mode=depth_upscale", "model.num_layers=6", "init.layer_map=[0..3, 2..3]"],
     ],
