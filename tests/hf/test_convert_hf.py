@@ -994,11 +994,14 @@ def test_transformers_encodes_an_exported_tokenizer_as_maxtrain_does(tmp_path, m
         assert encoded[directory] == expected, directory
 
 
-def upcycled(case: str, moe: MoeConfig) -> tuple[ModelConfig, dict]:
-    """A fixture's dense model upcycled to `moe`, with a random router and perturbed experts
-    (so that routing decides the output)."""
+def upcycled(
+    case: str, moe: MoeConfig, layers: list[str] | None = None
+) -> tuple[ModelConfig, dict]:
+    """A fixture's dense model upcycled to `moe` on `layers` (None: every layer), with a random
+    router and perturbed experts (so that routing decides the output)."""
     dense, params = read_hf_model(FIXTURES / case)
-    cfg = changed(dense, moe=moe.model_dump(), mlp_dim=None)
+    mlp_dim = None if layers is None else dense.mlp_dim
+    cfg = changed(dense, moe=moe.model_dump(), layers=layers, mlp_dim=mlp_dim)
     return cfg, upcycle(params, dense, cfg, noise_std=0.3, router_init_std=0.5, seed=1)
 
 
@@ -1044,9 +1047,8 @@ def test_transformers_loads_our_exports_with_the_same_logits(tmp_path):
         ),
         "upcycled_qwen3_as_qwen3_moe": upcycled(
             "qwen3_gqa4_untied_v5",
-            MoeConfig(
-                num_experts=6, top_k=2, expert_mlp_dim=32, renormalize=False, first_dense_layers=1
-            ),
+            MoeConfig(num_experts=6, top_k=2, expert_mlp_dim=32, renormalize=False),
+            layers=["global-dense", "global-moe"],  # the first layer dense
         ),
         "gpt_oss_plain": gpt_oss_plain(),
     }.items():
