@@ -44,7 +44,7 @@ class HfConfig:
         return self.raw.get(key, self.defaults.get(key, default))
 
     def count(self, key: str, minimum: int = 1) -> int:
-        """An integer key of at least `minimum` (a layer count, a period)."""
+        """An integer key of at least `minimum` (num_hidden_layers)."""
         value = self[key]
         if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
             raise self.error(

@@ -76,7 +76,7 @@ def init_std(hf: dict[str, Any], family: Family) -> float:
 def model_config(raw: dict[str, Any], family: Family, where: str) -> ModelConfig:
     """Our ModelConfig for a config.json of `family` (where: its path, for messages)."""
     _check_supported(raw, family, where)
-    hf = family.hf_config(raw, where)
+    hf = family.config_json(raw, where)
     checked_by = {
         kind: [f.model_type for f in FAMILIES.values() if kind in f.rope.scalings]
         for kind in {kind for f in FAMILIES.values() for kind in f.rope.scalings}

@@ -65,9 +65,6 @@ class Family:
         """Everything that maps config.json keys: the layer layout, then the aspects."""
         return (self.layers, *self.aspects)
 
-    @property
-    def has_experts(self) -> bool:
-        return self.layers.experts.has_experts
-
-    def hf_config(self, raw: Mapping[str, Any], where: str) -> HfConfig:
+    def config_json(self, raw: Mapping[str, Any], where: str) -> HfConfig:
+        """A config.json of this family (where: its path, for messages)."""
         return HfConfig(raw, self.defaults, self.model_type, where)

@@ -136,13 +136,18 @@ def test_fixtures_cover_every_family_and_option():
 def test_a_family_is_its_module_and_a_fixture():
     """Adding a family is adding its module to maxtrain/hf/families/ and its fixture
     (tools/make_hf_fixtures.py), nothing else: the registry holds exactly the package's
-    modules, one family each, each with a committed fixture and an export rank of its own; the
-    shared modules of maxtrain/hf/ name no family."""
+    modules, one family each, each with a committed fixture and an export rank of its own, none
+    restating a schema default; the shared modules of maxtrain/hf/ name no family."""
     modules = sorted(info.name for info in pkgutil.iter_modules(families_lib.__path__))
     entries = [importlib.import_module(f"{families_lib.__name__}.{m}").FAMILY for m in modules]
     assert list(FAMILIES.values()) == entries
     assert sorted(FAMILY_CASES) == sorted(FAMILIES)
     assert len({family.rank for family in entries}) == len(entries)
+    sections = {"": ModelConfig, "moe": MoeConfig, "rope": config_lib.RopeConfig}
+    for family in entries:
+        for key, value in family.fixed.items():
+            section, _, name = key.rpartition(".")
+            assert value != sections[section].model_fields[name].default, (family, key)
     shared = (REPO / "maxtrain" / "hf").glob("*.py")
     named = {
         (path.name, node.value)
