@@ -177,8 +177,9 @@ class Rounds:
     def run(
         self, one_round: Round, busiest: jax.Array, par: Parallelism, plan: Any, inputs: Any
     ) -> tuple[Any, jax.Array]:
-        """(the sum of one_round over the rounds the busiest buffer of the exchange needs,
-        `busiest` its rows; those rounds, at most `most`): see `in_rounds`."""
+        """one_round run as many times as the busiest buffer of any device of the exchange
+        needs (`busiest`: its rows), see `in_rounds`: their summed outputs, and the number of
+        rounds run (at most `most`)."""
         needed = rounds_needed(busiest, self.capacity, par.expert_axes)
         total = in_rounds(one_round, self.most, needed, plan, inputs)
         return total, jnp.minimum(needed, self.most)
