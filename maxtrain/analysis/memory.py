@@ -60,7 +60,7 @@ from maxtrain.layers.attention_types import mixer_counts
 from maxtrain.models import ModelDef, compute_dtype
 from maxtrain.models.stacks import LayerKind, is_moe_per_layer, layer_kinds
 from maxtrain.optim import muon, muon_deal
-from maxtrain.parallel.experts import exchange_implementation, routed_capacity
+from maxtrain.parallel.expert_exchanges import exchange_implementation, routed_capacity
 from maxtrain.parallel.mesh import axis_sizes, spec_axes
 from maxtrain.parallel.pipeline import StageLayout
 from maxtrain.posttrain import parameter_split
@@ -306,7 +306,7 @@ def _moe_dispatch_bytes(cfg: Config, sizes: dict[str, int], tokens: int, c: int)
     ways = math.prod(sizes[a] for a in cfg.mesh.rules.get("exp", []))
     computed = routed  # rows through the experts on this device
     sorted_rows = routed  # the assignments' rows in expert order
-    # Expert-parallel buffers of routed rows (parallel/experts.py), those of one round:
+    # Expert-parallel buffers of routed rows (parallel/expert_exchanges.py), those of one round:
     # further rounds (compute.expert_exchange_overflow rounds) run one after another, reusing them.
     exchange = 0
     compute = cfg.compute

@@ -107,7 +107,7 @@ def collective_bytes(hlo_text: str, device_slices: Sequence[int] | None = None) 
     operands and its result: an all-gather's output, a reduce-scatter's input), times how often
     it runs: a collective inside a loop (a scan over layers) counts once per iteration, by the
     trip count XLA records. A loop whose trip count only the run decides (the expert-parallel
-    exchange's overflow rounds, parallel/experts.py) is apart: its collectives count once
+    exchange's overflow rounds, parallel/expert_exchanges.py) is apart: its collectives count once
     per trip under "<kind> per loop trip", not in the kind's total. Read from
     `jax.jit(f).lower(...).compile().as_text()`, so it sees the collectives the SPMD
     partitioner inserted as well as those written by hand.

@@ -52,7 +52,7 @@ from maxtrain.data.streams import data_streams
 from maxtrain.kernels.grouped_matmul import grouped_matmul_implementation
 from maxtrain.models.stacks import is_moe_per_layer
 from maxtrain.parallel.context import attention_pairs
-from maxtrain.parallel.experts import exchange_implementation
+from maxtrain.parallel.expert_exchanges import exchange_implementation
 from maxtrain.parallel.mesh import axis_sizes, batch_degree, device_slices
 from maxtrain.parallel.topology import topology_devices
 from maxtrain.training import metrics, run_model

@@ -98,7 +98,7 @@ class ComputeConfig(Section):
     # weight_grad); unnamed: tokamax's choice. The xla grouped matmul has no tiles.
     grouped_matmul_tiles: dict[Literal["gate_up", "down"], ProjectionTiles] = {}
     # Dropless experts split over devices (mesh.expert > 1): how rows reach their experts
-    # (parallel/experts.py). auto: ragged on GPU/TPU, all_to_all elsewhere.
+    # (parallel/expert_exchanges.py). auto: ragged on GPU/TPU, all_to_all elsewhere.
     expert_exchange: Literal["auto", "all_to_all", "ragged", "all_gather"] = "auto"
     # Its buffers hold this many times the routed rows per round (>= mesh.expert: one round,
     # worst-case buffers, P times the traffic).

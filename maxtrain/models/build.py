@@ -12,7 +12,7 @@ from maxtrain.kernels.grouped_matmul import grouped_matmul_implementation, tile_
 from maxtrain.layers.spec import DTYPES, ModelSpec, compute_dtype_name
 from maxtrain.models.decoder import Decoder, PipelinedDecoder
 from maxtrain.models.stacks import is_moe_per_layer
-from maxtrain.parallel.experts import exchange_implementation
+from maxtrain.parallel.expert_exchanges import exchange_implementation
 from maxtrain.parallel.pipeline import StageLayout
 
 

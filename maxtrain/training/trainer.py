@@ -22,7 +22,7 @@ from maxtrain.config import Config, ConfigError
 from maxtrain.data import BATCH_KEYS, batch_sharding, to_global
 from maxtrain.models import ModelDef
 from maxtrain.parallel.context import check_context
-from maxtrain.parallel.experts import exchange_implementation, ragged_supported
+from maxtrain.parallel.expert_exchanges import exchange_implementation, ragged_supported
 from maxtrain.parallel.mesh import batch_degree, build_mesh, mesh_platform, sharding_rules
 from maxtrain.training import metrics as metrics_lib
 from maxtrain.training import run_model
