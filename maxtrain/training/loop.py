@@ -263,7 +263,8 @@ def _train(
             step_metrics = {**step_metrics, **{f"rollout/{k}": v for k, v in next_metrics.items()}}
             nonfinite.after_step(step, step_metrics["finite"])  # reads the steps before it
             # Save before fetching the next batch: the saved data position must be step + 1.
-            if ckpt is not None and ckpt.due(step):
+            # The last step is saved once, after the loop, to the persistent tier (_final_save).
+            if ckpt is not None and step < cfg.train.steps and ckpt.due(step):
                 nonfinite.settle(step)  # never save a non-finite step
                 for tier in ckpt.maybe_save(step, trainer.saved_state(), train_batches):
                     say(is_writer, f"checkpoint step {step}: {ckpt.dirs[tier] / str(step)}")

@@ -47,6 +47,8 @@ def test_a_run_says_what_it_trains_saves_and_did_and_an_extension_keeps_or_names
     )
     assert f"checkpoint step 2: {local / '2'}\n" in out
     assert f"checkpoint step 4: {persistent / '4'} (final)\n" in out
+    # The last step, due in the local tier too, is saved once (docs/checkpoints.md).
+    assert out.count("checkpoint step 4:") == 1 and not (local / "4").exists()
     # summary.json: metrics.jsonl's keys, the run's totals, and a last line pointing at it.
     on_disk = json.loads((cfg.run_dir / "summary.json").read_text())
     assert on_disk == pytest.approx(summary)
