@@ -40,6 +40,7 @@ from maxtrain.surgery.initialize import initial_params
 from maxtrain.training import compile_cache, discovery, run_identity, run_lock, run_summary
 from maxtrain.training import metrics as metrics_lib
 from maxtrain.training.cadence import PeriodicEval, Profiler, StepLog, say, warn
+from maxtrain.training.compile_progress import compile_progress, devices_of
 from maxtrain.training.interrupts import EXIT_STATUS, StopSignals
 from maxtrain.training.nonfinite import NonFiniteLoss, NonFiniteWatch
 from maxtrain.training.run_model import model_def
@@ -257,17 +258,16 @@ def _train(
         batch_metrics = getattr(train_batches, "batch_metrics", dict)
         next_batch = trainer.global_batch(next(train_batches))
         next_metrics = batch_metrics()
+        compiling = _compile_progress(trainer, is_writer)  # the first step compiles
         for step in range(start_step + 1, cfg.train.steps + 1):
             profiler.before_step(step)
-            trainer.state, step_metrics = trainer.step_fn(trainer.state, next_batch)
+            with compiling if step == start_step + 1 else contextlib.nullcontext():
+                trainer.state, step_metrics = trainer.step_fn(trainer.state, next_batch)
             step_metrics = {**step_metrics, **{f"rollout/{k}": v for k, v in next_metrics.items()}}
             nonfinite.after_step(step, step_metrics["finite"])  # reads the steps before it
             # Save before fetching the next batch: the saved data position must be step + 1.
-            # The last step is saved once, after the loop, to the persistent tier (_final_save).
             if ckpt is not None and step < cfg.train.steps and ckpt.due(step):
-                nonfinite.settle(step)  # never save a non-finite step
-                for tier in ckpt.maybe_save(step, trainer.saved_state(), train_batches):
-                    say(is_writer, f"checkpoint step {step}: {ckpt.dirs[tier] / str(step)}")
+                _save(ckpt, trainer, train_batches, step, nonfinite, is_writer)
             stopping = signals.stop_after(step)  # no further batch: the position is saved
             if step < cfg.train.steps and not stopping:  # built while the step runs
                 next_batch = log.fetch(lambda: trainer.global_batch(next(train_batches)))
@@ -294,6 +294,19 @@ def _train(
     return summary
 
 
+def _compile_progress(trainer: Trainer, is_writer: bool) -> contextlib.AbstractContextManager:
+    """What the first step's compile says while it runs: minutes for a large model."""
+    what = f"the train step of {trainer.cfg.model_name}"
+    return compile_progress(what, devices_of(trainer.mesh), functools.partial(say, is_writer))
+
+
+def _save(ckpt, trainer: Trainer, train_batches, step: int, nonfinite, is_writer: bool) -> None:
+    """A step due in a tier, before the last (saved once, after the loop, by _final_save)."""
+    nonfinite.settle(step)  # never save a non-finite step
+    for tier in ckpt.maybe_save(step, trainer.saved_state(), train_batches):
+        say(is_writer, f"checkpoint step {step}: {ckpt.dirs[tier] / str(step)}")
+
+
 def _start(
     trainer: Trainer,
     ckpt: TieredCheckpointer | None,
@@ -318,8 +331,6 @@ def _start(
     say(is_writer, run_summary.describe_start(cfg) + (f"; warning: {warning}" if warning else ""))
     if start_step and (note := _schedule_change(cfg, ckpt)):
         say(is_writer, note)
-    # The first step's line waits for the step's compilation: minutes for a large model.
-    say(is_writer, "maxtrain: compiling the train step (cached for the next run of this shape)")
 
 
 def _evaluate_all(
