@@ -17,6 +17,7 @@ import argparse
 import os
 import re
 import sys
+import traceback
 from typing import NoReturn
 
 DEBUG_ENV = "MAXTRAIN_DEBUG"
@@ -57,9 +58,9 @@ def debugging() -> bool:
 
 def refuse(prog: str, error: UserError) -> int:
     """Reports a refused input as `PROG: error: <one line>` on stderr and returns exit status 2;
-    under --debug / MAXTRAIN_DEBUG=1 re-raises it, traceback and all."""
+    under --debug / MAXTRAIN_DEBUG=1 with its traceback first, the exit status the same."""
     if debugging():
-        raise error
+        traceback.print_exception(error, file=sys.stderr)
     print(f"{prog}: error: {one_line(error)}", file=sys.stderr, flush=True)
     return 2
 

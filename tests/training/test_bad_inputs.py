@@ -290,19 +290,23 @@ def test_refused_input_is_one_line_exit_2_and_changes_nothing(
     assert (tree_digest(inputs), tree_digest(tmp_path)) == before
 
 
-def test_debug_shows_the_traceback_instead(tmp_path, capsys, monkeypatch):
-    """--debug (maxtrain.train: a leading --debug; tools: the flag) or MAXTRAIN_DEBUG=1."""
+def test_debug_shows_the_traceback_too_and_exits_2(tmp_path, capsys, monkeypatch):
+    """--debug (maxtrain.train: a leading --debug; tools: the flag) or MAXTRAIN_DEBUG=1: the
+    traceback before the one line, and the exit status of any refusal (it was 1)."""
     bad = [*(fill(a, {"out": tmp_path}) for a in TINY), "optim.b1=1.5"]
-    monkeypatch.setenv(DEBUG_ENV, "1")
-    with pytest.raises(ConfigError, match="'optim.b1' must be < 1"):
-        train_lib.main(bad)
+    line = "error: config key 'optim.b1' must be < 1 (got 1.5)\n"
+    for debug, program, argv in [
+        ("1", train_lib.main, bad),
+        ("0", train_lib.main, ["--debug", *bad]),
+        ("0", PROGRAMS["benchmark"], [*bad, "--dry-run", "--debug"]),
+    ]:
+        monkeypatch.setenv(DEBUG_ENV, debug)
+        assert program(argv) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("Traceback (most recent call last):") and err.endswith(line), err
+        assert "ConfigError: config key 'optim.b1' must be < 1" in err
     monkeypatch.setenv(DEBUG_ENV, "0")
-    assert train_lib.main(bad) == 2
-    with pytest.raises(ConfigError):
-        train_lib.main(["--debug", *bad])
-    monkeypatch.setenv(DEBUG_ENV, "0")
-    with pytest.raises(ConfigError):
-        PROGRAMS["benchmark"]([*bad, "--dry-run", "--debug"])
+    assert train_lib.main(bad) == 2 and capsys.readouterr().err == f"maxtrain: {line}"
 
 
 def test_a_message_of_several_lines_is_printed_as_one(capsys, monkeypatch):
