@@ -45,6 +45,7 @@ from maxtrain.common.errors import (
     ArgumentParser,
     UserError,
     non_negative_int,
+    path_first,
     positive_int,
     refuse,
 )
@@ -434,6 +435,7 @@ def main(argv: list[str] | None = None) -> int:
         help="--dry-run --compile: also write the compiled program's text (HLO) to FILE",
     )
     args = parser.parse_args(argv)
+    args.config, *args.overrides = path_first([args.config, *args.overrides])
     try:
         cfg = config_lib.load(args.config, args.overrides)
         if args.compile and not args.dry_run:

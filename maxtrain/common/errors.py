@@ -65,6 +65,17 @@ def refuse(prog: str, error: UserError) -> int:
     return 2
 
 
+def path_first(positionals: list[str]) -> list[str]:
+    """A command's positionals with its one path (a config file, a checkpoint: the one that is
+    no key=value override) first, wherever it stood: `generate mesh.fsdp=1 runs/default` is
+    `generate runs/default mesh.fsdp=1`, not a checkpoint named "mesh.fsdp=1". The overrides
+    keep their order; with no path or several, nothing moves (the caller refuses them)."""
+    paths = [p for p in positionals if "=" not in p]
+    if len(paths) != 1:
+        return positionals
+    return [*paths, *(p for p in positionals if "=" in p)]
+
+
 class _Debug(argparse.Action):
     def __call__(self, parser, namespace, values, option_string=None) -> None:
         os.environ[DEBUG_ENV] = "1"  # seen by `refuse`, and by the tools a tool runs

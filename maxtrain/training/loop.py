@@ -28,7 +28,7 @@ from maxtrain.checkpointing import (
 )
 from maxtrain.checkpointing.common import tier_dirs
 from maxtrain.checkpointing.integrity import newest_complete
-from maxtrain.common.errors import DEBUG_ENV, UserError, first_line, refuse
+from maxtrain.common.errors import DEBUG_ENV, UserError, first_line, path_first, refuse
 from maxtrain.config import Config
 from maxtrain.data.grain_pipeline import EvalStream
 from maxtrain.data.streams import data_streams
@@ -45,7 +45,7 @@ from maxtrain.training.interrupts import EXIT_STATUS, StopSignals
 from maxtrain.training.nonfinite import NonFiniteLoss, NonFiniteWatch
 from maxtrain.training.run_model import model_def
 from maxtrain.training.state import abstract_frozen, frozen_state
-from maxtrain.training.trainer import Trainer, build_trainer
+from maxtrain.training.trainer import Trainer, build_trainer, checked_for_devices
 
 
 def evaluate(trainer: Trainer, eval_streams: list[EvalStream]) -> dict[str, float]:
@@ -179,14 +179,16 @@ def run(
         return done
     if preflight is not None:
         preflight(cfg)
-    # Config and data mistakes surface in these two calls, before anything is written; the
-    # data's first, as it needs no compilation (the state's initialisation does).
-    say(
-        jax.process_index() == 0,
-        f"maxtrain: preparing {cfg.run_dir}: the data, then the sharded train state (compiled)",
-    )
+    # Config and data mistakes surface in these calls, before anything is written; the data's
+    # first, as it needs no compilation (the state's initialisation does), and before the line
+    # below: a refused input is its one error line alone.
+    checked_for_devices(cfg)
     train_batches, eval_streams = data_streams(cfg)
     tasks = _task_evaluator(cfg)
+    say(
+        jax.process_index() == 0,
+        f"maxtrain: preparing {cfg.run_dir}: the data is ready; the sharded train state compiles",
+    )
     trainer = build_trainer(cfg)
     if on_policy is not None:
         train_batches = on_policy(trainer, train_batches)
@@ -411,7 +413,7 @@ def main(
     # refusal comes before the run trains a step.
     warnings.filterwarnings("ignore", "coroutine .* was never awaited", RuntimeWarning)
     flags = {a for a in argv if a.startswith("-")}
-    argv = [a for a in argv if not a.startswith("-")]
+    argv = path_first([a for a in argv if not a.startswith("-")])
     if "--debug" in flags:  # tracebacks for refused inputs, as MAXTRAIN_DEBUG=1
         os.environ[DEBUG_ENV] = "1"
     if flags & {"-h", "--help"}:
@@ -423,7 +425,7 @@ def main(
         if "--list-models" in flags:
             print(discovery.models_table())
             return 0
-        if not argv:
+        if not argv or ("=" in argv[0] and not os.path.exists(argv[0])):  # overrides only
             raise UserError(f"no config file given; usage: {discovery.USAGE}")
         cfg = config_lib.load(argv[0], argv[1:])
         if "--print-config" in flags:
