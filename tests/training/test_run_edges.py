@@ -102,7 +102,11 @@ def test_a_run_says_what_it_trains_saves_and_did_and_an_extension_keeps_or_names
 
 
 def test_warmup_as_long_as_the_schedule_is_warned(make_cfg):
-    """train.steps=20 with the default 30 warmup steps ends mid-warmup: said at start-up."""
+    """train.steps=20 with optim.warmup_steps=30 ends mid-warmup: said at start-up. Not for
+    the default warmup (a short smoke test's), nor at lr 0."""
+    for quiet in (["model_name=tiny", "train.steps=20"], ["train.steps=1", "optim.lr=0"]):
+        short = config_lib.load(BASE, quiet + ["optim.warmup_steps=30"] * ("optim.lr=0" in quiet))
+        assert optim.warmup_warning(short.optim, short.schedule_steps) is None
     cfg = make_cfg("train.steps=20", "optim.warmup_steps=30")
     assert optim.warmup_warning(cfg.optim, cfg.schedule_steps) == (
         "optim.warmup_steps=30 is not shorter than the schedule (20 steps): the learning rate "
