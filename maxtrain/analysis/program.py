@@ -318,7 +318,8 @@ def bytes_accessed(hlo_text: str) -> int:
     counts them, but with a loop's body counted once per trip: XLA counts it once, so a scan
     over layers or chunks hides all of its trips but one. Each instruction reads its operands
     and writes its result; a fusion is counted at its boundary (_fusion_traffic). Within 1% of
-    XLA's figure for a program without loops."""
+    XLA:CPU's figure for a program without loops. Arrays count their logical size: XLA:TPU's
+    own figure counts tiled buffers, narrow arrays padded to the tile (8 x 128 for float32)."""
     computations, _ = _computations(hlo_text)
     parsed = {name: _parsed(lines) for name, lines in computations.items()}
     sizes = {op[0]: sum(_shape_bytes(op[1])) for ops in parsed.values() for op in ops}
