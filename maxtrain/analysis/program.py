@@ -313,6 +313,70 @@ def matmul_flops(hlo_text: str) -> int:
     return sum(times * 2 * math.prod(dot.shape) * dot.depth for dot, times in dots(hlo_text))
 
 
+def bytes_accessed(hlo_text: str) -> int:
+    """Bytes one execution of a compiled program reads and writes, as XLA's cost analysis
+    counts them, but with a loop's body counted once per trip: XLA counts it once, so a scan
+    over layers or chunks hides all of its trips but one. Each instruction reads its operands
+    and writes its result; a fusion is counted at its boundary (_fusion_traffic). Within 1% of
+    XLA:CPU's figure for a program without loops. Arrays count their logical size: XLA:TPU's
+    own figure counts tiled buffers, narrow arrays padded to the tile (8 x 128 for float32)."""
+    computations, _ = _computations(hlo_text)
+    parsed = {name: _parsed(lines) for name, lines in computations.items()}
+    sizes = {op[0]: sum(_shape_bytes(op[1])) for ops in parsed.values() for op in ops}
+    fused = {c for ops in parsed.values() for op in ops if op[2] == "fusion"
+             for c in _CALLEE.findall(op[3])}  # fmt: skip
+    inside = {op[0] for c in fused for op in parsed[c]}
+    total = 0
+    for op in executed(hlo_text):
+        if op.name in inside or op.opcode in _NO_TRAFFIC:
+            continue
+        operands = [sizes.get(o, 0) for o in _operands(op.rest)]
+        if op.opcode == "fusion":
+            traffic = _fusion_traffic(parsed[_CALLEE.search(op.rest).group(1)], operands, sizes)
+        else:
+            traffic = sum(operands) + sizes[op.name]
+        total += op.times * traffic
+    return total
+
+
+def _parsed(lines: list[str]) -> list[tuple]:
+    """A computation's instructions as (name, shape, opcode, rest of the line, is the root)."""
+    return [
+        (*m.groups(), line.lstrip().startswith("ROOT"))
+        for line in lines
+        if (m := _INSTRUCTION.match(line))
+    ]
+
+
+def _fusion_traffic(body: list[tuple], operands: list[int], sizes: dict) -> int:
+    """A fusion's bytes as XLA counts them: an operand that is only sliced is read as far as
+    its slices reach; one updated in place by the root (a dynamic-update-slice: a scan writing
+    one trip's row of its stacked output) is not read, and only the update is written."""
+    params = {op[0]: int(op[3].split(")")[0]) for op in body if op[2] == "parameter"}
+    users: dict[str, list[tuple[str, str, int]]] = {n: [] for n in params}
+    for name, _, opcode, rest, _ in body:
+        for position, operand in enumerate(_operands(rest)):
+            if operand in users:
+                users[operand].append((name, opcode, position))
+    root = next(op for op in body if op[4])
+    updated = root[0] if root[2] == "dynamic-update-slice" else None
+    total = sizes[root[0]] if updated is None else sizes[_operands(root[3])[1]]
+    for name, index in params.items():
+        uses = users[name]
+        if uses and all(opcode in ("slice", "dynamic-slice") for _, opcode, _ in uses):
+            total += min(operands[index], sum(sizes[user] for user, _, _ in uses))
+        elif not (updated and uses == [(updated, "dynamic-update-slice", 0)]):
+            total += operands[index]
+    return total
+
+
+# Instructions that name or forward buffers, or run other computations (counted themselves).
+_NO_TRAFFIC = frozenset(
+    {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "while", "call",
+     "conditional"}
+)  # fmt: skip
+
+
 # ---- permutations of a compiled program ------------------------------------------------------
 
 _PERMUTING = frozenset({"scatter", "gather", "sort"})

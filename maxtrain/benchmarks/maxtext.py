@@ -61,9 +61,10 @@ ATTENTION = {"plain": ("xla", "dot_product"), "kernel": ("splash", "flash")}
 SEQ_LEN = 2048
 
 
-def maxtrain_side(shape: str, topology: str, attention: str, unrolled: bool) -> dict:
+def maxtrain_command(shape: str, topology: str, attention: str, unrolled: bool) -> list[str]:
+    """tools/benchmark.py's command line for maxtrain's side of the comparison."""
     _, chips = parse_topology(topology)
-    command = [
+    return [
         sys.executable,
         str(REPO_ROOT / "tools" / "benchmark.py"),
         str(CONFIGS_DIR / "base.yml"),
@@ -80,6 +81,10 @@ def maxtrain_side(shape: str, topology: str, attention: str, unrolled: bool) -> 
         "--topology",
         topology,
     ]
+
+
+def maxtrain_side(shape: str, topology: str, attention: str, unrolled: bool) -> dict:
+    command = maxtrain_command(shape, topology, attention, unrolled)
     compiled = json.loads(_run(command, "maxtrain").splitlines()[-1])["compiled"]
     return {
         "command": " ".join(

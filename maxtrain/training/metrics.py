@@ -360,11 +360,13 @@ def format_console_line(step: int, total_steps: int, scalars: dict[str, Any]) ->
             moe += f" dropped {dropped * 100:.2f}%"
         parts.append(moe)
     if (reward := get("rollout/reward")) is not None:  # GRPO's (maxtrain/posttrain/rollout.py)
-        parts.append(
+        grpo = (
             f"reward {float(reward):.3f} kl {float(get('grpo/kl', 0)):.2e} "
-            f"clipped {float(get('grpo/clipped', 0)):.3f} "
-            f"sampling {float(get('rollout/rollout_share', 0)) * 100:.0f}%"
+            f"clipped {float(get('grpo/clipped', 0)):.3f}"
         )
+        if (share := get("rollout/rollout_share")) is not None:  # none before a cycle ends
+            grpo += f" sampling {float(share) * 100:.0f}%"
+        parts.append(grpo)
     if step_time is not None:
         parts.append(f"ETA {_hms(max(0, total_steps - step) * float(step_time))}")
     return " | ".join(parts)

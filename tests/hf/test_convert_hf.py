@@ -950,6 +950,15 @@ def hf_python(*modules: str) -> str:
 
 
 TEXTS = ["The", "Q: What is 12 + 34?\nA:", " two  spaces", "def main(\n    x\t1", "é 中"]
+# Text spelling the tokenizer's special pieces, alone and amid text (web and code data carry
+# them): maxtrain encodes it as text, and so must transformers from the export.
+SPECIAL_TEXTS = ["<s>", "</s>", "<unk>", "<pad>", "<s> and </s> literally"]
+SPECIAL_TEXTS += [
+    "a<s>b", "</s>\n", " <unk> ", "<<s>>", "<s><s></s>", "x = '</s>'", "print(\"<unk>\")",
+    "<pad><pad>", "The end.</s>", "<s>Q: What is 12 + 34?\nA:", "html: <s>strike</s>",
+    "</s></s>", "<unk>é 中", "\t<s>\t", "<s >", "< /s>", "<S>", "token <pad> here",
+    "<|im_start|>user\nhi<|im_end|>", "1 <s> 2 </s> 3 <unk> 4 <pad> 5",
+]  # fmt: skip
 
 ENCODE_IN_TRANSFORMERS = """
 import json, sys
@@ -975,7 +984,10 @@ for _family in FAMILIES:
 def test_transformers_encodes_an_exported_tokenizer_as_maxtrain_does(tmp_path, modules):
     """AutoTokenizer on an export encodes as maxtrain's sentencepiece tokenizer, for every
     family: the Llama export put a space piece before the text ("The": 673, not 435), as
-    transformers' Llama tokenizer does unless told the model adds no space."""
+    transformers' Llama tokenizer does unless told the model adds no space; and text spelling
+    a special token ("<s> and </s> literally") became BOS and EOS ids in transformers, where
+    sentencepiece, and so the trained model, reads its pieces."""
+    assert sorted(sum(TOKENIZER_READERS.values(), [])) == sorted(FAMILIES)
     python = hf_python(*modules)
     families = TOKENIZER_READERS[modules]
     for family, case in ((f, FAMILY_CASES[f]) for f in families):
@@ -984,12 +996,15 @@ def test_transformers_encodes_an_exported_tokenizer_as_maxtrain_does(tmp_path, m
         export = ["export", "--checkpoint", str(ckpt), "--output", str(out)]
         assert cli.main([*export, "--tokenizer", str(DEFAULT_TOKENIZER)]) == 0
         assert json.loads((out / "config.json").read_text())["model_type"] == family
-    expected = load_tokenizer(DEFAULT_TOKENIZER).encode(TEXTS)
+    texts = TEXTS + SPECIAL_TEXTS
+    expected = load_tokenizer(DEFAULT_TOKENIZER).encode(texts)
     sp = spm.SentencePieceProcessor(model_file=str(DEFAULT_TOKENIZER))
     assert expected[0] == [sp.piece_to_id("The")]  # one piece, no space before it
+    controls = {sp.bos_id(), sp.eos_id(), sp.unk_id(), sp.pad_id()}
+    assert not controls & {i for ids in expected for i in ids}  # special text is text
     dirs = [str(tmp_path / family) for family in families]
     result = subprocess.run(
-        [python, "-c", ENCODE_IN_TRANSFORMERS, json.dumps(TEXTS), *dirs],
+        [python, "-c", ENCODE_IN_TRANSFORMERS, json.dumps(texts), *dirs],
         capture_output=True,
         text=True,
         check=True,
