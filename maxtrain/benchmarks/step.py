@@ -37,7 +37,7 @@ from jax.sharding import AbstractMesh
 
 from maxtrain import config as config_lib
 from maxtrain import models as model_lib
-from maxtrain.analysis import memory, program
+from maxtrain.analysis import collectives, memory, program
 from maxtrain.analysis.preflight import host_memory_bytes
 from maxtrain.common import files
 from maxtrain.common.errors import (
@@ -168,7 +168,7 @@ def context_settings(cfg: config_lib.Config, context: int) -> dict:
 def program_collectives(cfg: config_lib.Config, trainer, compiled) -> dict[str, int]:
     """Bytes per collective kind per device and step, those crossing slices under "dcn ..."."""
     slices = device_slices(trainer.mesh, cfg.mesh.num_slices) if cfg.mesh.num_slices > 1 else None
-    return program.collective_bytes(compiled.as_text(), slices)
+    return collectives.collective_bytes(compiled.as_text(), slices)
 
 
 def routed_bytes(cfg: config_lib.Config, trainer) -> dict:
@@ -378,7 +378,7 @@ def compiled_program(
         "fit": memory.fit(peak / 2**30, device.device_kind),
         "flops_per_device": cost.get("flops"),
         "bytes_accessed_per_device": cost.get("bytes accessed"),
-        "collective_bytes": program.collective_bytes_per_axis(
+        "collective_bytes": collectives.collective_bytes_per_axis(
             hlo, dict(trainer.mesh.shape), slices
         ),
         "kernels": found,
