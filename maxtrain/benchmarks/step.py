@@ -14,8 +14,8 @@ recomputation remat adds. With pipeline stages, the schedule's idle share (bubbl
 
 --dry-run runs nothing: the memory estimate per device (maxtrain/analysis/memory.py), and
 whether it fits the memory of the device named by --device (default: this host's; HBM per
-TPU/GPU generation in memory.py) and by how much (`fit`); with lora.rank > 0 also what trains
-and what the frozen base costs, beside full fine-tuning (`lora`). With
+chip in maxtrain/common/devices.py) and by how much (`fit`); with lora.rank > 0 also what
+trains and what the frozen base costs, beside full fine-tuning (`lora`). With
 --compile it also compiles the step for a state of shapes only (nothing allocated), so a model
 far bigger than this host compiles on simulated CPU devices, and prints what the compiled
 program says: XLA's memory per device and the collective bytes, DCN apart. For 512 devices:
@@ -39,6 +39,7 @@ from maxtrain import config as config_lib
 from maxtrain import models as model_lib
 from maxtrain.analysis import collectives, memory, program
 from maxtrain.analysis.preflight import host_memory_bytes
+from maxtrain.common import devices as devices_lib
 from maxtrain.common import files
 from maxtrain.common.errors import (
     ArgumentParser,
@@ -261,7 +262,7 @@ def benchmark(cfg: config_lib.Config, steps: int, warmup: int, profile_dir: str 
 def _fit(estimate_gib: float, device_kind: str, num_devices: int) -> dict[str, object]:
     """memory.fit for an accelerator; on CPU, this host's RAM shared by the run's devices (the
     simulated devices of one process: analysis/preflight.py), where it is known."""
-    if memory.device_platform(device_kind) != "cpu" or (host := host_memory_bytes()) is None:
+    if devices_lib.platform(device_kind) != "cpu" or (host := host_memory_bytes()) is None:
         return memory.fit(estimate_gib, device_kind)
     per_device = host / 2**30 / num_devices
     return {
@@ -286,7 +287,7 @@ def dry_run(
     docstring). Choices that depend on the hardware (kernels, compute dtype) are made for the
     platform of `device_kind`, as a run there would make them."""
     cfg = run_model.for_platform(
-        cfg, memory.device_platform(device_kind), device_kind, num_devices // cfg.mesh.num_slices
+        cfg, devices_lib.platform(device_kind), device_kind, num_devices // cfg.mesh.num_slices
     )
     sizes = axis_sizes(cfg.mesh, num_devices)
     check_batch(cfg, AbstractMesh(tuple(sizes.values()), tuple(sizes)))  # as the run would
@@ -454,10 +455,12 @@ def main(argv: list[str] | None = None) -> int:
                 (args.device, "--device") if args.device else (cfg.run.device, "run.device")
             )
             if named:
-                if memory.device_memory_gib(named) is None and named.lower() != "cpu":
-                    known = ", ".join(["cpu", *(needle for needle, _ in memory.DEVICE_MEMORY_GIB)])
+                if devices_lib.chip(named) is None and named.lower() != "cpu":
+                    known = ", ".join(
+                        ["cpu", *(kind for c in devices_lib.CHIPS for kind in c.kinds)]
+                    )
                     raise UserError(f"{what} {named!r}: memory not known; known: {known}")
-                if devices and args.device and memory.device_platform(named) != "tpu":
+                if devices and args.device and devices_lib.platform(named) != "tpu":
                     raise UserError(f"--device {named!r} is no TPU; --topology is")
                 device = device if devices else named
             result = dry_run(
