@@ -37,7 +37,7 @@ from jax.sharding import AbstractMesh
 
 from maxtrain import config as config_lib
 from maxtrain import models as model_lib
-from maxtrain.analysis import collectives, memory, program
+from maxtrain.analysis import collectives, memory, program, step_time
 from maxtrain.analysis.preflight import host_memory_bytes
 from maxtrain.common import devices as devices_lib
 from maxtrain.common import files
@@ -351,7 +351,7 @@ def compiled_program(
     found = program.kernels(hlo)
     program.check_kernels(trainer.cfg.model, found, trainer.mesh.shape["context"])
     analysis = compiled.memory_analysis()
-    cost = compiled.cost_analysis()
+    cost = compiled.cost_analysis() or {}  # none for a GPU compiled without one
     gib = lambda n: round(n / 2**30, 3)  # noqa: E731
     peak = (
         analysis.argument_size_in_bytes
@@ -383,7 +383,22 @@ def compiled_program(
             hlo, dict(trainer.mesh.shape), slices
         ),
         "kernels": found,
+        "predicted": predicted(cfg, trainer, hlo),
     }
+
+
+def predicted(cfg: config_lib.Config, trainer, hlo: str) -> dict:
+    """The step time the compiled program predicts on its chip (analysis/step_time.py), or
+    why there is none: a CPU has no peak FLOP/s or HBM bandwidth in the chip table."""
+    kind = trainer.mesh.devices.flat[0].device_kind
+    chip = devices_lib.chip(kind)
+    if chip is None:
+        return {"chip": None, "why": f"no figures for {kind!r} in maxtrain/common/devices.py"}
+    where = step_time.placement(list(trainer.mesh.devices.flat), dict(trainer.mesh.shape))
+    prediction = step_time.predict(hlo, chip, where)
+    return step_time.summary(
+        prediction, cfg.tokens_per_step, trainer.mesh.size, trainer.flops_per_token
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
