@@ -1,17 +1,31 @@
 """The work of each instruction of a compiled program: its matmul FLOPs (by operand dtype) and
-the bytes it moves to and from the chip's memory. `step_time.py` times the program from them.
+the bytes it moves to and from the chip's memory. step_time.py times the program from them.
 
 Read from the program's text (`compiled.as_text()`, or the `after_optimizations` dump of a
 compiler run), the same way for every backend:
   FLOPs       a dot's 2 x result x contracted depth; a convolution (how the TPU compiler writes
               its matmuls) 2 x output features x input features x the window positions that
-              meet real input (its padding skipped); a fusion's, the sum of what it fuses; a
-              hand-written kernel's from its operand shapes (kernel_costs.py). Element-wise
-              work counts no FLOPs: the matrix units do not run it.
+              meet real input (its padding skipped: the TPU compiler writes a batched matmul as
+              a padded convolution whose window meets one input position per output); a
+              fusion's, the sum of what it fuses. Element-wise work counts no FLOPs: the
+              matrix units do not run it.
+  kernels     a hand-written (Pallas/Mosaic) kernel is opaque to the compiler: its call
+              carries no cost estimate (splash attention and tokamax set none) and XLA's cost
+              analysis counts nothing inside it, so its FLOPs are counted from its operand
+              shapes (and, for tokamax's GPU kernels, the arguments it records in the call's
+              metadata). Attention (splash on TPU, tokamax's flash attention on GPU): 2 x heads
+              x queries x keys x head dim per matmul, 2 matmuls forward (QK^T, PV), 3 for dQ,
+              4 for dK and dV, 5 for a kernel producing all three, times the share of query x
+              key blocks the mask keeps (a square block table is taken as causal, n (n + 1) / 2
+              of its n^2 blocks, a band as the blocks it visits; tokamax records its mask).
+              Grouped matmuls (tokamax's and megablox's gmm/tgmm, tokamax's GPU ragged dot): 2
+              x rows x the expert matrix's dimensions. Any other kernel counts nothing and is
+              named in `Module.unknown_kernels`, so that an undercount shows.
   bytes       each operand and result as laid out (tiles padded), except what sits in the TPU
               core's own memory (memory space 1, VMEM: no HBM traffic) or is a scalar flag;
               a fusion reads only the slices it takes of an operand that it slices, and an
-              in-place update (dynamic-update-slice) moves the update, not its whole buffer.
+              in-place update (dynamic-update-slice) moves the update, not its whole buffer;
+              bytes to and from the host's memory (space 5) apart.
 """
 
 from __future__ import annotations
@@ -268,26 +282,6 @@ def _window(attributes: str) -> list[tuple[int, int, int, int]]:
 
 
 # ---- hand-written kernels -------------------------------------------------------------------
-# The matmul FLOPs of a hand-written kernel's call, read from its operand shapes.
-#
-# A Pallas/Mosaic kernel is opaque to the compiler: XLA's cost analysis counts nothing inside a
-# custom call, and the calls carry no cost estimate of their own (splash attention and tokamax
-# set none). Their FLOPs follow from what they multiply, so they are counted here from the
-# call's operands (and, for tokamax's GPU kernels, the arguments it records in the call's
-# metadata), per kernel family:
-#
-#  attention   (splash on TPU, tokamax's Mosaic GPU flash attention) 2 x heads x queries x keys
-#              x head dim per matmul it runs: 2 forward (QK^T, PV), 3 for dQ (QK^T, dO V^T, dS K),
-#              4 for dK and dV, 5 for a kernel producing all three; times the share of the
-#              query x key blocks the mask keeps. A square grid of blocks (splash's block table)
-#              is taken as causal, n (n + 1) / 2 of n^2 blocks, a band (a window) as the blocks
-#              it visits: training decoders attend causally. tokamax records its mask.
-#  grouped     (tokamax's and megablox's gmm/tgmm on TPU, tokamax's ragged dot on GPU) 2 x rows x
-#  matmul      the expert matrix's two dimensions: rows from the token operand, the matrix from
-#              the weights (forward, input gradient) or the weight gradient (its result).
-#
-# Any other custom call counts no FLOPs and is named in the prediction (`unknown_kernels`), so
-# that an undercount shows.
 
 _NAME = re.compile(r"^(.*?)(?:\.\d+)?$")
 _PAYLOAD = re.compile(r'metadata_payload="tokamax:(\{.*?\})"(?:[ ,}]|$)')

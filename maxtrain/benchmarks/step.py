@@ -18,7 +18,9 @@ chip in maxtrain/common/devices.py) and by how much (`fit`); with lora.rank > 0 
 trains and what the frozen base costs, beside full fine-tuning (`lora`). With
 --compile it also compiles the step for a state of shapes only (nothing allocated), so a model
 far bigger than this host compiles on simulated CPU devices, and prints what the compiled
-program says: XLA's memory per device and the collective bytes, DCN apart. For 512 devices:
+program says: XLA's memory per device and the collective bytes, DCN apart; compiled for a TPU
+or GPU topology (--topology), also the step time it predicts on that chip (`predicted`,
+maxtrain/analysis/step_time.py). For 512 devices:
 XLA_FLAGS=--xla_force_host_platform_device_count=512 python tools/benchmark.py ...
 --dry-run
 --compile.
@@ -37,7 +39,7 @@ from jax.sharding import AbstractMesh
 
 from maxtrain import config as config_lib
 from maxtrain import models as model_lib
-from maxtrain.analysis import collectives, memory, program, step_time
+from maxtrain.analysis import collectives, memory, program, step_time, transfers
 from maxtrain.analysis.preflight import host_memory_bytes
 from maxtrain.common import devices as devices_lib
 from maxtrain.common import files
@@ -394,7 +396,7 @@ def predicted(cfg: config_lib.Config, trainer, hlo: str) -> dict:
     chip = devices_lib.chip(kind)
     if chip is None:
         return {"chip": None, "why": f"no figures for {kind!r} in maxtrain/common/devices.py"}
-    where = step_time.placement(list(trainer.mesh.devices.flat), dict(trainer.mesh.shape))
+    where = transfers.placement(list(trainer.mesh.devices.flat), dict(trainer.mesh.shape))
     prediction = step_time.predict(hlo, chip, where)
     return step_time.summary(
         prediction, cfg.tokens_per_step, trainer.mesh.size, trainer.flops_per_token
@@ -430,7 +432,8 @@ def main(argv: list[str] | None = None) -> int:
         "--topology",
         help="--dry-run --compile: compile for this TPU topology instead, as libtpu names it "
         "(v5e:2x2, v5e:16x16, v6e:16x16, v5p:4x4x4; mesh.num_slices of them), with the TPU "
-        "compiler on this host (./setup.sh tpu-compiler; docs/tpu.md)",
+        "compiler on this host (./setup.sh tpu-compiler; docs/tpu.md), or for NVIDIA GPUs "
+        "(h100, h200, b200, h100:8 for 8 on one host; ./setup.sh gpu-compiler)",
     )
     parser.add_argument(
         "--save-hlo",
