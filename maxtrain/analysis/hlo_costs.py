@@ -286,7 +286,7 @@ def _window(attributes: str) -> list[tuple[int, int, int, int]]:
 _NAME = re.compile(r"^(.*?)(?:\.\d+)?$")
 _PAYLOAD = re.compile(r'metadata_payload="tokamax:(\{.*?\})"(?:[ ,}]|$)')
 _ATTENTION = re.compile(r"splash_mha|flash")
-_GROUPED = re.compile(r"gmm|ragged_dot")
+_GROUPED = re.compile(r"gmm|ragged_?dot")
 
 
 def kernel_name(ins: Instruction) -> str:

@@ -320,17 +320,23 @@ KERNEL_TARGETS = re.compile(
 )
 
 
+_TOKAMAX_OP = re.compile(r'__type\\?":\\?"[\w.]*\.(\w+)\\?"')
+
+
 def kernels(hlo_text: str) -> dict[str, int]:
     """The hand-written kernels a compiled program calls, by name, with how many call sites
     each has (a kernel inside a loop counts once): what shows a configured kernel really made
     it into the program rather than a fallback to plain XLA. A Pallas kernel's call is named
-    after the kernel (`splash_mha_fwd_segmented_residuals.14`: the suffix is dropped)."""
+    after the kernel (`splash_mha_fwd_segmented_residuals.14`: the suffix is dropped); a
+    tokamax GPU kernel, whose calls are all `mpmd_map`, after the op its call records
+    (`mosaic_gpu_v2 PallasMosaicGpuRaggedDot`)."""
     counts: collections.Counter = collections.Counter()
     for line in hlo_text.splitlines():
         target = KERNEL_TARGETS.search(line)
         match = INSTRUCTION.match(line) if target else None
         if match is not None:
-            name = re.sub(r"\.\d+$", "", match.group(1))
+            op = _TOKAMAX_OP.search(line)
+            name = op[1] if op else re.sub(r"\.\d+$", "", match.group(1))
             counts[
                 name if target.group(1) == "tpu_custom_call" else f"{target.group(1)} {name}"
             ] += 1
@@ -352,7 +358,7 @@ _ATTENTION_KERNELS = {
 # tokamax's Pallas grouped matmuls are `pallas_tpu_ragged_dot_gmm`/`_tgmm` on TPU; XLA's own
 # ragged dot (`ragged-dot-none`, what tokamax falls back to for matrices under 128 wide on TPU)
 # is not one of them.
-_GROUPED_MATMUL_KERNELS = {"tokamax": r"ragged_dot|gmm"}
+_GROUPED_MATMUL_KERNELS = {"tokamax": r"ragged_dot|RaggedDot|gmm"}
 
 
 def check_kernels(model: Any, found: dict[str, int], context: int = 1) -> None:

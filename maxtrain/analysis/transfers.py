@@ -84,9 +84,10 @@ class Links:
             if ins.opcode in collectives.COLLECTIVES or kind is not None:
                 target = ins if ins.opcode in collectives.COLLECTIVES else kind
                 return self.collective(target)._replace(key=ins.name)
-            if ins.opcode == "async-start" and inner:  # a host transfer (offload) or a copy
-                return self._copy(ins, [a for i in inner for a in self._moved_arrays(i)])
-            return None
+            moved = [a for i in inner for a in self._moved_arrays(i)]
+            # an asynchronous slice or update (an offload to the host's memory) is a copy;
+            # other asynchronous work is timed as compute, in its place
+            return self._copy(ins, moved) if moved else None
         found = self._fused_collective(ins)
         if found is not None and found[1] == "start":
             return self.collective(found[0])._replace(key=_channel(found[0]))

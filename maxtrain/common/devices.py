@@ -15,8 +15,8 @@ on GPUs) and the data-center network. Sources:
     on these GPUs. The network is one 400 Gb/s NIC per GPU (ConnectX-7, as on DGX H100).
   Host link (what a program offloads to the host's memory crosses it): a TPU's PCIe, 1.5e10
     B/s per chip, the figure of "How to Scale Your Model" (jax-ml.github.io/scaling-book, part 2:
-    TPUs), for every generation (no generation's is documented apart); a GPU's PCIe Gen5 x16
-    (NVIDIA's datasheets: 128 GB/s both ways), 64 GB/s per direction.
+    TPUs), for every generation (no generation's is documented apart); a GPU's PCIe, Gen5 x16
+    (NVIDIA's datasheets: 128 GB/s both ways), 64 GB/s per direction, an A100's Gen4 half that.
 """
 
 from __future__ import annotations
@@ -76,11 +76,12 @@ def _tpu(name, kinds, bf16, int8, fp8, hbm_gib, hbm_gbps, ici_gbps, ports, dims,
     return Chip(name, kinds, "tpu", flops, hbm_gib, hbm_gbps * GIGA, link, ports, dims, dcn, pcie)
 
 
-def _gpu(name, kinds, bf16, tf32, int8, fp8, hbm_gib, hbm_tbps, nvlink_gbps):
-    """A GPU row: NVLink as the datasheet's total bidirectional bandwidth, one 400 Gb/s NIC."""
+def _gpu(name, kinds, bf16, tf32, int8, fp8, hbm_gib, hbm_tbps, nvlink_gbps, pcie_gbps=64):
+    """A GPU row: NVLink as the datasheet's total bidirectional bandwidth, one 400 Gb/s NIC, the
+    PCIe link per direction (Gen5 x16; an A100's is Gen4, half that)."""
     flops = {"bf16": bf16 * TERA, "f32": tf32 * TERA, "int8": int8 * TERA, "fp8": fp8 * TERA}
     nvlink = nvlink_gbps * GIGA / 2
-    pcie = 64 * GIGA
+    pcie = pcie_gbps * GIGA
     return Chip(name, kinds, "gpu", flops, hbm_gib, hbm_tbps * TERA, nvlink, 1, 0, 50 * GIGA, pcie)
 
 
@@ -98,8 +99,8 @@ CHIPS: tuple[Chip, ...] = (
     _gpu("B200", ("b200",), 2250, 1125, 4500, 4500, 180, 8.0, 1800),
     _gpu("H200", ("h200",), 989, 494.5, 1979, 1979, 141, 4.8, 900),
     _gpu("H100", ("h100",), 989, 494.5, 1979, 1979, 80, 3.35, 900),
-    _gpu("A100 40GB", ("a100-sxm4-40gb", "a100-pcie-40gb"), 312, 156, 624, 312, 40, 1.555, 600),
-    _gpu("A100", ("a100",), 312, 156, 624, 312, 80, 2.039, 600),
+    _gpu("A100 40GB", ("a100-sxm4-40gb", "a100-pcie-40gb"), 312, 156, 624, 312, 40, 1.555, 600, 32),
+    _gpu("A100", ("a100",), 312, 156, 624, 312, 80, 2.039, 600, 32),
 )
 
 
