@@ -199,7 +199,12 @@ def cpu_dry_run(tmp_path_factory):
     devices = jax.device_count()
     cfg = config_lib.load(
         config_lib.CONFIGS_DIR / "base.yml",
-        ["data.kind=synthetic", "train.seq_len=64", f"train.global_batch_size={devices}"],
+        [
+            "model_name=tiny",
+            "data.kind=synthetic",
+            "train.seq_len=32",
+            f"train.global_batch_size={devices}",
+        ],
     )
     path = tmp_path_factory.mktemp("step") / "step.hlo"
     kind = jax.devices()[0].device_kind
