@@ -25,6 +25,8 @@ from collections.abc import Container, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
+import numpy as np
+
 from maxtrain.analysis import collectives
 from maxtrain.analysis.hlo_costs import HOST, VMEM, Array, Instruction, Module
 from maxtrain.common.devices import Chip
@@ -223,18 +225,16 @@ def _on_the_wire(kind: str, moved: int, n: int, torus_dims: int) -> float:
 def placement(mesh_devices: Sequence, mesh_shape: dict[str, int]) -> Placement:
     """The placement of a program compiled over a mesh's devices (flattened, in mesh order):
     their physical coordinates where they have them (TPU devices), their slices. A program
-    over several slices is one slice's (the TPU compiler's multi-slice programs are), so its
-    devices are the first slice's."""
-    slices = tuple(getattr(d, "slice_index", 0) or 0 for d in mesh_devices)
+    over several slices is one slice's (the TPU compiler's multi-slice programs are): its
+    devices are the first slice's, its mesh the axes' extent within one slice."""
+    slices = [getattr(d, "slice_index", 0) or 0 for d in mesh_devices]
     ours = [d for d, s in zip(mesh_devices, slices, strict=True) if s == slices[0]]
-    coords = (
-        tuple(tuple(d.coords) for d in ours) if all(hasattr(d, "coords") for d in ours) else None
-    )
+    located = all(hasattr(d, "coords") for d in ours)
+    coords = tuple(tuple(d.coords) for d in ours) if located else None
     shape = tuple(max(c[i] for c in coords) + 1 for i in range(len(coords[0]))) if coords else ()
-    one_slice = len(ours) < len(mesh_devices)
-    return Placement(
-        coords=coords,
-        slices=None if one_slice else slices,
-        slice_shape=shape,
-        mesh_shape=None if one_slice else mesh_shape,
-    )
+    if len(ours) == len(mesh_devices):
+        return Placement(coords, tuple(slices), shape, mesh_shape)
+    index = np.unravel_index(np.arange(len(mesh_devices)), list(mesh_shape.values()))
+    first = np.asarray(slices) == slices[0]
+    per_slice = {name: len(set(index[a][first])) for a, name in enumerate(mesh_shape)}
+    return Placement(coords, None, shape, per_slice)

@@ -8,7 +8,7 @@ import jax
 import pytest
 
 from maxtrain import config as config_lib
-from maxtrain.analysis import hlo_costs, step_time
+from maxtrain.analysis import collectives, hlo_costs, step_time
 from maxtrain.benchmarks import step as benchmark
 from maxtrain.common.devices import Chip, chip
 
@@ -232,3 +232,51 @@ def test_the_benchmark_prints_the_step_its_throughput_mfu_and_bound(cpu_dry_run)
     assert got["tokens_per_sec_per_chip"] == pytest.approx(tokens, rel=1e-3)
     assert got["mfu"] == pytest.approx(tokens * flops_per_token / 197e12, rel=1e-3)
     assert len(got["top_instructions"]) == 5 and prediction.flops > 0
+
+
+FUSED = """%start (p: bf16[256,1024]) -> (bf16[256,1024], bf16[1024,1024], u32[]) {
+  %p = bf16[256,1024]{1,0} parameter(0)
+  %g1 = bf16[1024,1024]{1,0} all-gather(%p), channel_id=7, replica_groups={{0,1,2,3}}, dimensions={0}
+  %f = u32[] constant(0)
+  ROOT %t1 = (bf16[256,1024]{1,0}, bf16[1024,1024]{1,0}, u32[]) tuple(%p, %g1, %f)
+}
+
+%overlapped (q: bf16[256,1024], a: bf16[2048,2048], w: bf16[2048,2048]) -> (bf16[2048,2048], bf16[1024,1024]) {
+  %q = bf16[256,1024]{1,0} parameter(0)
+  %a = bf16[2048,2048]{1,0} parameter(1)
+  %w = bf16[2048,2048]{1,0} parameter(2)
+  %g2 = bf16[1024,1024]{1,0} all-gather(%q), channel_id=7, replica_groups={{0,1,2,3}}, dimensions={0}
+  %d = bf16[2048,2048]{1,0} dot(%a, %w), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+  ROOT %t2 = (bf16[2048,2048]{1,0}, bf16[1024,1024]{1,0}) tuple(%d, %g2)
+}
+
+%done (r: bf16[256,1024]) -> bf16[1024,1024] {
+  %r = bf16[256,1024]{1,0} parameter(0)
+  %g3 = bf16[1024,1024]{1,0} all-gather(%r), channel_id=7, replica_groups={{0,1,2,3}}, dimensions={0}
+  ROOT %c = bf16[1024,1024]{1,0} custom-call(%r, %g3), custom_call_target="AsyncCollectiveDone"
+}
+
+ENTRY %main (x: bf16[256,1024], a: bf16[2048,2048], w: bf16[2048,2048]) -> bf16[2048,2048] {
+  %x = bf16[256,1024]{1,0} parameter(0)
+  %a = bf16[2048,2048]{1,0} parameter(1)
+  %w = bf16[2048,2048]{1,0} parameter(2)
+  %async-collective-start.1 = (bf16[256,1024]{1,0}, bf16[1024,1024]{1,0}, u32[]) fusion(%x), kind=kCustom, calls=%start
+  %fusion.2 = (bf16[2048,2048]{1,0}, bf16[1024,1024]{1,0}) fusion(%x, %a, %w), kind=kOutput, calls=%overlapped
+  %async-collective-done.1 = bf16[1024,1024]{1,0} fusion(%x), kind=kCustom, calls=%done
+  ROOT %out = (bf16[2048,2048]{1,0}, bf16[1024,1024]{1,0}) tuple(%fusion.2, %async-collective-done.1)
+}
+"""  # noqa: E501
+
+
+def test_the_tpu_compilers_async_collective_counts_once_and_hides_behind_its_fusion():
+    """The TPU compiler's asynchronous all-gather: a start fusion, a fusion of the compute it
+    overlaps, a done fusion, each holding a copy of the collective under one channel. Its
+    bytes count once (2 MiB, not 6), and its 0.79 ms hide behind the 17 ms matmul fused with
+    it: the step is the fusion's time alone."""
+    text = HEADER + FUSED
+    assert collectives.collective_bytes(text) == {"all-gather": 1024 * 1024 * 2}
+    matmul = 2 * 2048**3 / 1e12
+    hbm = (256 * 1024 + 2 * 2048 * 2048 + 2048 * 2048 + 1024 * 1024) * 2 / 1e10
+    got = step_time.predict(text, CHIP)
+    assert got.seconds == pytest.approx(max(matmul, hbm))
+    assert got.breakdown.get("collectives group of 4", 0.0) == 0.0
