@@ -43,6 +43,10 @@ _TILE = re.compile(r"T\(([\d,]+)\)")
 _SPACE = re.compile(r"S\((\d+)\)")
 VMEM, HOST = 1, 5  # the TPU's memory spaces: on-core vector memory, the host's memory
 _FREE_SPACES = frozenset({VMEM, 2, 3, 4})  # VMEM, scalar memory, sync flags
+COLLECTIVE_OPCODES = frozenset({
+    "all-gather", "all-reduce", "reduce-scatter", "all-to-all", "ragged-all-to-all",
+    "collective-permute",
+})  # fmt: skip
 
 
 class Array(NamedTuple):
@@ -180,12 +184,22 @@ class Module:
         return read
 
     def _written_arrays(self, ins: Instruction) -> list[Array]:
-        root = ins
-        if ins.opcode == "fusion" and (callee := self.callee(ins)):
-            root = self.computations[callee][-1] if self.computations[callee] else ins
+        body = self.computations.get(self.callee(ins), []) if ins.opcode == "fusion" else []
+        root = body[-1] if body else ins
         if root.opcode == "dynamic-update-slice":
             return [_as_space(a, ins.results) for a in self.operand_arrays(root.operands[1])]
-        return ins.results
+        if root.opcode != "tuple" or not body:
+            return ins.results
+        # a multi-output fusion writes what it computes, not what it passes through (a
+        # parameter) or what a collective inside it fills (the TPU compiler's asynchronous
+        # collective fusions hand the collective's buffers on)
+        made = {i.name: i for i in body}
+        passed = {"parameter", *COLLECTIVE_OPCODES}
+        return [
+            array
+            for element, array in zip(root.operands, ins.results, strict=False)
+            if made.get(element.partition("#")[0], root).opcode not in passed
+        ]
 
 
 def _as_space(array: Array, buffer: list[Array]) -> Array:
@@ -214,6 +228,8 @@ def _slices_taken(body: list[Instruction], param: Instruction | None) -> list[Ar
             taken += user.results
         elif user.opcode == "dynamic-update-slice" and user.operands[0] == param.name:
             continue  # the buffer updated in place: not read
+        elif user.opcode in COLLECTIVE_OPCODES or user.opcode in ("tuple", "custom-call"):
+            continue  # a collective's buffer, or handed on: the fusion's compute reads none
         else:
             return None
     return taken if users else []

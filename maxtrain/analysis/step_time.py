@@ -170,7 +170,7 @@ class _Replay:
                 part.charge(cost, finish - clock)
             return max(clock, finish)
         waited = 0.0
-        if (collective := self.links.synchronous(ins, flight)) is not None:
+        if (collective := self.links.synchronous(ins)) is not None:
             waited = collective.seconds
             part.charge(_cost(collective), waited)
             if ins.opcode != "fusion":  # a fusion's computation follows its collective

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Container, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -70,6 +70,14 @@ class Links:
         self.module, self.chip, self.placement = module, chip, placement
         self.partitions = partitions
         self.notes: set[str] = set()
+        # The TPU compiler's asynchronous collectives, by channel: their start and done may
+        # sit outside the loop whose body holds the computation they overlap.
+        self.asynchronous = {
+            _channel(found[0])
+            for body in module.computations.values()
+            for ins in body
+            if (found := self._fused_collective(ins)) is not None and found[1] != "other"
+        }
 
     def start(self, ins: Instruction) -> Transfer | None:
         """The transfer an instruction starts, if it starts one."""
@@ -141,14 +149,14 @@ class Links:
             return collective, "start"
         return collective, "other"
 
-    def synchronous(self, ins: Instruction, in_flight: Container[str]) -> Transfer | None:
+    def synchronous(self, ins: Instruction) -> Transfer | None:
         """The collective an instruction runs and waits for, if it does: a collective, or a
-        fusion holding one whose channel no start opened (the TPU compiler's reduce-scatter
-        is an all-reduce fused with the slice each device keeps)."""
+        fusion holding one that no asynchronous start opens (the TPU compiler's
+        reduce-scatter is an all-reduce fused with the slice each device keeps)."""
         if ins.opcode in collectives.COLLECTIVES:
             return self.collective(ins)
         found = self._fused_collective(ins)
-        if found is None or found[1] != "other" or _channel(found[0]) in in_flight:
+        if found is None or found[1] != "other" or _channel(found[0]) in self.asynchronous:
             return None
         body = self.module.computations[self.module.callee(ins)]
         scatter = found[0].opcode == "all-reduce" and body[-1].opcode == "dynamic-slice"

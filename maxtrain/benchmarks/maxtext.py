@@ -194,20 +194,20 @@ def optimized_program(dump_dir: str) -> str:
 
 
 def _run_until_dumped(command: list[str], env: dict, dump_dir: str) -> None:
-    """Runs a compile until XLA has dumped its optimized program (or the compile ends)."""
-    with subprocess.Popen(
-        command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
-    ) as process:
-        while process.poll() is None:
+    """Runs a compile until XLA has dumped its optimized program (or the compile ends). Its
+    log goes to a file: a pipe nobody reads would fill and stop it."""
+    log = Path(dump_dir) / "compile.log"
+    with log.open("w") as out, subprocess.Popen(command, env=env, stdout=out, stderr=out) as run:
+        while run.poll() is None:
             written = list(Path(dump_dir).glob(_OPTIMIZED))
             if written and time.time() - written[0].stat().st_mtime > 5:  # complete
-                process.terminate()
-                process.wait()
+                run.terminate()
+                run.wait()
                 return
             time.sleep(2)
-        if process.returncode:
-            tail = "\n".join(process.stderr.read().strip().splitlines()[-5:])
-            raise UserError(f"maxtext's compile failed (exit {process.returncode}):\n{tail}")
+    if run.returncode:
+        tail = "\n".join(log.read_text().strip().splitlines()[-5:])
+        raise UserError(f"maxtext's compile failed (exit {run.returncode}):\n{tail}")
 
 
 def _run(command: list[str], who: str, env: dict | None = None) -> str:
