@@ -306,8 +306,10 @@ _GROUPED = re.compile(r"gmm|ragged_?dot")
 
 
 def kernel_name(ins: Instruction) -> str:
-    """A kernel call's name: the instruction's, without XLA's numeric suffix."""
-    return _NAME.match(ins.name)[1]
+    """A kernel call's name: the op a tokamax GPU kernel's call records (its calls are all
+    `mpmd_map`), else the instruction's, without XLA's numeric suffix."""
+    op = _payload(ins).get("op", {}).get("__type", "")
+    return op.rsplit(".", 1)[-1] if op else _NAME.match(ins.name)[1]
 
 
 def _kernel_flops(ins: Instruction, module: Module) -> tuple[float, str] | None:

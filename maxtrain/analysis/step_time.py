@@ -64,6 +64,7 @@ class StepTimePrediction:
     top: list[Cost]  # the most expensive instructions, most first
     flops: float  # matmul FLOPs per device
     hbm_bytes: float
+    kernels: dict[str, float] = field(default_factory=dict)  # seconds per hand-written kernel
     unknown_kernels: list[str] = field(default_factory=list)  # kernels counted no FLOPs
     notes: list[str] = field(default_factory=list)
 
@@ -79,6 +80,10 @@ def predict(
     replay = _Replay(module, chip, links)
     total = replay.computation(module.entry)[0]
     breakdown = {k: v for k, v in sorted(total.categories.items(), key=lambda kv: -kv[1]) if v}
+    kernels = collections.Counter()
+    for cost in total.instructions.values():
+        if cost.what.startswith("kernel "):
+            kernels[cost.what.removeprefix("kernel ")] += cost.seconds
     return StepTimePrediction(
         chip=chip.name,
         peak_bf16_flops=chip.peak_flops["bf16"],
@@ -88,6 +93,7 @@ def predict(
         top=sorted(total.instructions.values(), key=lambda c: -c.seconds)[:top],
         flops=total.flops,
         hbm_bytes=total.hbm_bytes,
+        kernels=dict(kernels.most_common()),
         unknown_kernels=sorted(module.unknown_kernels),
         notes=sorted(replay.notes | links.notes),
     )
@@ -251,6 +257,7 @@ def summary(
         ],
         "matmul_tflop_per_chip": round(prediction.flops / 1e12, 3),
         "hbm_gb_per_chip": round(prediction.hbm_bytes / 1e9, 2),
+        "kernels_s": {name: _digits(seconds) for name, seconds in prediction.kernels.items()},
         "unknown_kernels": prediction.unknown_kernels,
         "notes": prediction.notes,
     }

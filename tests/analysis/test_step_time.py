@@ -174,6 +174,8 @@ def test_attention_kernel_flops_from_its_operands(kind, result, matmuls):
     flops, dtype = module.flops("splash_mha_KIND.3".replace("KIND", kind))
     assert (flops, dtype) == (matmuls * 2 * 8 * 2048 * 2048 * 128 * 10 / 16, "bf16")
     assert not module.unknown_kernels
+    kernels = step_time.predict(text, CHIP).kernels
+    assert list(kernels) == [f"splash_mha_{kind}"] and kernels[f"splash_mha_{kind}"] > 0
 
 
 CONVOLUTION = """ENTRY %main (x: bf16[2,64,32,1], w: bf16[32,4,16,1]) -> bf16[2,64,4,16] {
@@ -232,6 +234,7 @@ def test_the_benchmark_prints_the_step_its_throughput_mfu_and_bound(cpu_dry_run)
     assert got["tokens_per_sec_per_chip"] == pytest.approx(tokens, rel=1e-3)
     assert got["mfu"] == pytest.approx(tokens * flops_per_token / 197e12, rel=1e-3)
     assert len(got["top_instructions"]) == 5 and prediction.flops > 0
+    assert got["kernels_s"] == {}  # plain XLA attention on CPU: no hand-written kernel
 
 
 FUSED = """%start (p: bf16[256,1024]) -> (bf16[256,1024], bf16[1024,1024], u32[]) {
