@@ -136,7 +136,7 @@ def train_compile(
     python: str,
     topology: str,
     settings: dict,
-    options: list[str] = (),
+    options: list[str] | None = None,
     libtpu_flags: str = "",
     dump_dir: str | None = None,
 ) -> tuple[list[str], str]:
@@ -165,7 +165,7 @@ def train_compile(
         "maxtext.trainers.pre_train.train_compile",
         f"{base}/configs/base.yml",
         *(f"{k}={v}" for k, v in settings.items()),
-        *options,
+        *(options or []),
     ]
     env = {**os.environ, "DECOUPLE_GCLOUD": "TRUE", "JAX_PLATFORMS": "cpu"}
     env["TPU_ACCELERATOR_TYPE"] = f"{'v5litepod' if generation == 'v5e' else generation}-{chips}"
