@@ -56,7 +56,7 @@ memory_analysis and compile time):
 The replay costs a further round one more trip of its rows to the experts in the backward
 (5 exchanges of its rows instead of 4); round 0, the only one balanced routing runs, none.
 The rounds' collectives sit in a loop whose trip count XLA cannot know, so
-`analysis.program.collective_bytes` reports them apart, per trip ("all-to-all per loop trip").
+`analysis.collectives.collective_bytes` reports them apart, per trip ("all-to-all per loop trip").
 
 Which exchange is fastest depends on the interconnect and the routing. The defaults are those
 whose cost is bounded whatever k and P: `ragged` on GPU/TPU (the routed rows exactly),

@@ -22,6 +22,7 @@ from typing import IO, Any
 
 import numpy as np
 
+from maxtrain.common import devices
 from maxtrain.common.files import write_atomic
 from maxtrain.config import ModelConfig
 from maxtrain.layers.attention import AttentionCounts
@@ -128,31 +129,12 @@ def train_flops_per_token(model: ModelConfig, seq_len: int) -> float:
 
 # ---- peak throughput --------------------------------------------------------------------------
 
-# Peak dense bf16 TFLOP/s per chip (per GPU), matched by case-insensitive substring of
-# jax.Device.device_kind. ORDER MATTERS: the first match wins, so more specific names come
-# before their prefixes ("tpu v5 lite" before "tpu v5", which is how v5p reports itself).
-PEAK_BF16_TFLOPS: tuple[tuple[str, float], ...] = (
-    ("tpu v6 lite", 918.0),  # v6e / Trillium
-    ("tpu v6e", 918.0),
-    ("tpu v5 lite", 197.0),  # v5e
-    ("tpu v5e", 197.0),
-    ("tpu v5p", 459.0),
-    ("tpu v5", 459.0),  # v5p reports device_kind "TPU v5"
-    ("tpu v4", 275.0),
-    ("b200", 2250.0),
-    ("h200", 989.0),
-    ("h100", 989.0),  # "NVIDIA H100 80GB HBM3", "NVIDIA H100 PCIe", ...
-    ("a100", 312.0),
-)
-
 
 def peak_tflops(device_kind: str) -> float | None:
-    """Peak dense bf16 TFLOP/s of one device, or None when unknown (CPU): MFU is not reported."""
-    kind = device_kind.lower()
-    for needle, tflops in PEAK_BF16_TFLOPS:
-        if needle in kind:
-            return tflops
-    return None
+    """Peak dense bf16 TFLOP/s of one device, the MFU denominator (the chip table,
+    maxtrain/common/devices.py), or None when unknown (CPU): MFU is not reported."""
+    chip = devices.chip(device_kind)
+    return None if chip is None else chip.peak_flops["bf16"] / 1e12
 
 
 # ---- step statistics --------------------------------------------------------------------------

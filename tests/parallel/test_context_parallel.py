@@ -14,7 +14,7 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from maxtrain.analysis.program import collective_bytes
+from maxtrain.analysis.collectives import collective_bytes
 from maxtrain.config import MeshConfig
 from maxtrain.data import to_global
 from maxtrain.data.streams import data_streams

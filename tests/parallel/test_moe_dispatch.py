@@ -19,7 +19,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from support.ragged_all_to_all_reference import emulated_ragged_all_to_all
 
-from maxtrain.analysis.program import collective_bytes
+from maxtrain.analysis.collectives import collective_bytes
 from maxtrain.kernels.grouped_matmul import expert_matmuls
 from maxtrain.layers.activations import ClampedSwiglu
 from maxtrain.layers.routed_experts import ExpertWeights, Parallelism, Routed, capacity, dropless
