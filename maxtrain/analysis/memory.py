@@ -54,8 +54,9 @@ from jax.sharding import PartitionSpec as P
 
 from maxtrain.common import devices
 from maxtrain.config import MESH_AXES, Config
-from maxtrain.kernels.attention import attention_implementation, banded_keys
+from maxtrain.kernels.attention import attention_implementation
 from maxtrain.kernels.grouped_matmul import grouped_matmul_implementation
+from maxtrain.kernels.xla_attention import banded_keys
 from maxtrain.layers.attention_pattern import model_kinds, span
 from maxtrain.layers.attention_types import mixer_counts
 from maxtrain.models import ModelDef, compute_dtype
@@ -265,7 +266,7 @@ def _activation_bytes(
 def _reference_keys(model, seq_len: int) -> int:
     """Keys per query of the largest score array any layer's plain-XLA kernel holds: the whole
     sequence if a layer is global (multi-token prediction's blocks are), else the band of the
-    local layers' window or chunk (kernels/attention.py banded_attention)."""
+    local layers' window or chunk (kernels/xla_attention.py banded_attention)."""
     spans = {span(model, kind) for kind in model_kinds(model)}
     if model.mtp.depth:
         spans.add(None)

@@ -17,6 +17,7 @@ from typing import Any, NamedTuple
 
 import jax
 
+from maxtrain.kernels.attention import program_call
 from maxtrain.kernels.grouped_matmul import SCOPE
 
 # Primitives that do a matmul's work (ragged_dot lowers to ragged_dot_general).
@@ -411,14 +412,6 @@ class MissingKernel(RuntimeError):
     """A kernel the config asks for is not in the compiled program (a silent fallback)."""
 
 
-# What each configured kernel's calls are named in a compiled program (`kernels`).
-_ATTENTION_KERNELS = {
-    "splash": r"^splash_mha",
-    "mosaic_tpu": r"^splash_mha",  # tokamax's TPU kernel is splash attention too
-    "mosaic_gpu": r"^mosaic_gpu",
-    "triton": r"triton",
-    "cudnn": r"^__cudnn",
-}
 # tokamax's Pallas grouped matmuls are `pallas_tpu_ragged_dot_gmm`/`_tgmm` on TPU; XLA's own
 # ragged dot (`ragged-dot-none`, what tokamax falls back to for matrices under 128 wide on TPU)
 # is not one of them.
@@ -433,7 +426,7 @@ def check_kernels(model: Any, compute: Any, found: dict[str, int], context: int 
     context: the mesh's context degree. Above 1 the sequence is split over devices and its
     attention runs as blocks in plain XLA inside the context exchange
     (parallel/context.py), whatever compute.attention says: no attention kernel is due."""
-    attention = _ATTENTION_KERNELS.get(compute.attention) if context == 1 else None
+    attention = program_call(compute.attention) if context == 1 else None
     wanted = [("compute.attention", compute.attention, attention)]
     if model.moe is not None:
         impl = compute.grouped_matmul
