@@ -6,11 +6,17 @@ from __future__ import annotations
 
 import collections
 import re
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 
 import numpy as np
 
-from maxtrain.analysis.program import executed, operand_names, shape_bytes
+from maxtrain.analysis.program import (
+    INSTRUCTION,
+    executed,
+    operand_names,
+    parse_computations,
+    shape_bytes,
+)
 
 COLLECTIVES = {
     "all-to-all": "all-to-all",
@@ -103,6 +109,7 @@ def _varies_with(axis_coords: np.ndarray, slices: np.ndarray) -> bool:
 
 
 _CHANNEL = re.compile(r"\bchannel_id=(\d+)")
+_CALLS = re.compile(r"\bcalls=%([\w.\-]+)")
 
 
 def moved_bytes(opcode: str, result_bytes: list[int], operand_bytes: list[int]) -> int:
@@ -121,24 +128,62 @@ def channel(attributes: str) -> str | None:
     return found[1] if found else None
 
 
+def fused_part(fusion: str, body: Iterable[tuple[str, str]]) -> str | None:
+    """Which part of a collective a fusion named `fusion` is, from its fused computation's
+    (opcode, attributes): the TPU compiler writes an asynchronous collective as a "start"
+    fusion, fusions of the computation it overlaps and a "done" fusion (holding
+    AsyncCollectiveDone), each with a copy of the collective under one channel; "other" for a
+    fusion overlapping one or a synchronous collective fused with its neighbours; None for a
+    fusion holding no collective."""
+    ops = list(body)
+    if not any(opcode in COLLECTIVES for opcode, _ in ops):
+        return None
+    if any(o == "custom-call" and "AsyncCollectiveDone" in attrs for o, attrs in ops):
+        return "done"
+    return "start" if "-start" in fusion else "other"
+
+
+def _copies(hlo_text: str) -> set[str]:
+    """The computations whose collective copies one counted elsewhere: the TPU compiler's
+    asynchronous collectives' done fusions and the fusions they overlap (whose channel a start
+    fusion opens). Loop peeling also copies a collective under its channel; both run."""
+    computations, _ = parse_computations(hlo_text)
+    parts: dict[str, str] = {}
+    for lines in computations.values():
+        for line in lines:
+            match = INSTRUCTION.match(line)
+            callee = _CALLS.search(line) if match and match[3] == "fusion" else None
+            if callee is None:
+                continue
+            body = [m.group(3, 4) for m in map(INSTRUCTION.match, computations[callee[1]]) if m]
+            if part := fused_part(match[1], body):
+                parts[callee[1]] = part
+    started = {
+        channel(line)
+        for name, part in parts.items()
+        if part == "start"
+        for line in computations[name]
+        if channel(line)
+    }
+    return {
+        name
+        for name, part in parts.items()
+        if part == "done"
+        or (part == "other" and any(channel(line) in started for line in computations[name]))
+    }
+
+
 def _collectives(hlo_text: str) -> Iterator[tuple[str, int, str]]:
     """(kind, bytes moved per device and step, HLO attributes) of every collective a compiled
-    program runs, a loop's counted once per trip (see `collective_bytes`).
-
-    The TPU compiler writes an asynchronous collective as three fusions (its start, the
-    computation it overlaps, its done), each holding a copy of the collective with the same
-    channel: it counts once."""
+    program runs, a loop's counted once per trip (see `collective_bytes`); an asynchronous
+    collective of the TPU compiler once, at its start (`_copies`)."""
+    copies = _copies(hlo_text)
     shapes: dict[str, list[int]] = {}
-    channels: set[str] = set()
     for op in executed(hlo_text):
         shapes[op.name] = shape_bytes(op.shape)
         suffix = " per loop trip" if op.unknown_loop else ""
         kind = COLLECTIVES.get(op.opcode)
-        if kind is not None and (found := channel(op.rest)):
-            if found in channels:
-                continue
-            channels.add(found)
-        if kind is not None:
+        if kind is not None and op.computation not in copies:
             operand_bytes = [sum(shapes.get(o, [0])) for o in operand_names(op.rest)]
             moved = moved_bytes(op.opcode, shapes[op.name], operand_bytes)
             yield kind + suffix, op.times * moved, op.rest

@@ -142,6 +142,7 @@ class Executed(NamedTuple):
     rest: str
     times: int
     unknown_loop: bool
+    computation: str = ""  # the computation it belongs to
 
 
 def executed(hlo_text: str) -> Iterator[Executed]:
@@ -158,7 +159,7 @@ def executed(hlo_text: str) -> Iterator[Executed]:
             if match is None:
                 continue
             result, shape, opcode, rest = match.groups()
-            yield Executed(result, shape, opcode, rest, times, unknown)
+            yield Executed(result, shape, opcode, rest, times, unknown, name)
             trips = trip_count(rest, computations) if opcode == "while" else None
             inner = unknown or (opcode == "while" and trips is None)
             for callee in callees(rest):

@@ -134,20 +134,14 @@ class Links:
         return _channel(found[0]) if found is not None and found[1] == "done" else None
 
     def _fused_collective(self, ins: Instruction) -> tuple[Instruction, str] | None:
-        """The collective inside a fusion, and which part of it this fusion is: the TPU
-        compiler's asynchronous "start", "done", or anything else ("other": the computation
-        an asynchronous collective overlaps, or a synchronous collective fused with its
-        neighbours)."""
+        """The collective inside a fusion, and which part of it this fusion is
+        (`collectives.fused_part`: "start", "done" or "other")."""
         callee = self.module.callee(ins) if ins.opcode == "fusion" else None
         body = self.module.computations.get(callee, []) if callee else []
-        collective = next((i for i in body if i.opcode in collectives.COLLECTIVES), None)
-        if collective is None:
+        part = collectives.fused_part(ins.name, ((i.opcode, i.attributes) for i in body))
+        if part is None:
             return None
-        if any("AsyncCollectiveDone" in i.attributes for i in body if i.opcode == "custom-call"):
-            return collective, "done"
-        if "-start" in ins.name:
-            return collective, "start"
-        return collective, "other"
+        return next(i for i in body if i.opcode in collectives.COLLECTIVES), part
 
     def synchronous(self, ins: Instruction) -> Transfer | None:
         """The collective an instruction runs and waits for, if it does: a collective, or a
