@@ -48,6 +48,7 @@ PLACEHOLDERS = {
     "CONFIG.yml": "configs/base.yml",
     "[dotted.key=value ...]": "",
     "[key=value ...]": "",
+    "h100/<recipe>": "h100/dense-1.5b",
     "<recipe>": "llama3-8b",
     "[LAYOUT]": "",
     "kernel|plain": "kernel",
