@@ -243,12 +243,12 @@ def _code_words(tree: ast.AST) -> set[str]:
 def test_tests_mirror_the_packages():
     """tests/<package>/ holds the tests of maxtrain/<package>/ (tests/support/ what several
     share, tests/fixtures/ committed oracle outputs); only the project-wide tests sit at the
-    root: this one, and the guides' commands."""
+    root: this one, the guides' commands, and the Dockerfile's."""
     folders = {p.name for p in (REPO / "tests").iterdir() if p.is_dir() and p.name[0] not in "._"}
     packages = {p.parent.name for p in PACKAGE.glob("*/__init__.py")}
     assert folders - {"support", "fixtures"} <= packages
     at_root = sorted(p.name for p in (REPO / "tests").glob("test_*.py"))
-    assert at_root == ["test_architecture.py", "test_docs_commands.py"]
+    assert at_root == ["test_architecture.py", "test_dockerfile.py", "test_docs_commands.py"]
 
 
 def test_lora_is_wired_only_through_post_training():
