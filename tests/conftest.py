@@ -1,8 +1,7 @@
 """CPU with 8 simulated devices for every test, compiling fast (xla_env.py), set before jax is
 imported anywhere; and the compilation cache the runs use (maxtrain/training/compile_cache.py) for
-the tests' own
-compilations too, so a program one test compiled loads in the next (tests build the same tiny
-models again and again).
+the tests' own compilations too, so a program one test compiled loads in the next (tests build the
+same tiny models again and again).
 """
 
 import os

@@ -130,8 +130,7 @@ def _complete(cfg: Config, step: int, where: Any) -> dict[str, Any]:
 def _keep_finite_checkpoints(ckpt: TieredCheckpointer | None, first_bad: int) -> str:
     """Moves aside the checkpoints a run stopped by non-finite losses must not resume from (the
     state saved just before the first bad step and any saved after it:
-    maxtrain/training/nonfinite.py)
-    and says which checkpoint a restart resumes from."""
+    maxtrain/training/nonfinite.py) and says which checkpoint a restart resumes from."""
     if ckpt is None:
         return "checkpointing is off"
     with contextlib.suppress(CheckpointError):  # the non-finite loss is the error to report

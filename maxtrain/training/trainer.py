@@ -253,8 +253,7 @@ def compile_step(trainer: Trainer) -> tuple[Any, float, float]:
 
     The devices may be of another platform than this process's (compile-only TPU devices:
     maxtrain/parallel/topology.py). tokamax refuses to trace a kernel for a device the process
-    cannot
-    run on unless its cross-compile switch is on, and reads the hardware generation a kernel
+    cannot run on unless its cross-compile switch is on, and reads the hardware generation a kernel
     is built for from the default device: for exactly that case, the switch is on and the
     default device is one of the mesh's.
     """
