@@ -17,6 +17,7 @@ exit status 2.
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 from pathlib import Path
@@ -40,15 +41,8 @@ def main(argv: list[str] | None = None) -> int:
     # Imported here: jax and the model take seconds to import, --help should not wait for them.
     import jax
 
-    from maxtrain import posttrain
-    from maxtrain.data import batch_sharding
-    from maxtrain.data.streams import data_streams
-    from maxtrain.evaluation.harness import chance, task_evaluator
-    from maxtrain.evaluation.loss import held_out_loss
     from maxtrain.evaluation.tasks import committed_tasks, load_task
-    from maxtrain.inference.loading import find_tokenizer, load_model
-    from maxtrain.parallel.mesh import sharding_rules
-    from maxtrain.training.step import eval_step
+    from maxtrain.inference.loading import load_model
 
     results: dict[str, float] = {}
     try:
@@ -57,49 +51,10 @@ def main(argv: list[str] | None = None) -> int:
             load_task(spec)  # a bad task file is refused before the checkpoint is read
         devices = jax.devices()[: args.devices] if args.devices else None
         model = load_model(args.checkpoint, args.overrides, devices, initial=args.init)
-        cfg = model.cfg
         if args.loss:
-            # The held-out streams are built where evaluation is on: a run trained with
-            # train.eval_every=0 still holds its data.eval_fraction of documents out.
-            scored = cfg.model_copy(
-                update={"train": cfg.train.model_copy(update={"eval_every": 1})}
-            )
-            _, streams = data_streams(scored)  # data mistakes are found before compiling
-
-            # Scored as the run was trained: DPO's loss against the model it started from.
-            objective = posttrain.objective(cfg.train)
-            reference = None
-            if objective.uses_reference:
-                reference = load_model(args.checkpoint, args.overrides, devices, initial=True)
-                reference = reference.params
-
-            def traced(params, batch):
-                with sharding_rules(model.mesh, cfg.mesh.rules):
-                    return eval_step(
-                        params, batch, mdef=model.mdef, objective=objective, reference=reference
-                    )
-
-            sharding = batch_sharding(model.mesh, cfg.mesh.rules)
-            loss = held_out_loss(
-                jax.jit(traced), model.params, sharding, streams, cfg.train.eval_steps
-            )
-            results.update({f"loss/{k}" if "/" in k else k: v for k, v in loss.items()})
+            results.update(_held_out_loss(args, model, devices))
         if specs:
-            tokenizer, special_tokens = find_tokenizer(model, args.tokenizer)
-            evaluator = task_evaluator(
-                cfg,
-                model.mdef,
-                model.mesh,
-                specs,
-                shots=args.shots,
-                tokenizer=tokenizer,
-                special_tokens=special_tokens,
-            )
-            print(f"{PROG}: {model.source()}, scoring {', '.join(specs)} ({args.shots}-shot)")
-            results.update(evaluator(model.params, progress=True))
-            for prepared in evaluator.prepared:
-                results[f"{prepared.task.name}/chance"] = chance(prepared.task)
-                results[f"{prepared.task.name}/examples"] = len(prepared.task.test)
+            results.update(_task_scores(args, model, specs))
     except UserError as e:
         return refuse(PROG, e)
     for key, value in results.items():
@@ -109,6 +64,65 @@ def main(argv: list[str] | None = None) -> int:
         write_atomic(args.output, json.dumps(record, indent=1) + "\n")
         print(f"{PROG}: wrote {args.output}")
     return 0
+
+
+def _held_out_loss(args: argparse.Namespace, model, devices) -> dict[str, float]:
+    """The loss on the run's held-out documents, scored as the run was trained."""
+    import jax
+
+    from maxtrain import posttrain
+    from maxtrain.data import batch_sharding
+    from maxtrain.data.streams import data_streams
+    from maxtrain.evaluation.loss import held_out_loss
+    from maxtrain.inference.loading import load_model
+    from maxtrain.parallel.mesh import sharding_rules
+    from maxtrain.training.step import eval_step
+
+    cfg = model.cfg
+    # The held-out streams are built where evaluation is on: a run trained with
+    # train.eval_every=0 still holds its data.eval_fraction of documents out.
+    scored = cfg.model_copy(update={"train": cfg.train.model_copy(update={"eval_every": 1})})
+    _, streams = data_streams(scored)  # data mistakes are found before compiling
+
+    # Scored as the run was trained: DPO's loss against the model it started from.
+    objective = posttrain.objective(cfg.train)
+    reference = None
+    if objective.uses_reference:
+        reference = load_model(args.checkpoint, args.overrides, devices, initial=True)
+        reference = reference.params
+
+    def traced(params, batch):
+        with sharding_rules(model.mesh, cfg.mesh.rules):
+            return eval_step(
+                params, batch, mdef=model.mdef, objective=objective, reference=reference
+            )
+
+    sharding = batch_sharding(model.mesh, cfg.mesh.rules)
+    loss = held_out_loss(jax.jit(traced), model.params, sharding, streams, cfg.train.eval_steps)
+    return {f"loss/{k}" if "/" in k else k: v for k, v in loss.items()}
+
+
+def _task_scores(args: argparse.Namespace, model, specs: list[str]) -> dict[str, float]:
+    """Each task's accuracy (printed as it goes), beside its chance level and size."""
+    from maxtrain.evaluation.harness import chance, task_evaluator
+    from maxtrain.inference.loading import find_tokenizer
+
+    tokenizer, special_tokens = find_tokenizer(model, args.tokenizer)
+    evaluator = task_evaluator(
+        model.cfg,
+        model.mdef,
+        model.mesh,
+        specs,
+        shots=args.shots,
+        tokenizer=tokenizer,
+        special_tokens=special_tokens,
+    )
+    print(f"{PROG}: {model.source()}, scoring {', '.join(specs)} ({args.shots}-shot)")
+    results = evaluator(model.params, progress=True)
+    for prepared in evaluator.prepared:
+        results[f"{prepared.task.name}/chance"] = chance(prepared.task)
+        results[f"{prepared.task.name}/examples"] = len(prepared.task.test)
+    return results
 
 
 def _parser() -> ArgumentParser:

@@ -1,5 +1,5 @@
 """Every command the guides show runs as written: README.md, docs/*.md and recipes/*/README.md,
-each code line calling `python -m maxtrain.X` or `python tools/X.py`.
+each code line calling `python -m maxtrain.X` or `python tools/<name>.py`.
 
 A command runs in this process (8 simulated CPU devices, where a reader's CPU has one), in a
 scratch directory per guide that sees the checkout's configs, recipes, package data and test
@@ -74,7 +74,7 @@ INPUTS = ["configs", "recipes", "maxtrain", "tests"]
 @dataclass(frozen=True)
 class Command:
     where: str  # guide:line
-    argv: list[str]  # after `python`: ["-m", "maxtrain.train", ...] or ["tools/x.py", ...]
+    argv: list[str]  # after `python`: ["-m", "maxtrain.train", ...] or ["tools/<name>.py", ...]
     refusal: str | None  # the error line the guide shows after it, if any
 
 
@@ -119,7 +119,8 @@ def _argv(text: str) -> list[str]:
 
 def _program(argv: list[str]):
     """(the command's main, its arguments): an entry point's main, or a tool script run as
-    `python tools/x.py` runs it (its __main__ block, sys.argv set), returning its exit status."""
+    `python tools/<name>.py` runs it (its __main__ block, sys.argv set), returning its exit
+    status."""
     if argv[0] == "-m":
         mains = {"maxtrain.train": loop.main, "maxtrain.generate": generate.main}
         return {**mains, "maxtrain.evaluate": evaluate.main}[argv[1]], argv[2:]

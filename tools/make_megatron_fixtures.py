@@ -15,8 +15,7 @@ Writes, into the output directory:
   each (blends), each source's first valid samples (blends), and for the switches the
   loss_mask, position_ids and, per query, the first key the attention mask lets it see;
 - prepared/: a corpus written by maxtrain's `tools/prepare_data.py --output-format
-megatron`
-  from prepared/input.jsonl, and the tokens Megatron's IndexedDataset reads back from it
+  megatron` from prepared/input.jsonl, and the tokens Megatron's IndexedDataset reads back from it
   (megatron_read.npz): the check that Megatron accepts what maxtrain writes.
 
 The sample counts follow Megatron-LM's pretrain_gpt (get_train_valid_test_num_samples): train

@@ -1,8 +1,7 @@
 """Per-device memory of a training step, estimated from the config alone (no devices needed).
 
 `tools/benchmark.py --dry-run` prints it so a user can see whether a recipe fits before
-paying
-for a slice. The parts:
+paying for a slice. The parts:
 
   params, optimizer   each parameter's shard on one device (exact: the same logical-axis
                       rules and divisibility fallbacks the real run uses), and AdamW's two

@@ -3,8 +3,7 @@ bytes its collectives move, the copies it makes of its inputs, its matmul FLOPs,
 gathers and sorts, its grouped matmuls.
 
 `tools/benchmark.py` prints it beside the step time, and the quantization tests assert it,
-so a
-quantization rule that silently matches nothing shows up as float matmuls.
+so a quantization rule that silently matches nothing shows up as float matmuls.
 """
 
 from __future__ import annotations

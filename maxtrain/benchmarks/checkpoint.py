@@ -34,6 +34,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -162,29 +163,70 @@ def run(args: argparse.Namespace, root: Path) -> int:
             dir=str(root / "persistent"), every_steps=args.persistent_every or 10**9, keep=1
         ),
     )
-    t0 = time.perf_counter()
-    state = build_state(int(args.params))
-    num_params = sum(x.size for x in jax.tree.leaves(state.params))
-    gib = sum(x.nbytes for x in jax.tree.leaves(state)) / 2**30
-    device = jax.devices()[0]
-    emit(
-        {
-            "params": num_params,
-            "state_gib": gib,
-            "devices": jax.device_count(),
-            "device_kind": device.device_kind,
-            "platform": device.platform,
-            "build_s": time.perf_counter() - t0,
-            "dir": str(root),
-        }
-    )
-    update = jax.jit(lambda s: jax.tree.map(lambda x: x + 1, s), donate_argnums=0)
+    state, built = _build_and_describe(args, root)
     checksum_s = time_checksums(state)
     emit({"checksum_s": checksum_s})
 
     ckpt = Checkpointer(cfg, run_dir=root, prewarm=args.prewarm)
     prewarm_s = ckpt.prewarm(state) if args.prewarm else 0.0
     prewarm_parts = {f"prewarm_{k}": v for k, v in ckpt.prewarm_times.items()}
+    state, saves = _save_repeatedly(args, ckpt, state)
+    ckpt.close()
+
+    expected = checksums.of(state)
+    abstract = abstract_like(state)
+    del state, ckpt  # room for the restored copy
+    restore_s, exact = _restore_and_compare(cfg, root, abstract, expected)
+
+    blocked = [s["blocked_s"] for s in saves]
+    blocked_both_due = [s["blocked_s"] for s in saves if s["both_due"]]
+    emit(
+        {
+            "summary": True,
+            "params": built["params"],
+            "state_gib": built["state_gib"],
+            "device_kind": built["device_kind"],
+            "prewarm": args.prewarm,
+            "trim_after_step": args.trim_after_step,
+            "update_between_saves": args.update,
+            "prewarm_s": prewarm_s,
+            **prewarm_parts,
+            "checksum_s": checksum_s,
+            "first_save_blocked_s": blocked[0],
+            "max_blocked_s": max(blocked),
+            "max_blocked_both_due_s": max(blocked_both_due, default=None),
+            "median_durable_s": statistics.median(s["durable_s"] for s in saves),
+            "restore_s": restore_s,
+            "bit_exact": exact,
+        }
+    )
+    return 0 if exact else 1
+
+
+def _build_and_describe(args: argparse.Namespace, root: Path) -> tuple[Any, dict]:
+    """The synthetic state of --params parameters, and its description (printed)."""
+    t0 = time.perf_counter()
+    state = build_state(int(args.params))
+    device = jax.devices()[0]
+    built = {
+        "params": sum(x.size for x in jax.tree.leaves(state.params)),
+        "state_gib": sum(x.nbytes for x in jax.tree.leaves(state)) / 2**30,
+        "devices": jax.device_count(),
+        "device_kind": device.device_kind,
+        "platform": device.platform,
+        "build_s": time.perf_counter() - t0,
+        "dir": str(root),
+    }
+    emit(built)
+    return state, built
+
+
+def _save_repeatedly(
+    args: argparse.Namespace, ckpt: Checkpointer, state: Any
+) -> tuple[Any, list[dict]]:
+    """--saves saves, each timed until it returns (blocked) and until it is durable, with an
+    update of every array between them when asked (a train step's worth of new values)."""
+    update = jax.jit(lambda s: jax.tree.map(lambda x: x + 1, s), donate_argnums=0)
     saves = []
     for step in range(1, args.saves + 1):
         t0 = time.perf_counter()
@@ -208,11 +250,13 @@ def run(args: argparse.Namespace, root: Path) -> int:
             state = jax.block_until_ready(update(state))  # the next "train step"
             if args.trim_after_step:
                 release_host_memory()
-    ckpt.close()
+    return state, saves
 
-    expected = checksums.of(state)
-    abstract = abstract_like(state)
-    del state, ckpt  # room for the restored copy
+
+def _restore_and_compare(
+    cfg: CheckpointConfig, root: Path, abstract: Any, expected: Any
+) -> tuple[float, bool]:
+    """(seconds to restore the newest save, whether it is bit-exact), printed."""
     release_host_memory()
     t0 = time.perf_counter()
     with Checkpointer(cfg, run_dir=root) as fresh:
@@ -221,27 +265,4 @@ def run(args: argparse.Namespace, root: Path) -> int:
     restore_s = time.perf_counter() - t0
     exact = expected == checksums.of(restored)
     emit({"restore_step": step, "restore_s": restore_s, "bit_exact": exact, "rss_gib": rss_gib()})
-
-    blocked = [s["blocked_s"] for s in saves]
-    blocked_both_due = [s["blocked_s"] for s in saves if s["both_due"]]
-    emit(
-        {
-            "summary": True,
-            "params": num_params,
-            "state_gib": gib,
-            "device_kind": device.device_kind,
-            "prewarm": args.prewarm,
-            "trim_after_step": args.trim_after_step,
-            "update_between_saves": args.update,
-            "prewarm_s": prewarm_s,
-            **prewarm_parts,
-            "checksum_s": checksum_s,
-            "first_save_blocked_s": blocked[0],
-            "max_blocked_s": max(blocked),
-            "max_blocked_both_due_s": max(blocked_both_due, default=None),
-            "median_durable_s": statistics.median(s["durable_s"] for s in saves),
-            "restore_s": restore_s,
-            "bit_exact": exact,
-        }
-    )
-    return 0 if exact else 1
+    return restore_s, exact

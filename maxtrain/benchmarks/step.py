@@ -1,8 +1,7 @@
 """Times the train step of a config and prints one JSON line.
 
     python tools/benchmark.py CONFIG.yml [key=value ...] [--steps N] [--warmup W]
-    python tools/benchmark.py CONFIG.yml [key=value ...] --dry-run [--devices N]
-    [--compile]
+    python tools/benchmark.py CONFIG.yml [key=value ...] --dry-run [--devices N] [--compile]
 
 Compiles the step (compile_s), runs W warm-up steps, then N timed steps, each synchronised so
 the median is a true per-step time. It also prints the bytes each kind of collective moves per
@@ -20,15 +19,13 @@ trains and what the frozen base costs, beside full fine-tuning (`lora`). With
 far bigger than this host compiles on simulated CPU devices, and prints what the compiled
 program says: XLA's memory per device and the collective bytes, DCN apart; compiled for a TPU
 or GPU topology (--topology), also the step time it predicts on that chip (`predicted`,
-maxtrain/analysis/step_time.py). For 512 devices:
-XLA_FLAGS=--xla_force_host_platform_device_count=512 python tools/benchmark.py ...
---dry-run
---compile.
+maxtrain/analysis/step_time.py). For 512 simulated devices, set
+XLA_FLAGS=--xla_force_host_platform_device_count=512 for `python tools/benchmark.py ...
+--dry-run --compile`.
 """
 
 from __future__ import annotations
 
-import functools
 import json
 import statistics
 import sys
@@ -40,10 +37,11 @@ from jax.sharding import AbstractMesh
 
 from maxtrain import config as config_lib
 from maxtrain import models as model_lib
-from maxtrain.analysis import collectives, memory, program, step_time, transfers
+from maxtrain.analysis import collectives, memory, program
 from maxtrain.analysis.preflight import host_memory_bytes
+from maxtrain.benchmarks import compiled_step
+from maxtrain.benchmarks.compiled_step import compile_progress_on_stderr
 from maxtrain.common import devices as devices_lib
-from maxtrain.common import files
 from maxtrain.common.errors import (
     ArgumentParser,
     UserError,
@@ -61,9 +59,8 @@ from maxtrain.parallel.expert_exchanges import exchange_implementation
 from maxtrain.parallel.mesh import axis_sizes, batch_degree, device_slices
 from maxtrain.parallel.topology import topology_devices
 from maxtrain.training import metrics, run_model
-from maxtrain.training.compile_progress import compile_progress, devices_of
 from maxtrain.training.run_model import stage_layout
-from maxtrain.training.trainer import build_trainer, check_batch, compile_step
+from maxtrain.training.trainer import build_trainer, check_batch
 
 
 def peak_memory_gib() -> float | None:
@@ -205,16 +202,10 @@ def benchmark(cfg: config_lib.Config, steps: int, warmup: int, profile_dir: str 
     batch = to_global(host_batch, trainer.batch_sharding)
     dtypes = matmul_dtypes(trainer, batch)  # traced before the steps donate the state
     t0 = time.perf_counter()
-    with _compile_progress(cfg, trainer):
+    with compile_progress_on_stderr(cfg, trainer):
         step = trainer.step_fn.lower(trainer.state, batch).compile()
     compile_s = time.perf_counter() - t0
-    times = []
-    for _ in range(warmup + steps):
-        t0 = time.perf_counter()
-        trainer.state, step_metrics = step(trainer.state, batch)
-        jax.block_until_ready(step_metrics)
-        times.append(time.perf_counter() - t0)
-    first_step, times = times[0], times[warmup:]
+    first_step, times, step_metrics = _time_steps(trainer, step, batch, warmup, steps)
     step_time = statistics.median(times)
     if profile_dir:  # two more steps under the profiler, after timing so it costs nothing there
         with jax.profiler.trace(profile_dir):
@@ -267,11 +258,16 @@ def benchmark(cfg: config_lib.Config, steps: int, warmup: int, profile_dir: str 
     }
 
 
-def _compile_progress(cfg: config_lib.Config, trainer):
-    """Lines on stderr while the step compiles (minutes on a TPU slice); stdout is the JSON."""
-    say = functools.partial(print, file=sys.stderr, flush=True)
-    what = f"the train step of {cfg.model_name}"
-    return compile_progress(what, devices_of(trainer.mesh), say)
+def _time_steps(trainer, step, batch, warmup: int, steps: int) -> tuple[float, list[float], dict]:
+    """(the first step's seconds, the timed steps' seconds, the last step's metrics): warmup
+    steps, then steps timed one by one, each synchronised so its time is the step's own."""
+    times = []
+    for _ in range(warmup + steps):
+        t0 = time.perf_counter()
+        trainer.state, step_metrics = step(trainer.state, batch)
+        jax.block_until_ready(step_metrics)
+        times.append(time.perf_counter() - t0)
+    return times[0], times[warmup:], step_metrics
 
 
 def _fit(estimate_gib: float, device_kind: str, num_devices: int) -> dict[str, object]:
@@ -328,98 +324,36 @@ def dry_run(
         "fit": _fit(estimated["total"], device_kind, num_devices),
     }
     if compile_step:
-        result["compiled"] = compiled_program(cfg, estimated["total"], devices, hlo_path)
+        result["compiled"] = compiled_step.compiled_program(
+            cfg, estimated["total"], devices, hlo_path
+        )
     return result
 
 
-def compiled_program(
-    cfg: config_lib.Config,
-    estimated_gib: float,
-    devices: tuple[jax.Device, ...] | None,
-    hlo_path: str | None = None,
-) -> dict:
-    """The step compiled for `devices` (this host's by default, or a TPU topology's) from
-    shapes alone, and what the compiler says of it, per device: its memory (arguments,
-    outputs, the part of them aliased by the donated state, temporaries, and the peak they add
-    up to), FLOPs and bytes accessed, the collectives' bytes by mesh axes (ICI and DCN apart),
-    the hand-written kernels in the program, and the estimate's error against the peak."""
-    trainer = build_trainer(cfg, devices=list(devices) if devices else None, abstract=True)
-    device = trainer.mesh.devices.flat[0]
-    try:
-        with _compile_progress(cfg, trainer):
-            compiled, lower_s, compile_s = compile_step(trainer)
-    except jax.errors.JaxRuntimeError as e:
-        if "RESOURCE_EXHAUSTED" not in str(e):
-            raise
-        # The TPU compiler refuses a program whose buffers exceed the chip's memory: that is
-        # the verdict, with what it needed.
-        return {
-            "platform": device.platform,
-            "device_kind": device.device_kind,
-            "chips": trainer.mesh.size,
-            "slices": cfg.mesh.num_slices,
-            "fit": {"device": device.device_kind, "fits": False},
-            "compiler_refused": str(e).splitlines()[0],
-        }
-    hlo = compiled.as_text()
-    if hlo_path:
-        files.write_atomic(hlo_path, hlo)
-    found = program.kernels(hlo)
-    program.check_kernels(
-        trainer.cfg.model, trainer.cfg.compute, found, trainer.mesh.shape["context"]
-    )
-    analysis = compiled.memory_analysis()
-    cost = compiled.cost_analysis() or {}  # none for a GPU compiled without one
-    gib = lambda n: round(n / 2**30, 3)  # noqa: E731
-    peak = (
-        analysis.argument_size_in_bytes
-        + analysis.output_size_in_bytes
-        - analysis.alias_size_in_bytes
-        + analysis.temp_size_in_bytes
-    )
-    slices = device_slices(trainer.mesh, cfg.mesh.num_slices) if cfg.mesh.num_slices > 1 else None
-    return {
-        "platform": device.platform,
-        "device_kind": device.device_kind,
-        "chips": trainer.mesh.size,
-        "slices": cfg.mesh.num_slices,
-        "lower_s": round(lower_s, 1),
-        "compile_s": round(compile_s, 1),
-        "gib_per_device": {
-            "arguments": gib(analysis.argument_size_in_bytes),
-            "outputs": gib(analysis.output_size_in_bytes),
-            "aliased": gib(analysis.alias_size_in_bytes),
-            "temporaries": gib(analysis.temp_size_in_bytes),
-            "peak": gib(peak),
-        },
-        # the estimate against the compiler's peak: (estimate - peak) / peak
-        "estimate_error": round(estimated_gib / (peak / 2**30) - 1, 3) if peak else None,
-        "fit": memory.fit(peak / 2**30, device.device_kind),
-        "flops_per_device": cost.get("flops"),
-        "bytes_accessed_per_device": cost.get("bytes accessed"),
-        "collective_bytes": collectives.collective_bytes_per_axis(
-            hlo, dict(trainer.mesh.shape), slices
-        ),
-        "kernels": found,
-        "predicted": predicted(cfg, trainer, hlo),
-    }
-
-
-def predicted(cfg: config_lib.Config, trainer, hlo: str) -> dict:
-    """The step time the compiled program predicts on its chip (analysis/step_time.py), or
-    why there is none: a CPU has no peak FLOP/s or HBM bandwidth in the chip table."""
-    kind = trainer.mesh.devices.flat[0].device_kind
-    chip = devices_lib.chip(kind)
-    if chip is None:
-        return {"chip": None, "why": f"no figures for {kind!r} in maxtrain/common/devices.py"}
-    where = transfers.placement(list(trainer.mesh.devices.flat), dict(trainer.mesh.shape))
-    prediction = step_time.predict(hlo, chip, where)
-    return step_time.summary(
-        prediction, cfg.tokens_per_step, trainer.mesh.size, trainer.flops_per_token
-    )
-
-
 def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    args.config, *args.overrides = path_first([args.config, *args.overrides])
+    try:
+        cfg = config_lib.load(args.config, args.overrides)
+        devices = _devices_to_compile_for(args, cfg)
+        if args.dry_run:
+            count = len(devices) if devices else jax.device_count()
+            device = _device_to_fit(args, cfg, devices)
+            result = dry_run(
+                cfg, args.devices or count, args.compile, device, devices, args.save_hlo
+            )
+        else:
+            result = benchmark(cfg, args.steps, args.warmup, args.profile_dir)
+    except UserError as e:
+        return refuse("benchmark", e)
+    except program.MissingKernel as e:  # maxtrain's failure, not the user's: exit 1
+        print(f"benchmark: error: {e}", file=sys.stderr)
+        return 1
+    print(json.dumps(result))
+    return 0
+
+
+def _parser() -> ArgumentParser:
     parser = ArgumentParser(prog="benchmark", description=__doc__.splitlines()[0])
     parser.add_argument("config")
     parser.add_argument("overrides", nargs="*", help="key=value config overrides")
@@ -456,57 +390,45 @@ def main(argv: list[str] | None = None) -> int:
         metavar="FILE",
         help="--dry-run --compile: also write the compiled program's text (HLO) to FILE",
     )
-    args = parser.parse_args(argv)
-    args.config, *args.overrides = path_first([args.config, *args.overrides])
-    try:
-        cfg = config_lib.load(args.config, args.overrides)
-        if args.compile and not args.dry_run:
-            raise UserError("--compile goes with --dry-run")
-        if (args.topology or args.save_hlo) and not args.compile:
-            flag = "--topology" if args.topology else "--save-hlo"
-            raise UserError(f"{flag} goes with --dry-run --compile")
-        devices = topology_devices(args.topology, cfg.mesh.num_slices) if args.topology else None
-        count = len(devices) if devices else jax.device_count()
-        if args.compile and args.devices not in (None, count):
-            where = (
-                f"topology {args.topology} x {cfg.mesh.num_slices} slices"
+    return parser
+
+
+def _devices_to_compile_for(args, cfg: config_lib.Config) -> tuple[jax.Device, ...] | None:
+    """--topology's devices (None: this host's), once the flags are known to go together."""
+    if args.compile and not args.dry_run:
+        raise UserError("--compile goes with --dry-run")
+    if (args.topology or args.save_hlo) and not args.compile:
+        flag = "--topology" if args.topology else "--save-hlo"
+        raise UserError(f"{flag} goes with --dry-run --compile")
+    devices = topology_devices(args.topology, cfg.mesh.num_slices) if args.topology else None
+    count = len(devices) if devices else jax.device_count()
+    if args.compile and args.devices not in (None, count):
+        where = (
+            f"topology {args.topology} x {cfg.mesh.num_slices} slices" if devices else "this host"
+        )
+        raise UserError(
+            f"--dry-run --compile compiles for the {count} devices of {where}, not "
+            f"--devices {args.devices}"
+            + (
+                ""
                 if devices
-                else ("this host")
+                else f" (simulate them: XLA_FLAGS="
+                f"--xla_force_host_platform_device_count={args.devices})"
             )
-            raise UserError(
-                f"--dry-run --compile compiles for the {count} devices of {where}, not "
-                f"--devices {args.devices}"
-                + (
-                    ""
-                    if devices
-                    else f" (simulate them: XLA_FLAGS="
-                    f"--xla_force_host_platform_device_count={args.devices})"
-                )
-            )
-        if args.dry_run:
-            device = devices[0].device_kind if devices else jax.devices()[0].device_kind
-            # --device, else the device the config is written for (run.device), else this host's
-            named, what = (
-                (args.device, "--device") if args.device else (cfg.run.device, "run.device")
-            )
-            if named:
-                if devices_lib.chip(named) is None and named.lower() != "cpu":
-                    known = ", ".join(
-                        ["cpu", *(kind for c in devices_lib.CHIPS for kind in c.kinds)]
-                    )
-                    raise UserError(f"{what} {named!r}: memory not known; known: {known}")
-                if devices and args.device and devices_lib.platform(named) != "tpu":
-                    raise UserError(f"--device {named!r} is no TPU; --topology is")
-                device = device if devices else named
-            result = dry_run(
-                cfg, args.devices or count, args.compile, device, devices, args.save_hlo
-            )
-        else:
-            result = benchmark(cfg, args.steps, args.warmup, args.profile_dir)
-    except UserError as e:
-        return refuse("benchmark", e)
-    except program.MissingKernel as e:  # maxtrain's failure, not the user's: exit 1
-        print(f"benchmark: error: {e}", file=sys.stderr)
-        return 1
-    print(json.dumps(result))
-    return 0
+        )
+    return devices
+
+
+def _device_to_fit(args, cfg: config_lib.Config, devices: tuple[jax.Device, ...] | None) -> str:
+    """The device kind --dry-run fits the estimate to: the topology's when compiling for one,
+    else --device, else the device the config is written for (run.device), else this host's."""
+    device = devices[0].device_kind if devices else jax.devices()[0].device_kind
+    named, what = (args.device, "--device") if args.device else (cfg.run.device, "run.device")
+    if named:
+        if devices_lib.chip(named) is None and named.lower() != "cpu":
+            known = ", ".join(["cpu", *(kind for c in devices_lib.CHIPS for kind in c.kinds)])
+            raise UserError(f"{what} {named!r}: memory not known; known: {known}")
+        if devices and args.device and devices_lib.platform(named) != "tpu":
+            raise UserError(f"--device {named!r} is no TPU; --topology is")
+        device = device if devices else named
+    return device

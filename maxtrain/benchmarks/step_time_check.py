@@ -30,7 +30,7 @@ from maxtrain.config import REPO_ROOT
 from maxtrain.parallel.topology import parse_topology
 
 _RECIPES = "AI-Hypercomputer/tpu-recipes, training/trillium/"
-# MaxText's LIBTPU_INIT_ARGS bundles (its benchmarks/xla_flags_library.py). The recipes' bundle
+# MaxText's LIBTPU_INIT_ARGS bundles (maxtext/benchmarks/xla_flags_library.py). The recipes' bundle
 # also fuses all-gathers into continuation fusions (CF_FOR_ALL_GATHER's
 # xla_tpu_enable_async_collective_fusion_fuse_all_gather), which libtpu 0.0.48.1 refuses on
 # v6e ("Continuation fusion for AllGather is enabled on platform ghostlite ... not supported"):

@@ -1,7 +1,6 @@
 """Parameters-only checkpoints written outside a train run: what tools/upcycle.py and
 tools/depth_upscale.py produce, for `checkpoint.load_parameters_path` (or load_parameters)
-to
-read.
+to read.
 
 The Checkpointer itself writes them, as step 0 of a one-tier checkpoint directory, so the format
 is the train loop's (Orbax state item, config, meta, integrity manifest, Orbax's commit

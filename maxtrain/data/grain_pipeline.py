@@ -10,7 +10,7 @@ Per-host reading. Row r of every global batch is the next packed row of stream r
 reads documents r, r + B, r + 2B, ... of each source's shuffled order. A host builds only the
 streams of its own rows (`maxtrain.data.host_rows`), so it reads and packs 1/P of the data,
 and no stream depends on the process count P: the hosts' batches, concatenated in process
-order, are exactly the global batch a single process builds (tests/test_pipeline_multiprocess).
+order, are exactly the global batch a single process builds (tests/data/test_grain_multiprocess.py).
 The price is B independent packers; each holds at most `first_fit_bins` partial rows.
 
 Token shares. grain mixes per element, that is per document, so a source of long documents

@@ -3,8 +3,7 @@
     python tools/show_data.py CONFIG.yml [key=value ...] --steps N --out batches.npz
 
 The batches come from the train loop's own entry point (`maxtrain.training.loop.data_streams`), on
-one
-process, so every row of each global batch is there, in row order. The .npz holds one array per
+one process, so every row of each global batch is there, in row order. The .npz holds one array per
 key of the train step's batch, each [N, global_batch_size, seq_len] int32: `inputs`, `targets`,
 `loss_mask`, `segment_ids`, `positions`. Diff it against another stack's token ids (for a
 Megatron config, sample s of Megatron's train dataset is `inputs[s // B, s % B]` plus the last

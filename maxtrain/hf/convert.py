@@ -12,8 +12,7 @@ Neither holds the model twice while converting. (Orbax's asynchronous save of th
 checkpoint takes its own host copy of part of the state on top: see the README's numbers.)
 
 Outputs appear whole or not at all (maxtrain/common/files.py atomic_directory): each is written as
-the
-sibling `<output>.partial-<pid>` and renamed when complete; on any failure the partial directory
+the sibling `<output>.partial-<pid>` and renamed when complete; on any failure the partial directory
 is removed. All input checks (config, tensor names, shapes, dtypes) run before anything is
 written.
 """

@@ -21,6 +21,7 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -114,113 +115,34 @@ def generate(
         raise UserError("every prompt needs at least one token")
     if max_new_tokens < 1:
         raise UserError(f"max_new_tokens must be at least 1 (got {max_new_tokens})")
-    cfg, mesh, rules = model.cfg, model.mesh, model.cfg.mesh.rules
-    rows = len(prompts)
-    tokens, lengths = _padded_batch(prompts, batch_degree(rules, mesh))
-    cache_length = tokens.shape[1] + max_new_tokens
-    if cache_length > cfg.model.max_seq_len:
-        raise UserError(
-            f"the longest prompt ({tokens.shape[1]} tokens) plus max_new_tokens "
-            f"({max_new_tokens}) needs {cache_length} positions; the model's max_seq_len is "
-            f"{cfg.model.max_seq_len}"
-        )
-    rows_sharding = NamedSharding(mesh, logical_to_spec(("batch",), rules, mesh, lengths.shape))
-    tokens_sharding = NamedSharding(mesh, logical_to_spec(("batch", None), rules, mesh))
-    make_cache = functools.partial(
-        init_cache,
-        cfg.model,
-        cache_stacks(cfg.model),
-        len(lengths),
-        cache_length,
-        compute_dtype(cfg.compute),
-    )
-    cache_sharding = cache_shardings(jax.eval_shape(make_cache), mesh, rules)
-
-    def traced(fn):
-        def wrapped(*args):
-            with sharding_rules(mesh, rules):
-                return fn(*args)
-
-        return wrapped
-
-    def chosen(logits, rng):
-        """The next token and its log-probability under the sampled distribution's
-        temperature (top-p's cut aside: GRPO's old log-probabilities, posttrain/rollout.py)."""
-        token = next_tokens(logits, rng, sampling)
-        scaled = logits.astype(jnp.float32)
-        if not sampling.greedy:
-            scaled = scaled / sampling.temperature
-        logp = jax.nn.log_softmax(scaled, axis=-1)
-        return token, jnp.take_along_axis(logp, token[:, None], axis=-1)[:, 0]
-
-    def prefill(params, tokens, lengths, cache, rng):
-        positions = jnp.arange(tokens.shape[1], dtype=jnp.int32)[None, :]
-        positions = jnp.where(positions < lengths[:, None], positions, -1)  # -1: padding
-        logits, cache = model.mdef.decode(params, tokens, positions, cache)
-        last = jnp.take_along_axis(logits, (lengths - 1)[:, None, None], axis=1)[:, 0]
-        return *chosen(last, rng), cache
-
-    def step(params, tokens, positions, cache, rng):
-        logits, cache = model.mdef.decode(params, tokens[:, None], positions[:, None], cache)
-        return *chosen(logits[:, 0], rng), cache
-
-    def compiled(fn, *example_args):
-        out_shardings = (rows_sharding, rows_sharding, cache_sharding)
-        jitted = jax.jit(traced(fn), out_shardings=out_shardings, donate_argnums=3)
-        return jitted.lower(*example_args).compile()
-
+    tokens, lengths = _padded_batch(prompts, batch_degree(model.cfg.mesh.rules, model.mesh))
     start = time.perf_counter()
-    cache = jax.jit(make_cache, out_shardings=cache_sharding)()
+    batch = _Batch.place(model, tokens, lengths, max_new_tokens)
     rng, prefill_rng = jax.random.split(jax.random.key(seed))
-    tokens = jax.device_put(tokens, tokens_sharding)
-    lengths_on_mesh = jax.device_put(lengths, rows_sharding)
-    # The compiled pair, kept in `programs` (when given) for the next batch of this shape: a
-    # caller that generates every step (GRPO's rollouts) compiles once.
-    key = (tokens.shape, cache_length, sampling)
-    if programs is None or key not in programs:
-        pair = (
-            compiled(prefill, model.params, tokens, lengths_on_mesh, cache, rng),
-            compiled(step, model.params, lengths_on_mesh, lengths_on_mesh, cache, rng),
-        )
-        if programs is not None:
-            programs[key] = pair
-    prefill_fn, step_fn = pair if programs is None else programs[key]
+    prefill_fn, step_fn = _compiled_pair(model, batch, sampling, rng, programs)
     compile_seconds = time.perf_counter() - start
 
     start = time.perf_counter()
-    token, logp, cache = prefill_fn(model.params, tokens, lengths_on_mesh, cache, prefill_rng)
+    token, logp, cache = prefill_fn(
+        model.params, batch.tokens, batch.lengths, batch.cache, prefill_rng
+    )
     token, logp = np.asarray(token), np.asarray(logp)
     prefill_seconds = time.perf_counter() - start
 
-    new_tokens: list[list[int]] = [[] for _ in range(rows)]
-    logprobs: list[list[float]] = [[] for _ in range(rows)]
-    finish = ["length"] * rows
-    stop_ids = set(stop_ids)
+    out = _Outputs(len(prompts), max_new_tokens, set(stop_ids), stop_check)
     steps = 0
     bar = tqdm(
         total=max_new_tokens - 1, desc="decode", unit=" step", file=sys.stderr,
         disable=None if progress else True, leave=False,
     )  # fmt: skip
     start = time.perf_counter()
-    while True:
-        for row in range(rows):
-            if finish[row] != "length" or len(new_tokens[row]) == max_new_tokens:
-                continue
-            new_tokens[row].append(int(token[row]))
-            logprobs[row].append(float(logp[row]))
-            if int(token[row]) in stop_ids:
-                finish[row] = "eos"
-            elif stop_check is not None and stop_check(row, new_tokens[row]):
-                finish[row] = "stop"
-        running = [r for r in range(rows) if finish[r] == "length"]
-        if all(len(new_tokens[r]) == max_new_tokens for r in running):
-            break
+    while not out.record(token, logp):
         positions = lengths + steps
         rng, step_rng = jax.random.split(rng)
         token, logp, cache = step_fn(
             model.params,
-            jax.device_put(token, rows_sharding),
-            jax.device_put(positions, rows_sharding),
+            jax.device_put(token, batch.rows_sharding),
+            jax.device_put(positions, batch.rows_sharding),
             cache,
             step_rng,
         )
@@ -229,13 +151,133 @@ def generate(
         bar.update()
     decode_seconds = time.perf_counter() - start
     bar.close()
-    return Generation(
-        new_tokens,
-        finish,
-        int(lengths[:rows].sum()),
-        compile_seconds,
-        prefill_seconds,
-        decode_seconds,
-        steps,
-        logprobs,
+    prompt_tokens = int(lengths[: len(prompts)].sum())
+    timings = (compile_seconds, prefill_seconds, decode_seconds, steps)
+    return Generation(out.new_tokens, out.finish, prompt_tokens, *timings, out.logprobs)
+
+
+@dataclass
+class _Batch:
+    """A padded batch on the mesh, with the empty decode cache it fills."""
+
+    tokens: jax.Array  # [B, W]
+    lengths: jax.Array  # [B]
+    cache: Any
+    rows_sharding: NamedSharding
+    cache_sharding: Any
+    cache_length: int  # W + max_new_tokens: the positions the cache holds
+
+    @classmethod
+    def place(
+        cls, model: LoadedModel, tokens: np.ndarray, lengths: np.ndarray, max_new_tokens: int
+    ) -> _Batch:
+        cfg, mesh, rules = model.cfg, model.mesh, model.cfg.mesh.rules
+        cache_length = tokens.shape[1] + max_new_tokens
+        if cache_length > cfg.model.max_seq_len:
+            raise UserError(
+                f"the longest prompt ({tokens.shape[1]} tokens) plus max_new_tokens "
+                f"({max_new_tokens}) needs {cache_length} positions; the model's max_seq_len is "
+                f"{cfg.model.max_seq_len}"
+            )
+        rows_sharding = NamedSharding(mesh, logical_to_spec(("batch",), rules, mesh, lengths.shape))
+        tokens_sharding = NamedSharding(mesh, logical_to_spec(("batch", None), rules, mesh))
+        make_cache = functools.partial(
+            init_cache,
+            cfg.model,
+            cache_stacks(cfg.model),
+            len(lengths),
+            cache_length,
+            compute_dtype(cfg.compute),
+        )
+        cache_sharding = cache_shardings(jax.eval_shape(make_cache), mesh, rules)
+        return cls(
+            jax.device_put(tokens, tokens_sharding),
+            jax.device_put(lengths, rows_sharding),
+            jax.jit(make_cache, out_shardings=cache_sharding)(),
+            rows_sharding,
+            cache_sharding,
+            cache_length,
+        )
+
+
+def _compiled_pair(
+    model: LoadedModel, batch: _Batch, sampling: Sampling, rng: jax.Array, programs: dict | None
+) -> tuple[Any, Any]:
+    """(prefill, one decode step) compiled for the batch's shape, kept in `programs` (when
+    given) for the next batch of this shape: a caller that generates every step (GRPO's
+    rollouts) compiles once."""
+    key = (batch.tokens.shape, batch.cache_length, sampling)
+    if programs is not None and key in programs:
+        return programs[key]
+    mesh, rules = model.mesh, model.cfg.mesh.rules
+    out_shardings = (batch.rows_sharding, batch.rows_sharding, batch.cache_sharding)
+
+    def compiled(fn, *example_args):
+        def traced(*args):
+            with sharding_rules(mesh, rules):
+                return fn(*args, decode=model.mdef.decode, sampling=sampling)
+
+        jitted = jax.jit(traced, out_shardings=out_shardings, donate_argnums=3)
+        return jitted.lower(*example_args).compile()
+
+    example = (model.params, batch.tokens, batch.lengths, batch.cache, rng)
+    pair = (
+        compiled(_prefill, *example),
+        compiled(_step, model.params, batch.lengths, batch.lengths, batch.cache, rng),
     )
+    if programs is not None:
+        programs[key] = pair
+    return pair
+
+
+def _chosen(logits, rng, sampling: Sampling):
+    """The next token and its log-probability under the sampled distribution's temperature
+    (top-p's cut aside: GRPO's old log-probabilities, posttrain/rollout.py)."""
+    token = next_tokens(logits, rng, sampling)
+    scaled = logits.astype(jnp.float32)
+    if not sampling.greedy:
+        scaled = scaled / sampling.temperature
+    logp = jax.nn.log_softmax(scaled, axis=-1)
+    return token, jnp.take_along_axis(logp, token[:, None], axis=-1)[:, 0]
+
+
+def _prefill(params, tokens, lengths, cache, rng, *, decode, sampling: Sampling):
+    """Every row over the padded width (the padding at position -1), the next token taken from
+    the logits at each row's own last prompt token."""
+    positions = jnp.arange(tokens.shape[1], dtype=jnp.int32)[None, :]
+    positions = jnp.where(positions < lengths[:, None], positions, -1)  # -1: padding
+    logits, cache = decode(params, tokens, positions, cache)
+    last = jnp.take_along_axis(logits, (lengths - 1)[:, None, None], axis=1)[:, 0]
+    return *_chosen(last, rng, sampling), cache
+
+
+def _step(params, tokens, positions, cache, rng, *, decode, sampling: Sampling):
+    """One token per row at that row's next position."""
+    logits, cache = decode(params, tokens[:, None], positions[:, None], cache)
+    return *_chosen(logits[:, 0], rng, sampling), cache
+
+
+class _Outputs:
+    """Each real row's new tokens and their log-probabilities so far, and why it finished
+    ("length" while it runs)."""
+
+    def __init__(self, rows: int, max_new_tokens: int, stop_ids: set, stop_check):
+        self.rows, self.max_new_tokens = rows, max_new_tokens
+        self.stop_ids, self.stop_check = stop_ids, stop_check
+        self.new_tokens: list[list[int]] = [[] for _ in range(rows)]
+        self.logprobs: list[list[float]] = [[] for _ in range(rows)]
+        self.finish = ["length"] * rows
+
+    def record(self, token: np.ndarray, logp: np.ndarray) -> bool:
+        """Appends each running row's token; whether every row is done."""
+        for row in range(self.rows):
+            if self.finish[row] != "length" or len(self.new_tokens[row]) == self.max_new_tokens:
+                continue
+            self.new_tokens[row].append(int(token[row]))
+            self.logprobs[row].append(float(logp[row]))
+            if int(token[row]) in self.stop_ids:
+                self.finish[row] = "eos"
+            elif self.stop_check is not None and self.stop_check(row, self.new_tokens[row]):
+                self.finish[row] = "stop"
+        running = [r for r in range(self.rows) if self.finish[r] == "length"]
+        return all(len(self.new_tokens[r]) == self.max_new_tokens for r in running)

@@ -5,8 +5,7 @@
 The path is anything `checkpoint.load_parameters_path` takes (a step, a tier or a run
 directory: the newest complete step), an imported checkpoint (tools/convert_hf.py) or a
 post-training-quantized one (tools/quantize.py: its kernels dequantized as they are read).
-Which
-model it holds is the config saved with the step: a training run's resolved config, or an
+Which model it holds is the config saved with the step: a training run's resolved config, or an
 import's model section on top of configs/base.yml's defaults. Overrides (`mesh.*`, ...) apply
 on top. Generation and evaluation load through here, so both read a checkpoint the same way.
 """

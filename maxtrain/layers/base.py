@@ -29,8 +29,7 @@ def make_param(
     """A Param with logical axis names in its `sharding` metadata (std=None: ones).
 
     Eager sharding is off: the mesh is applied from outside (maxtrain/parallel/mesh.py) when the
-    whole
-    parameter tree is materialised under jit, so layers never need a mesh in scope.
+    whole parameter tree is materialised under jit, so layers never need a mesh in scope.
     """
     if std is None:
         value = jnp.ones(shape, dtype)

@@ -17,10 +17,9 @@ global (or nope) layer every position of the generation, a sliding or chunked on
 `span` (its window or chunk: no query reaches further back), in a ring (`WindowCache`), so that
 its memory is O(window), not O(length). A stack's layers may mix kinds (Gemma 3's 5 sliding : 1
 global), so a stack's cache is one array per kind, {kind name: [L_kind, B, ...]}, each layer
-owning the entry
-of its rank among the stack's layers of its kind (models/decoder.py run_stack_cached). One array
-per layer of the stack would hold the same but be scanned over by no lax.scan; both kinds at
-full length would spend the memory a window saves.
+owning the entry of its rank among the stack's layers of its kind (models/decoder.py
+run_stack_cached). One array per layer of the stack would hold the same but be scanned over by no
+lax.scan; both kinds at full length would spend the memory a window saves.
 
 A linear-attention layer (Gated DeltaNet, layers/gated_deltanet.py) keeps no position at
 all: its cache is its `DeltaNetState`, the convolution's last inputs and the recurrence's state,

@@ -2,8 +2,7 @@
 plus scales.
 
 A quantized checkpoint (tools/quantize.py's output) holds {qvalue, scale} where the model
-has a
-kernel, so load_parameters cannot read it into the model; load_parameters_dequantized can, for
+has a kernel, so load_parameters cannot read it into the model; load_parameters_dequantized can, for
 evaluation and generation: it reads the stored values and multiplies them out on the fly.
 
 Weights are quantized directly, array by array, rather than through Qwix's PtqProvider: the
@@ -102,8 +101,7 @@ def dequantize_params(qparams: dict) -> dict:
 
 def quantized_kind(step_dir: epath.Path) -> str | None:
     """The qtype ('int8', 'int4') of a tools/quantize.py checkpoint step, or None for a
-    float
-    one. Read from the meta the tool saves, else from the stored leaves' names (qvalue)."""
+    float one. Read from the meta the tool saves, else from the stored leaves' names (qvalue)."""
     meta = epath.Path(step_dir) / "meta" / "metadata"  # what Orbax's JsonSave wrote
     try:
         quantization = json.loads(meta.read_text()).get("quantization")
@@ -120,8 +118,7 @@ def quantized_kind(step_dir: epath.Path) -> str | None:
 
 def load_parameters_dequantized(path: str | epath.PathLike, abstract_params: Any) -> Any:
     """The model's float parameters from a checkpoint, quantized (tools/quantize.py: each
-    kernel
-    becomes qvalue x scale, in the model's dtype and sharding) or not (load_parameters).
+    kernel becomes qvalue x scale, in the model's dtype and sharding) or not (load_parameters).
 
     path: a step, tier or run directory, as load_parameters takes. CheckpointError, one line,
     if the checkpoint is incomplete or holds another model (the first leaf that differs)."""

@@ -5,8 +5,8 @@
     ids = tokenizer.encode(["some text"])[0]; text = tokenizer.decode(ids)
 
 Data preparation (tools/prepare_data.py), the embedded corpus, generation and evaluation
-all
-take a `Tokenizer`; `load_tokenizer` is the one factory that picks the implementation from a path.
+all take a `Tokenizer`; `load_tokenizer` is the one factory that picks the implementation from a
+path.
 """
 
 from maxtrain.tokenizers.base import Tokenizer, TokenizerError

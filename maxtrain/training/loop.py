@@ -130,8 +130,7 @@ def _complete(cfg: Config, step: int, where: Any) -> dict[str, Any]:
 def _keep_finite_checkpoints(ckpt: TieredCheckpointer | None, first_bad: int) -> str:
     """Moves aside the checkpoints a run stopped by non-finite losses must not resume from (the
     state saved just before the first bad step and any saved after it:
-    maxtrain/training/nonfinite.py)
-    and says which checkpoint a restart resumes from."""
+    maxtrain/training/nonfinite.py) and says which checkpoint a restart resumes from."""
     if ckpt is None:
         return "checkpointing is off"
     with contextlib.suppress(CheckpointError):  # the non-finite loss is the error to report
@@ -283,13 +282,22 @@ def _train(
                 break
         nonfinite.settle(step)  # the last step's flag, before its state is saved
         _final_save(ckpt, trainer, train_batches, step, signals.signal_name, is_writer)
+    last = {**log.last, **evaluation.last}
+    return _summarize(cfg, step, last, signals.signal_name, started, is_writer)
+
+
+def _summarize(
+    cfg: Config, step: int, last: dict, signal_name: str | None, started: float, is_writer: bool
+) -> dict:
+    """The run's summary: what it trained, its last logged figures and wall time, and the
+    signal that stopped it (main's exit status), written beside the run and said at its end."""
     summary = {
         **run_summary.basics(cfg, step),
-        **{k: v for k, v in {**log.last, **evaluation.last}.items() if v is not None},
+        **{k: v for k, v in last.items() if v is not None},
         "wall_time_s": time.perf_counter() - started,
     }
-    if signals.signal_name:
-        summary["stopped_by"] = signals.signal_name  # main's exit status
+    if signal_name:
+        summary["stopped_by"] = signal_name  # main's exit status
     if is_writer:
         path = run_summary.write(cfg.run_dir, summary)
         say(is_writer, run_summary.describe_end(summary, path))

@@ -78,39 +78,11 @@ def train_step(
     that hold the guarded step's compiled program to the unguarded one's use that.
     """
 
-    def to_micro(x: jax.Array) -> jax.Array:
-        # [B, T] -> [M, B/M, T] taking every M-th row: each device keeps its own rows in every
-        # micro-batch, so the split moves no data (a leading [M, B/M] reshape would reshard).
-        M = grad_accum_steps
-        micro_x = x.reshape(x.shape[0] // M, M, *x.shape[1:]).swapaxes(0, 1)
-        return constrain(micro_x, (None, "batch", "length"))
-
-    micro = jax.tree.map(to_micro, batch)
     grads_and_aux = functools.partial(
-        summed_grads,
-        mdef,
-        state.params,
-        z_loss=z_loss,
-        objective=objective,
+        summed_grads, mdef, state.params, z_loss=z_loss, objective=objective, split=split,
         frozen=state.frozen,
-        split=split,
-    )
-    if grad_accum_steps == 1:
-        grad_sum, sums = grads_and_aux(batch)
-    else:
-        first = jax.tree.map(lambda x: x[0], micro)
-        grad_shapes, sum_shapes = jax.eval_shape(grads_and_aux, first)
-        zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), (grad_shapes, sum_shapes))
-        start = (zeros[0], zeros[1]._replace(stats=no_stats(sum_shapes.stats)))
-
-        def accumulate(carry, micro_batch):
-            (grads, sums), (more_grads, more) = carry, grads_and_aux(micro_batch)
-            grads = jax.tree.map(jnp.add, grads, more_grads)
-            stats = combine_stats(sums.stats, more.stats)
-            sums = jax.tree.map(jnp.add, sums._replace(stats={}), more._replace(stats={}))
-            return (grads, sums._replace(stats=stats)), None
-
-        (grad_sum, sums), _ = jax.lax.scan(accumulate, start, micro)
+    )  # fmt: skip
+    grad_sum, sums = _summed_over_micro_batches(grads_and_aux, batch, grad_accum_steps)
     denom = jnp.maximum(sums.count, 1.0)
     grad_norm = optax.tree.norm(grad_sum) / denom
     finite = jnp.isfinite(sums.loss) & jnp.isfinite(grad_norm)
@@ -122,17 +94,7 @@ def train_step(
         new_params = optax.apply_updates(params, updates)
         return mdef.after_update(new_params, params, sums.stats), new_opt_state
 
-    if guard_nonfinite == "cond":
-        params, opt_state = jax.lax.cond(
-            finite, update, lambda p, o: (p, o), state.params, state.opt_state
-        )
-    elif guard_nonfinite == "select":
-        new_params, new_opt_state = update(state.params, state.opt_state)
-        keep = lambda new, old: jnp.where(finite, new, old)  # noqa: E731
-        params = jax.tree.map(keep, new_params, state.params)
-        opt_state = jax.tree.map(keep, new_opt_state, state.opt_state)
-    else:
-        params, opt_state = update(state.params, state.opt_state)
+    params, opt_state = _guarded(update, finite, state, guard_nonfinite)
     metrics = {
         "loss": sums.loss / denom,
         "z_loss": sums.z_loss / denom,
@@ -140,10 +102,57 @@ def train_step(
         "lr": lr_schedule(state.step),
         "tokens": sums.count,
         "finite": finite,
+        **{k: v / denom for k, v in sums.sums.items()},
+        **mdef.metrics(sums.stats, sums.aux_loss / denom),
     }
-    metrics.update({k: v / denom for k, v in sums.sums.items()})
-    metrics.update(mdef.metrics(sums.stats, sums.aux_loss / denom))
     return state.replace(step=state.step + 1, params=params, opt_state=opt_state), metrics
+
+
+def _summed_over_micro_batches(
+    grads_and_aux, batch: dict[str, jax.Array], grad_accum_steps: int
+) -> tuple[Any, LossSums]:
+    """grads_and_aux(batch), as sums over `grad_accum_steps` micro-batches run one after the
+    other (a scan): gradients and loss sums added, the model's statistics combined."""
+    if grad_accum_steps == 1:
+        return grads_and_aux(batch)
+
+    def to_micro(x: jax.Array) -> jax.Array:
+        # [B, T] -> [M, B/M, T] taking every M-th row: each device keeps its own rows in every
+        # micro-batch, so the split moves no data (a leading [M, B/M] reshape would reshard).
+        M = grad_accum_steps
+        micro_x = x.reshape(x.shape[0] // M, M, *x.shape[1:]).swapaxes(0, 1)
+        return constrain(micro_x, (None, "batch", "length"))
+
+    micro = jax.tree.map(to_micro, batch)
+    first = jax.tree.map(lambda x: x[0], micro)
+    grad_shapes, sum_shapes = jax.eval_shape(grads_and_aux, first)
+    zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), (grad_shapes, sum_shapes))
+    start = (zeros[0], zeros[1]._replace(stats=no_stats(sum_shapes.stats)))
+
+    def accumulate(carry, micro_batch):
+        (grads, sums), (more_grads, more) = carry, grads_and_aux(micro_batch)
+        grads = jax.tree.map(jnp.add, grads, more_grads)
+        stats = combine_stats(sums.stats, more.stats)
+        sums = jax.tree.map(jnp.add, sums._replace(stats={}), more._replace(stats={}))
+        return (grads, sums._replace(stats=stats)), None
+
+    (grad_sum, sums), _ = jax.lax.scan(accumulate, start, micro)
+    return grad_sum, sums
+
+
+def _guarded(
+    update, finite: jax.Array, state: TrainState, guard: Literal["cond", "select", "off"]
+) -> tuple[Any, Any]:
+    """(params, optimizer state): update(params, opt_state) where the step is finite, else the
+    old ones, written as train_step's docstring says for each guard."""
+    if guard == "cond":
+        return jax.lax.cond(finite, update, lambda p, o: (p, o), state.params, state.opt_state)
+    if guard == "select":
+        new_params, new_opt_state = update(state.params, state.opt_state)
+        keep = lambda new, old: jnp.where(finite, new, old)  # noqa: E731
+        params = jax.tree.map(keep, new_params, state.params)
+        return params, jax.tree.map(keep, new_opt_state, state.opt_state)
+    return update(state.params, state.opt_state)
 
 
 def eval_step(

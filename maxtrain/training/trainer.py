@@ -210,16 +210,7 @@ def build_trainer(
         out_shardings=(shardings, None),
         donate_argnums=0,
     )
-
-    def evaluate(params, frozen, batch):
-        reference = split.start(params, frozen) if objective.uses_reference else None
-        model_params = split.combine(params, frozen)
-        return eval_step(model_params, batch, mdef=mdef, objective=objective, reference=reference)
-
-    eval_fn = jax.jit(
-        _with_rules(evaluate, mesh, cfg),
-        in_shardings=(shardings.params, shardings.frozen, data_sharding),
-    )
+    eval_fn = _eval_fn(cfg, mesh, mdef, objective, split, shardings, data_sharding)
     flops = metrics_lib.train_flops_per_token(cfg.model, cfg.train.seq_len)
     return Trainer(
         cfg,
@@ -233,6 +224,21 @@ def build_trainer(
         shardings,
         saved,
         split,
+    )
+
+
+def _eval_fn(cfg: Config, mesh: Mesh, mdef, objective, split, shardings, data_sharding):
+    """The held-out loss of (trained params, frozen params, batch), jitted: the objective on
+    the model the split combines, against its reference where the objective has one."""
+
+    def evaluate(params, frozen, batch):
+        reference = split.start(params, frozen) if objective.uses_reference else None
+        model_params = split.combine(params, frozen)
+        return eval_step(model_params, batch, mdef=mdef, objective=objective, reference=reference)
+
+    return jax.jit(
+        _with_rules(evaluate, mesh, cfg),
+        in_shardings=(shardings.params, shardings.frozen, data_sharding),
     )
 
 
@@ -253,8 +259,7 @@ def compile_step(trainer: Trainer) -> tuple[Any, float, float]:
 
     The devices may be of another platform than this process's (compile-only TPU devices:
     maxtrain/parallel/topology.py). tokamax refuses to trace a kernel for a device the process
-    cannot
-    run on unless its cross-compile switch is on, and reads the hardware generation a kernel
+    cannot run on unless its cross-compile switch is on, and reads the hardware generation a kernel
     is built for from the default device: for exactly that case, the switch is on and the
     default device is one of the mesh's.
     """

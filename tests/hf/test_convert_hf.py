@@ -2,8 +2,7 @@
 
 The fixtures in tests/fixtures/hf/ are small random transformers models, the token ids they were
 run on and transformers' float32 logits (tools/make_hf_fixtures.py). Every family and
-option
-we support is imported and run by our model here, with no torch needed. The last test
+option we support is imported and run by our model here, with no torch needed. The last test
 regenerates the fixtures and checks that our exports load back into transformers with the same
 logits; it needs a Python with torch and transformers (MAXTRAIN_HF_PYTHON).
 """

@@ -1,6 +1,5 @@
 """The token embedding's lookup (maxtrain/layers/embedding.py): its gradient equals
-autodiff's,
-and computing it moves no table-sized buffer between FSDP's devices."""
+autodiff's, and computing it moves no table-sized buffer between FSDP's devices."""
 
 import jax
 import jax.numpy as jnp

@@ -33,7 +33,7 @@ PUBLISHED = [
     # HF safetensors metadata parameter count of meta-llama/Meta-Llama-3-70B: 70.6B.
     ("llama3-70b", 70_553_706_496, 0.0),
     # HF safetensors metadata parameter count of meta-llama/Llama-3.2-1B (1.24B on the hub
-    # page; also the constant in GPTQModel's tests/test_parameter_count.py). Meta card: 1.23B.
+    # page; also the constant in GPTQModel/tests/test_parameter_count.py). Meta card: 1.23B.
     ("llama3.2-1b", 1_235_814_400, 0.0),
     # keras-hub preset qwen3_0.6b_en metadata "params" (keras_hub/src/models/qwen3/
     # qwen3_presets.py). Qwen3-0.6B model card: 0.6B total, 0.44B non-embedding.

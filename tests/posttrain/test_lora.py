@@ -1,6 +1,5 @@
 """LoRA and QLoRA (maxtrain/posttrain/lora.py): zero adapters leave the model as it was, only the
-adapters
-train, their gradients are the chain rule through the merged weight, QLoRA runs on the
+adapters train, their gradients are the chain rule through the merged weight, QLoRA runs on the
 dequantized base, the experts' adapters work under expert parallelism, and a run resumes
 bit-exactly from checkpoints that hold the adapters alone."""
 

@@ -257,9 +257,8 @@ def test_bad_quantization_config_exits_2_with_one_line(tmp_path, capsys, overrid
 
 def test_ptq_stores_quantized_kernels_and_scales_experts_included(make_cfg, tmp_path):
     """tools/quantize.py on a trained tiny-moe checkpoint: every attention, expert and
-    lm_head
-    kernel is stored as int8/int4 values with float32 scales (one per layer, expert and output
-    channel); router, embedding and norms stay float. The held-out loss moves by under 0.05
+    lm_head kernel is stored as int8/int4 values with float32 scales (one per layer, expert and
+    output channel); router, embedding and norms stay float. The held-out loss moves by under 0.05
     (measured after 20 steps, loss 4.026: int8 -0.0004, int4 +0.006; per-kernel relative
     error int8 0.5-0.6%, int4 8-10%)."""
     run(make_cfg("model_name=tiny-moe", "train.steps=20", "optim.lr=1e-2", "run.name=float"))

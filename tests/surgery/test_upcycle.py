@@ -187,8 +187,7 @@ def read_params(cfg: config_lib.Config, path) -> dict:
 
 def test_tool_and_train_loop_start_the_moe_from_a_dense_checkpoint(make_cfg, tmp_path):
     """A dense checkpoint on disk -> tools/upcycle.py -> the upcycled parameters on disk;
-    and a
-    run with init.mode=upcycle starts at the dense model's loss and trains on."""
+    and a run with init.mode=upcycle starts at the dense model's loss and trains on."""
     dense = make_cfg(FP32)
     params = init_params(dense)
     source = save_parameters(tmp_path / "dense", params)
