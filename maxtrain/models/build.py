@@ -10,7 +10,8 @@ from maxtrain.config import ComputeConfig, ConfigError, ModelConfig, named_tiles
 from maxtrain.kernels.attention import attention_implementation
 from maxtrain.kernels.grouped_matmul import grouped_matmul_implementation, tile_problem
 from maxtrain.layers.spec import DTYPES, ModelSpec, compute_dtype_name
-from maxtrain.models.decoder import Decoder, PipelinedDecoder
+from maxtrain.models.decoder import Decoder
+from maxtrain.models.pipelined import PipelinedDecoder
 from maxtrain.models.stacks import is_moe_per_layer
 from maxtrain.parallel.experts import exchange_implementation
 from maxtrain.parallel.pipeline import StageLayout
