@@ -79,9 +79,10 @@ class ModelDef:
 
         Under a pipeline schedule that runs the backward itself (parallel/scheduled.py) the
         logits exist one micro-batch at a time on the last stage, and the auxiliary loss is
-        each micro-batch's (as with gradient accumulation), weighted by its counted tokens; the
-        gradient of the whole objective the train step sums (token loss + z-loss + auxiliary
-        loss x count: training/step.py) rides on the token loss, the other two come without."""
+        summed over the micro-batches' parts (AuxiliaryTraining.part_loss: the router z-loss
+        is the whole batch's, the balance loss each micro-batch's own); the gradient of the
+        whole objective the train step sums (token loss + z-loss + auxiliary loss x count:
+        training/step.py) rides on the token loss, the other two come without."""
         if self.layout is None or not self.layout.in_schedule:
             out = self.apply(
                 params, *(batch[k] for k in ("inputs", "positions", "segment_ids", "targets")),
@@ -90,19 +91,20 @@ class ModelDef:
             loss, z_loss = token_loss(out.logits, batch["targets"], batch["loss_mask"])
             return loss, z_loss, out.aux_loss, out.stats
         model = self._module(params)
-        value, sums = model.scheduled_losses(batch, token_loss, self._aux_share)
+        value, sums = model.scheduled_losses(batch, token_loss, self._layers_share)
         loss = sums.loss + (value - jax.lax.stop_gradient(value))
         count = jnp.maximum(jnp.sum(batch["loss_mask"]), 1).astype(jnp.float32)
         return loss, sums.z_loss, sums.aux_loss / count, sums.stats
 
-    def _aux_share(self, stats: Stats) -> jax.Array:
-        """Some MoE layers' share of the auxiliary loss from their statistics [rows, ...]: the
-        loss is a mean over the layers (models/router_training.py), so theirs is its value on
-        them times their share of the layers."""
+    def _layers_share(self, stats: Stats) -> jax.Array:
+        """Some MoE layers' share of one pipeline micro-batch's auxiliary loss from their
+        statistics [rows, ...]: the loss is a mean over the layers (models/router_training.py),
+        so theirs is its value on them times their share of the layers."""
         if not self.stat_rows:
             return jnp.zeros(())
         rows = jax.tree.leaves(stats)[0].shape[0]
-        return self.auxiliary.aux_loss(stats) * (rows / self.stat_rows)
+        part = self.auxiliary.part_loss(stats, self.layout.microbatches)
+        return part * (rows / self.stat_rows)
 
     def decode(
         self, params: Any, tokens, positions, cache: dict[str, StackCache]

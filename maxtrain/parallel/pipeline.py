@@ -178,15 +178,11 @@ def run(
         valid = (unit >= 0) & (unit < R * M)
         m, repeat = unit % M, jnp.clip(unit // M, 0, R - 1)
         group = jax.tree.map(lambda a: a[repeat], state)  # this stage's group of the repeat
-        token = stage_scope.IN_STAGE.set(True)
-        try:
-            y, stats = run_group(graphdefs, group, x, pos[m], seg[m])
-        finally:
-            stage_scope.IN_STAGE.reset(token)
+        y, stats = run_group(graphdefs, group, x, pos[m], seg[m])
         totals = jax.tree.map(lambda t, s: t.at[repeat].add(jnp.where(valid, s, 0)), totals, stats)
         return y, slots, totals
 
-    stage_map = jax.vmap(one_stage, in_axes=(1, 0, 0, 0, None, 0), spmd_axis_name="stage")
+    stage_map = stage_scope.stage_map(one_stage, in_axes=(1, 0, 0, 0, None, 0))
     shapes = jax.eval_shape(
         lambda: run_group(graphdefs, _group_state(states), xs[0], pos[0], seg[0])[1]
     )
