@@ -7,14 +7,17 @@
 #                              .venv/tpu-compiler rather than site-packages: maxtrain loads it
 #                              only to compile for a TPU topology (maxtrain/parallel/topology.py), and
 #                              other jax processes on this host never see it
+#   ./setup.sh gpu-compiler    also jax's CUDA plugin (the `gpu-compiler` extra), into
+#                              .venv/gpu-compiler, the same way: loaded only to compile for a GPU
+#                              target (--topology h100), so no process looks for a GPU otherwise
 set -euo pipefail
 cd "$(dirname "$0")"
 
-tpu_compiler=0
+compilers=()
 for arg in "$@"; do
   case "$arg" in
-    tpu-compiler) tpu_compiler=1 ;;
-    *) echo "setup.sh: unknown argument '$arg'; expected: tpu-compiler" >&2; exit 2 ;;
+    tpu-compiler|gpu-compiler) compilers+=("$arg") ;;
+    *) echo "setup.sh: unknown argument '$arg'; expected: tpu-compiler, gpu-compiler" >&2; exit 2 ;;
   esac
 done
 
@@ -40,29 +43,35 @@ find_python() {
   return 1
 }
 
-install_tpu_compiler() {
-  # The extra's pinned requirement, read from pyproject.toml (the one place it is written).
-  local req dir=.venv/tpu-compiler
-  req="$(.venv/bin/python -c 'import tomllib; print(" ".join(tomllib.load(open("pyproject.toml",
-    "rb"))["project"]["optional-dependencies"]["tpu-compiler"]))')"
+install_apart() {
+  # An extra (tpu-compiler, gpu-compiler) into .venv/<extra>, outside site-packages; its pinned
+  # requirements read from pyproject.toml (the one place they are written).
+  local extra="$1" req dir=".venv/$1"
+  req="$(.venv/bin/python -c 'import sys, tomllib; print(" ".join(tomllib.load(open(
+    "pyproject.toml", "rb"))["project"]["optional-dependencies"][sys.argv[1]]))' "$extra")"
   if [ -f "$dir/.installed" ] && [ "$(cat "$dir/.installed")" = "$req" ]; then
     return 0
   fi
   rm -rf "$dir"
   if ! .venv/bin/python -m pip install -q --no-deps --target "$dir" $req >"$log" 2>&1; then
     cat "$log" >&2
-    echo "setup.sh: installing the TPU compiler ($req) failed (log above, also in $log)" >&2
+    echo "setup.sh: installing $extra ($req) failed (log above, also in $log)" >&2
     exit 1
   fi
   echo "$req" > "$dir/.installed"
-  echo "setup.sh: TPU compiler ready ($req in $dir)"
+  echo "setup.sh: $extra ready ($req in $dir)"
+}
+
+install_compilers() {
+  local extra
+  for extra in ${compilers[@]+"${compilers[@]}"}; do install_apart "$extra"; done
 }
 
 stamp=.venv/.maxtrain-installed
 log=.venv/install.log
 want="$(sha256sum pyproject.toml | cut -d' ' -f1)"
 if [ -x .venv/bin/python ] && [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
-  if [ "$tpu_compiler" = 1 ]; then install_tpu_compiler; fi
+  install_compilers
   exit 0
 fi
 
@@ -85,4 +94,4 @@ if ! { .venv/bin/python -m pip install -q --upgrade pip &&
 fi
 echo "$want" > "$stamp"
 echo "setup.sh: .venv ready"
-if [ "$tpu_compiler" = 1 ]; then install_tpu_compiler; fi
+install_compilers

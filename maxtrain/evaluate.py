@@ -21,7 +21,14 @@ import json
 import sys
 from pathlib import Path
 
-from maxtrain.common.errors import ArgumentParser, UserError, non_negative_int, positive_int, refuse
+from maxtrain.common.errors import (
+    ArgumentParser,
+    UserError,
+    non_negative_int,
+    path_first,
+    positive_int,
+    refuse,
+)
 from maxtrain.common.files import write_atomic
 
 PROG = "evaluate"
@@ -29,6 +36,7 @@ PROG = "evaluate"
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(sys.argv[1:] if argv is None else argv)
+    args.checkpoint, *args.overrides = path_first([args.checkpoint, *args.overrides])
     # Imported here: jax and the model take seconds to import, --help should not wait for them.
     import jax
 

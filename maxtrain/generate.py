@@ -25,6 +25,7 @@ from maxtrain.common.errors import (
     UserError,
     escaped_text,
     non_negative_int,
+    path_first,
     positive_float,
     positive_int,
     refuse,
@@ -36,6 +37,7 @@ PROG = "generate"
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(sys.argv[1:] if argv is None else argv)
+    args.checkpoint, *args.overrides = path_first([args.checkpoint, *args.overrides])
     # Imported here: jax and the model take seconds to import, --help should not wait for them.
     from maxtrain.inference.decode import generate
     from maxtrain.inference.loading import find_tokenizer, load_model

@@ -55,6 +55,7 @@ SLOW_MODULES = {
     "test_bad_inputs", "test_checkpoint_compat", "test_checkpoint_damage", "test_checkpointing",
     "test_cli",
     "test_context_parallel", "test_convert_hf", "test_dcn_bytes", "test_depth_upscale",
+    "test_docs_commands",
     "test_evaluate", "test_faults", "test_fine_tuning", "test_generate", "test_lora",
     "test_lora_costs", "test_lora_merge", "test_megatron_data", "test_memory", "test_moe",
     "test_moe_permutation", "test_mtp", "test_multiprocess_checkpoint", "test_muon",

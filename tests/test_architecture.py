@@ -186,13 +186,18 @@ def test_tools_are_scripts_over_the_installed_package(tool):
         assert len(body) <= 2 and len(ours) == 1, f"{tool}: more than a call of one main"
 
 
+# Runs each guide's `python tools/x.py ...` as that command does (the script as __main__, its
+# sys.argv set), in this process rather than a subprocess for the test budget.
+RUNS_TOOLS_AS_COMMANDS = REPO / "tests" / "test_docs_commands.py"
+
+
 def test_nothing_imports_the_tools():
     """Tests call the package module behind a tool, never the script (a script run in a
     subprocess, as a user runs it, is not an import)."""
     importers = sorted(
         str(path.relative_to(REPO))
         for path in [*PACKAGE.rglob("*.py"), *(REPO / "tests").rglob("*.py"), *TOOLS]
-        if path != Path(__file__)
+        if path not in (Path(__file__), RUNS_TOOLS_AS_COMMANDS)
         if any(m == "tools" or m.startswith("tools.") for m in _all_imports(path))
         or {"run_path", "spec_from_file_location"} & _code_words(ast.parse(path.read_text()))
     )
@@ -237,12 +242,13 @@ def _code_words(tree: ast.AST) -> set[str]:
 
 def test_tests_mirror_the_packages():
     """tests/<package>/ holds the tests of maxtrain/<package>/ (tests/support/ what several
-    share, tests/fixtures/ committed oracle outputs); only this project-wide test sits at the
-    root."""
+    share, tests/fixtures/ committed oracle outputs); only the project-wide tests sit at the
+    root: this one, and the guides' commands."""
     folders = {p.name for p in (REPO / "tests").iterdir() if p.is_dir() and p.name[0] not in "._"}
     packages = {p.parent.name for p in PACKAGE.glob("*/__init__.py")}
     assert folders - {"support", "fixtures"} <= packages
-    assert [p.name for p in (REPO / "tests").glob("test_*.py")] == ["test_architecture.py"]
+    at_root = sorted(p.name for p in (REPO / "tests").glob("test_*.py"))
+    assert at_root == ["test_architecture.py", "test_docs_commands.py"]
 
 
 def test_lora_is_wired_only_through_post_training():

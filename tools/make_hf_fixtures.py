@@ -44,7 +44,7 @@ from pathlib import Path
 
 import numpy as np
 
-DEFAULT_OUTPUT = Path(__file__).resolve().parents[2] / "tests" / "fixtures" / "hf"
+DEFAULT_OUTPUT = Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "hf"
 TOKENS_SHAPE = (2, 12)
 _SMALL = dict(vocab_size=96, hidden_size=32, intermediate_size=64, max_position_embeddings=256)
 _LLAMA3_SCALING = dict(

@@ -52,15 +52,17 @@ from flax import nnx
 from jax.sharding import AbstractMesh
 from jax.sharding import PartitionSpec as P
 
+from maxtrain.common import devices
 from maxtrain.config import MESH_AXES, Config
-from maxtrain.kernels.attention import attention_implementation, banded_keys
+from maxtrain.kernels.attention import attention_implementation
 from maxtrain.kernels.grouped_matmul import grouped_matmul_implementation
+from maxtrain.kernels.xla_attention import banded_keys
 from maxtrain.layers.attention_pattern import model_kinds, span
 from maxtrain.layers.attention_types import mixer_counts
 from maxtrain.models import ModelDef, compute_dtype
 from maxtrain.models.stacks import LayerKind, is_moe_per_layer, layer_kinds
 from maxtrain.optim import muon, muon_deal
-from maxtrain.parallel.experts import exchange_implementation, routed_capacity
+from maxtrain.parallel.expert_exchanges import exchange_implementation, routed_capacity
 from maxtrain.parallel.mesh import axis_sizes, spec_axes
 from maxtrain.parallel.pipeline import StageLayout
 from maxtrain.posttrain import parameter_split
@@ -90,39 +92,13 @@ class MemoryEstimate:
         return {k: round(v / 2**30, 3) for k, v in {**asdict(self), "total": self.total}.items()}
 
 
-# Memory per device (GiB) by device kind as jax names it (first match wins), from the vendors'
-# published capacities. What a run can allocate is somewhat less: the runtime keeps some, and
-# JAX on GPU preallocates 75% of it unless XLA_PYTHON_CLIENT_MEM_FRACTION says otherwise.
-DEVICE_MEMORY_GIB: tuple[tuple[str, float], ...] = (
-    ("tpu v6 lite", 32.0),  # v6e / Trillium
-    ("tpu v6e", 32.0),
-    ("tpu v5 lite", 16.0),  # v5e
-    ("tpu v5e", 16.0),
-    ("tpu v5p", 95.0),
-    ("tpu v5", 95.0),  # v5p reports device_kind "TPU v5"
-    ("tpu v4", 32.0),
-    ("b200", 180.0),
-    ("h200", 141.0),
-    ("h100", 80.0),
-    ("a100-sxm4-40gb", 40.0),
-    ("a100-pcie-40gb", 40.0),
-    ("a100", 80.0),
-)
-
-
 def device_memory_gib(device_kind: str) -> float | None:
-    """The memory of one device of this kind, or None when it is not known (CPU)."""
-    kind = device_kind.lower()
-    return next((gib for needle, gib in DEVICE_MEMORY_GIB if needle in kind), None)
-
-
-def device_platform(device_kind: str) -> str:
-    """The platform ("tpu", "gpu", "cpu") of a device kind as jax names it: what the kernels
-    and the compute dtype are chosen for (training/run_model.py for_platform)."""
-    kind = device_kind.lower()
-    if kind.startswith("tpu"):
-        return "tpu"
-    return "gpu" if device_memory_gib(kind) is not None else "cpu"
+    """The memory of one device of this kind, from the chip table (maxtrain/common/devices.py),
+    or None when it is not known (CPU). What a run can allocate is somewhat less: the runtime
+    keeps some, and JAX on GPU preallocates 75% of it unless XLA_PYTHON_CLIENT_MEM_FRACTION
+    says otherwise."""
+    chip = devices.chip(device_kind)
+    return None if chip is None else chip.hbm_gib
 
 
 def fit(estimate_gib: float, device_kind: str) -> dict[str, object]:
@@ -290,7 +266,7 @@ def _activation_bytes(
 def _reference_keys(model, seq_len: int) -> int:
     """Keys per query of the largest score array any layer's plain-XLA kernel holds: the whole
     sequence if a layer is global (multi-token prediction's blocks are), else the band of the
-    local layers' window or chunk (kernels/attention.py banded_attention)."""
+    local layers' window or chunk (kernels/xla_attention.py banded_attention)."""
     spans = {span(model, kind) for kind in model_kinds(model)}
     if model.mtp.depth:
         spans.add(None)
@@ -306,7 +282,7 @@ def _moe_dispatch_bytes(cfg: Config, sizes: dict[str, int], tokens: int, c: int)
     ways = math.prod(sizes[a] for a in cfg.mesh.rules.get("exp", []))
     computed = routed  # rows through the experts on this device
     sorted_rows = routed  # the assignments' rows in expert order
-    # Expert-parallel buffers of routed rows (parallel/experts.py), those of one round:
+    # Expert-parallel buffers of routed rows (parallel/expert_exchanges.py), those of one round:
     # further rounds (compute.expert_exchange_overflow rounds) run one after another, reusing them.
     exchange = 0
     compute = cfg.compute

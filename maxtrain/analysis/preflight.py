@@ -5,8 +5,9 @@ A model too big for the machine used to get as far as the checkpointer's first s
 with XLA's `RESOURCE_EXHAUSTED` traceback, leaving a locked, empty run directory behind.
 
 What a device holds: on GPU and TPU its allocator's limit (`memory_stats()["bytes_limit"]`),
-else the vendor's figure for its kind (memory.DEVICE_MEMORY_GIB); on CPU the host's RAM
-(physical, or the cgroup's limit where lower), which every CPU device of the process shares.
+else the vendor's figure for its kind (the chip table, maxtrain/common/devices.py); on CPU the
+host's RAM (physical, or the cgroup's limit where lower), which every CPU device of the
+process shares.
 The host's total, not what is free at this moment: the same command gets the same answer
 whatever else happens to run beside it.
 

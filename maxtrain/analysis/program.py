@@ -12,12 +12,12 @@ from __future__ import annotations
 import collections
 import math
 import re
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
 import jax
-import numpy as np
 
+from maxtrain.kernels.attention import program_call
 from maxtrain.kernels.grouped_matmul import SCOPE
 
 # Primitives that do a matmul's work (ragged_dot lowers to ragged_dot_general).
@@ -57,119 +57,38 @@ def matmul_dtypes(fn: Callable[..., Any], *args: Any) -> collections.Counter:
     return counts
 
 
-# ---- collectives of a compiled program --------------------------------------------------------
+# ---- reading a compiled program -------------------------------------------------------------
 
-COLLECTIVES = {
-    "all-to-all": "all-to-all",
-    "ragged-all-to-all": "ragged-all-to-all",
-    "all-gather": "all-gather",
-    "all-gather-start": "all-gather",
-    "reduce-scatter": "reduce-scatter",
-    "all-reduce": "all-reduce",
-    "all-reduce-start": "all-reduce",
-    "collective-permute": "collective-permute",
-    "collective-permute-start": "collective-permute",
-}
-_DTYPE_BYTES = {"pred": 1, "s4": 1, "u4": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2}
-_DTYPE_BYTES |= {"bf16": 2, "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8}
-_DTYPE_BYTES |= {"f8e4m3fn": 1, "f8e5m2": 1, "f8e4m3": 1, "f8e5m2fnuz": 1, "f8e4m3fnuz": 1}
+DTYPE_BYTES = {"pred": 1, "s4": 1, "u4": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2}
+DTYPE_BYTES |= {"bf16": 2, "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8}
+DTYPE_BYTES |= {"f8e4m3fn": 1, "f8e5m2": 1, "f8e4m3": 1, "f8e5m2fnuz": 1, "f8e4m3fnuz": 1}
 _ARRAY = re.compile(r"\b([a-z][a-z0-9]*)\[([0-9,]*)\]")
-_INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%([\w.\-]+)\s*=\s*(.+?)\s+([a-z][a-z0-9\-]*)\((.*)$")
+INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%([\w.\-]+)\s*=\s*(.+?)\s+([a-z][a-z0-9\-]*)\((.*)$")
 _COMPUTATION = re.compile(r"^(?:ENTRY\s+)?%([\w.\-]+)\s*\(")
 _CALLEE = re.compile(r"\b(?:body|calls|true_computation|false_computation)=%([\w.\-]+)")
 _BRANCHES = re.compile(r"\bbranch_computations=\{([^}]*)\}")
 _TRIP_COUNT = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
-_MEGASCALE = re.compile(r'_xla_megascale_transfer_type="(\w+)"')
 _CONDITION = re.compile(r"\bcondition=%([\w.\-]+)")
-_CONSTANT = re.compile(r"%([\w.\-]+) = s32\[\][^=]* constant\((\d+)\)")
+_CONSTANT = re.compile(r"%([\w.\-]+) = [su]32\[\][^=]* constant\((\d+)\)")
 _LESS_THAN = re.compile(
-    r"^\s*ROOT %[\w.\-]+ = pred\[\][^=]* compare\(%([\w.\-]+), "
+    r"^\s*ROOT %[\w.\-]+ = pred\[\][^=]* compare\(%([\w.\-#]+), "
     r"%([\w.\-]+)\), direction=LT"
 )
 
 
-def _shape_bytes(text: str) -> list[int]:
+def shape_bytes(text: str) -> list[int]:
     """Bytes of each array in an HLO shape (an array or a tuple of them)."""
     sizes = []
     for dtype, dims in _ARRAY.findall(text):
-        if dtype in _DTYPE_BYTES:
+        if dtype in DTYPE_BYTES:
             count = 1
             for d in filter(None, dims.split(",")):
                 count *= int(d)
-            sizes.append(count * _DTYPE_BYTES[dtype])
+            sizes.append(count * DTYPE_BYTES[dtype])
     return sizes
 
 
-def collective_bytes(hlo_text: str, device_slices: Sequence[int] | None = None) -> dict[str, int]:
-    """Bytes per collective kind that one execution of a compiled program moves, per device.
-
-    Each collective counts its whole buffer as the program declares it (the larger of its
-    operands and its result: an all-gather's output, a reduce-scatter's input), times how often
-    it runs: a collective inside a loop (a scan over layers) counts once per iteration, by the
-    trip count XLA records. A loop whose trip count only the run decides (the expert-parallel
-    exchange's overflow rounds, parallel/experts.py) is apart: its collectives count once
-    per trip under "<kind> per loop trip", not in the kind's total. Read from
-    `jax.jit(f).lower(...).compile().as_text()`, so it sees the collectives the SPMD
-    partitioner inserted as well as those written by hand.
-
-    device_slices: the slice of each device of the program, in its device order (the mesh's
-    devices, flattened). Then a collective whose groups (or, for a collective-permute, whose
-    source-target pairs) join devices of different slices also counts under "dcn <kind>": the
-    traffic that crosses the data-center network.
-    """
-    totals: dict[str, int] = collections.Counter()
-    for kind, moved, attributes in _collectives(hlo_text):
-        if _MEGASCALE.search(attributes):  # a TPU program's transfer to other slices: DCN only
-            totals[f"dcn {kind}"] += moved
-            continue
-        totals[kind] += moved
-        if device_slices is not None and _crosses_slices(attributes, device_slices):
-            totals[f"dcn {kind}"] += moved
-    return dict(totals)
-
-
-def collective_bytes_per_axis(
-    hlo_text: str, mesh_shape: dict[str, int], device_slices: Sequence[int] | None = None
-) -> dict[str, dict[str, int]]:
-    """`collective_bytes` by the mesh axes each collective runs over, ICI and DCN apart:
-    {"ici": {"all-gather fsdp": bytes, "all-reduce data+fsdp": ...}, "dcn": {...}}.
-
-    The axes of a collective are those along which the devices of one of its groups differ
-    (device i of the program is the mesh's i-th device, flattened: its mesh coordinates are
-    i unravelled over mesh_shape, in the mesh's axis order). A collective joining devices of
-    several slices (device_slices) counts under "dcn", the rest under "ici".
-
-    The TPU compiler builds a multi-slice program per slice: its collectives join the devices
-    of one slice (device i is then the slice's i-th, over the slice's own shape), and what
-    crosses slices is a transfer to the DCN runtime (a `send` marked for "megascale"), counted
-    under "dcn" over the axes that span slices."""
-    names, sizes = list(mesh_shape), list(mesh_shape.values())
-    coords = np.array(np.unravel_index(np.arange(int(np.prod(sizes))), sizes))  # [axes, devices]
-    slices = np.asarray(device_slices) if device_slices else np.zeros(coords.shape[1], int)
-    dcn_axes = [n for a, n in enumerate(names) if _varies_with(coords[a], slices)]
-    partitions = re.search(r"\bnum_partitions=(\d+)", hlo_text)
-    if partitions and int(partitions[1]) < coords.shape[1]:  # one slice's program
-        sizes = [len(set(coords[a][slices == 0])) for a in range(len(names))]
-    totals: dict[str, dict[str, int]] = {"ici": collections.Counter(), "dcn": collections.Counter()}
-    for kind, moved, attributes in _collectives(hlo_text):
-        if _MEGASCALE.search(attributes):
-            totals["dcn"][f"{kind} {'+'.join(dcn_axes)}"] += moved
-            continue
-        groups = device_groups(attributes) or [list(range(int(np.prod(sizes))))]
-        members = [np.array(np.unravel_index(group, sizes)) for group in groups]
-        varying = {names[a] for m in members for a in range(len(names)) if len(set(m[a])) > 1}
-        axes = "+".join(n for n in names if n in varying) or "none"
-        network = "dcn" if device_slices and _crosses_slices(attributes, device_slices) else "ici"
-        totals[network][f"{kind} {axes}"] += moved
-    return {network: dict(counts) for network, counts in totals.items()}
-
-
-def _varies_with(axis_coords: np.ndarray, slices: np.ndarray) -> bool:
-    """Whether devices of different slices differ along this axis (a DCN-spanning axis)."""
-    return any(len(set(axis_coords[slices == s])) < len(set(axis_coords)) for s in set(slices))
-
-
-def _trip_count(attributes: str, computations: dict[str, list[str]]) -> int | None:
+def trip_count(attributes: str, computations: dict[str, list[str]]) -> int | None:
     """How often a while loop runs, if the program says: the trip count XLA records (CPU, GPU),
     or else a condition `counter < constant` (the TPU compiler's final program drops the
     record; jax's scans and fori_loops count from 0). None for a loop whose bound is a value
@@ -185,7 +104,7 @@ def _trip_count(attributes: str, computations: dict[str, list[str]]) -> int | No
     return None
 
 
-def _computations(hlo_text: str) -> tuple[dict[str, list[str]], str]:
+def parse_computations(hlo_text: str) -> tuple[dict[str, list[str]], str]:
     """A compiled program's computations (name -> its instruction lines) and the ENTRY's name."""
     computations: dict[str, list[str]] = {}
     entry, current = None, None
@@ -203,7 +122,7 @@ def _computations(hlo_text: str) -> tuple[dict[str, list[str]], str]:
     return computations, entry
 
 
-def _callees(attributes: str) -> list[str]:
+def callees(attributes: str) -> list[str]:
     """The computations an instruction runs: a loop's body, a fusion's or call's, the branches."""
     callees = _CALLEE.findall(attributes)
     for branches in _BRANCHES.findall(attributes):
@@ -232,47 +151,27 @@ def executed(hlo_text: str) -> Iterator[Executed]:
     a loop's body counts once per trip, by the trip count the program states; a loop whose trip
     count only the run decides counts once, marked. Instruction names are unique in a module,
     so a caller may look operands up by name across computations."""
-    computations, entry = _computations(hlo_text)
+    computations, entry = parse_computations(hlo_text)
 
     def visit(name: str, times: int, unknown: bool, loops: tuple) -> Iterator[Executed]:
         for line in computations.get(name, []):
-            match = _INSTRUCTION.match(line)
+            match = INSTRUCTION.match(line)
             if match is None:
                 continue
             result, shape, opcode, rest = match.groups()
             yield Executed(result, shape, opcode, rest, times, unknown, loops)
-            trips = _trip_count(rest, computations) if opcode == "while" else None
+            trips = trip_count(rest, computations) if opcode == "while" else None
             inner = unknown or (opcode == "while" and trips is None)
             within = (*loops, result) if opcode == "while" else loops
-            for callee in _callees(rest):
+            for callee in callees(rest):
                 yield from visit(callee, times * (trips or 1), inner, within)
 
     yield from visit(entry, 1, False, ())
 
 
-def _operands(rest: str) -> list[str]:
+def operand_names(rest: str) -> list[str]:
     """The names of an instruction's operands (the part of its line before the first `)`)."""
     return re.findall(r"%([\w.\-]+)", rest.split(")", 1)[0])
-
-
-def _collectives(hlo_text: str) -> Iterator[tuple[str, int, str]]:
-    """(kind, bytes moved per device and step, HLO attributes) of every collective a compiled
-    program runs, a loop's counted once per trip (see `collective_bytes`)."""
-    shapes: dict[str, list[int]] = {}
-    for op in executed(hlo_text):
-        shapes[op.name] = _shape_bytes(op.shape)
-        suffix = " per loop trip" if op.unknown_loop else ""
-        kind = COLLECTIVES.get(op.opcode)
-        if kind is not None:
-            operand_bytes = [sum(shapes.get(o, [0])) for o in _operands(op.rest)]
-            if op.opcode.endswith("-start") or op.opcode == "ragged-all-to-all":
-                moved = max([*shapes[op.name], *operand_bytes])  # input and output buffers
-            else:
-                moved = max(sum(shapes[op.name]), sum(operand_bytes))
-            yield kind + suffix, op.times * moved, op.rest
-        elif op.opcode == "send" and (transfer := _MEGASCALE.search(op.rest)):
-            kind = transfer[1].lower().replace("_", "-")
-            yield kind + suffix, op.times * shapes[op.name][0], op.rest
 
 
 # ---- matmul FLOPs of a compiled program -------------------------------------------------------
@@ -302,7 +201,7 @@ def dots(hlo_text: str) -> Iterator[tuple[Dot, Executed]]:
         if array := _DIMS.match(op.shape):
             dims[op.name] = [int(d) for d in array.group(1).split(",") if d]
         if op.opcode == "dot":
-            lhs = dims[_operands(op.rest)[0]]
+            lhs = dims[operand_names(op.rest)[0]]
             contracted = _LHS_CONTRACTING.search(op.rest).group(1).split(",")
             depth = math.prod(lhs[int(i)] for i in contracted if i)
             yield Dot(dims[op.name], depth), op
@@ -318,6 +217,70 @@ def matmul_flops(hlo_text: str) -> int:
     whose trip count only the run knows counts once. Custom calls (Pallas kernels, LAPACK's
     triangular solve on CPU) are not dots and count nothing."""
     return sum(op.times * dot.flops for dot, op in dots(hlo_text))
+
+
+def bytes_accessed(hlo_text: str) -> int:
+    """Bytes one execution of a compiled program reads and writes, as XLA's cost analysis
+    counts them, but with a loop's body counted once per trip: XLA counts it once, so a scan
+    over layers or chunks hides all of its trips but one. Each instruction reads its operands
+    and writes its result; a fusion is counted at its boundary (_fusion_traffic). Within 1% of
+    XLA:CPU's figure for a program without loops. Arrays count their logical size: XLA:TPU's
+    own figure counts tiled buffers, narrow arrays padded to the tile (8 x 128 for float32)."""
+    computations, _ = parse_computations(hlo_text)
+    parsed = {name: _parsed(lines) for name, lines in computations.items()}
+    sizes = {op[0]: sum(shape_bytes(op[1])) for ops in parsed.values() for op in ops}
+    fused = {c for ops in parsed.values() for op in ops if op[2] == "fusion"
+             for c in _CALLEE.findall(op[3])}  # fmt: skip
+    inside = {op[0] for c in fused for op in parsed[c]}
+    total = 0
+    for op in executed(hlo_text):
+        if op.name in inside or op.opcode in _NO_TRAFFIC:
+            continue
+        operands = [sizes.get(o, 0) for o in operand_names(op.rest)]
+        if op.opcode == "fusion":
+            traffic = _fusion_traffic(parsed[_CALLEE.search(op.rest).group(1)], operands, sizes)
+        else:
+            traffic = sum(operands) + sizes[op.name]
+        total += op.times * traffic
+    return total
+
+
+def _parsed(lines: list[str]) -> list[tuple]:
+    """A computation's instructions as (name, shape, opcode, rest of the line, is the root)."""
+    return [
+        (*m.groups(), line.lstrip().startswith("ROOT"))
+        for line in lines
+        if (m := INSTRUCTION.match(line))
+    ]
+
+
+def _fusion_traffic(body: list[tuple], operands: list[int], sizes: dict) -> int:
+    """A fusion's bytes as XLA counts them: an operand that is only sliced is read as far as
+    its slices reach; one updated in place by the root (a dynamic-update-slice: a scan writing
+    one trip's row of its stacked output) is not read, and only the update is written."""
+    params = {op[0]: int(op[3].split(")")[0]) for op in body if op[2] == "parameter"}
+    users: dict[str, list[tuple[str, str, int]]] = {n: [] for n in params}
+    for name, _, opcode, rest, _ in body:
+        for position, operand in enumerate(operand_names(rest)):
+            if operand in users:
+                users[operand].append((name, opcode, position))
+    root = next(op for op in body if op[4])
+    updated = root[0] if root[2] == "dynamic-update-slice" else None
+    total = sizes[root[0]] if updated is None else sizes[operand_names(root[3])[1]]
+    for name, index in params.items():
+        uses = users[name]
+        if uses and all(opcode in ("slice", "dynamic-slice") for _, opcode, _ in uses):
+            total += min(operands[index], sum(sizes[user] for user, _, _ in uses))
+        elif not (updated and uses == [(updated, "dynamic-update-slice", 0)]):
+            total += operands[index]
+    return total
+
+
+# Instructions that name or forward buffers, or run other computations (counted themselves).
+_NO_TRAFFIC = frozenset(
+    {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "while", "call",
+     "conditional"}
+)  # fmt: skip
 
 
 # ---- permutations of a compiled program ------------------------------------------------------
@@ -384,55 +347,15 @@ def loop_trip_counts(hlo_text: str) -> list[int]:
     """The trip count of every while loop in a compiled program that states one (scans over
     layers, over a sequence's chunks), in the program's order; loops whose bound only the run
     knows are left out."""
-    computations, _ = _computations(hlo_text)
+    computations, _ = parse_computations(hlo_text)
     counts = []
     for lines in computations.values():
         for line in lines:
-            match = _INSTRUCTION.match(line)
+            match = INSTRUCTION.match(line)
             if match is not None and match.group(3) == "while":
-                trips = _trip_count(match.group(4), computations)
+                trips = trip_count(match.group(4), computations)
                 counts += [trips] if trips is not None else []
     return counts
-
-
-_GROUPS = re.compile(r"\b(?:replica_groups|source_target_pairs)=(\{\{[\d,{}\s]*\}\}|\{\})")
-_IOTA_GROUPS = re.compile(r"\breplica_groups=\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?")
-_MESH_GROUPS = re.compile(r"\breplica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}")
-
-
-def device_groups(attributes: str) -> list[list[int]] | None:
-    """The device groups of a collective's HLO attributes, in the forms XLA writes: listed
-    (`{{0,1},{2,3}}`), iota (`[groups,size]<=[dims]T(perm)`), over named mesh axes
-    (`mesh['a'=2,'b'=4] {'b'}`: the devices that differ only along b), or a collective-permute's
-    source-target pairs. None when the instruction names none (all devices are one group)."""
-    if match := _IOTA_GROUPS.search(attributes):
-        shape, dims, perm = (
-            [int(x) for x in group.split(",")] if group else None for group in match.groups()
-        )
-        ids = np.arange(int(np.prod(dims))).reshape(dims)
-        return ids.transpose(perm).reshape(shape).tolist() if perm else ids.reshape(shape).tolist()
-    if match := _MESH_GROUPS.search(attributes):
-        axes = re.findall(r"'([^']+)'=(\d+)", match[1])
-        names, sizes = [name for name, _ in axes], [int(size) for _, size in axes]
-        over = [names.index(name) for name in re.findall(r"'([^']+)'", match[2])]
-        ids = np.arange(int(np.prod(sizes))).reshape(sizes)
-        kept = [i for i in range(len(sizes)) if i not in over]
-        width = int(np.prod([sizes[i] for i in over]))
-        return ids.transpose(kept + over).reshape(-1, width).tolist()
-    if match := _GROUPS.search(attributes):
-        groups = re.findall(r"\{([\d,\s]*)\}", match[1])
-        listed = [[int(x) for x in group.split(",") if x.strip()] for group in groups]
-        return listed if any(listed) else None  # `{}`: all devices, one group
-    if "replica_groups=" in attributes or "source_target_pairs=" in attributes:
-        raise ValueError(f"unrecognised device groups in: {attributes[:200]}")
-    return None
-
-
-def _crosses_slices(attributes: str, device_slices: Sequence[int]) -> bool:
-    groups = device_groups(attributes)
-    if groups is None:
-        return len(set(device_slices)) > 1
-    return any(len({device_slices[d] for d in group}) > 1 for group in groups)
 
 
 # ---- copies of a compiled program's inputs ----------------------------------------------------
@@ -448,14 +371,14 @@ def entry_parameter_copies(hlo_text: str) -> list[tuple[str, int]]:
     parameters: set[str] = set()
     copies = []
     for line in entry.splitlines()[1:]:
-        match = _INSTRUCTION.match(line)
+        match = INSTRUCTION.match(line)
         if match is None:
             continue
         result, shape, opcode, rest = match.groups()
         if opcode == "parameter":
             parameters.add(result)
         elif opcode == "copy" and re.match(r"\s*%([\w.\-]+)", rest)[1] in parameters:
-            copies.append((result, sum(_shape_bytes(shape))))
+            copies.append((result, sum(shape_bytes(shape))))
     return copies
 
 
@@ -463,23 +386,29 @@ def entry_parameter_copies(hlo_text: str) -> list[tuple[str, int]]:
 
 # custom-call targets of hand-written kernels: Pallas on TPU (Mosaic) and GPU (Mosaic GPU,
 # Triton), and cuDNN's fused attention.
-_KERNEL_TARGETS = re.compile(
+KERNEL_TARGETS = re.compile(
     r'custom_call_target="(tpu_custom_call|mosaic_gpu[\w]*|'
     r'__gpu\$xla\.gpu\.triton|__cudnn\$[\w]+)"'
 )
+
+
+_TOKAMAX_OP = re.compile(r'__type\\?":\\?"[\w.]*\.(\w+)\\?"')
 
 
 def kernels(hlo_text: str) -> dict[str, int]:
     """The hand-written kernels a compiled program calls, by name, with how many call sites
     each has (a kernel inside a loop counts once): what shows a configured kernel really made
     it into the program rather than a fallback to plain XLA. A Pallas kernel's call is named
-    after the kernel (`splash_mha_fwd_segmented_residuals.14`: the suffix is dropped)."""
+    after the kernel (`splash_mha_fwd_segmented_residuals.14`: the suffix is dropped); a
+    tokamax GPU kernel, whose calls are all `mpmd_map`, after the op its call records
+    (`mosaic_gpu_v2 PallasMosaicGpuRaggedDot`)."""
     counts: collections.Counter = collections.Counter()
     for line in hlo_text.splitlines():
-        target = _KERNEL_TARGETS.search(line)
-        match = _INSTRUCTION.match(line) if target else None
+        target = KERNEL_TARGETS.search(line)
+        match = INSTRUCTION.match(line) if target else None
         if match is not None:
-            name = re.sub(r"\.\d+$", "", match.group(1))
+            op = _TOKAMAX_OP.search(line)
+            name = op[1] if op else re.sub(r"\.\d+$", "", match.group(1))
             counts[
                 name if target.group(1) == "tpu_custom_call" else f"{target.group(1)} {name}"
             ] += 1
@@ -490,18 +419,10 @@ class MissingKernel(RuntimeError):
     """A kernel the config asks for is not in the compiled program (a silent fallback)."""
 
 
-# What each configured kernel's calls are named in a compiled program (`kernels`).
-_ATTENTION_KERNELS = {
-    "splash": r"^splash_mha",
-    "mosaic_tpu": r"^splash_mha",  # tokamax's TPU kernel is splash attention too
-    "mosaic_gpu": r"^mosaic_gpu",
-    "triton": r"triton",
-    "cudnn": r"^__cudnn",
-}
 # tokamax's Pallas grouped matmuls are `pallas_tpu_ragged_dot_gmm`/`_tgmm` on TPU; XLA's own
 # ragged dot (`ragged-dot-none`, what tokamax falls back to for matrices under 128 wide on TPU)
 # is not one of them.
-_GROUPED_MATMUL_KERNELS = {"tokamax": r"ragged_dot|gmm"}
+_GROUPED_MATMUL_KERNELS = {"tokamax": r"ragged_dot|RaggedDot|gmm"}
 
 
 def check_kernels(model: Any, compute: Any, found: dict[str, int], context: int = 1) -> None:
@@ -512,7 +433,7 @@ def check_kernels(model: Any, compute: Any, found: dict[str, int], context: int 
     context: the mesh's context degree. Above 1 the sequence is split over devices and its
     attention runs as blocks in plain XLA inside the context exchange
     (parallel/context.py), whatever compute.attention says: no attention kernel is due."""
-    attention = _ATTENTION_KERNELS.get(compute.attention) if context == 1 else None
+    attention = program_call(compute.attention) if context == 1 else None
     wanted = [("compute.attention", compute.attention, attention)]
     if model.moe is not None:
         impl = compute.grouped_matmul

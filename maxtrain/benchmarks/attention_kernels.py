@@ -18,7 +18,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from maxtrain.kernels.attention import attention_kernel, reference_attention
+from maxtrain.kernels.attention import attention_kernel
+from maxtrain.kernels.xla_attention import reference_attention
 
 
 def packed_segments(batch: int, seq: int, seed: int) -> np.ndarray:

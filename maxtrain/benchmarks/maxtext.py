@@ -28,6 +28,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from maxtrain.common.errors import ArgumentParser, UserError, refuse
@@ -61,9 +62,10 @@ ATTENTION = {"plain": ("xla", "dot_product"), "kernel": ("splash", "flash")}
 SEQ_LEN = 2048
 
 
-def maxtrain_side(shape: str, topology: str, attention: str, unrolled: bool) -> dict:
+def maxtrain_command(shape: str, topology: str, attention: str, unrolled: bool) -> list[str]:
+    """tools/benchmark.py's command line for maxtrain's side of the comparison."""
     _, chips = parse_topology(topology)
-    command = [
+    return [
         sys.executable,
         str(REPO_ROOT / "tools" / "benchmark.py"),
         str(CONFIGS_DIR / "base.yml"),
@@ -80,6 +82,10 @@ def maxtrain_side(shape: str, topology: str, attention: str, unrolled: bool) -> 
         "--topology",
         topology,
     ]
+
+
+def maxtrain_side(shape: str, topology: str, attention: str, unrolled: bool) -> dict:
+    command = maxtrain_command(shape, topology, attention, unrolled)
     compiled = json.loads(_run(command, "maxtrain").splitlines()[-1])["compiled"]
     return {
         "command": " ".join(
@@ -102,18 +108,8 @@ def maxtext_side(
     generation, chips = parse_topology(topology)
     if generation != "v5e" and generation != "v6e":
         raise UserError(f"--topology {topology}: this comparison knows v5e and v6e slices")
-    base = _run(
-        [python, "-c", "import maxtext, os; print(os.path.dirname(maxtext.__file__))"], "maxtext"
-    ).strip()
     settings = {
         **SHAPES[shape],
-        "compile_topology": f"{generation}-{chips}",
-        "compile_topology_num_slices": 1,
-        "skip_jax_distributed_system": "true",
-        "run_name": "compare",
-        "base_output_directory": "/tmp/maxtext-compare",
-        "enable_checkpointing": "false",
-        "dataset_type": "synthetic",
         "max_target_length": SEQ_LEN,
         "per_device_batch_size": 1,
         "ici_fsdp_parallelism": -1,
@@ -125,21 +121,7 @@ def maxtext_side(
         "decoder_block": "llama2",
         "logits_via_embedding": "false",
     }
-    command = [
-        python,
-        "-m",
-        "maxtext.trainers.pre_train.train_compile",
-        f"{base}/configs/base.yml",
-        *(f"{k}={v}" for k, v in settings.items()),
-        *options,
-    ]
-    env = {**os.environ, "DECOUPLE_GCLOUD": "TRUE", "JAX_PLATFORMS": "cpu"}
-    env.setdefault(
-        "TPU_ACCELERATOR_TYPE", f"{'v5litepod' if generation == 'v5e' else 'v6e'}-{chips}"
-    )
-    env.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
-    env.setdefault("TPU_SKIP_MDS_QUERY", "1")
-    out = _run(command, "maxtext", env)
+    command, out = train_compile(python, topology, settings, options)
     cost = ast.literal_eval(re.search(r"^Cost analysis: (\{.*\})$", out, re.M)[1])
     memory = dict(
         (k, int(v)) for k, v in re.findall(r"(\w+_size_in_bytes)=(\d+)", out.split("Memory")[-1])
@@ -153,6 +135,84 @@ def maxtext_side(
             "temporaries": round(memory["temp_size_in_bytes"] / 2**30, 3),
         },
     }
+
+
+def train_compile(
+    python: str,
+    topology: str,
+    settings: dict,
+    options: list[str] | None = None,
+    libtpu_flags: str = "",
+    dump_dir: str | None = None,
+) -> tuple[list[str], str]:
+    """(command, stdout) of MaxText's `train_compile` in its own environment (`python`) for a
+    TPU topology, with MaxText's `settings` (key=value on its base.yml, `options` after them)
+    and the LIBTPU_INIT_ARGS flag bundle `libtpu_flags`. With `dump_dir`, XLA writes the
+    optimized program there (`optimized_program` reads it) and the compile is stopped once it
+    has: what follows is code generation, which the program's text does not show."""
+    generation, chips = parse_topology(topology)
+    base = _run(
+        [python, "-c", "import maxtext, os; print(os.path.dirname(maxtext.__file__))"], "maxtext"
+    ).strip()
+    settings = {
+        "compile_topology": f"{generation}-{chips}",
+        "compile_topology_num_slices": 1,
+        "skip_jax_distributed_system": "true",
+        "run_name": "compare",
+        "base_output_directory": "/tmp/maxtext-compare",
+        "enable_checkpointing": "false",
+        "dataset_type": "synthetic",
+        **settings,
+    }
+    command = [
+        python,
+        "-m",
+        "maxtext.trainers.pre_train.train_compile",
+        f"{base}/configs/base.yml",
+        *(f"{k}={v}" for k, v in settings.items()),
+        *(options or []),
+    ]
+    env = {**os.environ, "DECOUPLE_GCLOUD": "TRUE", "JAX_PLATFORMS": "cpu"}
+    env["TPU_ACCELERATOR_TYPE"] = f"{'v5litepod' if generation == 'v5e' else generation}-{chips}"
+    env.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
+    env.setdefault("TPU_SKIP_MDS_QUERY", "1")
+    if libtpu_flags:
+        env["LIBTPU_INIT_ARGS"] = libtpu_flags
+    if dump_dir is None:
+        return command, _run(command, "maxtext", env)
+    env["XLA_FLAGS"] = (
+        f"--xla_dump_to={dump_dir} --xla_dump_hlo_module_re=jit_train_step --xla_dump_hlo_as_text"
+    )
+    _run_until_dumped(command, env, dump_dir)
+    return command, ""
+
+
+_OPTIMIZED = "*jit_train_step*.after_optimizations.txt"
+
+
+def optimized_program(dump_dir: str) -> str:
+    """The optimized train step XLA dumped to `dump_dir` (its scheduled program's text)."""
+    found = sorted(Path(dump_dir).glob(_OPTIMIZED))
+    if not found:
+        raise UserError(f"MaxText's compile wrote no optimized program to {dump_dir}")
+    return found[-1].read_text()
+
+
+def _run_until_dumped(command: list[str], env: dict, dump_dir: str) -> None:
+    """Runs a compile until XLA has dumped its optimized program (or the compile ends). Its
+    log goes to a file: a pipe nobody reads would fill and stop it."""
+    log = Path(dump_dir) / "compile.log"
+    with log.open("w") as out, subprocess.Popen(command, env=env, stdout=out, stderr=out) as run:
+        while run.poll() is None:
+            written = list(Path(dump_dir).glob(_OPTIMIZED))
+            if written and time.time() - written[0].stat().st_mtime > 5:  # complete
+                run.terminate()
+                run.wait()
+                return
+            time.sleep(2)
+    if run.returncode:
+        tail = "\n".join(log.read_text().strip().splitlines()[-5:])
+        raise UserError(f"maxtext's compile failed (exit {run.returncode}):\n{tail}")
 
 
 def _run(command: list[str], who: str, env: dict | None = None) -> str:

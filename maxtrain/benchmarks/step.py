@@ -14,11 +14,13 @@ recomputation remat adds. With pipeline stages, the schedule's idle share (bubbl
 
 --dry-run runs nothing: the memory estimate per device (maxtrain/analysis/memory.py), and
 whether it fits the memory of the device named by --device (default: this host's; HBM per
-TPU/GPU generation in memory.py) and by how much (`fit`); with lora.rank > 0 also what trains
-and what the frozen base costs, beside full fine-tuning (`lora`). With
+chip in maxtrain/common/devices.py) and by how much (`fit`); with lora.rank > 0 also what
+trains and what the frozen base costs, beside full fine-tuning (`lora`). With
 --compile it also compiles the step for a state of shapes only (nothing allocated), so a model
 far bigger than this host compiles on simulated CPU devices, and prints what the compiled
-program says: XLA's memory per device and the collective bytes, DCN apart. For 512 devices:
+program says: XLA's memory per device and the collective bytes, DCN apart; compiled for a TPU
+or GPU topology (--topology), also the step time it predicts on that chip (`predicted`,
+maxtrain/analysis/step_time.py). For 512 devices:
 XLA_FLAGS=--xla_force_host_platform_device_count=512 python tools/benchmark.py ...
 --dry-run
 --compile.
@@ -26,6 +28,7 @@ XLA_FLAGS=--xla_force_host_platform_device_count=512 python tools/benchmark.py .
 
 from __future__ import annotations
 
+import functools
 import json
 import statistics
 import sys
@@ -37,13 +40,15 @@ from jax.sharding import AbstractMesh
 
 from maxtrain import config as config_lib
 from maxtrain import models as model_lib
-from maxtrain.analysis import memory, program
+from maxtrain.analysis import collectives, memory, program, step_time, transfers
 from maxtrain.analysis.preflight import host_memory_bytes
+from maxtrain.common import devices as devices_lib
 from maxtrain.common import files
 from maxtrain.common.errors import (
     ArgumentParser,
     UserError,
     non_negative_int,
+    path_first,
     positive_int,
     refuse,
 )
@@ -52,10 +57,11 @@ from maxtrain.data.streams import data_streams
 from maxtrain.kernels.grouped_matmul import grouped_matmul_implementation
 from maxtrain.models.stacks import is_moe_per_layer
 from maxtrain.parallel.context import attention_pairs
-from maxtrain.parallel.experts import exchange_implementation
+from maxtrain.parallel.expert_exchanges import exchange_implementation
 from maxtrain.parallel.mesh import axis_sizes, batch_degree, device_slices
 from maxtrain.parallel.topology import topology_devices
 from maxtrain.training import metrics, run_model
+from maxtrain.training.compile_progress import compile_progress, devices_of
 from maxtrain.training.run_model import stage_layout
 from maxtrain.training.trainer import build_trainer, check_batch, compile_step
 
@@ -169,7 +175,7 @@ def context_settings(cfg: config_lib.Config, context: int) -> dict:
 def program_collectives(cfg: config_lib.Config, trainer, compiled) -> dict[str, int]:
     """Bytes per collective kind per device and step, those crossing slices under "dcn ..."."""
     slices = device_slices(trainer.mesh, cfg.mesh.num_slices) if cfg.mesh.num_slices > 1 else None
-    return program.collective_bytes(compiled.as_text(), slices)
+    return collectives.collective_bytes(compiled.as_text(), slices)
 
 
 def routed_bytes(cfg: config_lib.Config, trainer) -> dict:
@@ -199,7 +205,8 @@ def benchmark(cfg: config_lib.Config, steps: int, warmup: int, profile_dir: str 
     batch = to_global(host_batch, trainer.batch_sharding)
     dtypes = matmul_dtypes(trainer, batch)  # traced before the steps donate the state
     t0 = time.perf_counter()
-    step = trainer.step_fn.lower(trainer.state, batch).compile()
+    with _compile_progress(cfg, trainer):
+        step = trainer.step_fn.lower(trainer.state, batch).compile()
     compile_s = time.perf_counter() - t0
     times = []
     for _ in range(warmup + steps):
@@ -240,9 +247,10 @@ def benchmark(cfg: config_lib.Config, steps: int, warmup: int, profile_dir: str 
         # Per device and step, from the compiled program (maxtrain/analysis/program.py).
         "collective_bytes": program_collectives(cfg, trainer, step),
         **routed_bytes(cfg, trainer),
-        # XLA's count of the bytes the step reads and writes, and the copies it makes of the
-        # state it is handed (donated: a copy is memory traffic the math did not ask for).
-        "bytes_accessed_mb": round(step.cost_analysis()["bytes accessed"] / 1e6, 1),
+        # The bytes the step reads and writes, each loop trip counted (XLA's own count takes a
+        # scan's body once: one layer of a scanned stack), and the copies it makes of the state
+        # it is handed (donated: a copy is memory traffic the math did not ask for).
+        "bytes_accessed_mb": round(program.bytes_accessed(step.as_text()) / 1e6, 1),
         "state_copied_mb": round(
             sum(b for _, b in program.entry_parameter_copies(step.as_text())) / 1e6, 3
         ),
@@ -259,10 +267,17 @@ def benchmark(cfg: config_lib.Config, steps: int, warmup: int, profile_dir: str 
     }
 
 
+def _compile_progress(cfg: config_lib.Config, trainer):
+    """Lines on stderr while the step compiles (minutes on a TPU slice); stdout is the JSON."""
+    say = functools.partial(print, file=sys.stderr, flush=True)
+    what = f"the train step of {cfg.model_name}"
+    return compile_progress(what, devices_of(trainer.mesh), say)
+
+
 def _fit(estimate_gib: float, device_kind: str, num_devices: int) -> dict[str, object]:
     """memory.fit for an accelerator; on CPU, this host's RAM shared by the run's devices (the
     simulated devices of one process: analysis/preflight.py), where it is known."""
-    if memory.device_platform(device_kind) != "cpu" or (host := host_memory_bytes()) is None:
+    if devices_lib.platform(device_kind) != "cpu" or (host := host_memory_bytes()) is None:
         return memory.fit(estimate_gib, device_kind)
     per_device = host / 2**30 / num_devices
     return {
@@ -287,7 +302,7 @@ def dry_run(
     docstring). Choices that depend on the hardware (kernels, compute dtype) are made for the
     platform of `device_kind`, as a run there would make them."""
     cfg = run_model.for_platform(
-        cfg, memory.device_platform(device_kind), device_kind, num_devices // cfg.mesh.num_slices
+        cfg, devices_lib.platform(device_kind), device_kind, num_devices // cfg.mesh.num_slices
     )
     sizes = axis_sizes(cfg.mesh, num_devices)
     check_batch(cfg, AbstractMesh(tuple(sizes.values()), tuple(sizes)))  # as the run would
@@ -331,7 +346,8 @@ def compiled_program(
     trainer = build_trainer(cfg, devices=list(devices) if devices else None, abstract=True)
     device = trainer.mesh.devices.flat[0]
     try:
-        compiled, lower_s, compile_s = compile_step(trainer)
+        with _compile_progress(cfg, trainer):
+            compiled, lower_s, compile_s = compile_step(trainer)
     except jax.errors.JaxRuntimeError as e:
         if "RESOURCE_EXHAUSTED" not in str(e):
             raise
@@ -353,7 +369,7 @@ def compiled_program(
         trainer.cfg.model, trainer.cfg.compute, found, trainer.mesh.shape["context"]
     )
     analysis = compiled.memory_analysis()
-    cost = compiled.cost_analysis()
+    cost = compiled.cost_analysis() or {}  # none for a GPU compiled without one
     gib = lambda n: round(n / 2**30, 3)  # noqa: E731
     peak = (
         analysis.argument_size_in_bytes
@@ -381,11 +397,26 @@ def compiled_program(
         "fit": memory.fit(peak / 2**30, device.device_kind),
         "flops_per_device": cost.get("flops"),
         "bytes_accessed_per_device": cost.get("bytes accessed"),
-        "collective_bytes": program.collective_bytes_per_axis(
+        "collective_bytes": collectives.collective_bytes_per_axis(
             hlo, dict(trainer.mesh.shape), slices
         ),
         "kernels": found,
+        "predicted": predicted(cfg, trainer, hlo),
     }
+
+
+def predicted(cfg: config_lib.Config, trainer, hlo: str) -> dict:
+    """The step time the compiled program predicts on its chip (analysis/step_time.py), or
+    why there is none: a CPU has no peak FLOP/s or HBM bandwidth in the chip table."""
+    kind = trainer.mesh.devices.flat[0].device_kind
+    chip = devices_lib.chip(kind)
+    if chip is None:
+        return {"chip": None, "why": f"no figures for {kind!r} in maxtrain/common/devices.py"}
+    where = transfers.placement(list(trainer.mesh.devices.flat), dict(trainer.mesh.shape))
+    prediction = step_time.predict(hlo, chip, where)
+    return step_time.summary(
+        prediction, cfg.tokens_per_step, trainer.mesh.size, trainer.flops_per_token
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -417,7 +448,8 @@ def main(argv: list[str] | None = None) -> int:
         "--topology",
         help="--dry-run --compile: compile for this TPU topology instead, as libtpu names it "
         "(v5e:2x2, v5e:16x16, v6e:16x16, v5p:4x4x4; mesh.num_slices of them), with the TPU "
-        "compiler on this host (./setup.sh tpu-compiler; docs/tpu.md)",
+        "compiler on this host (./setup.sh tpu-compiler; docs/tpu.md), or for NVIDIA GPUs "
+        "(h100, h200, b200, h100:8 for 8 on one host; ./setup.sh gpu-compiler)",
     )
     parser.add_argument(
         "--save-hlo",
@@ -425,6 +457,7 @@ def main(argv: list[str] | None = None) -> int:
         help="--dry-run --compile: also write the compiled program's text (HLO) to FILE",
     )
     args = parser.parse_args(argv)
+    args.config, *args.overrides = path_first([args.config, *args.overrides])
     try:
         cfg = config_lib.load(args.config, args.overrides)
         if args.compile and not args.dry_run:
@@ -457,10 +490,12 @@ def main(argv: list[str] | None = None) -> int:
                 (args.device, "--device") if args.device else (cfg.run.device, "run.device")
             )
             if named:
-                if memory.device_memory_gib(named) is None and named.lower() != "cpu":
-                    known = ", ".join(["cpu", *(needle for needle, _ in memory.DEVICE_MEMORY_GIB)])
+                if devices_lib.chip(named) is None and named.lower() != "cpu":
+                    known = ", ".join(
+                        ["cpu", *(kind for c in devices_lib.CHIPS for kind in c.kinds)]
+                    )
                     raise UserError(f"{what} {named!r}: memory not known; known: {known}")
-                if devices and args.device and memory.device_platform(named) != "tpu":
+                if devices and args.device and devices_lib.platform(named) != "tpu":
                     raise UserError(f"--device {named!r} is no TPU; --topology is")
                 device = device if devices else named
             result = dry_run(

@@ -17,6 +17,7 @@ import argparse
 import os
 import re
 import sys
+import traceback
 from typing import NoReturn
 
 DEBUG_ENV = "MAXTRAIN_DEBUG"
@@ -57,11 +58,22 @@ def debugging() -> bool:
 
 def refuse(prog: str, error: UserError) -> int:
     """Reports a refused input as `PROG: error: <one line>` on stderr and returns exit status 2;
-    under --debug / MAXTRAIN_DEBUG=1 re-raises it, traceback and all."""
+    under --debug / MAXTRAIN_DEBUG=1 with its traceback first, the exit status the same."""
     if debugging():
-        raise error
+        traceback.print_exception(error, file=sys.stderr)
     print(f"{prog}: error: {one_line(error)}", file=sys.stderr, flush=True)
     return 2
+
+
+def path_first(positionals: list[str]) -> list[str]:
+    """A command's positionals with its one path (a config file, a checkpoint: the one that is
+    no key=value override) first, wherever it stood: `generate mesh.fsdp=1 runs/default` is
+    `generate runs/default mesh.fsdp=1`, not a checkpoint named "mesh.fsdp=1". The overrides
+    keep their order; with no path or several, nothing moves (the caller refuses them)."""
+    paths = [p for p in positionals if "=" not in p]
+    if len(paths) != 1:
+        return positionals
+    return [*paths, *(p for p in positionals if "=" in p)]
 
 
 class _Debug(argparse.Action):

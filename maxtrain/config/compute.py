@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Literal
 
+from maxtrain.config.attention_kernels import ATTENTION_CHOICES
 from maxtrain.config.domains import PositiveFloat, PositiveInt, Section
 
 
@@ -56,21 +57,8 @@ def named_tiles(tiles: dict[str, ProjectionTiles]) -> dict[str, dict[str, dict[s
     return out
 
 
-# The attention kernels by name (kernels/attention.py); auto: splash on TPU, mosaic_gpu on GPU,
-# xla elsewhere, by the platform of the devices the run is built for; mosaic: tokamax's
-# mosaic_gpu or mosaic_tpu.
-AttentionKernel = Literal[
-    "auto",
-    "xla",
-    "splash",
-    "mosaic",
-    "mosaic_gpu",
-    "mosaic_tpu",
-    "cudnn",
-    "triton",
-    "xla_chunked",
-    "tokamax_xla",
-]
+# The attention kernels by name (attention_kernels.py): auto, mosaic, or one kernel.
+AttentionKernel = Literal[ATTENTION_CHOICES]
 
 
 class ComputeConfig(Section):
@@ -86,7 +74,7 @@ class ComputeConfig(Section):
     attention: AttentionKernel = "auto"
     # Each attention head's largest pre-softmax logit over the step's batch, as a statistic
     # (metric attention/max_logit; QK-clip reads it: optim.qk_clip_threshold turns it on).
-    # Only the xla kernel computes it (kernels/attention.py).
+    # Only the xla kernel computes it (kernels/xla_attention.py).
     attention_max_logit: bool = False
     # With mesh.context > 1 (parallel/context.py): how keys/values reach the queries,
     # and how the sequence is cut over the devices.
@@ -98,7 +86,7 @@ class ComputeConfig(Section):
     # weight_grad); unnamed: tokamax's choice. The xla grouped matmul has no tiles.
     grouped_matmul_tiles: dict[Literal["gate_up", "down"], ProjectionTiles] = {}
     # Dropless experts split over devices (mesh.expert > 1): how rows reach their experts
-    # (parallel/experts.py). auto: ragged on GPU/TPU, all_to_all elsewhere.
+    # (parallel/expert_exchanges.py). auto: ragged on GPU/TPU, all_to_all elsewhere.
     expert_exchange: Literal["auto", "all_to_all", "ragged", "all_gather"] = "auto"
     # Its buffers hold this many times the routed rows per round (>= mesh.expert: one round,
     # worst-case buffers, P times the traffic).

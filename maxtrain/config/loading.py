@@ -38,6 +38,13 @@ def _yaml_problem(error: yaml.YAMLError) -> str:
 
 
 def _read_yaml(path: Path) -> dict[str, Any]:
+    if path.is_dir():  # a run directory, say: its config is the file in it
+        inside = (
+            f"; the config in it is {path / 'config.yml'}"
+            if (path / "config.yml").is_file()
+            else ""
+        )
+        raise ConfigError(f"config file {path} is a directory, not a YAML file{inside}")
     if not path.is_file():
         raise ConfigError(f"config file not found: {path}")
     try:

@@ -101,7 +101,7 @@ class ModelConfig(Section):
     # GPT-OSS has the output's too.
     attention_projection_bias: Literal["none", "qkv", "qkvo"] = "none"
     # GPT-OSS: a learned logit per query head that joins the softmax's denominator and carries
-    # no value (kernels/attention.py masked_attention), so a head may attend to nothing.
+    # no value (kernels/xla_attention.py masked_attention), so a head may attend to nothing.
     attention_sinks: bool = False
     # Qwen3-Next: the attention output, per head and dim, times sigmoid of a gate projected
     # from the layer's input (x W_gate [D, N, H]), before the output projection.

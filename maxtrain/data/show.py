@@ -50,16 +50,22 @@ def collect(cfg: config_lib.Config, steps: int) -> dict[str, np.ndarray]:
     return {k: np.stack([b[k] for b in batches]) for k in BATCH_KEYS}
 
 
-def loss_view(targets: np.ndarray, loss_mask: np.ndarray, segments: np.ndarray, decode) -> str:
-    """One row's targets as text, runs of loss-carrying tokens in [[ ]], segments split by |."""
+def loss_view(
+    inputs: np.ndarray, targets: np.ndarray, loss_mask: np.ndarray, segments: np.ndarray, decode
+) -> str:
+    """One row as text, runs of loss-carrying targets in [[ ]], segments split by |. A
+    document's first token is an input only (no token before it predicts it): it leads its
+    segment's text, outside the brackets (it was missing: "|im_start|>" for "<|im_start|>")."""
     keys = list(zip(segments, loss_mask, strict=True))
     text, start = [], 0
     for end in [*np.flatnonzero(np.diff(np.asarray(keys), axis=0).any(-1)) + 1, len(keys)]:
         segment, counted = keys[start]
         piece = decode(targets[start:end])
+        first = start == 0 or segments[start - 1] != segment
+        lead = decode(inputs[start : start + 1]) if first and segment != 0 else ""
         if segment == 0:
             piece = f"<{end - start} padding>"
-        text.append(f"[[{piece}]]" if counted else piece)
+        text.append(lead + (f"[[{piece}]]" if counted else piece))
         if end < len(keys) and segments[end] != segment:
             text.append(" | ")
         start = end
@@ -100,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.show_loss:
         decode = chat.load_tokenizer(cfg.data.tokenizer).decode
         for r in range(min(args.show_loss, arrays["inputs"].shape[1])):
-            row = [arrays[k][0, r] for k in ("targets", "loss_mask", "segment_ids")]
+            row = [arrays[k][0, r] for k in ("inputs", "targets", "loss_mask", "segment_ids")]
             print(f"row {r}: {loss_view(*row, decode)}")
     return 0
 

@@ -1,7 +1,12 @@
-"""Hugging Face checkpoints in and out: Llama, Qwen3, Mixtral and Qwen3-MoE.
+"""Hugging Face checkpoints in and out, one module per transformers family.
 
-    families.py        the four transformers architectures, as data (config keys, names)
-    config_map.py      config.json (both layouts) <-> ModelConfig
+    families/          one module per family (Llama, Mistral, Qwen3, Mixtral, Qwen3-MoE,
+                       DeepSeek-V3, GLM-4.5, Llama 4, Gemma 3, GPT-OSS, Qwen3-Next): its
+                       config.json keys, layer layout, aspects and tensor names
+    family.py          what a family entry holds; aspect.py the parts it is made of
+    config_map.py      config.json (both layouts) <-> ModelConfig: the keys every family shares
+    rope.py            RoPE's keys; layer_layout.py the per-layer layouts <-> model.layers
+    attention.py, feed_forward.py   the aspects several families share
     layout.py          each Hugging Face tensor's place and layout in our parameter tree
     safetensors_io.py  streaming safetensors reader and writer
     convert.py         import / export, tensor by tensor, outputs written atomically

@@ -51,7 +51,8 @@ from maxtrain.config import (
 )
 from maxtrain.hf.config_map import CONFIG_JSON, hf_config, init_std, model_config, read_config_json
 from maxtrain.hf.errors import ConversionError
-from maxtrain.hf.families import Family, family_for
+from maxtrain.hf.families import family_for
+from maxtrain.hf.family import Family
 from maxtrain.hf.layout import Slot, hf_tensor, slots
 from maxtrain.hf.safetensors_io import OutputTensor, TensorReader, write_safetensors
 from maxtrain.hf.tokenizer_files import run_tokenizer, special_ids, tokenizer_files

@@ -1,28 +1,8 @@
-"""transformers' fused Gated DeltaNet tensors (Qwen3-Next's `linear_attn.`) and the layer's
-parameters (layers/gated_deltanet.py), both ways.
-
-transformers projects q, k, v and z with one linear map and b and a with another, their outputs
-grouped by query/key head: with G = Nv / Nk value heads per query/key head, output row block g
-(g < Nk) of
-
-    in_proj_qkvz.weight [Nk (2 dk + 2 G dv), D]  is  [q_g (dk) | k_g (dk) | v_g (G dv) | z_g (G dv)]
-    in_proj_ba.weight   [Nk (2 G), D]            is  [b_g (G) | a_g (G)]
-
-where v_g, z_g, b_g and a_g hold value heads g G .. g G + G - 1 in order. The convolution is one
-depthwise conv1d over the concatenation of q, k and v, each head-major:
-
-    conv1d.weight [2 Nk dk + Nv dv, 1, K]  is  [q (Nk dk) | k (Nk dk) | v (Nv dv)]
-
-its K taps oldest first. Our layer keeps each of them apart, heads as their own axis (so that
-`heads`/`kv_heads` split them over a mesh): projections [D, heads, head dim] (b, a: [D, Nv]),
-taps [K, heads, head dim].
-The other tensors follow the package's general rule (maxtrain/hf/layout.py): out_proj.weight
-[D, Nv dv] is our o kernel [Nv, dv, D] flattened and transposed; norm.weight [dv], A_log [Nv]
-and dt_bias [Nv] are ours as they are (`a_log`, `dt_bias`, `norm.scale`).
-
-layout.py states this once, as Slots with Parts (linear_attention_tensors), which import and
-export of whole checkpoints use; from_hf and to_hf apply it to one layer's tensors (the layer's
-own tests load transformers' Qwen3NextGatedDeltaNet with them).
+"""transformers' fused Gated DeltaNet tensors (Qwen3-Next's `linear_attn.`) <-> one layer's
+parameters (layers/gated_deltanet.py), for the layer's own tests, which load transformers'
+Qwen3NextGatedDeltaNet with them. The layout (which rows of in_proj_qkvz, in_proj_ba and
+conv1d are which of our projections and taps) is stated once, as Slots with Parts, in
+maxtrain/hf/families/qwen3_next.py, which import and export of whole checkpoints use too.
 """
 
 from __future__ import annotations
@@ -33,7 +13,8 @@ import numpy as np
 from flax import nnx
 
 from maxtrain.config import LinearAttention
-from maxtrain.hf.layout import Slot, hf_tensor, linear_attention_tensors
+from maxtrain.hf.families.qwen3_next import linear_attention_tensors
+from maxtrain.hf.layout import Slot, hf_tensor
 from maxtrain.layers.gated_deltanet import GatedDeltaNet
 
 _PREFIX = "linear_attn."
@@ -82,7 +63,8 @@ def _sizes(
 
 
 def _slots(linear: LinearAttention) -> list[Slot]:
-    """layout.py's Slots of one layer, named inside `linear_attn.`, paths inside the layer."""
+    """qwen3_next.py's Slots of one layer, named inside `linear_attn.`, paths inside the
+    layer."""
     return [
         Slot(name.removeprefix(_PREFIX), path[1:], (), in_axes, part, unit_axis)
         for path, name, in_axes, part, unit_axis in linear_attention_tensors(linear)

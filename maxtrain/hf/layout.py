@@ -20,13 +20,13 @@ of the tensor's last axis.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import NamedTuple
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from typing import NamedTuple, Protocol
 
 import numpy as np
 
-from maxtrain.config import LinearAttention, ModelConfig, MoeConfig
-from maxtrain.hf.families import Family
+from maxtrain.config import ModelConfig
 from maxtrain.models.stacks import STACKS, layer_kinds, stack_positions
 
 
@@ -96,24 +96,7 @@ _QK_NORM = (
     (("attn", "q_norm", "scale"), "self_attn.q_norm.weight", None),
     (("attn", "k_norm", "scale"), "self_attn.k_norm.weight", None),
 )
-_EXPERTS = ("gate", "up", "down")  # ours, in the order of Family.expert_names
-# A dense layer's SwiGLU, inside Family.dense_block.
-_DENSE_MLP = tuple((("mlp", ours, "kernel"), f"{ours}_proj.weight", 1) for ours in _EXPERTS)
-# GPT-OSS's fused experts inside the MoE block (Family.expert_layout "gpt_oss"): (our path
-# inside `moe`, Hugging Face name, input axes, Part of the interleaved columns or None).
-_GATE, _UP = Part(0, (1, 1)), Part(1, (1, 1))
-_GPT_OSS_MOE = (
-    (("router", "kernel"), "router.weight", 1, None),
-    (("router", "logit_bias"), "router.bias", None, None),
-    (("gate", "kernel"), "experts.gate_up_proj", None, _GATE),
-    (("up", "kernel"), "experts.gate_up_proj", None, _UP),
-    (("gate", "bias"), "experts.gate_up_proj_bias", None, _GATE),
-    (("up", "bias"), "experts.gate_up_proj_bias", None, _UP),
-    (("down", "kernel"), "experts.down_proj", None, None),
-    (("down", "bias"), "experts.down_proj_bias", None, None),
-)
 _SINKS = ((("attn", "sinks"), "self_attn.sinks", None),)
-_SHARED = tuple((("moe", "shared", ours, "kernel"), f"{ours}_proj.weight", 1) for ours in _EXPERTS)
 
 
 @dataclass(frozen=True)
@@ -194,112 +177,66 @@ def _attention(cfg: ModelConfig) -> tuple:
     return norms + (_MLA_Q if cfg.mla.q_lora_rank is None else _MLA_Q_LORA) + _MLA
 
 
-def _mixer(cfg: ModelConfig, mixer: str, prefix: str, stack: str, j: int) -> list[Slot]:
-    """A layer's norms and token mixer: attention, or Gated DeltaNet (`linear_attn.`)."""
-    plain = _NORMS if mixer == "linear" else _attention(cfg)
-    table = tuple((path, name, ax, None, None) for path, name, ax in plain)
-    if mixer == "linear":
-        assert cfg.linear_attention is not None  # a linear layer implies it
-        table += linear_attention_tensors(cfg.linear_attention)
-    out = [
-        Slot(prefix + name, (stack, *path), (j,), ax, part, unit_axis)
-        for path, name, ax, part, unit_axis in table
-    ]
-    if cfg.attention_output_gate and mixer == "attention":
+class LayerSite(NamedTuple):
+    """Where one decoder layer's tensors go: its Hugging Face name prefix (`model.layers.<i>.`),
+    its kind's stack in our tree and its row there, its token mixer and feed-forward kind."""
+
+    prefix: str
+    stack: str
+    row: int
+    mixer: str
+    is_moe: bool
+
+    def slot(
+        self,
+        name: str,
+        path: tuple[str, ...],
+        in_axes: int | None,
+        part: Part | None = None,
+        expert: int | None = None,
+    ) -> Slot:
+        """The Slot of the layer's tensor `name` (after the prefix) at `path` in its block
+        (and at `expert` along the experts' axis)."""
+        index = (self.row,) if expert is None else (self.row, expert)
+        return Slot(self.prefix + name, (self.stack, *path), index, in_axes, part)
+
+
+def _mixer(cfg: ModelConfig, site: LayerSite) -> list[Slot]:
+    """A layer's norms and, for an attention layer, its attention tensors (the tensors of
+    another token mixer are its family's: Qwen3-Next's Gated DeltaNet)."""
+    table = _attention(cfg) if site.mixer == "attention" else _NORMS
+    out = [site.slot(name, path, ax) for path, name, ax in table]
+    if cfg.attention_output_gate and site.mixer == "attention":
         # q_proj [N 2H, D]: per head its query's H rows, then its output gate's
         q = next(slot for slot in out if slot.path[-2:] == ("q", "kernel"))
         widths = (cfg.resolved_head_dim,) * 2
-        gate = Slot(q.hf_name, (stack, "attn", "output_gate", "kernel"), (j,), 1, Part(1, widths))
-        out[out.index(q)] = Slot(q.hf_name, q.path, (j,), 1, Part(0, widths))
+        gate = replace(q, path=(site.stack, "attn", "output_gate", "kernel"), part=Part(1, widths))
+        out[out.index(q)] = replace(q, part=Part(0, widths))
         out.append(gate)
     return out
 
 
-def linear_attention_tensors(linear: LinearAttention) -> tuple:
-    """A Gated DeltaNet layer's tensors inside `linear_attn.` (transformers' fused layout:
-    maxtrain/hf/gated_deltanet.py): (our path, Hugging Face name, input axes, Part, unit
-    axis)."""
-    nk, nv, dk, dv = (
-        linear.num_key_heads,
-        linear.num_value_heads,
-        linear.key_head_dim,
-        linear.value_head_dim,
-    )
-    group = nv // nk
-    qkvz, ba = (dk, dk, group * dv, group * dv), (group, group)
-    conv = (nk * dk, nk * dk, nv * dv)
-    la = "linear_attn"
-    return (
-        *(
-            ((la, ours, "kernel"), f"{la}.in_proj_qkvz.weight", 1, Part(i, qkvz), None)
-            for i, ours in enumerate("qkvz")
-        ),
-        *(
-            ((la, ours, "kernel"), f"{la}.in_proj_ba.weight", 1, Part(i, ba), None)
-            for i, ours in enumerate("ba")
-        ),
-        *(
-            ((la, f"{ours}_conv"), f"{la}.conv1d.weight", 1, Part(i, conv), 1)
-            for i, ours in enumerate("qkv")
-        ),
-        ((la, "o", "kernel"), f"{la}.out_proj.weight", 2, None, None),
-        ((la, "a_log"), f"{la}.A_log", None, None, None),
-        ((la, "dt_bias"), f"{la}.dt_bias", None, None, None),
-        ((la, "norm", "scale"), f"{la}.norm.weight", None, None, None),
-    )
+class TensorSource(Protocol):
+    def tensors(self, cfg: ModelConfig, site: LayerSite) -> list[Slot]: ...
 
 
-def _experts(family: Family, block: str, stack: str, j: int, moe: MoeConfig) -> list[Slot]:
-    """One MoE layer's routed experts: stacked (two tensors for all) or one tensor each."""
-    if family.stacked_experts:
-        path, fused, widths = (
-            (stack, "moe"),
-            f"{block}experts.gate_up_proj",
-            (moe.expert_mlp_dim,) * 2,
-        )
-        return [
-            Slot(fused, (*path, "gate", "kernel"), (j,), None, Part(0, widths)),
-            Slot(fused, (*path, "up", "kernel"), (j,), None, Part(1, widths)),
-            Slot(f"{block}experts.down_proj", (*path, "down", "kernel"), (j,), None),
-        ]
-    return [
-        Slot(f"{block}experts.{e}.{name}.weight", (stack, "moe", ours, "kernel"), (j, e), 1)
-        for e in range(moe.num_experts)
-        for ours, name in zip(_EXPERTS, family.expert_names, strict=True)
-    ]
+class HasAspects(Protocol):
+    """A family (family.py): its aspects name the tensors of a layer this module does not."""
+
+    @property
+    def aspects(self) -> Sequence[TensorSource]: ...
 
 
-def slots(cfg: ModelConfig, family: Family) -> list[Slot]:
+def slots(cfg: ModelConfig, family: HasAspects) -> list[Slot]:
     """Every tensor of `cfg` as a `family` checkpoint, in model order (embedding, layers,
-    final norm, head)."""
+    final norm, head): the attention and norms here, the rest from the family's aspects."""
     out = [Slot("model.embed_tokens.weight", ("embedding",), (), None)]
     kinds = layer_kinds(cfg)
-    for i, (kind, j) in enumerate(zip(kinds, stack_positions(kinds), strict=True)):
-        is_moe, stack, prefix = kind.is_moe, STACKS[kind], f"model.layers.{i}."
-        out += _mixer(cfg, kind.mixer, prefix, stack, j)
-        if not is_moe:
-            dense = f"{prefix}{family.dense_block}."
-            out += [Slot(dense + name, (stack, *path), (j,), ax) for path, name, ax in _DENSE_MLP]
-        if is_moe and family.expert_layout == "gpt_oss":
-            block = f"{prefix}{family.moe_block}."
-            out += [
-                Slot(block + name, (stack, "moe", *path), (j,), ax, part)
-                for path, name, ax, part in _GPT_OSS_MOE
-            ]
-        elif is_moe:
-            block = f"{prefix}{family.moe_block}."
-            router, router_path = f"{block}{family.router_name}.", (stack, "moe", "router")
-            out.append(Slot(router + "weight", (*router_path, "kernel"), (j,), 1))
-            if family.router_bias:
-                out.append(Slot(router + family.router_bias, (*router_path, "bias"), (j,), None))
-            assert cfg.moe is not None  # a MoE layer implies it
-            if family.shared_block and cfg.moe.shared_experts:
-                shared = f"{block}{family.shared_block}."
-                out += [Slot(shared + name, (stack, *p), (j,), ax) for p, name, ax in _SHARED]
-            if cfg.moe.shared_expert_gate:
-                gate = (stack, "moe", "shared_gate", "kernel")
-                out.append(Slot(f"{block}{family.shared_block}_gate.weight", gate, (j,), 1))
-            out += _experts(family, block, stack, j, cfg.moe)
+    for i, (kind, row) in enumerate(zip(kinds, stack_positions(kinds), strict=True)):
+        site = LayerSite(f"model.layers.{i}.", STACKS[kind], row, kind.mixer, kind.is_moe)
+        out += _mixer(cfg, site)
+        for aspect in family.aspects:
+            out += aspect.tensors(cfg, site)
     out.append(Slot("model.norm.weight", ("final_norm", "scale"), (), None))
     if not cfg.tie_embeddings:
         out.append(Slot("lm_head.weight", ("lm_head", "kernel"), (), 1))

@@ -72,6 +72,10 @@ def tokenizer_files(tokenizer_path: Path, max_length: int) -> dict[str, str | by
         # tokenizer assumes it is (Llama's model does) unless told, and "The" became "▁The".
         "add_prefix_space": adds_dummy_prefix(tokenizer_path),
         "legacy": False,  # transformers' sentencepiece-faithful handling of text after specials
+        # Text that spells a special token ("<s>", "</s>", "<unk>" in web or code data) is text:
+        # sentencepiece never encodes it as the control id, so the model was trained on its
+        # pieces. transformers would match it as the token unless told (docs/huggingface.md).
+        "split_special_tokens": True,
         "model_max_length": max_length,
     }
     return {

@@ -26,19 +26,23 @@ recurrence gives
     S_i = gamma_i S + sum_{j <= i} Gamma_ij k_j u_j^T,      u_j = beta_j (v_j - a_j S_{j-1}^T k_j)
 
 and substituting S_{j-1} into u_j: (I + A) u = beta v - (beta gamma k) S, with A_js = beta_j
-Gamma_js k_j . k_s strictly lower triangular (s < j). Its solution u = U - W S, U and W solved
-from that unit lower triangular system (the "UT transform"), turns the chunk into matmuls:
+Gamma_js k_j . k_s strictly lower triangular (s < j). Its solution u = U - W S, with
+[U | W] = (I + A)^-1 [beta v | beta gamma k] (the "UT transform"), turns the chunk into matmuls:
 
     o_i = gamma_i S^T q_i + sum_{j <= i} Gamma_ij (q_i . k_j) u_j
     S_next = gamma_C S + sum_j Gamma_Cj k_j u_j^T                       (C: the chunk's last token)
 
-with the state carried between chunks by `lax.scan`. Every decay is an exp of a non-positive
-number, so nothing overflows however strong the decay. The scan's body (a whole chunk) is
-rematerialised in the backward, which therefore keeps only the state entering each chunk
-([T / C, B, Nv, dk, dv]) beside the inputs, never one per token nor a chunk's [C, C]
-matrices for the whole sequence: at T = 4096, 4 value heads of 64 x 64, its CPU program's
-temporaries are a quarter of those of computing every chunk's matrices at once outside the
-scan, for 5% more matmul FLOPs.
+Everything but S is known from the chunk alone, so it is computed for every chunk at once
+(`_within_chunk`): the outputs' part from the chunk, P U with P_ij = Gamma_ij (q_i . k_j); the
+map from S to the outputs, gamma q - P W; and the chunk's effect on the state, S_next =
+S - M S + K^T U with M = (1 - gamma_C) I + K^T W and K_j = Gamma_Cj k_j. What remains
+sequential (`lax.scan` over the chunks) is that affine map of the state, one [dk, dk] x
+[dk, dv] product per chunk, and the states entering the chunks then give every output in one
+product. (I + A)^-1 is built in matmuls too (`_unit_lower_inverse`), not by a triangular
+solve: XLA:CPU ran a batch of small solves through LAPACK one matrix at a time, which cost
+more than the rest of the layer, and whose threads spun for seconds on a loaded machine
+(docs/hybrid-models.md). Every decay is an exp of a
+non-positive number, so nothing overflows however strong the decay.
 
 Shape letters: the package's (maxtrain/__init__.py); here q/k heads are Nk and value heads Nv, dk
 and dv their head sizes, C the chunk. In einsum strings h is a (value) head, c and s positions in
@@ -110,47 +114,117 @@ def chunked_gated_delta_rule(
         else initial_state.astype(jnp.float32)
     )
     chunks = tuple(map(as_chunks, (q, k, v, g, beta, starts)))
-    state, out = jax.lax.scan(_chunk_step, state, chunks)  # out [n, B, h, C, dv]
+    own, reading, forgetting, writing = jax.vmap(_within_chunk)(*chunks)
+
+    def across(state: jax.Array, chunk: tuple[jax.Array, jax.Array]):
+        forget, write = chunk  # M, K^T U: S_next = S - M S + K^T U
+        return state - jnp.einsum("bhkj,bhjv->bhkv", forget, state) + write, state
+
+    state, entering = jax.lax.scan(across, state, (forgetting, writing))  # [n, B, h, dk, dv]
+    out = own + jnp.einsum("nbhck,nbhkv->nbhcv", reading, entering)  # [n, B, h, C, dv]
     out = out.transpose(1, 0, 3, 2, 4).reshape(b, n * chunk, nv, dv)[:, :t]
     return out.astype(out_dtype), state
 
 
-@partial(jax.checkpoint, prevent_cse=False)
-def _chunk_step(state: jax.Array, chunk: tuple[jax.Array, ...]) -> tuple[jax.Array, jax.Array]:
-    """One chunk (q/k [B, C, h, dk] with q scaled, v [B, C, h, dv], g/beta [B, C, h], document
-    starts [B, C]) from the state entering it -> (the state leaving it, its outputs [B, h, C,
-    dv]). Rematerialised in the backward, so that only the entering states are kept."""
-    q, k, v, g, beta, starts = chunk
+def _within_chunk(
+    q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Array, starts: jax.Array
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """What one chunk computes without the state entering it (q/k [B, C, h, dk] with q scaled,
+    v [B, C, h, dv], g/beta [B, C, h], document starts [B, C]): (its outputs' own part P U
+    [B, h, C, dv]; the map gamma q - P W [B, h, C, dk] that reads the entering state into
+    them; M [B, h, dk, dk] and K^T U [B, h, dk, dv], the state's update; module docstring)."""
     size, dv = q.shape[1], v.shape[-1]
     decay, reach = _chunk_decays(g, starts)  # Gamma [B, h, c, s], gamma [B, c, h]
-    # The UT transform: (I + A) [U | W] = [beta v | beta gamma k], A strictly lower triangular.
     a = jnp.einsum("bchk,bshk->bhcs", beta[..., None] * k, k) * decay
     a = jnp.where(jnp.tri(size, k=-1, dtype=bool), a, 0.0)
     rhs = jnp.concatenate([beta[..., None] * v, (beta * reach)[..., None] * k], axis=-1)
-    solved = jax.lax.linalg.triangular_solve(
-        a,  # read as I + A: its unit diagonal is the solve's own
-        rhs.transpose(0, 2, 1, 3),  # [B, h, c, dv + dk]
-        left_side=True,
-        lower=True,
-        unit_diagonal=True,
-    )
-    u = solved[..., :dv] - jnp.einsum("bhck,bhkv->bhcv", solved[..., dv:], state)
-    scores = jnp.einsum("bchk,bshk->bhcs", q, k) * decay
-    out = jnp.einsum("bchk,bhkv->bhcv", reach[..., None] * q, state)
-    out = out + jnp.einsum("bhcs,bhsv->bhcv", scores, u)
-    to_end = jnp.einsum("bhs,bshk->bhsk", decay[:, :, -1], k)  # keys decayed to the chunk's end
-    state = reach[:, -1, :, None, None] * state + jnp.einsum("bhsk,bhsv->bhkv", to_end, u)
-    return state, out
+    solved = _unit_lower_solve(a, rhs.transpose(0, 2, 1, 3))  # [U | W]: [B, h, c, dv + dk]
+    u, w = solved[..., :dv], solved[..., dv:]
+    scores = jnp.einsum("bchk,bshk->bhcs", q, k) * decay  # P
+    own = scores @ u
+    reading = jnp.einsum("bch,bchk->bhck", reach, q) - scores @ w
+    to_end = jnp.einsum("bhs,bshk->bhks", decay[:, :, -1], k)  # K^T: keys decayed to the end
+    lost = (1.0 - reach[:, -1])[..., None, None] * jnp.eye(k.shape[-1], dtype=k.dtype)
+    return own, reading, lost + to_end @ w, to_end @ u
+
+
+@jax.custom_vjp
+def _unit_lower_solve(a: jax.Array, rhs: jax.Array) -> jax.Array:
+    """(I + A)^-1 rhs for A [..., C, C] strictly lower triangular, rhs [..., C, d]."""
+    return _matmul(_unit_lower_inverse(a), rhs)
+
+
+def _solve_forward(a: jax.Array, rhs: jax.Array):
+    inverse = _unit_lower_inverse(a)
+    solved = _matmul(inverse, rhs)
+    return solved, (inverse, solved)
+
+
+def _solve_backward(residuals, grad):
+    """Y = (I + A)^-1 R gives dR = (I + A)^-T dY and dA = -dR Y^T (its strictly lower part),
+    two matmuls, instead of the transposes of every step that built the inverse."""
+    inverse, solved = residuals
+    grad_rhs = _matmul(jnp.swapaxes(inverse, -1, -2), grad)
+    grad_a = -_matmul(grad_rhs, jnp.swapaxes(solved, -1, -2))
+    return jnp.tril(grad_a, k=-1), grad_rhs
+
+
+_unit_lower_solve.defvjp(_solve_forward, _solve_backward)
+
+
+def _unit_lower_inverse(a: jax.Array) -> jax.Array:
+    """(I + A)^-1 for A [..., C, C] strictly lower triangular, in matmuls: blocked forward
+    substitution (LAPACK's trtri, FLA's chunk kernels), with C padded to a power of two by
+    identity rows. The inverse of [[L1, 0], [L21, L2]] is [[X1, 0], [-X2 L21 X1, X2]] with X1,
+    X2 the inverses of the diagonal blocks, which are found the same way, both at once, down
+    to 1 x 1 blocks: log2(C) rounds, each on one batch."""
+    size = a.shape[-1]
+    padded = 1 << (size - 1).bit_length()
+    a = jnp.pad(a, [(0, 0)] * (a.ndim - 2) + [(0, padded - size)] * 2)
+    return _blocked_inverse(a)[..., :size, :size]
+
+
+def _blocked_inverse(a: jax.Array) -> jax.Array:
+    size = a.shape[-1]
+    if size == 1:
+        return jnp.ones_like(a)
+    half = size // 2
+    diagonal = _blocked_inverse(jnp.stack([a[..., :half, :half], a[..., half:, half:]]))
+    first, second = diagonal[0], diagonal[1]
+    corner = -_product(_product(second, a[..., half:, :half]), first)
+    top = jnp.concatenate([first, jnp.zeros_like(first)], axis=-1)
+    return jnp.concatenate([top, jnp.concatenate([corner, second], axis=-1)], axis=-2)
+
+
+def _product(x: jax.Array, y: jax.Array) -> jax.Array:
+    """x @ y for a batch of square blocks. Below 8 x 8 summed elementwise: XLA:CPU runs a batch
+    of tiny matmuls one block at a time, slower than the rest of the inverse together."""
+    if x.shape[-1] >= 8:
+        return _matmul(x, y)
+    return jnp.sum(x[..., :, :, None] * y[..., None, :, :], axis=-2)
+
+
+# The solve's matmuls at full float32 precision: the TPU's default would round their operands
+# to bfloat16, and errors of the inverse's rounds compound.
+_matmul = partial(jnp.matmul, precision=jax.lax.Precision.HIGHEST)
 
 
 def _chunk_decays(g: jax.Array, starts: jax.Array) -> tuple[jax.Array, jax.Array]:
     """g [B, C, h] and document starts [B, C] of a chunk -> (Gamma [B, h, c, s]: the decay from
     key s to query c, zero unless s <= c in one document; gamma [B, c, h]: the decay from the
     chunk's start to c, zero past a document start in the chunk). Masked before the exp, so
-    that no positive exponent is ever taken and no gradient flows through a masked pair."""
-    cumulative = jnp.cumsum(g, axis=1)  # G_c
-    document = jnp.cumsum(starts, axis=1)  # starts up to c: the chunk's document index of c
+    that no positive exponent is ever taken and no gradient flows through a masked pair.
+
+    The running sums are matmuls with a lower-triangular matrix of ones, not cumsums: XLA:CPU
+    fused a cumsum into the [C, C] exponent that reads it, summing it anew for every pair (4x
+    this function's time), and the TPU's matrix unit does it in one pass (at full float32
+    precision: the log decays are exponentiated)."""
     size = g.shape[1]
+    running_sum = partial(
+        jnp.einsum, "cs,bs...->bc...", jnp.tri(size), precision=jax.lax.Precision.HIGHEST
+    )
+    cumulative = running_sum(g)  # G_c
+    document = running_sum(starts.astype(jnp.float32))  # the chunk's document index of c
     visible = (document[:, :, None] == document[:, None, :]) & jnp.tri(size, dtype=bool)
     exponent = cumulative.transpose(0, 2, 1)  # [B, h, C]
     exponent = exponent[..., :, None] - exponent[..., None, :]

@@ -87,7 +87,8 @@ def manual_axis_type(*operands: jax.Array) -> jax.sharding.ManualAxisType | None
 def grouped_bias(bias: jax.Array, group_sizes: jax.Array, num_rows: int) -> jax.Array:
     """[M, N]: each of num_rows sorted rows' group's bias (bias [G, N]); zeros past
     sum(group_sizes), as a grouped matmul leaves those rows. A row's group is the number of
-    groups ending at or before it: a count, not a search (see moe_dispatch.rank_in_group)."""
+    groups ending at or before it: a count, not a search (see rank_in_group in
+    layers/routed_experts.py)."""
     ends = jnp.zeros(num_rows + 1, jnp.int32).at[jnp.cumsum(group_sizes)].add(1)
     group = jnp.cumsum(ends)[:num_rows]  # G past the last group
     return jnp.concatenate([bias, jnp.zeros_like(bias[:1])])[group]

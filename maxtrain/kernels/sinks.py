@@ -16,7 +16,7 @@ from outside, in the forward and in the backward:
 tokamax's kernels return L (as softmax residuals) from their forward but drop the residuals'
 cotangent in their VJP, so differentiating y = out * w through them would silently lose the
 sink's path through L; `kernel_with_sinks` is this identity as a custom VJP instead, around a
-kernel's forward and backward (kernels/attention.py `_tokamax`). Splash attention has
+kernel's forward and backward (kernels/tokamax_attention.py). Splash attention has
 sinks inside its kernels (kernels/splash.py); the reference and the context-parallel
 exchanges differentiate `with_sinks` through their own log-sum-exp.
 """

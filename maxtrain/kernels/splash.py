@@ -4,9 +4,9 @@ Splash attention (jax.experimental.pallas.ops.tpu.splash_attention) is the Palla
 kernel the TPU frameworks train with. It takes the causal mask as a static block structure, so
 the kernel skips every key block above the diagonal instead of reading a mask, and packed
 documents as segment ids (a query sees keys of its own segment only), which it checks per
-block from two [T] vectors. tokamax's TPU kernel (kernels/attention.py "mosaic_tpu") reaches
-the same kernel only through a dense [B, T, T] mask, materialised in memory and read per block;
-packed pre-training rows need the segment ids, hence this module.
+block from two [T] vectors. tokamax's TPU kernel ("mosaic_tpu", kernels/tokamax_attention.py)
+reaches the same kernel only through a dense [B, T, T] mask, materialised in memory and read
+per block; packed pre-training rows need the segment ids, hence this module.
 
 A sliding window is splash's own static LocalMask (keys i - window + 1 .. i), which is causal
 too: the kernel's block tables then list only the key blocks inside the window, so its grid
@@ -16,10 +16,9 @@ running max and denominator at the head's sink logit, so its log-sum-exp include
 and the backward kernels, given that log-sum-exp and the sink-scaled output, compute the
 sink-softmax's gradient; the sinks' gradient is -sum(exp(sink - lse) * out * dout).
 
-One call runs one device's share: the caller (kernels/attention.py `per_device`) puts it
-inside
-`shard_map`. `interpret=True` runs the same kernel in Pallas's interpreter, on any backend: the
-CPU tests check it against the reference that way.
+One call runs one device's share: the caller (kernels/attention.py) puts it inside `shard_map`
+(parallel/per_device.py). `interpret=True` runs the same kernel in Pallas's interpreter, on any
+backend: the CPU tests check it against the reference that way.
 """
 
 from __future__ import annotations
@@ -34,6 +33,8 @@ from jax.experimental.pallas.ops.tpu import splash_attention as splash
 # MaxText's TPU configs use; shorter sequences take one tile of their whole length.
 BLOCK = 512
 _LANES = 128  # the TPU's vector lane width: tiles are multiples of it
+# What the kernel's calls are named in a compiled program (analysis/program.py kernels).
+PROGRAM_CALL = r"^splash_mha"
 
 
 def block_size(length: int) -> int:

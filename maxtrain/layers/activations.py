@@ -6,7 +6,7 @@ first and shift the up projection by one: min(gate, limit) * sigmoid(alpha * min
 activations (the up projection's gradient is zero where it clips, the gate's above `limit`).
 
 Activations are frozen dataclasses or plain functions: hashable, so the MoE layer can carry one
-as static data through the experts' exchanges (layers/moe_dispatch.py ExpertWeights).
+as static data through the experts' exchanges (layers/routed_experts.py ExpertWeights).
 """
 
 from __future__ import annotations

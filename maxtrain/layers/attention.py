@@ -12,7 +12,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from maxtrain.config import ModelConfig
-from maxtrain.kernels.attention import attention_kernel, cached_attention, head_max_logit
+from maxtrain.kernels.attention import attention_kernel
+from maxtrain.kernels.xla_attention import cached_attention, head_max_logit
 from maxtrain.layers.attention_pattern import AttentionVariant, variants
 from maxtrain.layers.base import Projection
 from maxtrain.layers.kv_cache import LayerCache, WindowCache

@@ -19,7 +19,7 @@ token's), so nothing leaks from one document into the next. Generation (`step`) 
 decoder's decode contract (the attention layers' `cached`, models/decoder.py): the state is the
 layer's decode cache, and a right-padded prefill's padding (position -1) leaves it as the
 row's last real token left it. transformers' fused checkpoint tensors map to these parameters in
-maxtrain/hf/gated_deltanet.py.
+maxtrain/hf/families/qwen3_next.py.
 
 Shape letters: the package's; Nk/Nv the query/key and value heads, dk/dv their head sizes.
 """

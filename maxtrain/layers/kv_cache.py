@@ -2,7 +2,7 @@
 
 Entry s of a row holds position s of that row, so prompts of different lengths share one batch
 without left padding: each row's new tokens are written at its own positions, and attention
-masks by position (kernels/attention.py cached_attention). Layers are stored stacked, as
+masks by position (kernels/xla_attention.py cached_attention). Layers are stored stacked, as
 their parameters are ([L, B, S, ...] per stack and kind, models/stacks.py), and the decoder's
 scan over a stack's parameters carries them. On a mesh the cache is split like the activations
 it comes from: the batch over the data-parallel axes, grouped-query attention's key/value heads

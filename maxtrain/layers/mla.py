@@ -9,7 +9,7 @@ latent c, which is all inference has to cache, stays position-free. Training com
 and values from it and runs the same attention kernel as grouped-query attention
 (kernels/attention.py), with as many key/value heads as query heads. The value head size may
 differ from the query/key one: the kernel's contract allows it (the tokamax kernels get V
-zero-padded to the query/key head size, see kernels/attention.py).
+zero-padded to the query/key head size, see kernels/tokamax_attention.py).
 
 The softmax scale is 1/sqrt(qk head dim) times YaRN's `Rope.softmax_factor` (1 without YaRN);
 the kernel applies the first, so the query is multiplied by the second.
@@ -37,7 +37,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from maxtrain.config import ModelConfig
-from maxtrain.kernels.attention import attention_kernel, cached_attention, head_max_logit
+from maxtrain.kernels.attention import attention_kernel
+from maxtrain.kernels.xla_attention import cached_attention, head_max_logit
 from maxtrain.layers.attention import AttentionCounts
 from maxtrain.layers.base import Projection
 from maxtrain.layers.kv_cache import LatentCache

@@ -13,7 +13,7 @@ from maxtrain.layers.spec import DTYPES, ModelSpec, compute_dtype_name
 from maxtrain.models.decoder import Decoder
 from maxtrain.models.pipelined import PipelinedDecoder
 from maxtrain.models.stacks import is_moe_per_layer
-from maxtrain.parallel.experts import exchange_implementation
+from maxtrain.parallel.expert_exchanges import exchange_implementation
 from maxtrain.parallel.pipeline import StageLayout
 
 

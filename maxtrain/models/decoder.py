@@ -26,8 +26,8 @@ from maxtrain.layers.gated_deltanet import GatedDeltaNet
 from maxtrain.layers.kv_cache import Cache, StackCache, cache_kind
 from maxtrain.layers.mlp import MLP
 from maxtrain.layers.moe import MoE
-from maxtrain.layers.moe_dispatch import ASSIGNMENT_ORDER
 from maxtrain.layers.norms import RMSNorm
+from maxtrain.layers.routed_experts import ASSIGNMENT_ORDER
 from maxtrain.layers.spec import ModelSpec
 from maxtrain.models import qk_clip
 from maxtrain.models.mtp import MultiTokenPrediction
@@ -56,7 +56,7 @@ def _save_matmuls_and_kernels(prim, *args, **params) -> bool:
 
 # An MoE layer's order of its assignments by expert ([tokens x k] integers, a 1/(2 D) share of
 # its input in bf16) is kept by every policy: recomputed, it would be a second sort per layer
-# and step (layers/moe_dispatch.py).
+# and step (layers/routed_experts.py).
 _KEEP_ORDER = jax.checkpoint_policies.save_only_these_names(ASSIGNMENT_ORDER)
 
 # What the backward pass may keep instead of recomputing, by config name.

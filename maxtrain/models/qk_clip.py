@@ -20,7 +20,7 @@ largest would have been tau. Where the rule needs care:
   key columns) scale by sqrt(gamma_h); q_rope, which meets only the shared k_rope, by
   gamma_h; k_rope (kv_a) is untouched. The values' columns of kv_b are untouched.
 
-The max logits come from the forward pass (kernels/attention.py, stats key MAX_LOGIT,
+The max logits come from the forward pass (kernels/xla_attention.py, stats key MAX_LOGIT,
 combined over micro-batches by max); the rescale runs on the parameters the optimizer just
 produced, whatever the optimizer (ModelDef.after_update), and never touches optimizer state.
 """

@@ -10,9 +10,8 @@ document, which the exchange (`compute.context_exchange`) brings to the device:
   (GQA), at the cost of one whole sequence of K/V per device.
 - ring: K/V blocks travel around the ring of context devices by `ppermute` (C - 1 passes per
   layer); each device attends its queries to the block it holds while the next one arrives,
-  merging blocks with the online softmax (kernels/attention.py merge_blocks). Per-device
-  memory
-  stays one block.
+  merging blocks with the online softmax (kernels/xla_attention.py merge_blocks). Per-device
+  memory stays one block.
 
 A sliding window masks by original token index too (block_attention), and sinks rescale the
 merged output once, by the log-sum-exp over every block (kernels/sinks.py), never per
@@ -38,8 +37,8 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from maxtrain.config import ConfigError, ModelConfig
-from maxtrain.kernels.attention import block_attention, merge_blocks
 from maxtrain.kernels.sinks import with_sinks
+from maxtrain.kernels.xla_attention import block_attention, merge_blocks
 from maxtrain.parallel.mesh import active_rules, constrain
 
 AXIS = "context"

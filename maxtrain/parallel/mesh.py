@@ -42,15 +42,19 @@ def _resolve_degrees(cfg: MeshConfig, devices_per_slice: int) -> list[int]:
     if len(unknown) > 1:
         raise ConfigError(f"only one mesh axis may be -1, got -1 for {', '.join(unknown)}")
     known = math.prod(d for d in degrees if d != -1)
+    shape = " x ".join(f"{a}={d}" for a, d in zip(MESH_AXES, degrees, strict=True) if d != 1)
     if unknown:
         if devices_per_slice % known:
+            # Named by the degrees set (a user's mesh.tensor=3), not by the -1 that fills the
+            # rest, which is usually the default's mesh.fsdp.
+            given = " x ".join(part for part in shape.split(" x ") if not part.endswith("=-1"))
             raise ConfigError(
-                f"mesh.{unknown[0]}=-1 cannot fill {devices_per_slice} devices per slice: the "
-                f"other ICI degrees multiply to {known}, which does not divide it"
+                f"mesh ICI degrees ({given}) need a multiple of {known} devices per slice, but "
+                f"{devices_per_slice} {'is' if devices_per_slice == 1 else 'are'} available "
+                f"(mesh.{unknown[0]}=-1 takes the devices the others leave)"
             )
         degrees[MESH_AXES.index(unknown[0])] = devices_per_slice // known
     elif known != devices_per_slice:
-        shape = " x ".join(f"{a}={d}" for a, d in zip(MESH_AXES, degrees, strict=True) if d != 1)
         raise ConfigError(
             f"mesh ICI degrees ({shape or 'all 1'}) use {known} devices per slice but "
             f"{devices_per_slice} are available; set one axis to -1 or fix the degrees"

@@ -36,7 +36,7 @@ def per_stage(fn: Callable[..., Any]) -> Callable[..., Any]:
     of its own rather than batched over the stages; outside the map, fn itself.
 
     For code whose batched form jax gets wrong: a custom VJP whose forward holds a loop of
-    collectives (the MoE exchange's dropless rounds, parallel/experts.py `in_rounds`). jax
+    collectives (the MoE exchange's dropless rounds, parallel/expert_exchanges.py `in_rounds`). jax
     batches such a forward lazily, after the map's mesh axis has left its scope, and stops at
     the first operation joining a per-stage value to a constant ("Primitive sub requires
     varying manual axes to match"). Under `per_stage` the map hands fn each device's own slice

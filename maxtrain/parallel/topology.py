@@ -1,4 +1,5 @@
-"""Compile-only TPU devices: the TPU compiler (libtpu) run on a host with no TPU.
+"""Compile-only TPU and GPU devices: the TPU compiler (libtpu), or XLA's CUDA compiler, run on
+a host with no TPU or GPU.
 
 `topology_devices("v5e:4x4")` returns the 16 devices of a v5e 4x4 slice as the TPU compiler
 sees them. They build a mesh like real devices do (mesh.build_mesh), and a jitted step lowered
@@ -20,11 +21,24 @@ libtpu reads a few environment variables when it loads. On a host with no TPU th
 missing, and it says so on stderr; they are set here (when unset) to values that describe the
 topology asked for, so that the first load is quiet. They do not decide what is compiled for:
 the topology does.
+
+A GPU topology, `h100`, `h200` or `b200`, optionally `:N` GPUs of one host joined by NVLink
+(`h100:8`), compiles for NVIDIA GPUs with jax's CUDA plugin given a target description (the
+GPU's compute capability, SMs, clock, memories: `_GPU_TARGETS`, its HBM from the chip table),
+as XLA's deviceless compilation takes it. The plugin comes from, first found wins:
+  1. an importable `jax_plugins.xla_cuda13` (a GPU machine's `jax[cuda13]`);
+  2. `MAXTRAIN_GPU_COMPILER`, a directory the plugin's wheels are installed into;
+  3. `<venv>/gpu-compiler`, which `./setup.sh gpu-compiler` installs from the `gpu-compiler`
+     extra of pyproject.toml, apart from site-packages for the same reason as libtpu: a
+     process that finds the plugin importable would look for a GPU on every start.
+It loads only when a GPU topology is asked for. No GPU autotuning runs: the program holds
+XLA's default choices (kernel tiles) where a GPU would pick the fastest it measures.
 """
 
 from __future__ import annotations
 
 import functools
+import importlib
 import os
 import re
 import sys
@@ -32,6 +46,7 @@ from pathlib import Path
 
 import jax
 
+from maxtrain.common import devices as devices_lib
 from maxtrain.common.errors import UserError
 
 # libtpu's name for a TPU generation -> the accelerator-type prefix of a Cloud TPU of that
@@ -39,6 +54,17 @@ from maxtrain.common.errors import UserError
 _ACCELERATOR_PREFIX = {"v4": "v4", "v5e": "v5litepod", "v5p": "v5p", "v6e": "v6e"}
 _NAME = re.compile(r"^(v4|v5e|v5p|v6e):(\d+)x(\d+)(?:x(\d+))?$")
 _LIBTPU = Path("tpu-compiler") / "libtpu" / "libtpu.so"
+
+
+_GPU_NAME = re.compile(r"^(h100|h200|b200)(?::(\d+))?$")
+_GPU_PLUGIN = "jax_plugins.xla_cuda13"
+# What XLA's GPU compiler reads of a GPU it does not see (NVIDIA's datasheets and CUDA's
+# device properties): compute capability, SMs, boost clock (GHz), L2 (MiB), device_kind.
+_GPU_TARGETS = {
+    "h100": ((9, 0), 132, 1.98, 50, "NVIDIA H100 80GB HBM3"),
+    "h200": ((9, 0), 132, 1.98, 50, "NVIDIA H200"),
+    "b200": ((10, 0), 148, 1.965, 126, "NVIDIA B200"),
+}
 
 
 def parse_topology(name: str) -> tuple[str, int]:
@@ -73,6 +99,8 @@ def topology_devices(name: str, num_slices: int = 1) -> tuple[jax.Device, ...]:
     """The compile-only devices of `num_slices` slices of topology `name` (all slices' devices,
     slice by slice; those of several slices carry their slice_index). Cached: libtpu builds a
     topology once per process."""
+    if _GPU_NAME.match(name):
+        return _gpu_devices(name, num_slices)
     generation, chips = parse_topology(name)
     path = libtpu_path()
     if path is None:
@@ -95,3 +123,66 @@ def topology_devices(name: str, num_slices: int = 1) -> tuple[jax.Device, ...]:
     except Exception as e:  # libtpu's message names what it did not accept
         raise UserError(f"--topology {name} (slices {num_slices}): libtpu refused it: {e}") from e
     return tuple(topology.devices)
+
+
+def _gpu_devices(name: str, num_slices: int) -> tuple[jax.Device, ...]:
+    """Compile-only GPUs: `num_slices` hosts of N GPUs (see the module docstring)."""
+    gpu, count = _GPU_NAME.match(name).groups()
+    count = int(count or 1)
+    if not 1 <= count <= 8:
+        raise UserError(f"--topology {name}: 1 to 8 GPUs a host, e.g. {gpu}:8")
+    _load_gpu_plugin(name)
+    from jax.experimental import topologies
+
+    try:
+        topology = topologies.get_topology_desc(
+            platform="cuda", target_config=_gpu_target(gpu), topology=f"1x{num_slices}x{count}"
+        )
+    except Exception as e:  # the plugin's message names what it did not accept
+        raise UserError(f"--topology {name}: the CUDA plugin refused it: {e}") from e
+    return tuple(topology.devices)
+
+
+def _load_gpu_plugin(name: str) -> None:
+    """Registers jax's CUDA plugin (compile-only), from where the module docstring says, after
+    this process's own backends (CPU): registered then, it never starts a GPU runtime."""
+    from jax._src import xla_bridge
+
+    jax.devices()
+    if "cuda" in xla_bridge._backend_factories:  # a GPU machine's plugin, already registered
+        return
+    os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")  # no GPU, no CUDA runtime
+    try:
+        plugin = importlib.import_module(_GPU_PLUGIN)
+    except ImportError:
+        places = [os.environ.get("MAXTRAIN_GPU_COMPILER"), str(Path(sys.prefix) / "gpu-compiler")]
+        found = next((p for p in places if p and (Path(p) / "jax_plugins").is_dir()), None)
+        if found is None:
+            raise UserError(
+                f"--topology {name}: the GPU compiler (jax's CUDA plugin) is not installed; "
+                "run './setup.sh gpu-compiler' (or set MAXTRAIN_GPU_COMPILER to where it is)"
+            ) from None
+        sys.path.append(found)
+        plugin = importlib.import_module(_GPU_PLUGIN)
+    plugin.initialize()
+
+
+def _gpu_target(gpu: str) -> str:
+    """The target description (XLA's GpuTargetConfigProto, as text) of one GPU."""
+    (major, minor), sms, clock, l2_mib, kind = _GPU_TARGETS[gpu]
+    chip = devices_lib.chip(kind)
+    return f"""gpu_device_info {{
+  threads_per_block_limit: 1024 threads_per_warp: 32 shared_memory_per_block: 49152
+  shared_memory_per_core: 233472 threads_per_core_limit: 2048 core_count: {sms}
+  fpus_per_core: 128 block_dim_limit_x: 2147483647 block_dim_limit_y: 65535
+  block_dim_limit_z: 65535 memory_bandwidth: {int(chip.hbm_bytes_per_s)}
+  l2_cache_size: {l2_mib * 2**20} clock_rate_ghz: {clock}
+  device_memory_size: {int(chip.hbm_gib * 2**30)} shared_memory_per_block_optin: 232448
+  cuda_compute_capability {{ major: {major} minor: {minor} }}
+  registers_per_core_limit: 65536 registers_per_block_limit: 65536
+}}
+platform_name: "CUDA"
+dnn_version_info {{ major: 9 minor: 8 }}
+runtime_version {{ major: 13 minor: 0 }}
+device_description_str: "{kind}"
+"""

@@ -83,7 +83,8 @@ class Rollouts:
         self.served = 0  # batches returned
         self.current: dict[str, np.ndarray] | None = None
         self.last_metrics: dict[str, float] = {}
-        self.last_start: float | None = None
+        self.last_start: float | None = None  # the previous rollout's start, and its seconds
+        self.last_rollout_s = 0.0
         rules, mesh = cfg.mesh.rules, trainer.mesh
         temperature, split, mdef = self.grpo.temperature, trainer.split, trainer.mdef
 
@@ -166,8 +167,12 @@ class Rollouts:
         trainer, G = self.trainer, self.grpo.group_size
         jax.block_until_ready(trainer.state.params)  # the step's time is not sampling's
         started = time.perf_counter()
-        period = started - self.last_start if self.last_start is not None else None
-        self.last_start = started
+        # The previous rollout's share of its whole cycle: its own seconds over the time from
+        # its start to this one's, which holds the steps trained on its batch (this rollout's
+        # own steps are still to come, so its share is the next one's to report).
+        share = (
+            None if self.last_start is None else self.last_rollout_s / (started - self.last_start)
+        )
         prompts = [p for p in next(self.prompts) for _ in range(G)]
         seed = derive_seed(trainer.cfg.run.seed, "rollout", index)
         completions, sampler_logps, texts = self._complete(prompts, self.sampling, seed)
@@ -201,8 +206,9 @@ class Rollouts:
             "rollout_s": elapsed,
             "logp_diff": float(np.abs(sampler - batch["old_logp"])[mask].max()),
         }
-        if period is not None:  # the previous rollout's start to this one's: a whole step
-            self.last_metrics["rollout_share"] = elapsed / period
+        if share is not None:
+            self.last_metrics["rollout_share"] = share
+        self.last_start, self.last_rollout_s = started, elapsed
         return batch
 
     def evaluate(self) -> dict[str, float]:

@@ -95,7 +95,7 @@ class _QtProvider(qwix.QtProvider):
     kernels/quantized_grouped_matmul.py: the quantized operands go to tokamax's kernel, with a
     straight-through backward.
 
-    Either way the experts run per device (layers/moe.py): the tokens vary over the
+    Either way the experts run per device (parallel/experts.py): the tokens vary over the
     data-parallel mesh axes while the gathered weights do not. A plain ragged_dot lets jax mark
     the weights varying implicitly, and the transpose of that mark sums their gradient over
     those axes. A quantized ragged_dot is a custom_vjp, whose backward must return a gradient

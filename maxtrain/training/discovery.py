@@ -10,6 +10,7 @@ from pydantic import BaseModel
 
 from maxtrain import config as config_lib
 from maxtrain import models as model_lib
+from maxtrain.common.units import count
 from maxtrain.config import Config
 
 USAGE = "python -m maxtrain.train [--debug] [--print-config] CONFIG.yml [key=value ...]"
@@ -62,9 +63,7 @@ def models_table() -> str:
     for name in config_lib.preset_names():
         model = config_lib.preset(name)
         total, active = model_lib.param_count(model), model_lib.active_param_count(model)
-        rows.append(
-            (name, _count(total), _count(active), str(model.num_layers), str(model.emb_dim))
-        )
+        rows.append((name, count(total), count(active), str(model.num_layers), str(model.emb_dim)))
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     return "\n".join(
         "  ".join(
@@ -73,11 +72,3 @@ def models_table() -> str:
         )
         for row in rows
     )
-
-
-def _count(n: int) -> str:
-    """1234567 -> '1.23M': three significant digits and a unit (K, M, B, T)."""
-    for unit, size in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
-        if n >= size:
-            return f"{n / size:.3g}{unit}"
-    return str(n)

@@ -28,7 +28,7 @@ from maxtrain.checkpointing import (
 )
 from maxtrain.checkpointing.common import tier_dirs
 from maxtrain.checkpointing.integrity import newest_complete
-from maxtrain.common.errors import DEBUG_ENV, UserError, first_line, refuse
+from maxtrain.common.errors import DEBUG_ENV, UserError, first_line, path_first, refuse
 from maxtrain.config import Config
 from maxtrain.data.grain_pipeline import EvalStream
 from maxtrain.data.streams import data_streams
@@ -40,11 +40,12 @@ from maxtrain.surgery.initialize import initial_params
 from maxtrain.training import compile_cache, discovery, run_identity, run_lock, run_summary
 from maxtrain.training import metrics as metrics_lib
 from maxtrain.training.cadence import PeriodicEval, Profiler, StepLog, say, warn
+from maxtrain.training.compile_progress import compile_progress, devices_of
 from maxtrain.training.interrupts import EXIT_STATUS, StopSignals
 from maxtrain.training.nonfinite import NonFiniteLoss, NonFiniteWatch
 from maxtrain.training.run_model import model_def
 from maxtrain.training.state import abstract_frozen, frozen_state
-from maxtrain.training.trainer import Trainer, build_trainer
+from maxtrain.training.trainer import Trainer, build_trainer, checked_for_devices
 
 
 def evaluate(trainer: Trainer, eval_streams: list[EvalStream]) -> dict[str, float]:
@@ -178,14 +179,16 @@ def run(
         return done
     if preflight is not None:
         preflight(cfg)
-    # Config and data mistakes surface in these two calls, before anything is written; the
-    # data's first, as it needs no compilation (the state's initialisation does).
-    say(
-        jax.process_index() == 0,
-        f"maxtrain: preparing {cfg.run_dir}: the data, then the sharded train state (compiled)",
-    )
+    # Config and data mistakes surface in these calls, before anything is written; the data's
+    # first, as it needs no compilation (the state's initialisation does), and before the line
+    # below: a refused input is its one error line alone.
+    checked_for_devices(cfg)
     train_batches, eval_streams = data_streams(cfg)
     tasks = _task_evaluator(cfg)
+    say(
+        jax.process_index() == 0,
+        f"maxtrain: preparing {cfg.run_dir}: the data is ready; the sharded train state compiles",
+    )
     trainer = build_trainer(cfg)
     if on_policy is not None:
         train_batches = on_policy(trainer, train_batches)
@@ -257,16 +260,16 @@ def _train(
         batch_metrics = getattr(train_batches, "batch_metrics", dict)
         next_batch = trainer.global_batch(next(train_batches))
         next_metrics = batch_metrics()
+        compiling = _compile_progress(trainer, is_writer)  # the first step compiles
         for step in range(start_step + 1, cfg.train.steps + 1):
             profiler.before_step(step)
-            trainer.state, step_metrics = trainer.step_fn(trainer.state, next_batch)
+            with compiling if step == start_step + 1 else contextlib.nullcontext():
+                trainer.state, step_metrics = trainer.step_fn(trainer.state, next_batch)
             step_metrics = {**step_metrics, **{f"rollout/{k}": v for k, v in next_metrics.items()}}
             nonfinite.after_step(step, step_metrics["finite"])  # reads the steps before it
             # Save before fetching the next batch: the saved data position must be step + 1.
-            if ckpt is not None and ckpt.due(step):
-                nonfinite.settle(step)  # never save a non-finite step
-                for tier in ckpt.maybe_save(step, trainer.saved_state(), train_batches):
-                    say(is_writer, f"checkpoint step {step}: {ckpt.dirs[tier] / str(step)}")
+            if ckpt is not None and step < cfg.train.steps and ckpt.due(step):
+                _save(ckpt, trainer, train_batches, step, nonfinite, is_writer)
             stopping = signals.stop_after(step)  # no further batch: the position is saved
             if step < cfg.train.steps and not stopping:  # built while the step runs
                 next_batch = log.fetch(lambda: trainer.global_batch(next(train_batches)))
@@ -293,6 +296,19 @@ def _train(
     return summary
 
 
+def _compile_progress(trainer: Trainer, is_writer: bool) -> contextlib.AbstractContextManager:
+    """What the first step's compile says while it runs: minutes for a large model."""
+    what = f"the train step of {trainer.cfg.model_name}"
+    return compile_progress(what, devices_of(trainer.mesh), functools.partial(say, is_writer))
+
+
+def _save(ckpt, trainer: Trainer, train_batches, step: int, nonfinite, is_writer: bool) -> None:
+    """A step due in a tier, before the last (saved once, after the loop, by _final_save)."""
+    nonfinite.settle(step)  # never save a non-finite step
+    for tier in ckpt.maybe_save(step, trainer.saved_state(), train_batches):
+        say(is_writer, f"checkpoint step {step}: {ckpt.dirs[tier] / str(step)}")
+
+
 def _start(
     trainer: Trainer,
     ckpt: TieredCheckpointer | None,
@@ -317,8 +333,6 @@ def _start(
     say(is_writer, run_summary.describe_start(cfg) + (f"; warning: {warning}" if warning else ""))
     if start_step and (note := _schedule_change(cfg, ckpt)):
         say(is_writer, note)
-    # The first step's line waits for the step's compilation: minutes for a large model.
-    say(is_writer, "maxtrain: compiling the train step (cached for the next run of this shape)")
 
 
 def _evaluate_all(
@@ -401,7 +415,7 @@ def main(
     # refusal comes before the run trains a step.
     warnings.filterwarnings("ignore", "coroutine .* was never awaited", RuntimeWarning)
     flags = {a for a in argv if a.startswith("-")}
-    argv = [a for a in argv if not a.startswith("-")]
+    argv = path_first([a for a in argv if not a.startswith("-")])
     if "--debug" in flags:  # tracebacks for refused inputs, as MAXTRAIN_DEBUG=1
         os.environ[DEBUG_ENV] = "1"
     if flags & {"-h", "--help"}:
@@ -413,7 +427,7 @@ def main(
         if "--list-models" in flags:
             print(discovery.models_table())
             return 0
-        if not argv:
+        if not argv or ("=" in argv[0] and not os.path.exists(argv[0])):  # overrides only
             raise UserError(f"no config file given; usage: {discovery.USAGE}")
         cfg = config_lib.load(argv[0], argv[1:])
         if "--print-config" in flags:

@@ -22,6 +22,7 @@ from typing import IO, Any
 
 import numpy as np
 
+from maxtrain.common import devices
 from maxtrain.common.files import write_atomic
 from maxtrain.config import ModelConfig
 from maxtrain.layers.attention import AttentionCounts
@@ -128,31 +129,12 @@ def train_flops_per_token(model: ModelConfig, seq_len: int) -> float:
 
 # ---- peak throughput --------------------------------------------------------------------------
 
-# Peak dense bf16 TFLOP/s per chip (per GPU), matched by case-insensitive substring of
-# jax.Device.device_kind. ORDER MATTERS: the first match wins, so more specific names come
-# before their prefixes ("tpu v5 lite" before "tpu v5", which is how v5p reports itself).
-PEAK_BF16_TFLOPS: tuple[tuple[str, float], ...] = (
-    ("tpu v6 lite", 918.0),  # v6e / Trillium
-    ("tpu v6e", 918.0),
-    ("tpu v5 lite", 197.0),  # v5e
-    ("tpu v5e", 197.0),
-    ("tpu v5p", 459.0),
-    ("tpu v5", 459.0),  # v5p reports device_kind "TPU v5"
-    ("tpu v4", 275.0),
-    ("b200", 2250.0),
-    ("h200", 989.0),
-    ("h100", 989.0),  # "NVIDIA H100 80GB HBM3", "NVIDIA H100 PCIe", ...
-    ("a100", 312.0),
-)
-
 
 def peak_tflops(device_kind: str) -> float | None:
-    """Peak dense bf16 TFLOP/s of one device, or None when unknown (CPU): MFU is not reported."""
-    kind = device_kind.lower()
-    for needle, tflops in PEAK_BF16_TFLOPS:
-        if needle in kind:
-            return tflops
-    return None
+    """Peak dense bf16 TFLOP/s of one device, the MFU denominator (the chip table,
+    maxtrain/common/devices.py), or None when unknown (CPU): MFU is not reported."""
+    chip = devices.chip(device_kind)
+    return None if chip is None else chip.peak_flops["bf16"] / 1e12
 
 
 # ---- step statistics --------------------------------------------------------------------------
@@ -360,11 +342,13 @@ def format_console_line(step: int, total_steps: int, scalars: dict[str, Any]) ->
             moe += f" dropped {dropped * 100:.2f}%"
         parts.append(moe)
     if (reward := get("rollout/reward")) is not None:  # GRPO's (maxtrain/posttrain/rollout.py)
-        parts.append(
+        grpo = (
             f"reward {float(reward):.3f} kl {float(get('grpo/kl', 0)):.2e} "
-            f"clipped {float(get('grpo/clipped', 0)):.3f} "
-            f"sampling {float(get('rollout/rollout_share', 0)) * 100:.0f}%"
+            f"clipped {float(get('grpo/clipped', 0)):.3f}"
         )
+        if (share := get("rollout/rollout_share")) is not None:  # none before a cycle ends
+            grpo += f" sampling {float(share) * 100:.0f}%"
+        parts.append(grpo)
     if step_time is not None:
         parts.append(f"ETA {_hms(max(0, total_steps - step) * float(step_time))}")
     return " | ".join(parts)

@@ -22,7 +22,7 @@ from maxtrain.config import Config, ConfigError
 from maxtrain.data import BATCH_KEYS, batch_sharding, to_global
 from maxtrain.models import ModelDef
 from maxtrain.parallel.context import check_context
-from maxtrain.parallel.experts import exchange_implementation, ragged_supported
+from maxtrain.parallel.expert_exchanges import exchange_implementation, ragged_supported
 from maxtrain.parallel.mesh import batch_degree, build_mesh, mesh_platform, sharding_rules
 from maxtrain.training import metrics as metrics_lib
 from maxtrain.training import run_model
@@ -147,15 +147,14 @@ def check_experts(cfg: Config, mesh: Mesh) -> None:
         )
 
 
-def build_trainer(
-    cfg: Config, devices: list[jax.Device] | None = None, abstract: bool = False
-) -> Trainer:
-    """The run's mesh, state and compiled functions. abstract=True: the state as shapes and
-    shardings only (state.init_state), for compiling the step without memory for it.
-    devices: those of jax.devices() by default, or compile-only ones
-    (maxtrain/parallel/topology.py); kernels, exchange and compute dtype are chosen for their
-    platform (training/run_model.py for_platform), and the returned trainer's cfg holds those
-    choices."""
+def checked_for_devices(
+    cfg: Config, devices: list[jax.Device] | None = None
+) -> tuple[Config, Mesh]:
+    """The config with its choices for the devices' platform (training/run_model.py
+    for_platform), and their mesh, once the config is checked against them: the batch, the
+    experts, the sequence and the pipeline stages split over the mesh (ConfigError if not).
+    Cheap: a run calls it before it prepares data or state, so that these mistakes are
+    refused before anything else is said."""
     mesh = build_mesh(cfg.mesh, devices)
     device = mesh.devices.flat[0]
     cfg = run_model.for_platform(
@@ -170,6 +169,20 @@ def build_trainer(
         cfg.mesh.rules.get("length", []),
         mesh.shape["context"],
     )
+    run_model.stage_layout(cfg)
+    return cfg, mesh
+
+
+def build_trainer(
+    cfg: Config, devices: list[jax.Device] | None = None, abstract: bool = False
+) -> Trainer:
+    """The run's mesh, state and compiled functions. abstract=True: the state as shapes and
+    shardings only (state.init_state), for compiling the step without memory for it.
+    devices: those of jax.devices() by default, or compile-only ones
+    (maxtrain/parallel/topology.py); kernels, exchange and compute dtype are chosen for their
+    platform (training/run_model.py for_platform), and the returned trainer's cfg holds those
+    choices."""
+    cfg, mesh = checked_for_devices(cfg, devices)
     with sharding_rules(mesh, cfg.mesh.rules):
         mdef = run_model.model_def(cfg)
         trained = trained_shardings(mdef, cfg, mesh)

@@ -10,8 +10,11 @@ logits; it needs a Python with torch and transformers (MAXTRAIN_HF_PYTHON).
 
 from __future__ import annotations
 
+import ast
+import importlib
 import json
 import os
+import pkgutil
 import shutil
 import subprocess
 import sys
@@ -34,8 +37,9 @@ from maxtrain.checkpointing import load_parameters
 from maxtrain.config import ComputeConfig, MlaConfig, ModelConfig, MoeConfig
 from maxtrain.hf import ConversionError, cli, read_hf_model, write_hf_model
 from maxtrain.hf import convert as convert_lib
+from maxtrain.hf import families as families_lib
 from maxtrain.hf.config_map import hf_config, model_config
-from maxtrain.hf.families import FAMILIES, LLAMA4, family_for
+from maxtrain.hf.families import FAMILIES, family_for
 from maxtrain.hf.layout import slots
 from maxtrain.hf.tokenizer_files import run_tokenizer
 from maxtrain.surgery import upcycle
@@ -46,6 +50,14 @@ MAKE_FIXTURES = REPO / "tools" / "make_hf_fixtures.py"
 # The committed fixtures (the regeneration test below checks the generator makes the same set).
 CASES = sorted(p.name for p in FIXTURES.iterdir() if p.is_dir())
 TOLERANCE = 1e-4  # max |logits difference| in float32
+# Per family, the first fixture that exports as that family again (a Mistral without a window
+# is a Llama to export), written with the run's tokenizer.
+FAMILY_CASES: dict[str, str] = {}
+for _case in CASES:
+    _hf = json.loads((FIXTURES / _case / "config.json").read_text())
+    _model = model_config(_hf, FAMILIES[_hf["model_type"]], _case)
+    if family_for(_model).model_type == _hf["model_type"]:
+        FAMILY_CASES.setdefault(_hf["model_type"], _case)
 
 
 def logits(cfg: ModelConfig, params: dict, tokens: np.ndarray) -> np.ndarray:
@@ -119,6 +131,31 @@ def test_fixtures_cover_every_family_and_option():
     assert {"rope_scaling" in c for c in configs} == {True, False}  # both layouts
     sizes = sum(f.stat().st_size for f in FIXTURES.rglob("*") if f.is_file())
     assert sizes < 5 * 2**20
+
+
+def test_a_family_is_its_module_and_a_fixture():
+    """Adding a family is adding its module to maxtrain/hf/families/ and its fixture
+    (tools/make_hf_fixtures.py), nothing else: the registry holds exactly the package's
+    modules, one family each, each with a committed fixture and an export rank of its own, none
+    restating a schema default; the shared modules of maxtrain/hf/ name no family."""
+    modules = sorted(info.name for info in pkgutil.iter_modules(families_lib.__path__))
+    entries = [importlib.import_module(f"{families_lib.__name__}.{m}").FAMILY for m in modules]
+    assert list(FAMILIES.values()) == entries
+    assert sorted(FAMILY_CASES) == sorted(FAMILIES)
+    assert len({family.rank for family in entries}) == len(entries)
+    sections = {"": ModelConfig, "moe": MoeConfig, "rope": config_lib.RopeConfig}
+    for family in entries:
+        for key, value in family.fixed.items():
+            section, _, name = key.rpartition(".")
+            assert value != sections[section].model_fields[name].default, (family, key)
+    shared = (REPO / "maxtrain" / "hf").glob("*.py")
+    named = {
+        (path.name, node.value)
+        for path in shared
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.Constant) and node.value in FAMILIES
+    }
+    assert named == set()
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -227,7 +264,7 @@ def test_llama4_scout_config_imports_as_the_preset(explicit):
     preset = config_lib.load(
         config_lib.CONFIGS_DIR / "base.yml", ["model_name=llama4-scout-17b-16e"]
     ).model
-    assert model_config(hf, LLAMA4, "config.json") == preset
+    assert model_config(hf, FAMILIES["llama4_text"], "config.json") == preset
 
 
 def llama4_test_config(**changes) -> ModelConfig:
@@ -720,8 +757,8 @@ def test_qwen3_next_logits_do_not_depend_on_our_chunk():
 @pytest.mark.parametrize(
     "change, expected",
     [
-        (dict(attention_output_gate=False), "model.attention_output_gate=False"),
-        (dict(norm_scale_plus_one=False), "model.norm_scale_plus_one=False"),
+        (dict(attention_output_gate=False), "model.attention_output_gate=false"),
+        (dict(norm_scale_plus_one=False), "model.norm_scale_plus_one=false"),
         (dict(moe=dict(shared_expert_gate=False)), "model.moe.shared_expert_gate=false"),
         (dict(moe=dict(shared_experts=0, shared_expert_gate=False)), "shared_experts=0"),
         (
@@ -866,7 +903,7 @@ LINEAR = dict(rope=dict(theta=500000.0, scaling=dict(type="linear", factor=8.0))
             dict(layers=["chunked-dense*5", "global-dense"], sliding_window=None,
                  attention_chunk=8),
             "Gemma3",
-            "model.attention_chunk=8 (windows only)",
+            "model.layers' chunked layers",
         ),
         (
             "gemma3-1b",
@@ -875,7 +912,7 @@ LINEAR = dict(rope=dict(theta=500000.0, scaling=dict(type="linear", factor=8.0))
             "model.rope.local_theta=null with model.rope.scaling",
         ),
         ("llama3.2-1b", dict(softmax_scale_dim=96), "Llama", "model.softmax_scale_dim=96"),
-        ("llama3.2-1b", dict(scale_embeddings=True), "Llama", "model.scale_embeddings=True"),
+        ("llama3.2-1b", dict(scale_embeddings=True), "Llama", "model.scale_embeddings=true"),
         (
             "llama3.2-1b",
             dict(layers=["sliding-dense", "global-dense"], sliding_window=8),
@@ -912,21 +949,16 @@ def hf_python(*modules: str) -> str:
     return python
 
 
-# One fixture of every family an export writes; each carries the run's tokenizer.
-FAMILY_CASES = {
-    "llama": "llama_gqa_untied_sharded",
-    "mistral": "mistral_window4_v5",
-    "qwen3": "qwen3_gqa4_untied_v5",
-    "mixtral": "mixtral_top2_v5",
-    "qwen3_moe": "qwen3_moe_top3_sparse_step_v5",
-    "deepseek_v3": "deepseek_v3_grouped",
-    "glm4_moe": "glm4_moe_qk_norm_quarter_rope_v5",
-    "gemma3_text": "gemma3_window4_linear_rope_v5",
-    "llama4_text": "llama4_chunked_nope_moe_v5",
-    "gpt_oss": "gpt_oss_window_sinks_yarn_v5",
-    "qwen3_next": "qwen3_next_hybrid_moe_v5",
-}
 TEXTS = ["The", "Q: What is 12 + 34?\nA:", " two  spaces", "def main(\n    x\t1", "é 中"]
+# Text spelling the tokenizer's special pieces, alone and amid text (web and code data carry
+# them): maxtrain encodes it as text, and so must transformers from the export.
+SPECIAL_TEXTS = ["<s>", "</s>", "<unk>", "<pad>", "<s> and </s> literally"]
+SPECIAL_TEXTS += [
+    "a<s>b", "</s>\n", " <unk> ", "<<s>>", "<s><s></s>", "x = '</s>'", "print(\"<unk>\")",
+    "<pad><pad>", "The end.</s>", "<s>Q: What is 12 + 34?\nA:", "html: <s>strike</s>",
+    "</s></s>", "<unk>é 中", "\t<s>\t", "<s >", "< /s>", "<S>", "token <pad> here",
+    "<|im_start|>user\nhi<|im_end|>", "1 <s> 2 </s> 3 <unk> 4 <pad> 5",
+]  # fmt: skip
 
 ENCODE_IN_TRANSFORMERS = """
 import json, sys
@@ -937,32 +969,24 @@ print(json.dumps({d: [tokenizer.encode(t) for t in texts] for d, tokenizer in to
 """
 
 
-# The modules transformers needs to read an export's tokenizer.model -> those families. For
-# Mistral, transformers 5 has no tokenizer class of its own without mistral-common: its generic
-# backend reads the file through sentencepiece and protobuf (Llama's class converts it without).
-TOKENIZER_READERS = {
-    ("transformers",): [
-        "llama",
-        "qwen3",
-        "mixtral",
-        "qwen3_moe",
-        "deepseek_v3",
-        "glm4_moe",
-        "llama4_text",
-        "gemma3_text",
-        "gpt_oss",
-        "qwen3_next",
-    ],  # fmt: skip
-    ("transformers", "sentencepiece", "google.protobuf"): ["mistral"],
-}
+# The modules transformers needs to read an export's tokenizer.model beyond itself, where a
+# family needs more. For Mistral, transformers 5 has no tokenizer class of its own without
+# mistral-common: its generic backend reads the file through sentencepiece and protobuf
+# (Llama's class converts it without).
+MORE_TOKENIZER_MODULES = {"mistral": ("sentencepiece", "google.protobuf")}
+TOKENIZER_READERS: dict[tuple[str, ...], list[str]] = {}
+for _family in FAMILIES:
+    _modules = ("transformers", *MORE_TOKENIZER_MODULES.get(_family, ()))
+    TOKENIZER_READERS.setdefault(_modules, []).append(_family)
 
 
 @pytest.mark.parametrize("modules", TOKENIZER_READERS, ids=lambda m: "+".join(m))
 def test_transformers_encodes_an_exported_tokenizer_as_maxtrain_does(tmp_path, modules):
     """AutoTokenizer on an export encodes as maxtrain's sentencepiece tokenizer, for every
     family: the Llama export put a space piece before the text ("The": 673, not 435), as
-    transformers' Llama tokenizer does unless told the model adds no space."""
-    assert sorted(FAMILY_CASES) == sorted(FAMILIES)
+    transformers' Llama tokenizer does unless told the model adds no space; and text spelling
+    a special token ("<s> and </s> literally") became BOS and EOS ids in transformers, where
+    sentencepiece, and so the trained model, reads its pieces."""
     assert sorted(sum(TOKENIZER_READERS.values(), [])) == sorted(FAMILIES)
     python = hf_python(*modules)
     families = TOKENIZER_READERS[modules]
@@ -972,12 +996,15 @@ def test_transformers_encodes_an_exported_tokenizer_as_maxtrain_does(tmp_path, m
         export = ["export", "--checkpoint", str(ckpt), "--output", str(out)]
         assert cli.main([*export, "--tokenizer", str(DEFAULT_TOKENIZER)]) == 0
         assert json.loads((out / "config.json").read_text())["model_type"] == family
-    expected = load_tokenizer(DEFAULT_TOKENIZER).encode(TEXTS)
+    texts = TEXTS + SPECIAL_TEXTS
+    expected = load_tokenizer(DEFAULT_TOKENIZER).encode(texts)
     sp = spm.SentencePieceProcessor(model_file=str(DEFAULT_TOKENIZER))
     assert expected[0] == [sp.piece_to_id("The")]  # one piece, no space before it
+    controls = {sp.bos_id(), sp.eos_id(), sp.unk_id(), sp.pad_id()}
+    assert not controls & {i for ids in expected for i in ids}  # special text is text
     dirs = [str(tmp_path / family) for family in families]
     result = subprocess.run(
-        [python, "-c", ENCODE_IN_TRANSFORMERS, json.dumps(TEXTS), *dirs],
+        [python, "-c", ENCODE_IN_TRANSFORMERS, json.dumps(texts), *dirs],
         capture_output=True,
         text=True,
         check=True,
@@ -987,11 +1014,14 @@ def test_transformers_encodes_an_exported_tokenizer_as_maxtrain_does(tmp_path, m
         assert encoded[directory] == expected, directory
 
 
-def upcycled(case: str, moe: MoeConfig) -> tuple[ModelConfig, dict]:
-    """A fixture's dense model upcycled to `moe`, with a random router and perturbed experts
-    (so that routing decides the output)."""
+def upcycled(
+    case: str, moe: MoeConfig, layers: list[str] | None = None
+) -> tuple[ModelConfig, dict]:
+    """A fixture's dense model upcycled to `moe` on `layers` (None: every layer), with a random
+    router and perturbed experts (so that routing decides the output)."""
     dense, params = read_hf_model(FIXTURES / case)
-    cfg = changed(dense, moe=moe.model_dump(), mlp_dim=None)
+    mlp_dim = None if layers is None else dense.mlp_dim
+    cfg = changed(dense, moe=moe.model_dump(), layers=layers, mlp_dim=mlp_dim)
     return cfg, upcycle(params, dense, cfg, noise_std=0.3, router_init_std=0.5, seed=1)
 
 
@@ -1037,9 +1067,8 @@ def test_transformers_loads_our_exports_with_the_same_logits(tmp_path):
         ),
         "upcycled_qwen3_as_qwen3_moe": upcycled(
             "qwen3_gqa4_untied_v5",
-            MoeConfig(
-                num_experts=6, top_k=2, expert_mlp_dim=32, renormalize=False, first_dense_layers=1
-            ),
+            MoeConfig(num_experts=6, top_k=2, expert_mlp_dim=32, renormalize=False),
+            layers=["global-dense", "global-moe"],  # the first layer dense
         ),
         "gpt_oss_plain": gpt_oss_plain(),
     }.items():

@@ -1,8 +1,9 @@
-"""Tests for maxtrain.kernels.attention: reference numerics, document isolation, tokamax
-k_start,
-splash attention (in Pallas's interpreter) and the kernels' per-device runs on a mesh; sliding
-windows and attention sinks in every kernel, against the reference (itself checked against a
-NumPy statement of the window and the sink's softmax in test_attention_pattern.py)."""
+"""The attention kernels by name (kernels/attention.py) and their backends: reference numerics
+(xla_attention.py), document isolation, tokamax's k_start (tokamax_attention.py), splash
+attention in Pallas's interpreter (splash.py) and the kernels' per-device runs on a mesh
+(parallel/per_device.py); sliding windows and attention sinks in every kernel, against the
+reference (itself checked against a NumPy statement of the window and the sink's softmax in
+test_attention_pattern.py)."""
 
 import dataclasses
 from functools import partial
@@ -13,10 +14,14 @@ import numpy as np
 import pytest
 
 from maxtrain import config as config_lib
-from maxtrain.config import MeshConfig
+from maxtrain.config import ComputeConfig, MeshConfig
+from maxtrain.config.attention_kernels import ATTENTION_KERNELS
 from maxtrain.kernels import attention as attn
 from maxtrain.kernels import splash
+from maxtrain.kernels.tokamax_attention import segment_starts
+from maxtrain.kernels.xla_attention import banded_attention, reference_attention
 from maxtrain.parallel.mesh import build_mesh, constrain, sharding_rules
+from maxtrain.parallel.per_device import per_device
 
 B, T, N, K, H = 2, 16, 4, 2, 8
 # Several documents per row; the second row ends in padding (id 0), which is its own segment.
@@ -63,7 +68,7 @@ def _numpy_attention(q, k, v, seg) -> np.ndarray:
 
 def test_reference_matches_numpy_loop():
     q, k, v = _qkv()
-    got = jax.jit(attn.reference_attention)(q, k, v, jnp.asarray(SEGMENT_IDS))
+    got = jax.jit(reference_attention)(q, k, v, jnp.asarray(SEGMENT_IDS))
     assert got.shape == (B, T, N, H) and got.dtype == jnp.float32
     np.testing.assert_allclose(got, _numpy_attention(q, k, v, SEGMENT_IDS), rtol=0, atol=1e-5)
 
@@ -111,7 +116,7 @@ def test_tokamax_k_start_path_matches_reference_forward_and_grad(impl):
 def test_auto_resolves_to_xla_on_cpu_and_unknown_names_raise():
     assert jax.default_backend() == "cpu"
     assert attn.attention_implementation("auto") == "xla"
-    assert attn.attention_kernel("auto") is attn.reference_attention
+    assert attn.attention_kernel("auto") is reference_attention
     assert attn.attention_implementation("triton") == "triton"
     # ... and for the platform of the devices a program is built for, whatever this host is
     assert attn.attention_implementation("auto", "tpu") == "splash"
@@ -128,10 +133,30 @@ def test_auto_resolves_to_xla_on_cpu_and_unknown_names_raise():
         mosaic(q, k, v, jnp.asarray(SEGMENT_IDS))
 
 
+def test_every_configurable_name_builds_a_kernel():
+    """The names table (config/attention_kernels.py) is all there is: the config takes each
+    name, the registry builds each from its backend, and the names of the Pallas kernels'
+    calls in a compiled program are their backends' (analysis/program.py checks for them)."""
+    for name in ATTENTION_KERNELS:
+        assert ComputeConfig(attention=name).attention == name
+        assert callable(attn.attention_kernel(name, window=8))
+    calls = {name: attn.program_call(name) for name in ATTENTION_KERNELS}
+    assert calls == {
+        "xla": None,
+        "splash": r"^splash_mha",
+        "mosaic_gpu": r"^mosaic_gpu",
+        "mosaic_tpu": r"^splash_mha",  # tokamax's TPU kernel is splash attention too
+        "cudnn": r"^__cudnn",
+        "triton": r"triton",
+        "xla_chunked": None,
+        "tokamax_xla": None,
+    }
+
+
 def test_segment_starts():
-    got = attn.segment_starts(jnp.array([[1, 1, 2, 2, 2, 3]], jnp.int32))
+    got = segment_starts(jnp.array([[1, 1, 2, 2, 2, 3]], jnp.int32))
     np.testing.assert_array_equal(got, [[0, 0, 2, 2, 2, 5]])
-    got = attn.segment_starts(jnp.asarray(SEGMENT_IDS))
+    got = segment_starts(jnp.asarray(SEGMENT_IDS))
     np.testing.assert_array_equal(got[1], [0, 0, 0, 0, 0, 5, 5, 5, 8, 8, 8, 8, 12, 12, 12, 12])
 
 
@@ -249,7 +274,7 @@ def test_splash_kernel_matches_reference_forward_and_grad():
     loss = lambda fn: lambda q, k, v: jnp.sum(fn(q, k, v, seg) * cot)  # noqa: E731
     got = jax.jit(_splash)(q, k, v, seg)
     np.testing.assert_allclose(got, _numpy_attention(q, k, v, LONG_SEGMENT_IDS), rtol=0, atol=1e-5)
-    grads_want = jax.jit(jax.grad(loss(attn.reference_attention), argnums=(0, 1, 2)))(q, k, v)
+    grads_want = jax.jit(jax.grad(loss(reference_attention), argnums=(0, 1, 2)))(q, k, v)
     grads_got = jax.jit(jax.grad(loss(_splash), argnums=(0, 1, 2)))(q, k, v)
     for g, w in zip(grads_got, grads_want, strict=True):
         np.testing.assert_allclose(g, w, rtol=0, atol=1e-4)
@@ -287,7 +312,7 @@ def test_kernels_run_per_device_on_a_mesh(case, kernel):
     rules = {**config_lib.load(config_lib.CONFIGS_DIR / "base.yml").mesh.rules, **rules_update}
     window = 48
     if kernel == "splash":
-        fn = attn.per_device(partial(_splash, window=window))
+        fn = per_device(partial(_splash, window=window))
     else:
         fn = attn.attention_kernel(kernel, window)
     q, k, v = _long_qkv(6, heads, kv_heads, rows=4)
@@ -315,8 +340,8 @@ def test_banded_kernel_equals_the_whole_mask(window):
     q, k, v = _qkv(15)
     cot = jax.random.normal(jax.random.key(16), q.shape, jnp.float32)
     seg = jnp.asarray(SEGMENT_IDS)
-    banded = partial(attn.banded_attention, window=window)
-    whole = partial(attn.reference_attention, window=window)
+    banded = partial(banded_attention, window=window)
+    whole = partial(reference_attention, window=window)
     want = _value_and_grads(whole, q, k, v, seg, _sinks(), cot)
     _assert_same(_value_and_grads(banded, q, k, v, seg, _sinks(), cot), want, atol=1e-5)
 

@@ -10,6 +10,7 @@ from flax import nnx
 from maxtrain import config as config_lib
 from maxtrain.config import ConfigError
 from maxtrain.kernels import attention as attn
+from maxtrain.kernels.xla_attention import cached_attention
 from maxtrain.layers.attention_pattern import chunk_segments, kind_per_layer, model_kinds
 from maxtrain.models import ModelSpec, build
 from maxtrain.training.run_model import model_spec
@@ -106,7 +107,7 @@ def test_cached_attention_masks_window_and_chunk_by_position():
     positions = jnp.broadcast_to(jnp.arange(T), (B, T))
     one_doc = np.ones((B, T), np.int32)
     for window, chunk in ((6, None), (None, 5)):
-        got = attn.cached_attention(q, k, v, positions, sinks, window=window, chunk=chunk)
+        got = cached_attention(q, k, v, positions, sinks, window=window, chunk=chunk)
         i, j = np.arange(T)[:, None], np.arange(T)[None, :]
         mask = np.broadcast_to(j <= i, (B, T, T))
         mask = mask & (i - j < window) if window else mask & (i // chunk == j // chunk)

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from maxtrain import config as config_lib
-from maxtrain.analysis.program import collective_bytes_per_axis
+from maxtrain.analysis.collectives import collective_bytes_per_axis
 from maxtrain.config import MeshConfig
 from maxtrain.layers.embedding import lookup
 from maxtrain.parallel.mesh import build_mesh, constrain, logical_to_spec, sharding_rules

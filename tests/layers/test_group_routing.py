@@ -61,7 +61,8 @@ def numpy_routing(logits: np.ndarray, bias: np.ndarray):
 def test_group_limited_routing_matches_numpy_rule():
     layer = grouped_layer()
     logits = 2.0 * jax.random.normal(jax.random.key(2), (2, 24, E))
-    _, expert_ids, weights = layer._route(logits)
+    routing = layer.router.route(logits)
+    expert_ids, weights = routing.expert_ids, routing.weights
     chosen, expected = numpy_routing(
         np.asarray(logits).reshape(-1, E), np.asarray(layer.router.bias[...])
     )

@@ -1,5 +1,6 @@
 """The mixture-of-experts layer against a dense per-token reference, across meshes and modes."""
 
+import dataclasses
 import json
 import math
 
@@ -16,12 +17,13 @@ from maxtrain.config import ConfigError
 from maxtrain.data import to_global
 from maxtrain.data.streams import data_streams
 from maxtrain.kernels.grouped_matmul import xla_grouped_matmul
-from maxtrain.layers import moe_dispatch
-from maxtrain.layers.moe import MoE, router_stats
+from maxtrain.layers import routed_experts
+from maxtrain.layers.moe import MoE
+from maxtrain.layers.router import router_stats
 from maxtrain.layers.spec import ModelSpec
 from maxtrain.models.router_training import RouterTraining
 from maxtrain.models.stacks import is_moe_per_layer, layer_runs
-from maxtrain.parallel.experts import Ragged
+from maxtrain.parallel.expert_exchanges import Ragged
 from maxtrain.parallel.mesh import build_mesh, sharding_rules
 from maxtrain.training import metrics
 from maxtrain.training.loop import run
@@ -145,7 +147,7 @@ def test_dropless_gradients_match_the_dense_reference(moe):
         mix = jnp.sum(jax.nn.one_hot(idx, E) * (top / top.sum(-1, keepdims=True))[..., None], -2)
         gate = jnp.einsum("btd,edf->btef", x, m.gate.kernel[...]) + bias(m.gate.bias)
         up = jnp.einsum("btd,edf->btef", x, m.up.kernel[...]) + bias(m.up.bias)
-        out = jnp.einsum("btef,efd->bted", m.activation(gate, up), m.down.kernel[...])
+        out = jnp.einsum("btef,efd->bted", m.experts.activation(gate, up), m.down.kernel[...])
         return jnp.einsum("bte,bted->btd", mix, out + bias(m.down.bias))
 
     def loss(fn):
@@ -192,8 +194,8 @@ def test_sharded_layer_equals_the_single_device_result(mesh_axes, batch, moe):
     single_layer = make_layer(**{k: v for k, v in moe.items() if k in {*GPT_OSS, "weight_on"}})
     layer = make_layer(**moe)
     if moe.get("expert_exchange") == "ragged":  # XLA:CPU lacks the op: its documented semantics
-        capacity = moe["expert_exchange_capacity"]
-        layer.dispatch = Ragged(capacity, exchange=emulated_ragged_all_to_all)
+        ragged = Ragged(moe["expert_exchange_capacity"], exchange=emulated_ragged_all_to_all)
+        layer.experts = dataclasses.replace(layer.experts, dispatch=ragged)
     nnx.update(layer, nnx.state(single_layer))
     x = jax.random.normal(jax.random.key(4), (batch, 8, D))
     rules = config_lib.MeshConfig().rules | {
@@ -344,9 +346,9 @@ def test_weights_on_the_inputs_scale_what_each_expert_sees(capacity):
 
 
 def test_capacity_helper_rounds_up_and_never_reaches_zero():
-    assert moe_dispatch.capacity(100, 2, 8, 1.0) == 25
-    assert moe_dispatch.capacity(10, 1, 8, 1.0) == 2
-    assert moe_dispatch.capacity(1, 1, 64, 0.1) == 1
+    assert routed_experts.capacity(100, 2, 8, 1.0) == 25
+    assert routed_experts.capacity(10, 1, 8, 1.0) == 2
+    assert routed_experts.capacity(1, 1, 64, 0.1) == 1
 
 
 def test_layer_schedule_dense_and_moe_layers_as_listed():

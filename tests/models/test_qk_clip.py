@@ -11,7 +11,7 @@ from support.numerics import synthetic_batch
 
 from maxtrain.config import CONFIGS_DIR, ConfigError, load
 from maxtrain.data import to_global
-from maxtrain.kernels.attention import (
+from maxtrain.kernels.xla_attention import (
     banded_attention,
     head_max_logit,
     reference_attention,

@@ -11,7 +11,8 @@ from support.optim import apply, muon_cfg
 
 from maxtrain import optim
 from maxtrain.analysis import memory
-from maxtrain.analysis.program import collective_bytes, matmul_flops
+from maxtrain.analysis.collectives import collective_bytes
+from maxtrain.analysis.program import matmul_flops
 
 STEPS = 2  # optimizer steps per program
 NS_STEPS = 5

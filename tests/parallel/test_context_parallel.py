@@ -14,11 +14,11 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from maxtrain.analysis.program import collective_bytes
+from maxtrain.analysis.collectives import collective_bytes
 from maxtrain.config import MeshConfig
 from maxtrain.data import to_global
 from maxtrain.data.streams import data_streams
-from maxtrain.kernels.attention import reference_attention
+from maxtrain.kernels.xla_attention import reference_attention
 from maxtrain.parallel.context import attention_pairs, context_attention, layout_order
 from maxtrain.parallel.mesh import build_mesh, sharding_rules
 from maxtrain.parallel.pipeline import to_model_order

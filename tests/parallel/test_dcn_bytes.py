@@ -9,7 +9,7 @@ follow from the shapes alone, not from a measurement.
 import jax
 
 from maxtrain import config as config_lib
-from maxtrain.analysis.program import collective_bytes, device_groups
+from maxtrain.analysis.collectives import collective_bytes, device_groups
 from maxtrain.data.streams import data_streams
 from maxtrain.models import param_count
 from maxtrain.parallel.mesh import device_slices

@@ -27,7 +27,8 @@ def test_minus_one_fills_remaining_devices():
     [
         (MeshConfig(fsdp=4), "use 4 devices per slice but 8 are available"),
         (MeshConfig(data=-1, fsdp=-1), "only one mesh axis may be -1"),
-        (MeshConfig(fsdp=-1, tensor=3), "does not divide it"),
+        # named by the degree set, not by the default's fsdp=-1 (the user typed tensor=3)
+        (MeshConfig(fsdp=-1, tensor=3), r"degrees \(tensor=3\) need a multiple of 3 devices"),
         (MeshConfig(num_slices=2), "mesh.dcn degrees multiply to 1 but mesh.num_slices=2"),
     ],
 )

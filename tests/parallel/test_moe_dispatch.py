@@ -1,6 +1,6 @@
 """The expert-parallel exchanges: exact against one device, drops as reported, bytes bounded.
 
-Every exchange of maxtrain/parallel/experts.py runs in shard_map over P of the 8 simulated
+Every exchange of maxtrain/parallel/expert_exchanges.py runs in shard_map over P of the 8 simulated
 CPU devices, on routing built to stress it, and is compared with the dropless grouped matmul
 on one device holding every token and expert, values and gradients. The ragged exchange runs
 with an emulation of jax.lax.ragged_all_to_all (tests/support/ragged_all_to_all_reference.py), since
@@ -19,17 +19,11 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from support.ragged_all_to_all_reference import emulated_ragged_all_to_all
 
-from maxtrain.analysis.program import collective_bytes
+from maxtrain.analysis.collectives import collective_bytes
 from maxtrain.kernels.grouped_matmul import expert_matmuls
 from maxtrain.layers.activations import ClampedSwiglu
-from maxtrain.layers.moe_dispatch import (
-    ExpertBlocks,
-    ExpertWeights,
-    Parallelism,
-    capacity,
-    dropless_local,
-)
-from maxtrain.parallel.experts import AllGather, AllToAll, Ragged
+from maxtrain.layers.routed_experts import ExpertWeights, Parallelism, Routed, capacity, dropless
+from maxtrain.parallel.expert_exchanges import AllGather, AllToAll, ExpertBlocks, Ragged
 
 D, F, E = 8, 12, 16  # model width, expert width, experts
 N = 16  # tokens per device
@@ -85,7 +79,7 @@ def sharded(dispatch, peers: int):
     par = Parallelism(("expert",), peers)
 
     def per_device(x, ids, mix, w):
-        y, counts = dispatch(x, ids, mix, w, num_experts=E, par=par, gmm=XLA)
+        y, counts = dispatch(Routed(x, ids, mix, w, E, XLA, par))
         return y, (jax.lax.psum(counts.dropped, "expert"), jax.lax.pmax(counts.rounds, "expert"))
 
     split = P("expert")
@@ -99,7 +93,7 @@ def sharded(dispatch, peers: int):
 
 
 def single_device(x, ids, mix, w):
-    y, counts = dropless_local(x, ids, mix, w, num_experts=E, gmm=XLA)
+    y, counts = dropless(Routed(x, ids, mix, w, E, XLA))
     return y, (counts.dropped, counts.rounds)
 
 
@@ -355,7 +349,7 @@ def on_one_device(dispatch):
     """(x, ids, mix, w) -> (y, (dropped, rounds)), every token and expert on one device."""
 
     def run(x, ids, mix, w):
-        y, counts = dispatch(x, ids, mix, w, num_experts=E, par=Parallelism(), gmm=XLA)
+        y, counts = dispatch(Routed(x, ids, mix, w, E, XLA))
         return y, (counts.dropped, counts.rounds)
 
     return run

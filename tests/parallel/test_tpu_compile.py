@@ -18,7 +18,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from maxtrain import config as config_lib
-from maxtrain.analysis import program
+from maxtrain.analysis import collectives, program
 from maxtrain.config import MeshConfig
 from maxtrain.kernels.attention import attention_kernel
 from maxtrain.parallel.mesh import build_mesh, mesh_platform, sharding_rules
@@ -54,7 +54,7 @@ def _collectives(trainer, hlo: str) -> dict[str, int]:
         from maxtrain.parallel.mesh import device_slices
 
         slices = device_slices(trainer.mesh, trainer.cfg.mesh.num_slices)
-    per_axis = program.collective_bytes_per_axis(hlo, dict(trainer.mesh.shape), slices)
+    per_axis = collectives.collective_bytes_per_axis(hlo, dict(trainer.mesh.shape), slices)
     return {
         f"{net} {key}": moved for net, kinds in per_axis.items() for key, moved in kinds.items()
     }

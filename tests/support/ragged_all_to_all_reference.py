@@ -1,8 +1,8 @@
 """jax.lax.ragged_all_to_all's documented semantics, built from dense collectives for CPU.
 
 XLA:CPU does not implement the op ("HLO opcode ragged-all-to-all is not supported"), so the
-ragged expert-parallel exchange (maxtrain/parallel/experts.py) is tested on CPU with this
-in its place: the offsets and sizes it computes are then checked against what the op is
+ragged expert-parallel exchange (maxtrain/parallel/expert_exchanges.py) is tested on CPU with
+this in its place: the offsets and sizes it computes are then checked against what the op is
 documented to do. Each slice travels padded to the operand's whole length, P times the traffic:
 an oracle for tests, never a dispatch.
 """

@@ -144,6 +144,8 @@ ROWS = [
     # ---- config files
     ("no config", "maxtrain", [], "no config file given"),
     ("missing file", "maxtrain", ["{in}/nope.yml"], "config file not found: {in}/nope.yml"),
+    ("a directory", "maxtrain", ["{in}"], "config file {in} is a directory, not a YAML file"),
+    ("only overrides", "maxtrain", ["optim.lr=1e-3"], "no config file given"),
     ("invalid YAML", "maxtrain", ["{in}/invalid.yml"],
      "config file {in}/invalid.yml is not valid YAML: did not find expected ',' or ']' at line 3"),
     ("not UTF-8", "maxtrain", ["{in}/latin1.yml"],
@@ -260,14 +262,25 @@ def fill(text: str, paths: dict[str, Path]) -> str:
     return text
 
 
-def run_in_process(program: str, argv: list[str], capsys) -> tuple[int, str]:
-    """(exit status, stderr) of PROG's main(argv); an argparse error exits via SystemExit."""
+# Refusals that need the run's state or its directories: they come after the run has said
+# that it prepares them. Every other refused run says nothing on stdout ("preparing ..." once
+# came before config and data mistakes too).
+AFTER_PREPARING = {
+    "checkpoint of another model", "another model, new output dir",
+    "load_parameters_path missing", "checkpoint dir under a file", "output dir under a file",
+}  # fmt: skip
+
+
+def run_in_process(program: str, argv: list[str], capsys) -> tuple[int, str, str]:
+    """(exit status, stdout, stderr) of PROG's main(argv); an argparse error exits via
+    SystemExit."""
     capsys.readouterr()
     try:
         status = PROGRAMS[program](argv)
     except SystemExit as e:
         status = e.code
-    return status, capsys.readouterr().err
+    out, err = capsys.readouterr()
+    return status, out, err
 
 
 def assert_refused(status: int, stderr: str, program: str, expected: str) -> None:
@@ -282,29 +295,35 @@ def assert_refused(status: int, stderr: str, program: str, expected: str) -> Non
     ("program", "argv", "expected"), [row[1:] for row in ROWS], ids=[row[0] for row in ROWS]
 )
 def test_refused_input_is_one_line_exit_2_and_changes_nothing(
-    program, argv, expected, inputs, tmp_path, capsys, monkeypatch
+    program, argv, expected, inputs, tmp_path, capsys, monkeypatch, request
 ):
     monkeypatch.delenv(DEBUG_ENV, raising=False)
     paths = {"in": inputs, "out": tmp_path}
     before = tree_digest(inputs), tree_digest(tmp_path)
-    status, stderr = run_in_process(program, [fill(a, paths) for a in argv], capsys)
+    status, stdout, stderr = run_in_process(program, [fill(a, paths) for a in argv], capsys)
     assert_refused(status, stderr, program, fill(expected, paths))
     assert (tree_digest(inputs), tree_digest(tmp_path)) == before
+    if program == "maxtrain" and request.node.callspec.id not in AFTER_PREPARING:
+        assert stdout == "", stdout
 
 
-def test_debug_shows_the_traceback_instead(tmp_path, capsys, monkeypatch):
-    """--debug (maxtrain.train: a leading --debug; tools: the flag) or MAXTRAIN_DEBUG=1."""
+def test_debug_shows_the_traceback_too_and_exits_2(tmp_path, capsys, monkeypatch):
+    """--debug (maxtrain.train: a leading --debug; tools: the flag) or MAXTRAIN_DEBUG=1: the
+    traceback before the one line, and the exit status of any refusal (it was 1)."""
     bad = [*(fill(a, {"out": tmp_path}) for a in TINY), "optim.b1=1.5"]
-    monkeypatch.setenv(DEBUG_ENV, "1")
-    with pytest.raises(ConfigError, match="'optim.b1' must be < 1"):
-        train_lib.main(bad)
+    line = "error: config key 'optim.b1' must be < 1 (got 1.5)\n"
+    for debug, program, argv in [
+        ("1", train_lib.main, bad),
+        ("0", train_lib.main, ["--debug", *bad]),
+        ("0", PROGRAMS["benchmark"], [*bad, "--dry-run", "--debug"]),
+    ]:
+        monkeypatch.setenv(DEBUG_ENV, debug)
+        assert program(argv) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("Traceback (most recent call last):") and err.endswith(line), err
+        assert "ConfigError: config key 'optim.b1' must be < 1" in err
     monkeypatch.setenv(DEBUG_ENV, "0")
-    assert train_lib.main(bad) == 2
-    with pytest.raises(ConfigError):
-        train_lib.main(["--debug", *bad])
-    monkeypatch.setenv(DEBUG_ENV, "0")
-    with pytest.raises(ConfigError):
-        PROGRAMS["benchmark"]([*bad, "--dry-run", "--debug"])
+    assert train_lib.main(bad) == 2 and capsys.readouterr().err == f"maxtrain: {line}"
 
 
 def test_a_message_of_several_lines_is_printed_as_one(capsys, monkeypatch):
@@ -327,8 +346,9 @@ def test_a_data_mistake_is_refused_before_anything_compiles(tmp_path, capsys, mo
 
     monkeypatch.setattr(train_lib, "build_trainer", must_not_run)
     argv = [*(fill(a, {"out": tmp_path}) for a in TINY), *source(tmp_path / "x")]
-    status, stderr = run_in_process("maxtrain", argv, capsys)
+    status, stdout, stderr = run_in_process("maxtrain", argv, capsys)
     assert_refused(status, stderr, "maxtrain", "no .arrayrecord shards match")
+    assert stdout == ""
 
 
 def test_at_the_process_boundary_exit_2_one_line_no_traceback(tmp_path):

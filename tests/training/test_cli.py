@@ -158,6 +158,7 @@ def test_list_models_lists_every_preset_with_its_size(capsys):
     assert rows["tiny"] == ["107K", "107K", "2", "64"]
     assert rows["llama3-8b"] == ["8.03B", "8.03B", "32", "4096"]
     assert rows["mixtral-8x7b"][:2] == ["46.7B", "12.9B"]
+    assert rows["gemma3-1b"][0] == "1B"  # 999,885,952: rounded before its unit (was 1e+03M)
 
 
 def test_print_config_prints_the_resolved_config_and_runs_nothing(tmp_path, capsys, monkeypatch):

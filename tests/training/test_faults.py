@@ -166,7 +166,7 @@ def test_full_disk_is_one_line_and_the_next_run_resumes_then_a_finished_run_is_l
 
 @pytest.fixture(scope="module")
 def finished(tmp_path_factory) -> Path:
-    """A finished 8-step run (steps 4 and 8 in the local tier, 8 in the persistent one) for the
+    """A finished 8-step run (step 4 in the local tier, the last, 8, in the persistent one) for the
     tests that start from a run's checkpoints: one launch instead of one per test, and a later
     launch of the same shape with train.steps=8 loads its step program instead of compiling one.
     Tests that change the run work on a copy (copy_of)."""
@@ -196,10 +196,11 @@ def test_checkpoint_of_another_model_exits_2_naming_the_parameter_and_touches_no
 
 def test_damaged_newest_checkpoint_falls_back_to_the_previous_one(tmp_path, finished):
     run_dir = copy_of(finished, tmp_path)
-    for tier in ("local", "persistent"):  # step 8 is in both: the last interval and the end
-        newest = run_dir / "checkpoints" / tier / "8"
-        victim = max((p for p in newest.rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
-        victim.write_bytes(victim.read_bytes()[: victim.stat().st_size // 2])  # a torn write
+    # Step 8, the last, is saved once, to the persistent tier (though due in both).
+    assert not (run_dir / "checkpoints" / "local" / "8").exists()
+    newest = run_dir / "checkpoints" / "persistent" / "8"
+    victim = max((p for p in newest.rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
+    victim.write_bytes(victim.read_bytes()[: victim.stat().st_size // 2])  # a torn write
     # train.steps=8 as before: a damaged step 8 does not make the run complete
     result = cli(run_dir, "train.steps=8", "checkpoint.local.every_steps=4")
     assert result.returncode == 0, result.stderr[-2000:]

@@ -325,6 +325,16 @@ def test_console_line_with_mfu_and_long_eta() -> None:
     assert line.startswith("step     0/10000 | loss 3.2104")
 
 
+def test_console_line_shows_grpo_sampling_only_once_measured() -> None:
+    """GRPO's sampling share exists from the second rollout on (the first's cycle ends
+    there): the first line has none, where it read "sampling 0%"."""
+    grpo = {"loss": 1.0, "rollout/reward": 0.5, "grpo/kl": 0.0, "grpo/clipped": 0.0}
+    first = format_console_line(1, 5, grpo)
+    assert first.endswith("reward 0.500 kl 0.00e+00 clipped 0.000") and "sampling" not in first
+    later = format_console_line(2, 5, {**grpo, "rollout/rollout_share": 0.574})
+    assert later.endswith("clipped 0.000 sampling 57%")
+
+
 def test_console_line_shows_moe_load_rounds_and_drops_and_warns_over_1_percent() -> None:
     moe = {"loss": 1.0, "moe/max_load": 3.359, "moe/rounds": 4.0, "moe/dropped": 0.0}
     assert format_console_line(5, 5, moe) == (

@@ -1,27 +1,32 @@
-"""Sending tokens to their experts and back: the per-device half of a mixture-of-experts layer.
+"""One device's routed rows through its experts: the single-device half of a mixture of experts.
 
-Everything here runs on one device's tokens (inside `shard_map` when there is a mesh). Each
-token was routed to k experts, giving R = n * k (token, expert, weight) assignments. Two ways to
-compute them, `moe.expert_capacity_factor` picks:
+Each token was routed to k experts, giving R = n * k (token, expert, weight) assignments on a
+device of n tokens. Everything here runs on one device's rows (inside `shard_map` when there
+is a mesh: parallel/experts.py) and holds no collective; when the experts are split over
+devices, the exchanges of parallel/expert_exchanges.py move the rows and call these parts on
+each device's share. Two ways to compute the assignments, `model.moe.expert_capacity_factor`
+picks:
 
 * **Dropless** (null, the default): sort the assignments by expert and run each expert on
-  exactly its rows with one grouped matmul. On one device nothing is dropped and the work is
-  exactly the routed rows'. Split over devices (expert parallelism), the rows travel to their
-  experts by one of the exchanges of expert_parallel.py.
+  exactly its rows with one grouped matmul (`dropless`). Nothing is dropped and the work is
+  exactly the routed rows'.
 * **Capacity** (a number): every expert takes at most C rows per device; the rest are dropped
   (their contribution is zero, the residual connection carries the token on). Buffers are
-  fixed [E, C, D] blocks and the experts run as one batched matmul -- the GShard layout, which
-  an all-to-all moves as it is (E * C rows each way) and TPUs like.
+  fixed [E, C, D] blocks and the experts run as one batched matmul (`capacity_blocks`): the
+  GShard layout, which an all-to-all moves as it is (E * C rows each way) and TPUs like.
 
-Shape letters are the package's (maxtrain/__init__.py).
+Every move of rows is a `Permutation` (layers/permutation.py): gathers, forward and backward,
+derived from the layer's one sort (`sort_by_expert`). Shape letters are the package's
+(maxtrain/__init__.py).
 """
 
 from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import NamedTuple, Protocol
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -81,52 +86,67 @@ class ExpertWeights:
 
 @dataclass(frozen=True)
 class Parallelism:
-    """Mesh axes the experts are split over (empty: all experts on every device)."""
+    """Mesh axes the experts are split over, and their number of devices (none: all experts on
+    every device)."""
 
     expert_axes: tuple[str, ...] = ()
     degree: int = 1
 
 
+@functools.partial(
+    jax.tree_util.register_dataclass,
+    data_fields=["x", "expert_ids", "weights", "w"],
+    meta_fields=["num_experts", "gmm", "par"],
+)
+@dataclass(frozen=True)
+class Routed:
+    """What every way of computing a device's assignments starts from (one object, built per
+    layer and device by parallel/experts.py): its n tokens x [n, D], each routed to k experts
+    (expert_ids [n, k], below num_experts) with weights [n, k]; its share of the experts' weights
+    w (EL = num_experts / par.degree experts); and, static, the mesh axes the experts are split
+    over (`par`) and the grouped matmuls that run them. A pytree, so that it passes whole
+    through transformations (parallel/stage_scope.py per_stage)."""
+
+    x: jax.Array
+    expert_ids: jax.Array
+    weights: jax.Array
+    w: ExpertWeights
+    num_experts: int
+    gmm: ExpertMatmuls
+    par: Parallelism = Parallelism()
+
+    @property
+    def top_k(self) -> int:
+        return self.expert_ids.shape[1]
+
+    @property
+    def local_experts(self) -> int:
+        """EL, the experts each device holds."""
+        return self.num_experts // self.par.degree
+
+
 class DispatchCounts(NamedTuple):
     """What a dispatch reports besides its output: assignments it dropped (capacity mode, or an
-    exchange set to drop), and the exchange rounds it ran (expert_parallel.py; 1 otherwise)."""
+    exchange set to drop), and the exchange rounds it ran (parallel/expert_exchanges.py; 1
+    otherwise)."""
 
     dropped: jax.Array
     rounds: jax.Array
 
-
-class Dispatch(Protocol):
-    """How one device's assignments reach their experts and come back (one per MoE layer,
-    picked at construction: dispatch.py)."""
-
-    def __call__(
-        self,
-        x: jax.Array,
-        expert_ids: jax.Array,
-        weights: jax.Array,
-        w: ExpertWeights,
-        *,
-        num_experts: int,
-        par: Parallelism,
-        gmm: ExpertMatmuls,
-    ) -> tuple[jax.Array, DispatchCounts]:
-        """x [n, D], expert_ids/weights [n, k] -> (y [n, D], assignments dropped, rounds)."""
-        ...
+    @classmethod
+    def single_pass(cls, dropped: jax.Array | int = 0) -> DispatchCounts:
+        """The counts of a dispatch that ran no exchange rounds, only its one pass."""
+        return cls(jnp.asarray(dropped, jnp.int32), jnp.ones((), jnp.int32))
 
 
-def keep_local_experts(
-    expert_ids: jax.Array, weights: jax.Array, num_experts: int, par: Parallelism
-) -> tuple[jax.Array, jax.Array]:
-    """For tokens replicated over the expert axes: re-number this device's experts 0..EL-1 and
-    mark the rest EL with weight 0. Each device then computes its experts' share of every
-    token, and a sum over the expert axes completes the output (no exchange needed)."""
-    local = num_experts // par.degree
-    ids = expert_ids - jax.lax.axis_index(par.expert_axes) * local
-    mine = (ids >= 0) & (ids < local)
-    return jnp.where(mine, ids, local), jnp.where(mine, weights, 0)
+# How one device's assignments reach their experts and come back, picked once per MoE layer
+# (parallel/experts.py make_dispatch): Routed -> (y [n, D], counts).
+type Dispatch = Callable[[Routed], tuple[jax.Array, DispatchCounts]]
 
 
-def swiglu_grouped(rows: jax.Array, group_sizes: jax.Array, w: ExpertWeights, gmm: ExpertMatmuls):
+def grouped_feed_forward(
+    rows: jax.Array, group_sizes: jax.Array, w: ExpertWeights, gmm: ExpertMatmuls
+) -> jax.Array:
     """Each row through its expert's gated feed-forward (SwiGLU or w.activation, with w's
     biases): two grouped matmuls, gate and up in one; rows past sum(group_sizes) come out
     zero."""
@@ -136,7 +156,7 @@ def swiglu_grouped(rows: jax.Array, group_sizes: jax.Array, w: ExpertWeights, gm
     return gmm.down(w.activate(gate_up), w.down, group_sizes)
 
 
-def _swiglu_batched(blocks: jax.Array, w: ExpertWeights) -> jax.Array:
+def batched_feed_forward(blocks: jax.Array, w: ExpertWeights) -> jax.Array:
     """[..., EL, C, D] blocks through their experts' gated feed-forward as one batched matmul
     (no biases: config validation keeps expert biases off the capacity mode)."""
     gate_up = jnp.einsum("...ecd,edf->...ecf", blocks, w.gate_up)
@@ -195,24 +215,18 @@ def combine(per_assignment: jax.Array, weights: jax.Array) -> jax.Array:
     return mixed.sum(axis=1).astype(per_assignment.dtype)
 
 
-def dropless_local(
-    x: jax.Array,
-    expert_ids: jax.Array,
-    weights: jax.Array,
-    w: ExpertWeights,
-    *,
-    num_experts: int,
-    gmm: ExpertMatmuls,
-) -> tuple[jax.Array, DispatchCounts]:
-    """Every assignment computed on this device. Ids equal to num_experts (experts held
-    elsewhere, see keep_local_experts) sort last and stay outside every group."""
-    k = expert_ids.shape[1]
-    experts = sort_by_expert(expert_ids.reshape(-1), num_experts)
-    group_sizes = jnp.bincount(experts.sorted_ids, length=num_experts + 1)[:num_experts]
-    out = swiglu_grouped(experts.sorting.take(x, copies=k), group_sizes, w, gmm)
-    return combine(experts.sorting.inverted().take(out), weights), DispatchCounts(
-        jnp.zeros((), jnp.int32), jnp.ones((), jnp.int32)
-    )
+def dropless(routed: Routed) -> tuple[jax.Array, DispatchCounts]:
+    """Every assignment computed on this device, each expert on exactly its rows. Ids equal to
+    num_experts (experts held elsewhere: parallel/experts.py keep_local_experts) sort last and
+    stay outside every group."""
+    E = routed.num_experts
+    experts = sort_by_expert(routed.expert_ids.reshape(-1), E)
+    group_sizes = jnp.bincount(experts.sorted_ids, length=E + 1)[:E]
+    rows = experts.sorting.take(routed.x, copies=routed.top_k)
+    out = grouped_feed_forward(rows, group_sizes, routed.w, routed.gmm)
+    return combine(
+        experts.sorting.inverted().take(out), routed.weights
+    ), DispatchCounts.single_pass()
 
 
 def capacity(num_tokens: int, top_k: int, num_experts: int, factor: float) -> int:
@@ -220,39 +234,26 @@ def capacity(num_tokens: int, top_k: int, num_experts: int, factor: float) -> in
     return max(1, math.ceil(factor * num_tokens * top_k / num_experts))
 
 
-@dataclass(frozen=True)
-class ExpertBlocks:
+# [E, C, D] blocks -> the experts' outputs in the same places. On one device the batched
+# feed-forward; over devices, the blocks' exchange around it (ExpertBlocks of
+# parallel/expert_exchanges.py).
+type ThroughExperts = Callable[[jax.Array, ExpertWeights], jax.Array]
+
+
+def capacity_blocks(
+    routed: Routed, capacity_factor: float, through_experts: ThroughExperts = batched_feed_forward
+) -> tuple[jax.Array, DispatchCounts]:
     """The capacity (GShard) mode: fixed [E, C, D] blocks; earlier tokens win a full expert."""
-
-    capacity_factor: float
-
-    def __call__(
-        self,
-        x: jax.Array,
-        expert_ids: jax.Array,
-        weights: jax.Array,
-        w: ExpertWeights,
-        *,
-        num_experts: int,
-        par: Parallelism,
-        gmm: ExpertMatmuls,
-    ) -> tuple[jax.Array, DispatchCounts]:
-        n, k = expert_ids.shape
-        cap = capacity(n, k, num_experts, self.capacity_factor)
-        experts = sort_by_expert(expert_ids.reshape(-1), num_experts)
-        kept = (experts.rank < cap) & (experts.sorted_ids < num_experts)
-        # Each assignment's place in the [E * C] blocks (past them: dropped, or not ours),
-        # composed with the sort so that the rows move once each way.
-        block = jnp.where(kept, experts.sorted_ids * cap + experts.rank, num_experts * cap)
-        to_blocks = Permutation.to(block[experts.sorting.inverse], num_experts * cap)
-        blocks = to_blocks.take(x, copies=k).reshape(num_experts, cap, -1)
-        if par.degree == 1:
-            out_blocks = _swiglu_batched(blocks, w)
-        else:
-            local = blocks.reshape(par.degree, num_experts // par.degree, cap, -1)
-            received = jax.lax.all_to_all(local, par.expert_axes, 0, 0, tiled=True)
-            computed = _swiglu_batched(received, w)
-            out_blocks = jax.lax.all_to_all(computed, par.expert_axes, 0, 0, tiled=True)
-        out = to_blocks.inverted().take(out_blocks.reshape(num_experts * cap, -1))
-        dropped = jnp.sum(~kept & (experts.sorted_ids < num_experts))  # others' experts: not ours
-        return combine(out, weights), DispatchCounts(dropped, jnp.ones((), jnp.int32))
+    E, k = routed.num_experts, routed.top_k
+    cap = capacity(routed.expert_ids.shape[0], k, E, capacity_factor)
+    experts = sort_by_expert(routed.expert_ids.reshape(-1), E)
+    kept = (experts.rank < cap) & (experts.sorted_ids < E)
+    # Each assignment's place in the [E * C] blocks (past them: dropped, or not ours),
+    # composed with the sort so that the rows move once each way.
+    block = jnp.where(kept, experts.sorted_ids * cap + experts.rank, E * cap)
+    to_blocks = Permutation.to(block[experts.sorting.inverse], E * cap)
+    blocks = to_blocks.take(routed.x, copies=k).reshape(E, cap, -1)
+    out_blocks = through_experts(blocks, routed.w)
+    out = to_blocks.inverted().take(out_blocks.reshape(E * cap, -1))
+    dropped = jnp.sum(~kept & (experts.sorted_ids < E))  # others' experts: not ours
+    return combine(out, routed.weights), DispatchCounts.single_pass(dropped)
