@@ -51,7 +51,8 @@ def make_cfg(tmp_path: Path):
 # (unit tests of the parts: config, layers, kernels, data, optimizers, analysis) is the fast
 # tier, `python -m pytest -m "not slow"`, a couple of minutes on two cores.
 SLOW_MODULES = {
-    "test_bad_inputs", "test_checkpoint_compat", "test_checkpoint_damage", "test_checkpointing",
+    "test_bad_inputs", "test_bubble", "test_checkpoint_compat", "test_checkpoint_damage",
+    "test_checkpointing",
     "test_cli",
     "test_context_parallel", "test_convert_hf", "test_dcn_bytes", "test_depth_upscale",
     "test_docs_commands",

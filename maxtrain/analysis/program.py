@@ -132,8 +132,8 @@ def callees(attributes: str) -> list[str]:
 class Executed(NamedTuple):
     """One instruction of a compiled program as it runs: its name, result shape, opcode and the
     rest of its line (operands, attributes), how often one execution of the program runs it,
-    and whether it sits in a loop whose trip count only the run knows (then `times` counts
-    one trip of that loop)."""
+    whether it sits in a loop whose trip count only the run knows (then `times` counts one
+    trip of that loop), and the while instructions it sits in, outermost first."""
 
     name: str
     shape: str
@@ -142,6 +142,7 @@ class Executed(NamedTuple):
     times: int
     unknown_loop: bool
     computation: str = ""  # the computation it belongs to
+    loops: tuple[str, ...] = ()  # the while loops it runs inside, outermost first
 
 
 def executed(hlo_text: str) -> Iterator[Executed]:
@@ -152,19 +153,20 @@ def executed(hlo_text: str) -> Iterator[Executed]:
     so a caller may look operands up by name across computations."""
     computations, entry = parse_computations(hlo_text)
 
-    def visit(name: str, times: int, unknown: bool) -> Iterator[Executed]:
+    def visit(name: str, times: int, unknown: bool, loops: tuple) -> Iterator[Executed]:
         for line in computations.get(name, []):
             match = INSTRUCTION.match(line)
             if match is None:
                 continue
             result, shape, opcode, rest = match.groups()
-            yield Executed(result, shape, opcode, rest, times, unknown, name)
+            yield Executed(result, shape, opcode, rest, times, unknown, name, loops)
             trips = trip_count(rest, computations) if opcode == "while" else None
             inner = unknown or (opcode == "while" and trips is None)
+            within = (*loops, result) if opcode == "while" else loops
             for callee in callees(rest):
-                yield from visit(callee, times * (trips or 1), inner)
+                yield from visit(callee, times * (trips or 1), inner, within)
 
-    yield from visit(entry, 1, False)
+    yield from visit(entry, 1, False, ())
 
 
 def operand_names(rest: str) -> list[str]:
@@ -184,11 +186,16 @@ class Dot(NamedTuple):
     shape: list[int]  # its result's dimensions
     depth: int  # the product of its contracted dimensions
 
+    @property
+    def flops(self) -> int:
+        """2 per multiply-add."""
+        return 2 * math.prod(self.shape) * self.depth
 
-def dots(hlo_text: str) -> Iterator[tuple[Dot, int]]:
-    """Each dot one execution of a compiled program runs, with how often (a loop's counted once
-    per trip, fusions' and every branch's included; a loop whose trip count only the run knows,
-    once)."""
+
+def dots(hlo_text: str) -> Iterator[tuple[Dot, Executed]]:
+    """Each dot one execution of a compiled program runs, with its instruction (whose `times`
+    says how often: a loop's counted once per trip, fusions' and every branch's included; a
+    loop whose trip count only the run knows, once)."""
     dims: dict[str, list[int]] = {}
     for op in executed(hlo_text):
         if array := _DIMS.match(op.shape):
@@ -197,7 +204,7 @@ def dots(hlo_text: str) -> Iterator[tuple[Dot, int]]:
             lhs = dims[operand_names(op.rest)[0]]
             contracted = _LHS_CONTRACTING.search(op.rest).group(1).split(",")
             depth = math.prod(lhs[int(i)] for i in contracted if i)
-            yield Dot(dims[op.name], depth), op.times
+            yield Dot(dims[op.name], depth), op
 
 
 def matmul_flops(hlo_text: str) -> int:
@@ -209,7 +216,7 @@ def matmul_flops(hlo_text: str) -> int:
     kernels/gated_delta_rule.py) does not grow with its length there; this does. A loop
     whose trip count only the run knows counts once. Custom calls (Pallas kernels, LAPACK's
     triangular solve on CPU) are not dots and count nothing."""
-    return sum(times * 2 * math.prod(dot.shape) * dot.depth for dot, times in dots(hlo_text))
+    return sum(op.times * dot.flops for dot, op in dots(hlo_text))
 
 
 def bytes_accessed(hlo_text: str) -> int:

@@ -64,20 +64,30 @@ class MeshConfig(MeshAxes):
     rules: dict[str, list[MeshAxis]] = Field(default_factory=lambda: dict(DEFAULT_RULES))
 
 
-class PipelineConfig(Section):
-    """Pipeline parallelism over mesh.stage x mesh.dcn.stage stages (parallel/pipeline.py)."""
+# Schedules that run the backward themselves (parallel/scheduled.py); gpipe and circular are
+# the automatic derivative of their forward.
+IN_SCHEDULE = frozenset({"1f1b", "interleaved_1f1b", "zero_bubble"})
 
-    # gpipe: each stage holds one block of consecutive layers; circular: `repeats` blocks
-    # spread over the depth, so the idle bubble (S - 1) / (R * M + S - 1) shrinks with R.
-    schedule: Literal["gpipe", "circular"] = "gpipe"
+
+class PipelineConfig(Section):
+    """Pipeline parallelism over mesh.stage x mesh.dcn.stage stages (parallel/pipeline.py,
+    the schedules: parallel/schedules.py and docs/pipeline.md)."""
+
+    # gpipe: each stage holds one block of consecutive layers, every forward then every
+    # backward; circular: `repeats` blocks per stage, spread over the depth, so the idle share
+    # (S - 1) / (R * M + S - 1) shrinks with R; 1f1b: each micro-batch's backward as soon as
+    # its forward ends, at most 2S - 1 micro-batches' activations kept whatever M;
+    # interleaved_1f1b: 1f1b over `repeats` blocks per stage (M a multiple of S); zero_bubble:
+    # ZB-H1, 1f1b with the weight gradients deferred into the ticks where every stage has one.
+    schedule: Literal["gpipe", "circular", "1f1b", "interleaved_1f1b", "zero_bubble"] = "gpipe"
     microbatches: int | None = Field(default=None, gt=0)  # M per step; null: the stage count
-    repeats: int = Field(default=1, gt=0)  # circular: layer blocks per stage
+    repeats: int = Field(default=1, gt=0)  # circular, interleaved_1f1b: layer blocks per stage
 
     @model_validator(mode="after")
     def _check_schedule(self) -> PipelineConfig:
-        if self.schedule == "gpipe" and self.repeats != 1:
+        if self.repeats != 1 and self.schedule not in ("circular", "interleaved_1f1b"):
             raise ValueError(
-                f"pipeline.repeats={self.repeats} needs pipeline.schedule=circular (gpipe "
-                "holds one block of layers per stage)"
+                f"pipeline.repeats={self.repeats} needs pipeline.schedule=circular or "
+                f"interleaved_1f1b ({self.schedule} holds one block of layers per stage)"
             )
         return self

@@ -26,7 +26,7 @@ from maxtrain.config.domains import Section
 from maxtrain.config.lora import LoraConfig
 from maxtrain.config.model import ModelConfig
 from maxtrain.config.optim import OptimConfig
-from maxtrain.config.parallel import MeshConfig, PipelineConfig
+from maxtrain.config.parallel import IN_SCHEDULE, MeshConfig, PipelineConfig
 from maxtrain.config.quantization import QuantizationConfig
 from maxtrain.config.run import DistributedConfig, ProfileConfig, RunConfig, TrainConfig
 
@@ -177,6 +177,27 @@ class Config(Section):
         for problem, present in problems.items():
             if present:
                 raise ValueError(f"{key} does not work with {problem}; unset one of them")
+        return self
+
+    @model_validator(mode="after")
+    def _check_schedule(self) -> Config:
+        """A schedule that runs the backward itself (parallel/scheduled.py) takes each
+        micro-batch's next-token loss on the last stage and differentiates every stage's
+        weights there: what needs more of the model than one micro-batch's logits, or frozen
+        weights, is refused."""
+        schedule = self.pipeline.schedule
+        if schedule not in IN_SCHEDULE or self.mesh.stage * self.mesh.dcn.stage == 1:
+            return self
+        problems = {
+            f"train.task={self.train.task} (its objective reads whole logits: gpipe or "
+            "circular run it)": self.train.task not in ("pretrain", "sft"),
+            "model.mtp.depth > 0 (the prediction modules read the last layer and the "
+            "embeddings of the whole batch)": self.model.mtp.depth > 0,
+            "lora (the schedule trains every stage weight)": self.lora.enabled,
+        }
+        for problem, present in problems.items():
+            if present:
+                raise ValueError(f"pipeline.schedule={schedule} does not work with {problem}")
         return self
 
     @model_validator(mode="after")

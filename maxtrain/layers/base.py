@@ -5,11 +5,14 @@ Shape letters are the package's (maxtrain/__init__.py).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
+
+from maxtrain.layers import weight_taps
 
 LogicalAxes = tuple[str | None, ...]
 
@@ -71,6 +74,17 @@ class Projection(nnx.Module):
         )
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        kernel = self.kernel[...].astype(self.compute_dtype)
-        y = jnp.einsum(self.spec, x.astype(self.compute_dtype), kernel)
-        return y if self.bias is None else y + self.bias[...].astype(self.compute_dtype)
+        kernel = self.kernel.get_value()
+        bias = None if self.bias is None else self.bias.get_value()
+        project = functools.partial(projected, self.spec, self.compute_dtype)
+        if (record := weight_taps.active()) is not None:  # a zero-bubble input gradient's
+            return weight_taps.record(record, project, kernel, bias, x)
+        return project(kernel, bias, x)
+
+
+def projected(
+    spec: str, compute_dtype: jnp.dtype, kernel: jax.Array, bias: jax.Array | None, x: jax.Array
+) -> jax.Array:
+    """A Projection's output: einsum(spec, x, kernel) (+ bias), in compute dtype."""
+    y = jnp.einsum(spec, x.astype(compute_dtype), kernel.astype(compute_dtype))
+    return y if bias is None else y + bias.astype(compute_dtype)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -10,10 +12,13 @@ from maxtrain.config import ComputeConfig, ConfigError, ModelConfig, named_tiles
 from maxtrain.kernels.attention import attention_implementation
 from maxtrain.kernels.grouped_matmul import grouped_matmul_implementation, tile_problem
 from maxtrain.layers.spec import DTYPES, ModelSpec, compute_dtype_name
-from maxtrain.models.decoder import Decoder, PipelinedDecoder
+from maxtrain.models.decoder import Decoder
+from maxtrain.models.pipelined import PipelinedDecoder
 from maxtrain.models.stacks import is_moe_per_layer
 from maxtrain.parallel.expert_exchanges import exchange_implementation
-from maxtrain.parallel.pipeline import StageLayout
+
+if TYPE_CHECKING:  # parallel/pipeline.py imports the models package: no cycle at run time
+    from maxtrain.parallel.pipeline import StageLayout
 
 
 def compute_dtype(compute: ComputeConfig) -> jnp.dtype:

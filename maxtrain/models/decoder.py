@@ -31,10 +31,8 @@ from maxtrain.layers.routed_experts import ASSIGNMENT_ORDER
 from maxtrain.layers.spec import ModelSpec
 from maxtrain.models import qk_clip
 from maxtrain.models.mtp import MultiTokenPrediction
-from maxtrain.models.stacks import STACK_KINDS, STACKS, STAGES, LayerKind, layer_kinds, layer_runs
-from maxtrain.parallel import pipeline
+from maxtrain.models.stacks import STACK_KINDS, STACKS, LayerKind, layer_kinds, layer_runs
 from maxtrain.parallel.mesh import constrain
-from maxtrain.parallel.pipeline import StageLayout
 
 # Primitives of the fused attention kernels. Their outputs (attention output plus the small
 # softmax statistics the kernel's backward needs) are cheap to keep and costly to recompute.
@@ -222,6 +220,20 @@ def dequantized(layer_state: nnx.State) -> nnx.State:
     return layer_state
 
 
+def apply_layer(
+    graphdef: nnx.GraphDef,
+    layer_state: nnx.State,
+    x: jax.Array,
+    positions: jax.Array,
+    segment_ids: jax.Array,
+    kind: Kind,
+) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """One layer of a stack (its graphdef, one layer's state) on x [B, T, D]: the new residual
+    stream and the layer's statistics."""
+    block = nnx.merge(graphdef, dequantized(layer_state))
+    return block(x, positions, segment_ids, kind)
+
+
 def run_stack(
     graphdef: nnx.GraphDef,
     stacked: nnx.State,
@@ -246,8 +258,7 @@ def run_stack(
 
         def apply_one(x, layer):
             layer_state, layer_kind = layer if kind is None else (layer, kind)
-            block = nnx.merge(graphdef, dequantized(layer_state))
-            return block(x, positions, segment_ids, layer_kind)
+            return apply_layer(graphdef, layer_state, x, positions, segment_ids, layer_kind)
 
         if remat == "none":
             return apply_one
@@ -450,14 +461,7 @@ class Decoder(nnx.Module):
         return embedded * jnp.asarray(self.embed_scale, self.compute_dtype)
 
     def _head(self, x: jax.Array) -> jax.Array:
-        """Normalised states [B, T, D] -> logits [B, T, V]."""
-        x = constrain(x, (self.head_batch, "length", "act_embed"))
-        if self.lm_head is None:  # tied: the embedding table, still sharded
-            table = self.embedding[...].astype(self.compute_dtype)
-            logits = jnp.einsum("btd,vd->btv", x, table)
-        else:
-            logits = self.lm_head(x)
-        return constrain(logits, (self.head_batch, "length", "vocab"))
+        return head_logits(self, x)
 
     head_batch = "batch"  # the logical axis the head's batch dim is split over
 
@@ -483,60 +487,13 @@ class Decoder(nnx.Module):
         return {"remat": self.remat, "scan": self.scan_layers}
 
 
-class Stages(nnx.Module):
-    """The pipelined stacks (parallel/pipeline.py): per kind of layer, [R, S, per group] blocks."""
-
-    def __init__(self, spec: ModelSpec, layout: StageLayout, rngs: nnx.Rngs):
-        for layer_kind, kind in BLOCK_KINDS.items():
-            counts = (
-                ("repeats", layout.repeats),
-                (STAGES, layout.stages),
-                ("layers", layout.per_group(layer_kind)),
-            )
-            setattr(self, kind.stack, stacked_blocks(spec, kind, counts, rngs=rngs))
-
-
-class PipelinedDecoder(Decoder):
-    """The decoder with its layers in pipeline stages: the leading dense layers (prologue) in
-    their stacks, run on every stage, the rest in `stages` (parallel/pipeline.py). Its
-    parameters are parallel/pipeline.py to_stages of the Decoder's; it is never initialised
-    itself."""
-
-    # After the pipeline the batch is split over the stages too: each computes the logits of
-    # its share instead of all of them.
-    head_batch = "stage_batch"
-
-    def __init__(self, spec: ModelSpec, layout: StageLayout, *, rngs: nnx.Rngs):
-        self.layout = layout
-        super().__init__(spec, rngs=rngs)
-
-    def _build_layers(self, spec: ModelSpec, rngs: nnx.Rngs) -> None:
-        prologue = self.layout.prologue
-        for layer_kind, kind in BLOCK_KINDS.items():
-            counts = (("layers", prologue.count(layer_kind)),)
-            setattr(self, kind.stack, stacked_blocks(spec, kind, counts, rngs=rngs))
-        self.stages = Stages(spec, self.layout, rngs)
-        self.group_runs = runs_with_attention(layer_runs(self.layout.group), self.layout.attention)
-        attention = kind_per_layer(spec.model)[: len(prologue)]
-        self.prologue_runs = runs_with_attention(layer_runs(prologue), attention)
-
-    def _layers(self, x, positions, segment_ids) -> tuple[jax.Array, dict[str, jax.Array]]:
-        # dense layers: no statistics
-        x, _ = self._run_layers(self.prologue_runs, x, positions, segment_ids)
-        stacks = {
-            kind.stack: getattr(self.stages, kind.stack)
-            for kind in BLOCK_KINDS.values()
-            if getattr(self.stages, kind.stack) is not None
-        }
-        return pipeline.run(stacks, self.layout, x, positions, segment_ids, self._run_group)
-
-    def _run_group(self, graphdefs, group, x, positions, segment_ids):
-        """One group's layers (per stack [per group, ...]) in model order."""
-        per_run = []
-        for stack, start, length, kinds in self.group_runs:
-            x, stats = run_stack(
-                graphdefs[stack], group[stack], start, length, x, positions, segment_ids,
-                kinds=kinds, **self._run_options,
-            )  # fmt: skip
-            per_run.append(stats)
-        return x, concatenate_runs(per_run)
+def head_logits(decoder: nnx.Module, x: jax.Array) -> jax.Array:
+    """Normalised states [B, T, D] -> logits [B, T, V], by the decoder's head (its tied
+    embedding table, still sharded, or lm_head), the batch split over its head_batch axis."""
+    x = constrain(x, (decoder.head_batch, "length", "act_embed"))
+    if decoder.lm_head is None:
+        table = decoder.embedding[...].astype(decoder.compute_dtype)
+        logits = jnp.einsum("btd,vd->btv", x, table)
+    else:
+        logits = decoder.lm_head(x)
+    return constrain(logits, (decoder.head_batch, "length", "vocab"))

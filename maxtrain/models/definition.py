@@ -10,8 +10,9 @@ mixture of experts and whatever family comes next.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -29,7 +30,13 @@ from maxtrain.models.router_training import (
     Stats,
     moe_rows_per_stack,
 )
-from maxtrain.parallel.pipeline import StageLayout
+from maxtrain.models.stacks import layer_kinds
+
+if TYPE_CHECKING:  # parallel/pipeline.py imports the models package: no cycle at run time
+    from maxtrain.parallel.pipeline import StageLayout
+
+# (logits [B, T, V], targets, loss_mask [B, T]) -> (summed token loss, summed z-loss)
+TokenLoss = Callable[[jax.Array, jax.Array, jax.Array], tuple[jax.Array, jax.Array]]
 
 
 class ModelOutput(NamedTuple):
@@ -53,6 +60,7 @@ class ModelDef:
     # every adapted projection would run its low-rank products in float32.
     adapter_dtype: Any = None
     qk_clip: QKClip | None = None  # optim.qk_clip_threshold's rescale (models/qk_clip.py)
+    stat_rows: int = 0  # the layers whose statistics the auxiliary loss means over (MoE's)
 
     def apply(
         self, params: Any, tokens, positions, segment_ids, targets=None, loss_mask=None
@@ -63,6 +71,42 @@ class ModelDef:
         model = self._module(params)
         logits, stats = model(tokens, positions, segment_ids, targets, loss_mask)
         return ModelOutput(logits, self.auxiliary.aux_loss(stats), stats)
+
+    def losses(
+        self, params: Any, batch: dict[str, jax.Array], token_loss: TokenLoss
+    ) -> tuple[jax.Array, jax.Array, jax.Array, Stats]:
+        """A batch's (summed token loss, summed z-loss, auxiliary loss, statistics), the first
+        two by `token_loss` of the logits (an objective's: training/objectives.py); batch:
+        inputs, positions, segment_ids, targets, loss_mask [B, T].
+
+        Under a pipeline schedule that runs the backward itself (parallel/scheduled.py) the
+        logits exist one micro-batch at a time on the last stage, and the auxiliary loss is
+        summed over the micro-batches' parts (AuxiliaryTraining.part_loss: the router z-loss
+        is the whole batch's, the balance loss each micro-batch's own); the gradient of the
+        whole objective the train step sums (token loss + z-loss + auxiliary loss x count:
+        training/step.py) rides on the token loss, the other two come without."""
+        if self.layout is None or not self.layout.in_schedule:
+            out = self.apply(
+                params, *(batch[k] for k in ("inputs", "positions", "segment_ids", "targets")),
+                batch["loss_mask"],
+            )  # fmt: skip
+            loss, z_loss = token_loss(out.logits, batch["targets"], batch["loss_mask"])
+            return loss, z_loss, out.aux_loss, out.stats
+        model = self._module(params)
+        value, sums = model.scheduled_losses(batch, token_loss, self._layers_share)
+        loss = sums.loss + (value - jax.lax.stop_gradient(value))
+        count = jnp.maximum(jnp.sum(batch["loss_mask"]), 1).astype(jnp.float32)
+        return loss, sums.z_loss, sums.aux_loss / count, sums.stats
+
+    def _layers_share(self, stats: Stats) -> jax.Array:
+        """Some MoE layers' share of one pipeline micro-batch's auxiliary loss from their
+        statistics [rows, ...]: the loss is a mean over the layers (models/router_training.py),
+        so theirs is its value on them times their share of the layers."""
+        if not self.stat_rows:
+            return jnp.zeros(())
+        rows = jax.tree.leaves(stats)[0].shape[0]
+        part = self.auxiliary.part_loss(stats, self.layout.microbatches)
+        return part * (rows / self.stat_rows)
 
     def decode(
         self, params: Any, tokens, positions, cache: dict[str, StackCache]
@@ -148,4 +192,5 @@ def define(
         spec.compute.context_layout,
         adapter_dtype,
         qk_clip,
+        sum(kind.is_moe for kind in layer_kinds(cfg)) if cfg.moe is not None else 0,
     )

@@ -40,8 +40,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from maxtrain.config.parallel import IN_SCHEDULE
 from maxtrain.models.stacks import STACKS, STAGES, LayerKind
-from maxtrain.parallel import stage_scope
+from maxtrain.parallel import schedules, stage_scope
 from maxtrain.parallel.mesh import active_rules, constrain, logical_to_spec
 
 
@@ -57,18 +58,31 @@ class StageLayout:
     group: tuple[LayerKind, ...]  # the kind of each layer of a group, in order
     # each layer's attention kind (layers/attention_pattern.py), alike in every group
     attention: tuple[int, ...]
+    schedule: str = "gpipe"  # parallel/schedules.py
 
     def per_group(self, kind: LayerKind) -> int:
         return self.group.count(kind)
 
     @property
     def iterations(self) -> int:
+        """Forward iterations of the automatic schedules (gpipe, circular)."""
         return self.repeats * self.microbatches + self.stages - 1
 
     @property
+    def in_schedule(self) -> bool:
+        """Whether the schedule runs the backward itself (parallel/scheduled.py)."""
+        return self.schedule in IN_SCHEDULE
+
+    @property
+    def table(self) -> schedules.Table:
+        return schedules.build(self.schedule, self.stages, self.repeats, self.microbatches)
+
+    @property
     def bubble(self) -> float:
-        """The fraction of the step each stage waits (see the module docstring)."""
-        return (self.stages - 1) / self.iterations
+        """The share of the step each stage idles, by the schedule's table with every pass
+        over a unit's layers alike: a forward, an input gradient and a weight gradient one
+        each (docs/pipeline.md: gpipe's (S - 1) / (R M + S - 1))."""
+        return self.table.idle_share(schedules.PASSES)
 
 
 # ---- parameters: model order <-> stages ----------------------------------------------------
@@ -145,20 +159,13 @@ def run(
     """
     S, R, M = layout.stages, layout.repeats, layout.microbatches
     split = {key: nnx.split(module) for key, module in stacks.items()}
-    graphdefs = {key: g for key, (g, _) in split.items()}
-    states = {key: s for key, (_, s) in split.items()}
-    mb = x.shape[0] // M
-
-    def micro(a: jax.Array) -> jax.Array:
-        # [B, ...] -> [M, B/M, ...] taking every M-th row: each device keeps its own rows.
-        return a.reshape(mb, M, *a.shape[1:]).swapaxes(0, 1)
-
-    xs, pos, seg = micro(x), micro(positions), micro(segment_ids)
+    graphdefs, states = ({key: parts[i] for key, parts in split.items()} for i in (0, 1))
+    xs, pos, seg = (to_micro(a, M) for a in (x, positions, segment_ids))
     # Every stage holds a buffer of M slots (only stage 0's is used: the micro-batches before
     # their first repeat, then each one back from stage S-1 until its next), so that all the
     # bookkeeping below is local to a stage and the one exchange per iteration is the shift.
-    slots = constrain(jnp.broadcast_to(xs, (S, *xs.shape)), (STAGES, None, *_TOKENS))
-    out = constrain(jnp.zeros((S, *xs.shape[1:]), x.dtype), (STAGES, *_TOKENS))
+    slots = constrain(jnp.broadcast_to(xs, (S, *xs.shape)), (STAGES, None, *TOKENS))
+    out = constrain(jnp.zeros((S, *xs.shape[1:]), x.dtype), (STAGES, *TOKENS))
 
     def one_stage(state, slots, arriving, stage, t, totals):
         first = stage == 0
@@ -170,15 +177,11 @@ def run(
         valid = (unit >= 0) & (unit < R * M)
         m, repeat = unit % M, jnp.clip(unit // M, 0, R - 1)
         group = jax.tree.map(lambda a: a[repeat], state)  # this stage's group of the repeat
-        token = stage_scope.IN_STAGE.set(True)
-        try:
-            y, stats = run_group(graphdefs, group, x, pos[m], seg[m])
-        finally:
-            stage_scope.IN_STAGE.reset(token)
+        y, stats = run_group(graphdefs, group, x, pos[m], seg[m])
         totals = jax.tree.map(lambda t, s: t.at[repeat].add(jnp.where(valid, s, 0)), totals, stats)
         return y, slots, totals
 
-    stage_map = jax.vmap(one_stage, in_axes=(1, 0, 0, 0, None, 0), spmd_axis_name="stage")
+    stage_map = stage_scope.stage_map(one_stage, in_axes=(1, 0, 0, 0, None, 0))
     shapes = jax.eval_shape(
         lambda: run_group(graphdefs, _group_state(states), xs[0], pos[0], seg[0])[1]
     )
@@ -187,38 +190,55 @@ def run(
 
     def iteration(carry, t):
         out, slots, totals = carry
-        arriving = _shift(out)  # stage s gets stage s-1's output, 0 gets S-1's
+        arriving = shift(out, +1, ring=True)  # stage s gets stage s-1's output, 0 gets S-1's
         out, slots, totals = stage_map(states, slots, arriving, stage_ids, t, totals)
-        slots = constrain(slots, (STAGES, None, *_TOKENS))
-        return (constrain(out, (STAGES, *_TOKENS)), slots, totals), None
+        slots = constrain(slots, (STAGES, None, *TOKENS))
+        return (constrain(out, (STAGES, *TOKENS)), slots, totals), None
 
     (out, slots, totals), _ = jax.lax.scan(
         iteration, (out, slots, totals), jnp.arange(layout.iterations)
     )
     # The last unit (micro-batch M - 1 of repeat R - 1) is still on stage S - 1.
     final = slots[0].at[(R * M - 1) % M].set(out[S - 1])  # [M, mb, T, D]
-    y = final.swapaxes(0, 1).reshape(x.shape)
+    y = from_micro(final)
     # [S, R, per group, ...] -> [R * S * per group, ...]: model order
     stats = jax.tree.map(lambda a: a.swapaxes(0, 1).reshape(-1, *a.shape[3:]), totals)
     return y, stats
 
 
-_TOKENS = ("batch", "length", "act_embed")
+TOKENS = ("batch", "length", "act_embed")  # the logical axes of activations [B, T, D]
 
 
-def _shift(out: jax.Array) -> jax.Array:
-    """[S, ...] stage outputs moved one stage on around the ring: one collective-permute in
+def to_micro(a: jax.Array, microbatches: int) -> jax.Array:
+    """[B, ...] -> [M, B/M, ...] taking every M-th row: each device keeps its own rows in every
+    micro-batch, so the split moves no data."""
+    return a.reshape(a.shape[0] // microbatches, microbatches, *a.shape[1:]).swapaxes(0, 1)
+
+
+def from_micro(a: jax.Array) -> jax.Array:
+    """The inverse of to_micro."""
+    return a.swapaxes(0, 1).reshape(-1, *a.shape[2:])
+
+
+def shift(out: jax.Array, step: int, ring: bool) -> jax.Array:
+    """[S, ...] per-stage blocks moved `step` (+1 or -1) stages on: one collective-permute in
     which every device sends its block once (jnp.roll over the sharded stage axis compiles to
-    two permutes, each declaring the whole block)."""
+    two permutes, each declaring the whole block). ring: the last stage's block goes to the
+    first (or the first's to the last); else the block that would wrap is dropped (zeros
+    arrive instead), and no transfer carries it."""
+    stages = out.shape[0]
+    pairs = [(i, (i + step) % stages) for i in range(stages) if ring or 0 <= i + step < stages]
     active = active_rules()
     if active is None:  # no mesh: nothing to exchange
-        return jnp.roll(out, 1, axis=0)
+        moved = jnp.roll(out, step, axis=0)
+        if ring:
+            return moved
+        edge = 0 if step > 0 else stages - 1
+        return moved.at[edge].set(jnp.zeros_like(moved[edge]))
     mesh, rules = active
-    spec = logical_to_spec((STAGES, *_TOKENS), rules, mesh, out.shape)
-    stages = mesh.shape["stage"]
-    ring = [(i, (i + 1) % stages) for i in range(stages)]
+    spec = logical_to_spec((STAGES, *TOKENS), rules, mesh, out.shape)
     return jax.shard_map(
-        lambda block: jax.lax.ppermute(block, "stage", ring),
+        lambda block: jax.lax.ppermute(block, "stage", pairs),
         mesh=mesh,
         in_specs=spec,
         out_specs=spec,

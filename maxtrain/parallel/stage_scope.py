@@ -1,6 +1,7 @@
-"""Whether the pipeline's stage map is tracing one stage's work, and `per_stage`: a function
-traced once per stage's share there. Apart from parallel/pipeline.py so that layers (the MoE's
-exchange) can ask without importing the pipeline, which imports the model's stacks."""
+"""The pipeline's stage map (`stage_map`), whether it is tracing one stage's work, and
+`per_stage`: a function traced once per stage's share there. Apart from parallel/pipeline.py so
+that layers (the MoE's exchange) can ask without importing the pipeline, which imports the
+model's stacks."""
 
 from __future__ import annotations
 
@@ -11,14 +12,28 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-# True while parallel/pipeline.py `run` traces one stage's work (inside the stage map).
+# True while a stage map traces one stage's work.
 IN_STAGE: contextvars.ContextVar[bool] = contextvars.ContextVar("maxtrain_in_stage", default=False)
 
 
+def stage_map(fn: Callable[..., Any], in_axes: Any = 0) -> Callable[..., Any]:
+    """fn over the stages: one computation mapped over its arguments' stage axes (`in_axes`, as
+    jax.vmap takes them) and the `stage` mesh axis, traced as one stage's work (IN_STAGE)."""
+    mapped = jax.vmap(fn, in_axes=in_axes, spmd_axis_name="stage")
+
+    def call(*args: Any) -> Any:
+        token = IN_STAGE.set(True)
+        try:
+            return mapped(*args)
+        finally:
+            IN_STAGE.reset(token)
+
+    return call
+
+
 def per_stage(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """fn, traced inside the stage map (parallel/pipeline.py `run`'s vmap) once for each
-    stage's share, as a program of its own rather than batched over the stages; outside the
-    map, fn itself.
+    """fn, traced inside the stage map (`stage_map`) once for each stage's share, as a program
+    of its own rather than batched over the stages; outside the map, fn itself.
 
     For code whose batched form jax gets wrong: a custom VJP whose forward holds a loop of
     collectives (the MoE exchange's dropless rounds, parallel/expert_exchanges.py `in_rounds`). jax

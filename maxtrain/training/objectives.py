@@ -12,6 +12,7 @@ compare the policy with a frozen model (DPO: maxtrain/posttrain/dpo.py) say so w
 
 from __future__ import annotations
 
+import functools
 from typing import Any, NamedTuple, Protocol
 
 import jax
@@ -66,19 +67,21 @@ class NextTokenLoss:
         mesh.context): none of the sums depends on order."""
         del reference
         batch = to_layout(batch, mdef.context_layout)
-        logits, aux_loss, stats = mdef.apply(
-            params,
-            batch["inputs"],
-            batch["positions"],
-            batch["segment_ids"],
-            batch["targets"],
-            batch["loss_mask"],
-        )
-        nll, log_z = cross_entropy(logits, batch["targets"])  # [B, T] float32 each
+        token_loss = functools.partial(token_losses, z_loss=z_loss)
+        loss, z_term, aux_loss, stats = mdef.losses(params, batch, token_loss)
         mask = batch["loss_mask"].astype(jnp.float32)
-        # z-loss pulls log Z toward 0 so the logits cannot drift, which keeps bf16 stable.
-        z_term = z_loss * jnp.square(log_z) * mask
-        return LossSums((nll * mask).sum(), mask.sum(), z_term.sum(), aux_loss, stats, {})
+        return LossSums(loss, mask.sum(), z_term, aux_loss, stats, {})
+
+
+def token_losses(
+    logits: jax.Array, targets: jax.Array, loss_mask: jax.Array, z_loss: float
+) -> tuple[jax.Array, jax.Array]:
+    """The masked next-token cross-entropy and PaLM's z-loss of logits [B, T, V], each summed
+    over the counted tokens. The z-loss pulls log Z toward 0 so the logits cannot drift, which
+    keeps bf16 stable."""
+    nll, log_z = cross_entropy(logits, targets)  # [B, T] float32 each
+    mask = loss_mask.astype(jnp.float32)
+    return (nll * mask).sum(), (z_loss * jnp.square(log_z) * mask).sum()
 
 
 NEXT_TOKEN = NextTokenLoss()

@@ -72,9 +72,20 @@ def stage_layout(cfg: Config) -> StageLayout | None:
             f"the micro-batch of {cfg.micro_batch_size} sequences (train.global_batch_size / "
             f"train.grad_accum_steps) does not split into pipeline.microbatches={microbatches}"
         )
+    if pipe.schedule == "interleaved_1f1b" and microbatches % stages:
+        raise ConfigError(
+            f"pipeline.microbatches={microbatches} is no multiple of the {stages} stages: "
+            "interleaved_1f1b takes the micro-batches through each block in groups of S"
+        )
     group = slice(prologue, prologue + size)
     return StageLayout(
-        stages, pipe.repeats, microbatches, kinds[:prologue], kinds[group], attention[group]
+        stages,
+        pipe.repeats,
+        microbatches,
+        kinds[:prologue],
+        kinds[group],
+        attention[group],
+        pipe.schedule,
     )
 
 

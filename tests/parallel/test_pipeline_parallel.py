@@ -6,7 +6,7 @@ gradient norm of every step and every parameter at the end. The tolerance is flo
 the pipeline computes each micro-batch's gradient separately and sums them, so sums run in
 another order (measured differences: below 5e-7 in the parameters after 3 steps).
 
-The MoE case runs the dropless default (compute.expert_exchange_overflow rounds) inside the
+The MoE cases run the dropless default (compute.expert_exchange_overflow rounds) inside the
 stages with buffers of half the routed rows (compute.expert_exchange_capacity 0.5: every layer
 needs at least two rounds, so the rounds' loop and its replayed backward run in every stage),
 against one stage whose one round holds the worst case (capacity 8): dropless, the two compute
@@ -20,7 +20,7 @@ import pytest
 from maxtrain import config as config_lib
 from maxtrain.data import to_global
 from maxtrain.data.streams import data_streams
-from maxtrain.parallel import pipeline
+from maxtrain.parallel import pipeline, schedules
 from maxtrain.training.trainer import build_trainer
 
 DENSE = [
@@ -67,14 +67,31 @@ def train(tmp_path, overrides: list[str]) -> dict:
     return {"steps": steps, "exchange": exchange, "params": params}
 
 
+# Each model's overrides and its one-stage layout. An in-schedule table (1f1b, zero_bubble)
+# takes the Switch balance loss per micro-batch (AuxiliaryTraining.part_loss): another
+# objective than the batch's, so its MoE case trains without one, against a reference without.
+MODELS = {
+    "dense": (DENSE, ["mesh.fsdp=8"]),
+    "moe": (MOE, ["mesh.expert=2", "mesh.fsdp=4"]),
+    "moe-no-balance-loss": (
+        [*MOE, "model.moe.aux_loss_weight=0"],
+        ["mesh.expert=2", "mesh.fsdp=4"],
+    ),
+}
+
+
 @pytest.fixture(scope="module")
 def one_stage(tmp_path_factory):
-    """The references, computed once: the dense and the MoE model without a pipeline."""
-    out = tmp_path_factory.mktemp("one_stage")
-    return {
-        "dense": train(out, [*DENSE, "mesh.fsdp=8"]),
-        "moe": train(out, [*MOE, "mesh.expert=2", "mesh.fsdp=4"]),
-    }
+    """The references without a pipeline, each trained once, when a case first needs it."""
+    out, done = tmp_path_factory.mktemp("one_stage"), {}
+
+    def reference(model: str) -> dict:
+        if model not in done:
+            overrides, layout = MODELS[model]
+            done[model] = train(out, [*overrides, *layout])
+        return done[model]
+
+    return reference
 
 
 def assert_same_training(got: dict, want: dict) -> None:
@@ -112,20 +129,52 @@ CASES = {
         ["mesh.stage=2", "mesh.expert=2", "mesh.fsdp=2", "compute.expert_exchange_capacity=0.5"],
         2, 1, 2,
     ),
+    "1f1b-S2-M4-fsdp-tensor": (
+        "dense",
+        ["mesh.stage=2", "mesh.fsdp=2", "mesh.tensor=2", "pipeline.schedule=1f1b",
+         "pipeline.microbatches=4"],
+        2, 1, 4,
+    ),
+    "interleaved_1f1b-S2-R2-M4": (
+        "dense",
+        ["mesh.stage=2", "mesh.fsdp=4", "pipeline.schedule=interleaved_1f1b",
+         "pipeline.repeats=2", "pipeline.microbatches=4"],
+        2, 2, 4,
+    ),
+    "zero_bubble-S4-M8-tensor": (
+        "dense",
+        ["mesh.stage=4", "mesh.fsdp=1", "mesh.tensor=2", "pipeline.schedule=zero_bubble",
+         "pipeline.microbatches=8"],
+        4, 1, 8,
+    ),
+    "zero_bubble-moe-expert-parallel-S2-dropless-rounds": (
+        "moe-no-balance-loss",
+        ["mesh.stage=2", "mesh.expert=2", "mesh.fsdp=2", "compute.expert_exchange_capacity=0.5",
+         "pipeline.schedule=zero_bubble"],
+        2, 1, 2,
+    ),
 }  # fmt: skip
+
+
+def idle_share(schedule: str, S: int, R: int, M: int) -> float:
+    """docs/pipeline.md's formulas, each pass over a unit's layers costing alike."""
+    if schedule == "zero_bubble":
+        return 2 * (S - 1) / (3 * M + 2 * (S - 1))
+    return (S - 1) / (R * M + S - 1)
 
 
 @pytest.mark.parametrize("case", CASES)
 def test_stages_train_like_one_stage(tmp_path, one_stage, case):
     model, overrides, stages, repeats, microbatches = CASES[case]
-    got = train(tmp_path, [*(DENSE if model == "dense" else MOE), *overrides])
-    assert_same_training(got, one_stage[model])
-    # Each stage idles (S - 1) of the R * M + S - 1 iterations of a step.
-    bubble = (stages - 1) / (repeats * microbatches + stages - 1)
+    got = train(tmp_path, [*MODELS[model][0], *overrides])
+    want = one_stage(model)
+    assert_same_training(got, want)
+    schedule = case.split("-")[0] if case.split("-")[0] in schedules.SCHEDULES else "gpipe"
+    bubble = idle_share(schedule, stages, repeats, microbatches)
     assert [b for _, _, b in got["steps"]] == pytest.approx([bubble] * STEPS)
-    if model == "moe":  # nothing dropped; the one stage's run needed one round, these more
+    if model != "dense":  # nothing dropped; the one stage's run needed one round, these more
         assert [d for d, _ in got["exchange"]] == [0] * STEPS
-        assert [r for _, r in one_stage["moe"]["exchange"]] == [1] * STEPS
+        assert [r for _, r in want["exchange"]] == [1] * STEPS
         assert all(r >= 2 for _, r in got["exchange"]), got["exchange"]
 
 
