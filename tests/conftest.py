@@ -61,7 +61,8 @@ SLOW_MODULES = {
     "test_moe_permutation", "test_mtp", "test_multiprocess_checkpoint", "test_muon",
     "test_muon_deal", "test_gpt_oss", "test_grain_pipeline",
     "test_grain_multiprocess", "test_pipeline_parallel", "test_pipeline_runs",
-    "test_quantization", "test_resume", "test_run_edges", "test_signals", "test_step_program",
+    "test_quantization", "test_resume", "test_run_edges", "test_schedule_memory",
+    "test_signals", "test_step_program",
     "test_tpu_compile", "test_training", "test_upcycle",
 }  # fmt: skip
 

@@ -129,17 +129,17 @@ CASES = {
         ["mesh.stage=2", "mesh.expert=2", "mesh.fsdp=2", "compute.expert_exchange_capacity=0.5"],
         2, 1, 2,
     ),
-    "1f1b-S2-M4-fsdp-tensor": (
+    "1f1b-S2-M8-fsdp-tensor": (
         "dense",
         ["mesh.stage=2", "mesh.fsdp=2", "mesh.tensor=2", "pipeline.schedule=1f1b",
-         "pipeline.microbatches=4"],
-        2, 1, 4,
+         "pipeline.microbatches=8"],
+        2, 1, 8,
     ),
-    "interleaved_1f1b-S2-R2-M4": (
+    "interleaved_1f1b-S2-R2-M8-fsdp-tensor": (
         "dense",
-        ["mesh.stage=2", "mesh.fsdp=4", "pipeline.schedule=interleaved_1f1b",
-         "pipeline.repeats=2", "pipeline.microbatches=4"],
-        2, 2, 4,
+        ["mesh.stage=2", "mesh.fsdp=2", "mesh.tensor=2", "pipeline.schedule=interleaved_1f1b",
+         "pipeline.repeats=2", "pipeline.microbatches=8"],
+        2, 2, 8,
     ),
     "zero_bubble-S4-M8-tensor": (
         "dense",

@@ -219,6 +219,35 @@ def test_pipeline_stages(make_cfg):
     _moves_rows_by_gathers_and_sorts_once(trainer, hlo, layer_runs=6)
 
 
+# test_pipeline_stages runs gpipe (with MoE stages); the other schedules on the smallest dense
+# model that has their stages: two blocks per stage (circular, interleaved) need S x R = 4
+# layers, the others one layer per stage.
+SCHEDULES = {
+    "circular": ("model.num_layers=4", "pipeline.repeats=2"),
+    "1f1b": ("model.num_layers=2",),
+    "interleaved_1f1b": ("model.num_layers=4", "pipeline.repeats=2"),
+    "zero_bubble": ("model.num_layers=2",),
+}
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_pipeline_schedules(make_cfg, schedule):
+    """Stage 2 x fsdp 2: each schedule compiles to one program whose activations (and, in the
+    tables that run the backward themselves, gradients) move between the stages by collective
+    permutes, with splash's forward and backward kernels in it."""
+    trainer, hlo, found = _compile(
+        make_cfg,
+        *SCHEDULES[schedule],
+        f"pipeline.schedule={schedule}",
+        "mesh.stage=2",
+        "mesh.fsdp=2",
+        "pipeline.microbatches=2",
+    )
+    _has(found, ATTENTION)
+    moved = _collectives(trainer, hlo)
+    assert moved.get("ici collective-permute stage", 0) > 0, moved
+
+
 def test_mla_with_multi_token_prediction(make_cfg):
     _, _, found = _compile(
         make_cfg, "model_name=tiny-mla", "mesh.fsdp=4", "model.mtp.depth=1", "model.moe=null",
