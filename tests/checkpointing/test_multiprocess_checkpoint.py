@@ -175,9 +175,10 @@ def straight(tmp_path_factory, jax_cache) -> Path:
 
 def test_replicas_split_the_tiers_and_the_state_reads_back_anywhere(straight):
     ckpts = straight / "checkpoints"
-    # Replica 1 (process 1) kept the newest 2 local steps; replica 0 writes no local tier.
-    assert local_steps(straight, 1) == [12, 16] and local_steps(straight, 0) == []
-    for step in (12, 16):  # each with our manifest, written once Orbax had committed it
+    # Replica 1 (process 1) kept the newest 2 local steps; replica 0 writes no local tier. The
+    # final step, due in both tiers, is saved once: to the persistent tier.
+    assert local_steps(straight, 1) == [8, 12] and local_steps(straight, 0) == []
+    for step in (8, 12):  # each with our manifest, written once Orbax had committed it
         integrity.verify(ckpts / "local" / "process_1" / str(step))
     # Replica 0 wrote the final step to the persistent tier, with our manifest, and every
     # process its data position beside it.
@@ -269,15 +270,16 @@ def test_stopped_killed_and_losing_a_peer_then_resumed_is_bit_exact(tmp_path, st
 def test_a_truncated_local_step_is_set_aside_and_the_previous_one_resumes_bit_exact(
     tmp_path, straight, jax_cache
 ):
-    """The newest local step (16) of replica 1 loses a byte of its largest file after the
-    commit (a bad disk), and the persistent tier has nothing newer: both processes agree on
-    step 12, the bad copy is moved aside with a line saying why, and steps 13-16 come out
-    bit-identical to the uninterrupted run's."""
+    """The newest local step (12) of replica 1 loses a byte of its largest file after the
+    commit (a bad disk), and the persistent tier has nothing newer (its final step removed):
+    both processes agree on step 8, the bad copy is moved aside with a line saying why, and
+    steps 9-16 come out bit-identical to the uninterrupted run's."""
+    newest_local = 12
     run_dir = tmp_path / "run"
     shutil.copytree(straight, run_dir)
     ckpts = run_dir / "checkpoints"
     shutil.rmtree(ckpts / "persistent" / str(STEPS))
-    newest = ckpts / "local" / "process_1" / str(STEPS)
+    newest = ckpts / "local" / "process_1" / str(newest_local)
     largest = max((f for f in newest.rglob("*") if f.is_file()), key=lambda f: f.stat().st_size)
     os.truncate(largest, largest.stat().st_size - 1)
 
@@ -285,11 +287,12 @@ def test_a_truncated_local_step_is_set_aside_and_the_previous_one_resumes_bit_ex
     assert_ok(resumed)
     out = resumed[0][1]
     said = re.search(
-        rf"checkpoint step {STEPS} in (\S+) is incomplete or corrupt: (.*); using step 12", out
+        rf"checkpoint step {newest_local} in (\S+) is incomplete or corrupt: (.*); using step 8",
+        out,
     )
     assert said and said[1].endswith("process_1"), out[-3000:]  # process 0 speaks for both
-    assert "restored step 12 from the local tier of replica 1" in out, out[-3000:]
-    assert local_steps(run_dir, 1) == [12, STEPS]  # the bad 16 aside, a good one saved again
+    assert "restored step 8 from the local tier of replica 1" in out, out[-3000:]
+    assert local_steps(run_dir, 1) == [8, 12]  # the bad 12 aside, a good one saved again
     assert losses(run_dir) == losses(straight)
     assert_same_params(final_params(run_dir), final_params(straight))
 
