@@ -35,9 +35,12 @@ MOE = ("model_name=tiny-moe", "model.emb_dim=128", "model.moe.expert_mlp_dim=128
 SMALL = ("train.seq_len=128", "train.global_batch_size=8")
 
 
-def _compile(make_cfg, *overrides: str, slices: int = 1) -> tuple:
-    """(trainer, compiled program's text, its kernels) for the run's config on TOPOLOGY."""
-    cfg = make_cfg(*SMALL, *overrides)
+def _compile(make_cfg, *overrides: str, slices: int = 1, remat: str = "none") -> tuple:
+    """(trainer, compiled program's text, its kernels) for the run's config on TOPOLOGY.
+    Without remat (about a tenth less TPU compile time) unless a case is about what the backward
+    pass recomputes: the kernels, tiles, grids and exchanges the cases read are the same either
+    way."""
+    cfg = make_cfg(*SMALL, f"compute.remat={remat}", *overrides)
     trainer = build_trainer(cfg, devices=list(topology_devices(TOPOLOGY, slices)), abstract=True)
     compiled, _, _ = compile_step(trainer)
     hlo = compiled.as_text()
@@ -117,6 +120,7 @@ def test_moe_exchanges(make_cfg, dispatch, overflow, collective):
         "mesh.expert=2",
         f"compute.expert_exchange={dispatch}",
         f"compute.expert_exchange_overflow={overflow}",
+        remat="full",  # the default's recompute sorts no assignment again
     )
     _has(found, ATTENTION + GROUPED_MATMUL)
     moved = _collectives(trainer, hlo)
@@ -209,6 +213,7 @@ def test_pipeline_stages(make_cfg):
         "mesh.fsdp=1",
         "model.num_layers=4",
         "pipeline.microbatches=2",
+        remat="full",  # the default's recompute sorts no assignment again
     )
     _has(found, ATTENTION + GROUPED_MATMUL)
     moved = _collectives(trainer, hlo)

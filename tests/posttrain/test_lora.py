@@ -196,6 +196,7 @@ def test_lora_run_resumes_bit_exactly(make_cfg, tmp_path):
         "lora.rank=4",
         f"checkpoint.load_parameters_path={base_ckpt}",
         "checkpoint.persistent.every_steps=2",
+        "optim.schedule_steps=4",  # the 2- and 4-step runs' one lr schedule: one step program
     ]
     straight = make_cfg(*lora_args, "run.name=straight", "train.steps=4")
     run(straight)

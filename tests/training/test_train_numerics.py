@@ -130,11 +130,12 @@ def test_local_attention_layers_train_on_eight_devices_like_one(patterned_refere
 
 
 # Qwen3-Next's shape: Gated DeltaNet layers beside a gated attention layer, MoE with a gated
-# shared expert, packed documents (the synthetic batch's) resetting the recurrence.
+# shared expert, packed documents (the synthetic batch's) resetting the recurrence; 16 tokens a
+# row: two DeltaNet chunks of 8, the second carrying the first's state.
 HYBRID = [
     "model_name=tiny-moe", "data.kind=synthetic", "train.global_batch_size=8",
-    "train.seq_len=32", "mesh.fsdp=1", "model.num_layers=4",
-    "model.layers=[linear-moe*3, global-moe]",
+    "train.seq_len=16", "mesh.fsdp=1", "model.num_layers=3",
+    "model.layers=[linear-moe*2, global-moe]",
     "model.linear_attention={num_key_heads: 2, num_value_heads: 4, key_head_dim: 8, "
     "value_head_dim: 8, chunk: 8}",
     "model.attention_output_gate=true", "model.moe.shared_experts=1",
