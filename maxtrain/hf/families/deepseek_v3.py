@@ -27,6 +27,16 @@ SIGMOID_ROUTER_KEYS = {
     "topk_group": "topk_group",
 }
 NO_MTP_LAYERS = Writes({"num_nextn_predict_layers": 0})
+# The routed and shared experts as DeepSeek-V3 and GLM-4.5 write them.
+SIGMOID_ROUTED_EXPERTS = Experts(
+    count_keys=("n_routed_experts", "num_local_experts"),
+    width_key="moe_intermediate_size",
+    renormalize_key="norm_topk_prob",
+    aux_key=None,
+    keys=SIGMOID_ROUTER_KEYS,
+    router_bias="e_score_correction_bias",
+    shared_block="shared_experts",
+)
 
 
 class LatentAttention(Aspect):
@@ -83,15 +93,7 @@ FAMILY = Family(
     aspects=(
         LatentAttention(),
         DenseMlp(),
-        Experts(
-            count_keys=("n_routed_experts", "num_local_experts"),
-            width_key="moe_intermediate_size",
-            renormalize_key="norm_topk_prob",
-            aux_key=None,
-            keys=SIGMOID_ROUTER_KEYS,
-            router_bias="e_score_correction_bias",
-            shared_block="shared_experts",
-        ),
+        SIGMOID_ROUTED_EXPERTS,
         NO_MTP_LAYERS,
     ),
     fixed={"moe.score": "sigmoid"},

@@ -5,9 +5,9 @@ qk-norm (use_qk_norm). Its multi-token prediction layers (GLM-4.5's 92, GLM-4.5-
 skipped, as DeepSeek-V3's."""
 
 from maxtrain.hf.attention import GroupedQuery, ProjectionBias, QkNormKey
-from maxtrain.hf.families.deepseek_v3 import NO_MTP_LAYERS, SIGMOID_ROUTER_KEYS
+from maxtrain.hf.families.deepseek_v3 import NO_MTP_LAYERS, SIGMOID_ROUTED_EXPERTS
 from maxtrain.hf.family import TRANSFORMERS_DEFAULTS, Family, RopeFormat
-from maxtrain.hf.feed_forward import DenseMlp, Experts
+from maxtrain.hf.feed_forward import DenseMlp
 from maxtrain.hf.layer_layout import AllGlobal, FirstDense, LayerLayout
 
 FAMILY = Family(
@@ -38,15 +38,7 @@ FAMILY = Family(
         QkNormKey("use_qk_norm"),
         ProjectionBias("qkv"),
         DenseMlp(),
-        Experts(
-            count_keys=("n_routed_experts", "num_local_experts"),
-            width_key="moe_intermediate_size",
-            renormalize_key="norm_topk_prob",
-            aux_key=None,
-            keys=SIGMOID_ROUTER_KEYS,
-            router_bias="e_score_correction_bias",
-            shared_block="shared_experts",
-        ),
+        SIGMOID_ROUTED_EXPERTS,
         NO_MTP_LAYERS,
     ),
     fixed={"moe.score": "sigmoid"},
