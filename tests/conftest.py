@@ -1,7 +1,9 @@
 """CPU with 8 simulated devices for every test, compiling fast (xla_env.py), set before jax is
 imported anywhere; and the compilation cache the runs use (maxtrain/training/compile_cache.py) for
 the tests' own compilations too, so a program one test compiled loads in the next (tests build
-the same tiny models again and again).
+the same tiny models again and again). Every program goes to that cache, however quick its compile
+(a run caches only those over 0.2 s): the two pytest workers then compile a program once
+between them, and a module's later tests load what its earlier ones compiled.
 """
 
 import os
@@ -20,6 +22,7 @@ from maxtrain import config as config_lib  # noqa: E402
 from maxtrain.training import compile_cache  # noqa: E402
 
 compile_cache.enable_compilation_cache(None)
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
 
 BASE = config_lib.CONFIGS_DIR / "base.yml"
 
@@ -47,30 +50,33 @@ def make_cfg(tmp_path: Path):
     return make
 
 
-# The slow tier: modules that train whole runs, start processes or compile for a TPU. The rest
-# (unit tests of the parts: config, layers, kernels, data, optimizers, analysis) is the fast
-# tier, `python -m pytest -m "not slow"`, a couple of minutes on two cores.
+# The slow tier: modules that train whole runs (a few steps included), start processes, compile
+# for a TPU or run every expert exchange over the 8-device mesh. The rest (unit tests of the
+# parts: config, layers, kernels, data, optimizers, analysis) is the fast tier,
+# `python -m pytest -m "not slow"`.
 SLOW_MODULES = {
-    "test_bad_inputs", "test_bubble", "test_checkpoint_compat", "test_checkpoint_damage",
-    "test_checkpointing",
-    "test_cli",
-    "test_context_parallel", "test_convert_hf", "test_dcn_bytes", "test_depth_upscale",
-    "test_docs_commands",
-    "test_evaluate", "test_faults", "test_fine_tuning", "test_generate", "test_lora",
+    "test_bad_inputs", "test_benchmark", "test_bubble", "test_checkpoint_compat",
+    "test_checkpoint_damage", "test_checkpointing", "test_cli", "test_context_parallel",
+    "test_convert_hf", "test_dcn_bytes", "test_depth_upscale", "test_docs_commands",
+    "test_evaluate", "test_faults", "test_fine_tuning", "test_generate", "test_gpt_oss",
+    "test_grain_multiprocess", "test_grain_pipeline", "test_grpo_runs", "test_lora",
     "test_lora_costs", "test_lora_merge", "test_megatron_data", "test_memory", "test_moe",
-    "test_moe_permutation", "test_mtp", "test_multiprocess_checkpoint", "test_muon",
-    "test_muon_deal", "test_gpt_oss", "test_grain_pipeline",
-    "test_grain_multiprocess", "test_pipeline_parallel", "test_pipeline_runs",
-    "test_quantization", "test_resume", "test_run_edges", "test_schedule_memory",
-    "test_signals", "test_step_program",
-    "test_tpu_compile", "test_training", "test_upcycle",
+    "test_moe_dispatch", "test_moe_permutation", "test_mtp", "test_multiprocess_checkpoint",
+    "test_muon", "test_muon_deal", "test_pipeline_parallel", "test_pipeline_runs", "test_qk_clip",
+    "test_quantization", "test_resume", "test_run_edges", "test_run_identity",
+    "test_schedule_memory", "test_signals", "test_step_program", "test_tpu_compile",
+    "test_train_numerics", "test_training", "test_upcycle",
 }  # fmt: skip
 
 
 def pytest_collection_modifyitems(items):
+    """Marks the slow tier, and puts its modules first: the workers take whole modules
+    (`--dist loadscope`, so a module's shared fixtures are built once), and handing out the
+    longest ones first leaves short ones to even out the end."""
     for item in items:
         if item.module.__name__ in SLOW_MODULES:
             item.add_marker(pytest.mark.slow)
+    items.sort(key=lambda item: item.module.__name__ not in SLOW_MODULES)
 
 
 @pytest.fixture
