@@ -12,7 +12,7 @@ from maxtrain.config import ConfigError
 from maxtrain.kernels import attention as attn
 from maxtrain.kernels.xla_attention import cached_attention
 from maxtrain.layers.attention_pattern import chunk_segments, kind_per_layer, model_kinds
-from maxtrain.models import ModelSpec, build
+from maxtrain.models import ModelSpec, abstract, build
 from maxtrain.training.run_model import model_spec
 
 B, T, N, K, H = 2, 24, 4, 2, 8
@@ -62,23 +62,25 @@ def _naive(q, k, v, mask, sinks=None):
 @pytest.mark.parametrize("with_sinks", [False, True])
 def test_reference_window_and_sinks_equal_the_formula(window, with_sinks):
     q, k, v, sinks = _inputs()
-    sinks = sinks if with_sinks else None
-    segments = jnp.asarray(SEGMENTS)
-    got = attn.attention_kernel("xla", window)(q, k, v, segments, sinks)
-    want = _naive(q, k, v, _numpy_mask(window), sinks)
-    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
-
-    cot = jax.random.normal(jax.random.key(3), q.shape)
     args = (q, k, v) + ((sinks,) if with_sinks else ())
-    argnums = tuple(range(len(args)))
-
-    def loss(fn):
-        return lambda *a: jnp.sum(fn(*a) * cot)
-
+    segments, mask = jnp.asarray(SEGMENTS), _numpy_mask(window)
+    cot = jax.random.normal(jax.random.key(3), q.shape)
     kernel = attn.attention_kernel("xla", window)
-    got_grads = jax.grad(loss(lambda q, k, v, *s: kernel(q, k, v, segments, *s)), argnums)(*args)
-    mask = _numpy_mask(window)
-    want_grads = jax.grad(loss(lambda q, k, v, *s: _naive(q, k, v, mask, *s)), argnums)(*args)
+    fns = (
+        lambda q, k, v, *s: kernel(q, k, v, segments, *s),
+        lambda *a: _naive(*a[:3], mask, *a[3:]),
+    )
+
+    @jax.jit  # the kernel's and the formula's outputs and gradients: one program, not op by op
+    def outputs_and_grads(*args):
+        argnums = tuple(range(len(args)))
+        return [
+            (fn(*args), jax.grad(lambda *a, fn=fn: jnp.sum(fn(*a) * cot), argnums)(*args))
+            for fn in fns
+        ]
+
+    (got, got_grads), (want, want_grads) = outputs_and_grads(*args)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
     for got_g, want_g in zip(got_grads, want_grads, strict=True):
         np.testing.assert_allclose(got_g, want_g, rtol=1e-4, atol=1e-5)
 
@@ -87,8 +89,11 @@ def test_tokamax_k_start_path_honours_the_window():
     """The mask the GPU kernels receive (k_start = the later of the document's start and
     i - window + 1), through tokamax's own XLA kernel on CPU."""
     q, k, v, _ = _inputs()
-    got = attn.attention_kernel("tokamax_xla", 5)(q, k, v, jnp.asarray(SEGMENTS))
-    np.testing.assert_allclose(got, _naive(q, k, v, _numpy_mask(5)), rtol=1e-5, atol=1e-5)
+    kernel = attn.attention_kernel("tokamax_xla", 5)
+    got, want = jax.jit(  # one program, not op by op
+        lambda q, k, v: (kernel(q, k, v, jnp.asarray(SEGMENTS)), _naive(q, k, v, _numpy_mask(5)))
+    )(q, k, v)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("chunk", [4, 8])
@@ -96,9 +101,14 @@ def test_chunked_attention_is_causal_attention_over_chunk_segments(chunk):
     """Chunks follow each document's positions, not the row's index: a document starting at
     index 11 starts a chunk there."""
     q, k, v, _ = _inputs()
-    segments = chunk_segments(jnp.asarray(SEGMENTS), jnp.asarray(POSITIONS), chunk)
-    got = attn.attention_kernel("xla", chunk)(q, k, v, segments)
-    want = _naive(q, k, v, _numpy_mask(chunk=chunk))
+    kernel = attn.attention_kernel("xla", chunk)
+
+    @jax.jit  # one program, not op by op
+    def got_and_want(q, k, v):
+        segments = chunk_segments(jnp.asarray(SEGMENTS), jnp.asarray(POSITIONS), chunk)
+        return kernel(q, k, v, segments), _naive(q, k, v, _numpy_mask(chunk=chunk))
+
+    got, want = got_and_want(q, k, v)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
 
@@ -125,7 +135,7 @@ def _pattern_model(*overrides) -> ModelSpec:
 
 def _logits(spec, params_of, args):
     """Logits of a model built from spec, holding the parameters of module params_of."""
-    module = build(spec, seed=0)
+    module = abstract(spec)  # its own initialisation would be overwritten: none traced
     nnx.update(module, nnx.state(params_of, nnx.Param))
     return module(*args)[0]
 
@@ -135,24 +145,36 @@ def test_a_window_covering_the_sequence_is_global_attention():
     (the kinds change masks, not parameters), and a short window changes the logits."""
     tokens = jax.random.randint(jax.random.key(1), (B, T), 0, 256)
     args = (tokens, jnp.asarray(POSITIONS), jnp.asarray(SEGMENTS))
-    plain = build(_pattern_model(), seed=0)
-    want = plain(*args)[0]
     layers = ["model.layers=[sliding-dense, global-dense]"]
-    wide = _logits(_pattern_model(*layers, "model.sliding_window=64"), plain, args)
+    plain_spec = _pattern_model()
+    specs = [_pattern_model(*layers, f"model.sliding_window={w}") for w in (64, 3)]
+
+    @jax.jit  # the three models built and run as one program, not op by op
+    def logits():
+        plain = build(plain_spec, seed=0)
+        return plain(*args)[0], [_logits(spec, plain, args) for spec in specs]
+
+    want, (wide, short) = logits()
     np.testing.assert_allclose(wide, want, rtol=1e-5, atol=1e-5)
-    moved = _logits(_pattern_model(*layers, "model.sliding_window=3"), plain, args) - want
-    assert float(jnp.abs(moved).max()) > 1e-3
+    assert float(jnp.abs(short - want).max()) > 1e-3
 
 
 def test_scanned_and_unrolled_layers_of_mixed_kinds_agree():
     """A run of layers of several kinds is scanned with each layer's kind as data
     (lax.switch); unrolled, each layer's kind is a constant. Same logits."""
     overrides = ["model.layers=[sliding-dense, global-dense]", "model.sliding_window=3"]
-    scanned = build(_pattern_model(*overrides), seed=0)
     tokens = jax.random.randint(jax.random.key(1), (B, T), 0, 256)
     args = (tokens, jnp.asarray(POSITIONS), jnp.asarray(SEGMENTS))
-    unrolled = _logits(_pattern_model(*overrides, "compute.scan_layers=false"), scanned, args)
-    np.testing.assert_allclose(scanned(*args)[0], unrolled, rtol=1e-5, atol=1e-5)
+    scanned_spec = _pattern_model(*overrides)
+    unrolled_spec = _pattern_model(*overrides, "compute.scan_layers=false")
+
+    @jax.jit  # both models built and run as one program, not op by op
+    def logits():
+        scanned = build(scanned_spec, seed=0)
+        return scanned(*args)[0], _logits(unrolled_spec, scanned, args)
+
+    scanned, unrolled = logits()
+    np.testing.assert_allclose(scanned, unrolled, rtol=1e-5, atol=1e-5)
 
 
 def test_layers_repeat_over_the_model_or_are_cut_at_its_depth():

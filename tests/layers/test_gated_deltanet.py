@@ -30,13 +30,14 @@ X, Y = np.load(FIXTURE / "x.npy"), np.load(FIXTURE / "y.npy")  # [2, 20, D], tra
 
 
 def _layer(chunk: int = 8, **sizes) -> GatedDeltaNet:
+    """The layer, initialised as one compiled program (not op by op)."""
     sizes = {"hidden": CONFIG["hidden_size"], **DIMS, **sizes}
-    return GatedDeltaNet(
+    return nnx.jit(lambda: GatedDeltaNet(
         sizes["hidden"], sizes["num_k_heads"], sizes["num_v_heads"], sizes["head_k_dim"],
         sizes["head_v_dim"], conv_kernel=CONFIG["linear_conv_kernel_dim"], chunk=chunk,
         norm_eps=CONFIG["rms_norm_eps"], init_std=0.02, param_dtype=jnp.float32,
         compute_dtype=jnp.float32, rngs=nnx.Rngs(0),
-    )  # fmt: skip
+    ))()  # fmt: skip
 
 
 @pytest.fixture(scope="module")

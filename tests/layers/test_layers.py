@@ -37,8 +37,10 @@ def _randomised(module: nnx.Module) -> dict:
 
 
 def _layer(cls, cfg):
-    """The layer of a run's config (float32 on CPU: compute.compute_dtype auto)."""
-    return cls(model_spec(cfg), rngs=nnx.Rngs(0))
+    """The layer of a run's config (float32 on CPU: compute.compute_dtype auto), initialised
+    as one compiled program (eagerly, each operation would compile on its own)."""
+    spec = model_spec(cfg)
+    return nnx.jit(lambda: cls(spec, rngs=nnx.Rngs(0)))()
 
 
 def rms_norm(x, scale, eps):
@@ -71,8 +73,13 @@ def attend(q, k, v, chunk=None, scale_dim=None):
     return np.einsum("bnts,bsnh->btnh", probs, v)
 
 
-def _run(layer, x):
-    return np.asarray(layer(x, POSITIONS, SEGMENTS))
+def _call(layer, *args):
+    """layer(*args) as one compiled program, the arguments its constants."""
+    return nnx.jit(lambda layer: layer(*args))(layer)
+
+
+def _run(layer, x, *args):
+    return np.asarray(_call(layer, x, POSITIONS, SEGMENTS, *args))
 
 
 @pytest.mark.parametrize("plus_one", [False, True], ids=["llama", "gemma"])
@@ -103,7 +110,7 @@ def test_swiglu_mlp(make_cfg, activation, gate_fn):
     x = RNG.standard_normal((B, T, cfg.emb_dim)).astype(np.float32)
     gate, up = x @ p["gate"]["kernel"], x @ p["up"]["kernel"]
     expected = (gate_fn(gate) * up) @ p["down"]["kernel"]  # act(gate) * up
-    out, stats = layer(x)
+    out, stats = _call(layer, x)
     assert stats == {}
     np.testing.assert_allclose(np.asarray(out), expected, rtol=1e-4, atol=1e-5)
 
@@ -164,7 +171,7 @@ def test_llama4_attention_kinds(make_cfg, kind):
         q, k = rope(q, POSITIONS, cfg.rope.theta), rope(k, POSITIONS, cfg.rope.theta)
         chunk = 3
     expected = np.einsum("btnh,nhd->btd", attend(q, k, v, chunk), p["o"]["kernel"])
-    got = np.asarray(layer(x, POSITIONS, SEGMENTS, model_kinds(cfg).index(kind)))
+    got = _run(layer, x, model_kinds(cfg).index(kind))
     np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-5)
 
 

@@ -102,7 +102,7 @@ def test_mtp_loss_equals_the_computation_by_hand(make_cfg):
     want_aux = 0.5 * np.mean([t / c for t, c in losses])
     np.testing.assert_allclose(out.aux_loss, want_aux, rtol=1e-5)
     # The next-token logits are the model's without MTP: the modules only add a loss.
-    plain = run_model.model_def(make_cfg()).apply(
+    plain = jax.jit(run_model.model_def(make_cfg()).apply)(
         {k: v for k, v in params.items() if k != "mtp"},
         b["inputs"],
         b["positions"],

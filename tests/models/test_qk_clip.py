@@ -2,6 +2,8 @@
 and latent attention), the max-logit statistic against brute force, a train step that clips
 exactly what it says and one that does not clip changing nothing, and the refusals."""
 
+from functools import partial
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -51,7 +53,7 @@ def test_gqa_rule_scales_every_head_logit_by_its_own_factor():
     params["moe_layers"] = jax.tree.map(lambda x: x[:1], params["moe_layers"])
     params = jax.tree.map(lambda x: x.astype(np.float32), params)
     clip = QKClip(TAU, (("layers", (0, 2)), ("moe_layers", (1,))), K, None)
-    out = jax.device_get(clip(params, {MAX_LOGIT: jnp.asarray(MAX_LOGITS, jnp.float32)}))
+    out = jax.device_get(jax.jit(clip)(params, {MAX_LOGIT: jnp.asarray(MAX_LOGITS, jnp.float32)}))
 
     x = rng.normal(size=(5, D)).astype(np.float32)
     for stack, rows in (("layers", [0, 2]), ("moe_layers", [1])):
@@ -94,7 +96,8 @@ def test_mla_rule_is_kimi_k2s():
     }
     params = {"layers": {"attn": jax.tree.map(lambda x: x.astype(np.float32), attn)}}
     clip = QKClip(TAU, (("layers", (0, 1, 2)),), N, (nope, rope))
-    out = jax.device_get(clip(params, {MAX_LOGIT: jnp.asarray(MAX_LOGITS)}))["layers"]["attn"]
+    stats = {MAX_LOGIT: jnp.asarray(MAX_LOGITS)}
+    out = jax.device_get(jax.jit(clip)(params, stats))["layers"]["attn"]
     old = params["layers"]["attn"]
     gamma = factors(MAX_LOGITS)[:, None, :]  # [L, 1 (the input dim), N]
     q, kv = old["q_b"]["kernel"], old["kv_b"]["kernel"]
@@ -137,10 +140,10 @@ def test_xla_kernel_max_logit_is_the_largest_visible_logit(window):
     q[segment_ids == 0] *= 100  # padding queries with huge logits: never counted
     attend = reference_attention if window is None else banded_attention
     kw = {} if window is None else {"window": window}
-    plain = attend(q, k, v, segment_ids, **kw)
-    out, row_max = attend(q, k, v, segment_ids, max_logit=True, **kw)
+    plain = jax.jit(partial(attend, **kw))(q, k, v, segment_ids)  # compiled, not op by op
+    out, row_max = jax.jit(partial(attend, max_logit=True, **kw))(q, k, v, segment_ids)
     np.testing.assert_array_equal(out, plain)
-    max_logit = head_max_logit(row_max, segment_ids)
+    max_logit = jax.jit(head_max_logit)(row_max, segment_ids)
     np.testing.assert_allclose(max_logit, brute_force_max(q, k, segment_ids, window), rtol=1e-5)
 
 
@@ -202,7 +205,7 @@ def test_mla_model_first_layer_clips_to_tau(tmp_path):
     ]  # fmt: skip
     cfg = load(BASE, overrides)
     mdef = model_def(cfg)
-    params = nnx.to_pure_dict(nnx.state(build_model(cfg), nnx.Param))
+    params = jax.jit(lambda: nnx.to_pure_dict(nnx.state(build_model(cfg), nnx.Param)))()
     batch = synthetic_batch(cfg)
     apply = jax.jit(
         lambda p: mdef.apply(p, batch["inputs"], batch["positions"], batch["segment_ids"]).stats

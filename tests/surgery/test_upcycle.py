@@ -33,10 +33,12 @@ MOE_4_OF_8 = ("model.moe={num_experts: 8, top_k: 4, expert_mlp_dim: 32}", ALL_MO
 MOE_2_OF_8 = ("model.moe={num_experts: 8, top_k: 2, expert_mlp_dim: 64}", ALL_MOE)
 
 
+def initialised(cfg: config_lib.Config, seed: int = 1) -> dict:
+    return nnx.to_pure_dict(nnx.state(model_lib.build(model_spec(cfg), seed), nnx.Param))
+
+
 def init_params(cfg: config_lib.Config, seed: int = 1) -> dict:
-    return jax.jit(
-        lambda: nnx.to_pure_dict(nnx.state(model_lib.build(model_spec(cfg), seed), nnx.Param))
-    )()
+    return jax.jit(lambda: initialised(cfg, seed))()
 
 
 def upcycled(params: dict, dense: config_lib.Config, moe: config_lib.Config, **options) -> dict:
@@ -45,12 +47,17 @@ def upcycled(params: dict, dense: config_lib.Config, moe: config_lib.Config, **o
     return jax.jit(fn)(params)
 
 
+def forward_batch() -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(tokens, positions, segment ids) of one fixed batch: two rows of 32 tokens."""
+    tokens = jax.random.randint(jax.random.key(0), (2, 32), 0, 256)
+    return tokens, jnp.tile(jnp.arange(32), (2, 1)), jnp.ones_like(tokens)
+
+
 def forward(cfg: config_lib.Config):
     """params -> (logits, auxiliary loss, router statistics) on one fixed batch, compiled once."""
-    tokens = jax.random.randint(jax.random.key(0), (2, 32), 0, 256)
-    positions, segment_ids = jnp.tile(jnp.arange(32), (2, 1)), jnp.ones_like(tokens)
+    batch = forward_batch()
     apply = jax.jit(model_def(cfg).apply)
-    return lambda params: apply(params, tokens, positions, segment_ids)
+    return lambda params: apply(params, *batch)
 
 
 # The ways a zero router weighs the top_k experts, each undone by the down projections:
@@ -92,16 +99,21 @@ def test_upcycled_model_computes_the_dense_function_at_step_0(make_cfg, variant)
     name, both, routing = VARIANTS[variant]
     dense = make_cfg(f"model_name={name}", FP32, *both)
     moe = make_cfg(f"model_name={name}", FP32, *both, *routing)
-    params = init_params(dense)
-    upcycled_params = upcycled(params, dense, moe)
+    batch = forward_batch()
 
+    @jax.jit  # the dense model's init, its upcycling and both forwards: one program
+    def upcycled_and_forwards():
+        params = initialised(dense)
+        upcycled_params = upcycle(params, dense_cfg=dense.model, moe_cfg=moe.model)
+        want = model_def(dense).apply(params, *batch)[0]
+        return upcycled_params, want, model_def(moe).apply(upcycled_params, *batch)
+
+    upcycled_params, want, (got, _, stats) = upcycled_and_forwards()
     shape = lambda x: x.shape  # noqa: E731
     assert jax.tree.map(shape, upcycled_params) == jax.tree.map(
         shape, nnx.to_pure_dict(model_def(moe).abstract_state)
     )
     assert sum(x.size for x in jax.tree.leaves(upcycled_params)) == model_lib.param_count(moe.model)
-    want, *_ = forward(dense)(params)
-    got, _, stats = forward(moe)(upcycled_params)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
     # The zero router chose experts 0..top_k-1 for every token: each slice exactly once.
     k = moe.model.moe.top_k
@@ -111,7 +123,11 @@ def test_upcycled_model_computes_the_dense_function_at_step_0(make_cfg, variant)
 def test_experts_are_copies_of_the_dense_slices_and_noise_breaks_the_symmetry(make_cfg):
     dense, moe = make_cfg(FP32), make_cfg(FP32, *MOE_4_OF_8)
     params = init_params(dense)
-    exact = upcycled(params, dense, moe)["moe_layers"]["moe"]
+    options = ({}, {"noise_std": 0.01, "seed": 3}, {"router_init_std": 0.02})
+    exact, noisy, routed = jax.jit(  # the three upcycles compiled as one program
+        lambda p: [upcycle(p, dense_cfg=dense.model, moe_cfg=moe.model, **o) for o in options]
+    )(params)
+    exact = exact["moe_layers"]["moe"]
     gate = np.asarray(params["layers"]["mlp"]["gate"]["kernel"])  # [L, D, 128]
     for e in range(8):  # expert e holds hidden units 32 * (e % 4) .. 32 * (e % 4) + 31
         hidden = slice(32 * (e % 4), 32 * (e % 4) + 32)
@@ -119,7 +135,6 @@ def test_experts_are_copies_of_the_dense_slices_and_noise_breaks_the_symmetry(ma
     down = np.asarray(params["layers"]["mlp"]["down"]["kernel"])
     np.testing.assert_array_equal(exact["down"]["kernel"][:, 5], 4 * down[:, 32:64])  # x top_k
 
-    noisy = upcycled(params, dense, moe, noise_std=0.01, seed=3)
     experts = noisy["moe_layers"]["moe"]
     for name in ("gate", "up", "down"):
         w, w0 = np.asarray(experts[name]["kernel"]), np.asarray(exact[name]["kernel"])
@@ -131,7 +146,6 @@ def test_experts_are_copies_of_the_dense_slices_and_noise_breaks_the_symmetry(ma
     got, *_ = moe_forward(noisy)
     assert 1e-4 < np.abs(got - want).max() < 0.1 * np.abs(want).max()
 
-    routed = upcycled(params, dense, moe, router_init_std=0.02)
     router = np.asarray(routed["moe_layers"]["moe"]["router"]["kernel"])
     assert 0.015 < router.std() < 0.025
     assert not np.allclose(moe_forward(routed)[0], want, rtol=1e-5, atol=1e-5)
@@ -217,8 +231,10 @@ def test_tool_and_train_loop_start_the_moe_from_a_dense_checkpoint(make_cfg, tmp
     # dense model's on the same first batch, and training goes on from there.
     first_batch = next(data_streams(dense)[0])
     scored = jax.jit(functools.partial(eval_step, mdef=model_def(dense)))(params, first_batch)
+    # (no checkpoints: the losses are what is read)
     run(make_cfg(*moe_args, "init.mode=upcycle", f"checkpoint.load_parameters_path={source}",
-                 "train.steps=12", "train.log_every=1", "optim.lr=1e-2"))  # fmt: skip
+                 "train.steps=12", "train.log_every=1", "optim.lr=1e-2",
+                 "checkpoint.enabled=false"))  # fmt: skip
     lines = [json.loads(x) for x in (moe.run_dir / "metrics.jsonl").read_text().splitlines()]
     losses = [x["train/loss"] for x in lines if "train/loss" in x]
     assert losses[0] == pytest.approx(float(scored["nll_sum"] / scored["tokens"]), rel=1e-5)
