@@ -5,7 +5,8 @@ Each case builds the run's trainer over a topology's devices from shapes alone, 
 train step, and asserts what the compiler's program shows: the configured Pallas kernels are
 in it (no silent fallback to plain XLA), and the exchange the path is about moves its bytes
 over the mesh axes it should. Sliding windows are read from splash's block tables: the grid its
-kernels step through.
+kernels step through. Cases that read one program compile it once between them (compiled_once):
+a TPU compile is the bulk of a case's time.
 """
 
 import math
@@ -51,6 +52,24 @@ def _compile(make_cfg, *overrides: str, slices: int = 1, remat: str = "none") ->
     return trainer, hlo, found
 
 
+@pytest.fixture(scope="module")
+def compiled_once() -> dict:
+    """Programs that several cases read, each compiled by the first case that needs it (a case
+    that runs alone, or on another xdist worker, compiles it itself)."""
+    return {}
+
+
+def _compile_once(compiled_once: dict, make_cfg, *overrides: str, remat: str = "none") -> tuple:
+    key = (*overrides, remat)
+    if key not in compiled_once:
+        compiled_once[key] = _compile(make_cfg, *overrides, remat=remat)
+    return compiled_once[key]
+
+
+# Dense under fsdp 2 x tensor 2 with Muon: splash and FSDP's gathers, and Muon's exchange.
+FSDP_TENSOR_MUON = ("mesh.fsdp=2", "mesh.tensor=2", "optim.name=muon")
+
+
 def _collectives(trainer, hlo: str) -> dict[str, int]:
     slices = None
     if trainer.cfg.mesh.num_slices > 1:
@@ -87,8 +106,10 @@ def test_choices_follow_the_devices_not_the_host(make_cfg):
     )
 
 
-def test_dense_splash_under_fsdp_and_tensor(make_cfg):
-    trainer, hlo, found = _compile(make_cfg, "mesh.fsdp=2", "mesh.tensor=2")
+def test_dense_splash_under_fsdp_and_tensor(make_cfg, compiled_once):
+    """Read from test_muon's program: the optimizer changes neither the layers' kernels nor
+    FSDP's gathers of their weights."""
+    trainer, hlo, found = _compile_once(compiled_once, make_cfg, *FSDP_TENSOR_MUON)
     _has(found, ATTENTION)
     moved = _collectives(trainer, hlo)
     assert moved.get("ici all-gather fsdp", 0) > 0  # FSDP gathers the layers' weights
@@ -104,6 +125,26 @@ def test_configured_kernel_missing_is_an_error(make_cfg):
         program.check_kernels(trainer.cfg.model, splash, found)
 
 
+# gate-up's forward at 64 rows a tile, its input gradient at 32 (tokamax's choice is 128 here)
+TILES = "compute.grouped_matmul_tiles={gate_up: {forward: {tile_m: 64}, input_grad: {tile_m: 32}}}"
+
+
+def _moe_exchange(compiled_once: dict, make_cfg, dispatch: str, overflow: str) -> tuple:
+    """tiny-moe's tokens split over fsdp 2 x expert 2, the weights shared over fsdp, under the
+    exchange `dispatch`; the ragged one with TILES too, read by
+    test_grouped_matmul_tiles_reach_each_pass_of_each_projection (tiles change no exchange)."""
+    overrides = (
+        *MOE,
+        "mesh.fsdp=2",
+        "mesh.expert=2",
+        f"compute.expert_exchange={dispatch}",
+        f"compute.expert_exchange_overflow={overflow}",
+        *([TILES] if dispatch == "ragged" else []),
+    )
+    # remat full: the default's recompute sorts no assignment again
+    return _compile_once(compiled_once, make_cfg, *overrides, remat="full")
+
+
 @pytest.mark.parametrize(
     "dispatch, overflow, collective",
     [
@@ -112,16 +153,8 @@ def test_configured_kernel_missing_is_an_error(make_cfg):
         ("all_gather", "drop", "all-gather"),
     ],
 )
-def test_moe_exchanges(make_cfg, dispatch, overflow, collective):
-    trainer, hlo, found = _compile(
-        make_cfg,
-        *MOE,
-        "mesh.fsdp=2",  # tokens split over fsdp x expert, the weights shared over fsdp
-        "mesh.expert=2",
-        f"compute.expert_exchange={dispatch}",
-        f"compute.expert_exchange_overflow={overflow}",
-        remat="full",  # the default's recompute sorts no assignment again
-    )
+def test_moe_exchanges(make_cfg, compiled_once, dispatch, overflow, collective):
+    trainer, hlo, found = _moe_exchange(compiled_once, make_cfg, dispatch, overflow)
     _has(found, ATTENTION + GROUPED_MATMUL)
     moved = _collectives(trainer, hlo)
     assert moved.get(f"ici {collective} expert", 0) > 0, moved
@@ -166,19 +199,20 @@ def _rows_per_tile(hlo: str, groups: int) -> dict[tuple[str, str, str], int]:
     return found
 
 
-def test_grouped_matmul_tiles_reach_each_pass_of_each_projection(make_cfg):
-    """compute.grouped_matmul_tiles picks tokamax's tiles per projection and pass: gate-up's
-    forward at 256 rows a tile and its input gradient at 64, the rest on tokamax's choice (128
-    on v5e for these shapes), read from the kernels' group metadata in the compiled program."""
-    tiles = "{gate_up: {forward: {tile_m: 256}, input_grad: {tile_m: 64}}}"
-    _, hlo, _ = _compile(make_cfg, *MOE, "mesh.fsdp=4", f"compute.grouped_matmul_tiles={tiles}")
-    rows = "bf16[512,128]"  # a device's 256 tokens x top-2, emb 128 wide
-    assert _rows_per_tile(hlo, groups=8) == {
-        ("gmm", rows, "bf16[8,128,256]"): 256,  # gate-up forward
-        ("gmm_transpose_rhs", "bf16[512,256]", "bf16[8,128,256]"): 64,  # its rows' gradient
-        ("tgmm", rows, "bf16[512,256]"): 128,  # its weights' gradient
-        ("gmm", rows, "bf16[8,128,128]"): 128,  # down forward
-        ("gmm_transpose_rhs", rows, "bf16[8,128,128]"): 128,
+def test_grouped_matmul_tiles_reach_each_pass_of_each_projection(make_cfg, compiled_once):
+    """compute.grouped_matmul_tiles picks tokamax's tiles per projection and pass (TILES):
+    gate-up's forward at 64 rows a tile and its input gradient at 32, the rest on tokamax's
+    choice (128 on v5e for these shapes), read from the kernels' group metadata in the
+    compiled program of test_moe_exchanges' ragged case."""
+    _, hlo, _ = _moe_exchange(compiled_once, make_cfg, "ragged", "rounds")
+    # a round's buffer: compute.expert_exchange_capacity (1.25) x a device's 256 tokens x top-2
+    rows = "bf16[640,128]"
+    assert _rows_per_tile(hlo, groups=4) == {
+        ("gmm", rows, "bf16[4,128,256]"): 64,  # gate-up forward
+        ("gmm_transpose_rhs", "bf16[640,256]", "bf16[4,128,256]"): 32,  # its rows' gradient
+        ("tgmm", rows, "bf16[640,256]"): 128,  # its weights' gradient
+        ("gmm", rows, "bf16[4,128,128]"): 128,  # down forward
+        ("gmm_transpose_rhs", rows, "bf16[4,128,128]"): 128,
         ("tgmm", rows, rows): 128,
     }
 
@@ -283,8 +317,8 @@ def test_lora_on_an_nf4_base(make_cfg, tmp_path):
     assert "uint4" in frozen and "u4[" in hlo  # the base's kernels reach the chip as 4-bit codes
 
 
-def test_muon(make_cfg):
-    trainer, hlo, found = _compile(make_cfg, "mesh.fsdp=2", "mesh.tensor=2", "optim.name=muon")
+def test_muon(make_cfg, compiled_once):
+    trainer, hlo, found = _compile_once(compiled_once, make_cfg, *FSDP_TENSOR_MUON)
     _has(found, ATTENTION)
     # Newton-Schulz's matrices are dealt over the 4 chips that share them (optim/muon_deal.py):
     # a chip's block of every layer matrix goes out in one all-to-all and comes back in one (2
