@@ -421,8 +421,9 @@ def test_windowed_splash_does_sequence_times_window_work():
     cannot see inside a Mosaic call (it reports the same FLOPs for a window as for causal
     attention) and a flash kernel's temporaries are O(T) either way, so the grid is read from
     the kernels' block tables, operands of their calls in the compiled TPU program. Forward
-    and backward with sinks, per device (shard_map) on fsdp 2 x tensor 2 of v5e:2x2: at twice
-    the sequence the grids of a 512-key window double, causal attention's quadruple."""
+    and backward with sinks, per device (shard_map) on fsdp 2 x tensor 2 of v5e:2x2: from
+    1024 to 2048 tokens (2 and 4 blocks) the grids of a 512-key window double, causal
+    attention's quadruple."""
     devices = list(topology_devices(TOPOLOGY))
     mesh = build_mesh(MeshConfig(fsdp=2, tensor=2), devices)
     rules = config_lib.load(config_lib.CONFIGS_DIR / "base.yml").mesh.rules
@@ -446,30 +447,31 @@ def test_windowed_splash_does_sequence_times_window_work():
                                ("dkv", "no_residuals")]}, grids  # fmt: skip
         return {name: sum(q * k for q, k in calls) for name, calls in grids.items()}
 
-    windowed = {t: grid_steps(512, t) for t in (2048, 4096)}
-    causal = {t: grid_steps(None, t) for t in (2048, 4096)}
-    for name, steps in windowed[2048].items():
-        assert windowed[4096][name] == 2 * steps, (name, windowed)
-        assert causal[4096][name] == 4 * causal[2048][name], (name, causal)
+    windowed = {t: grid_steps(512, t) for t in (1024, 2048)}
+    causal = {t: grid_steps(None, t) for t in (1024, 2048)}
+    for name, steps in windowed[1024].items():
+        assert windowed[2048][name] == 2 * steps, (name, windowed)
+        assert causal[2048][name] == 4 * causal[1024][name], (name, causal)
     # 4 query blocks of 2048 tokens: a window reaches its own and the previous key block
     assert windowed[2048]["splash_mha_fwd_segmented_residuals"] == 4 * 2
     assert causal[2048]["splash_mha_fwd_segmented_residuals"] == 4 * 4
 
 
 def test_every_layer_kind_compiles_local_layers_to_windowed_splash(make_cfg):
-    """A model of [local, global, linear, linear] layers, a window of 256 over 2048 tokens (4
-    blocks of 512), GPT-OSS's attention sinks and Qwen3-Next's output gate, compiled on fsdp 2 x
-    tensor 2 (sinks, gates and the DeltaNet's heads split with the heads): the attention run's
-    switch holds both kinds' kernels, the global layers' stepping over every key block (4 x 4)
-    and the local layers' over the two a window reaches (4 x 2), in the forward and both
-    backward kernels; the linear layers scan their 32 chunks of 64 tokens."""
+    """A model of [local, global, linear, linear] layers, a window of 256 over 1536 tokens (3
+    blocks of 512: the fewest where a window reaches fewer blocks than causal attention), one
+    sequence per fsdp shard, GPT-OSS's attention sinks and Qwen3-Next's output gate, compiled
+    on fsdp 2 x tensor 2 (sinks, gates and the DeltaNet's heads split with the heads): the
+    attention run's switch holds both kinds' kernels, the global layers' stepping over every
+    key block (3 x 3) and the local layers' over the two a window reaches (3 x 2), in the
+    forward and both backward kernels; the linear layers scan their 24 chunks of 64 tokens."""
     _, hlo, found = _compile(
         make_cfg,
         "mesh.fsdp=2",
         "mesh.tensor=2",
-        "train.seq_len=2048",
-        "model.max_seq_len=2048",
-        "train.global_batch_size=4",
+        "train.seq_len=1536",
+        "model.max_seq_len=1536",
+        "train.global_batch_size=2",
         "model.num_layers=4",
         "model.layers=[sliding-dense, global-dense, linear-dense*2]",
         "model.sliding_window=256",
@@ -480,8 +482,8 @@ def test_every_layer_kind_compiles_local_layers_to_windowed_splash(make_cfg):
     )
     _has(found, ATTENTION)
     trips = program.loop_trip_counts(hlo)
-    assert 32 in trips, trips  # the linear layers' scan over 2048 / 64 chunks
+    assert 24 in trips, trips  # the linear layers' scan over 1536 / 64 chunks
     grids = _splash_grids(hlo)
-    assert set(grids["splash_mha_fwd_segmented_residuals"]) == {(4, 4), (4, 2)}, grids
-    assert set(grids["splash_mha_dq_segmented_no_residuals"]) == {(4, 4), (4, 2)}, grids
-    assert set(grids["splash_mha_dkv_segmented_no_residuals"]) == {(4, 4), (2, 4)}, grids
+    assert set(grids["splash_mha_fwd_segmented_residuals"]) == {(3, 3), (3, 2)}, grids
+    assert set(grids["splash_mha_dq_segmented_no_residuals"]) == {(3, 3), (3, 2)}, grids
+    assert set(grids["splash_mha_dkv_segmented_no_residuals"]) == {(3, 3), (2, 3)}, grids
