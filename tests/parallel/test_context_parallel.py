@@ -153,20 +153,17 @@ def _train(cfg, steps: int = 2):
     return losses, jax.device_get(params)
 
 
+# Every other layer a sliding window shorter than a device's block of the sequence, beside
+# global layers: 4 layers, so that two stages hold one (sliding, global) group each.
+WINDOWED = "model.num_layers=4 model.layers=[sliding-dense,global-dense] model.sliding_window=5"
 CASES = {
     # (model, its overrides, the split's): each exchange, C in {2, 4}, dense and MoE, with
-    # fsdp, expert, stage
-    "dense all_gather C=2 fsdp=4": ("tiny", "", "mesh.context=2 mesh.fsdp=4"),
-    "dense ring C=4 stage=2": (
+    # fsdp, expert, stage; the dense cases share one model, so one unsplit run
+    "windowed all_gather C=2 fsdp=4": ("tiny", WINDOWED, "mesh.context=2 mesh.fsdp=4"),
+    "windowed ring C=4 stage=2": (
         "tiny",
-        "",
+        WINDOWED,
         "mesh.context=4 mesh.stage=2 mesh.fsdp=1 compute.context_exchange=ring",
-    ),
-    # every other layer a sliding window shorter than a device's block of the sequence
-    "windowed ring C=4 fsdp=2": (
-        "tiny",
-        "model.layers=[sliding-dense,global-dense] model.sliding_window=5",
-        "mesh.context=4 mesh.fsdp=2 compute.context_exchange=ring",
     ),
     "moe ring C=2 expert=2 fsdp=2": (
         "tiny-moe",

@@ -72,9 +72,11 @@ def inputs(case: str, peers: int, k: int):
     return x, ids, mix, w
 
 
+@functools.cache
 def sharded(dispatch, peers: int):
     """(x, ids, mix, w) -> (y, (dropped, rounds)) with tokens and experts split over `peers`
-    devices."""
+    devices. One function per (dispatch, peers): its jitted gradients (below) are traced and
+    compiled once for every routing case of those shapes."""
     mesh = jax.make_mesh((peers,), ("expert",), devices=jax.devices()[:peers])
     par = Parallelism(("expert",), peers)
 
@@ -97,15 +99,22 @@ def single_device(x, ids, mix, w):
     return y, (counts.dropped, counts.rounds)
 
 
-def value_and_grads(run, x, ids, mix, w):
-    """(y, (dropped, rounds)), and the gradients of sum(sin(y)) w.r.t. x, the mixing weights
-    and experts."""
+@functools.cache
+def jitted_value_and_grads(run):
+    """run's value and gradients, jitted once per run: the routing is an argument, not a
+    constant, so every routing case of the same shapes shares one program."""
 
-    def loss(x, mix, w):
+    def loss(x, mix, w, ids):
         y, counts = run(x, ids, mix, w)
         return jnp.sum(jnp.sin(y)), (y, counts)
 
-    (_, out), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))(x, mix, w)
+    return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))
+
+
+def value_and_grads(run, x, ids, mix, w):
+    """(y, (dropped, rounds)), and the gradients of sum(sin(y)) w.r.t. x, the mixing weights
+    and experts."""
+    (_, out), grads = jitted_value_and_grads(run)(x, mix, w, ids)
     return out, grads
 
 
@@ -345,6 +354,11 @@ def dense_mixture(x, ids, mix, w):
     return jnp.einsum("ne,ned->nd", weights, every)
 
 
+def dense_mixture_and_no_counts(x, ids, mix, w):
+    return dense_mixture(x, ids, mix, w), ()
+
+
+@functools.cache
 def on_one_device(dispatch):
     """(x, ids, mix, w) -> (y, (dropped, rounds)), every token and expert on one device."""
 
@@ -375,8 +389,7 @@ def test_dispatch_values_and_gradients_equal_the_dense_mixture(make_run, rounds)
     x, ids, mix, w = inputs("one_device", 4, 2)
     (y, (dropped, ran)), grads = value_and_grads(make_run(), x, ids, mix, w)
     assert (int(dropped), int(ran)) == (0, rounds)
-    dense = lambda *a: (dense_mixture(*a), ())  # noqa: E731
-    (want_y, _), want_grads = value_and_grads(dense, x, ids, mix, w)
+    (want_y, _), want_grads = value_and_grads(dense_mixture_and_no_counts, x, ids, mix, w)
     np.testing.assert_allclose(y, want_y, rtol=1e-5, atol=1e-5)
     for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(want_grads), strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
