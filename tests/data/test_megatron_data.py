@@ -10,8 +10,6 @@ import json
 import shutil
 import signal
 import struct
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -19,7 +17,7 @@ import pytest
 import sentencepiece as spm
 import support
 from support.data import load_tool
-from support.runs import env, interrupt, logged_step_at_least, losses, run_to_end
+from support.runs import interrupt, logged_step_at_least, losses, run_to_end
 
 from maxtrain import config as config_lib
 from maxtrain.checkpointing.data_state import JsonIteratorState, adapter_for
@@ -249,30 +247,25 @@ def test_token_ids_beyond_the_vocab_and_missing_eods_are_data_errors(megatron_cf
         )
 
 
-def start_cli(tmp_path: Path, name: str, *overrides: str) -> subprocess.Popen:
-    base = str(config_lib.CONFIGS_DIR / "base.yml")
-    run = [f"run.output_dir={tmp_path}", f"run.name={name}"]
-    cmd = [sys.executable, "-m", "maxtrain.train", base, "model_name=tiny", *run, *overrides]
-    return subprocess.Popen(
-        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env()
-    )
-
-
-def test_the_cli_refuses_a_half_pair_and_a_too_large_id_in_one_line_with_exit_2(tmp_path):
+def test_the_cli_refuses_a_half_pair_and_a_too_large_id_in_one_line_with_exit_2(tmp_path, capsys):
+    """The train command's main, in this process (a refusal needs no interpreter of its own;
+    tests/training/test_bad_inputs.py shows exit 2 and one line at the process boundary)."""
     for name in ("half", "whole"):
         (tmp_path / name).mkdir()
         copy_corpus(tmp_path / name, "code")
     (tmp_path / "half" / "code.idx").unlink()
-    runs = {  # both at once: each spends most of its time starting jax
-        "code.idx not found": start_cli(tmp_path, "run1", "data.kind=megatron",
-                                        source_list([["code", 1.0]], tmp_path / "half")),
-        "holds token id": start_cli(tmp_path, "run2", "data.kind=megatron",
-                                    source_list([["code", 1.0]], tmp_path / "whole"),
-                                    f"data.cache_dir={tmp_path / 'cache'}"),
+    base = [str(config_lib.CONFIGS_DIR / "base.yml"), "model_name=tiny",
+            f"run.output_dir={tmp_path}", "data.kind=megatron"]  # fmt: skip
+    runs = {
+        "code.idx not found": ["run.name=run1", source_list([["code", 1.0]], tmp_path / "half")],
+        "holds token id": ["run.name=run2", source_list([["code", 1.0]], tmp_path / "whole"),
+                           f"data.cache_dir={tmp_path / 'cache'}"],
     }  # fmt: skip
-    for words, proc in runs.items():
-        _, stderr = proc.communicate(timeout=300)
-        assert proc.returncode == 2, stderr[-2000:]
+    for words, overrides in runs.items():
+        capsys.readouterr()
+        status = train_main([*base, *overrides])
+        stderr = capsys.readouterr().err
+        assert status == 2, stderr[-2000:]
         assert stderr.startswith("maxtrain: error: data.sources[code]: ")
         assert words in stderr and stderr.count("\n") == 1
     assert not (tmp_path / "run1").exists() and not (tmp_path / "run2").exists()  # nothing written

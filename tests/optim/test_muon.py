@@ -9,6 +9,7 @@ import numpy as np
 import optax
 from flax import nnx
 from support.optim import apply, muon_cfg
+from support.runs import stopped_at
 
 from maxtrain import optim
 from maxtrain.checkpointing import load_parameters
@@ -73,15 +74,18 @@ def test_three_updates_match_the_published_algorithm_per_layer_matrix():
     np.testing.assert_allclose(new["embedding"], embedding, rtol=1e-6)
 
 
-def test_a_muon_run_stopped_and_resumed_is_bit_exact(make_cfg, tmp_path):
-    """4 steps straight vs 2, then a restart to 4: the same losses and parameters, bit for bit
-    (the momentum buffers come back from the checkpoint)."""
-    common = ("optim.name=muon", "optim.schedule=constant", "train.log_every=1")
+def test_a_muon_run_stopped_and_resumed_is_bit_exact(make_cfg, tmp_path, capsys):
+    """4 steps straight vs stopped at its step-2 checkpoint, then a restart to 4: the same
+    losses and parameters, bit for bit (the momentum buffers come back from the checkpoint)."""
+    common = ("optim.name=muon", "optim.schedule=constant", "train.log_every=1",
+              "checkpoint.local.every_steps=2")  # fmt: skip
     straight_cfg = make_cfg("run.name=straight", "train.steps=4", *common)
     run(straight_cfg)
-    run(make_cfg("run.name=resumed", "train.steps=2", *common))
     resumed_cfg = make_cfg("run.name=resumed", "train.steps=4", *common)
+    stopped_at(straight_cfg.run_dir, 2, resumed_cfg.run_dir)
+    capsys.readouterr()
     run(resumed_cfg)
+    assert "resumed at step 2" in capsys.readouterr().out
 
     def losses(cfg):
         lines = (cfg.run_dir / "metrics.jsonl").read_text().splitlines()

@@ -1,12 +1,14 @@
 """The real CLI in subprocesses: a short packed grain run's command (ARGS), running it to the
-end or interrupting it at a chosen point, its per-step losses; a free port for multi-process
-runs; a digest of a directory tree (to show nothing was written)."""
+end or interrupting it at a chosen point, its per-step losses; a finished run as it was when
+stopped at one of its checkpoints (stopped_at); a free port for multi-process runs; a digest
+of a directory tree (to show nothing was written)."""
 
 from __future__ import annotations
 
 import hashlib
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -94,6 +96,25 @@ def _record(line: str) -> dict:
         return json.loads(line)
     except json.JSONDecodeError:
         return {"step": -1}
+
+
+def stopped_at(run_dir: Path, step: int, copy: Path) -> Path:
+    """A copy of the single-process run run_dir as a run stopped at `step` leaves it: its
+    checkpoints of later steps, its summary and the metrics records of later steps removed.
+    Started again it resumes from `step`; on a step program that does not depend on
+    train.steps (a constant schedule or optim.schedule_steps), the first `step` steps of an
+    uninterrupted run are those of a run stopped there, so this stands for that run, one
+    launch and one trainer build fewer."""
+    shutil.copytree(run_dir, copy)
+    for tier in (copy / "checkpoints").iterdir():
+        for saved in tier.iterdir():
+            if saved.name.isdigit() and int(saved.name) > step:
+                shutil.rmtree(saved)
+    (copy / "summary.json").unlink(missing_ok=True)
+    metrics = copy / "metrics.jsonl"
+    kept = [line for line in metrics.read_text().splitlines() if json.loads(line)["step"] <= step]
+    metrics.write_text("".join(f"{line}\n" for line in kept))
+    return copy
 
 
 def free_port() -> int:

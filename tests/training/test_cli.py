@@ -1,12 +1,15 @@
-"""The command line end to end, in a subprocess, as a user runs it."""
+"""The command line: a run end to end in a subprocess, as a user runs it; refusals and the
+discovery options through the command's main, in this process."""
 
 import json
 import os
 import subprocess
 import sys
 
+import jax
 from support.xla_env import xla_flags
 
+from maxtrain.analysis.preflight import check_memory
 from maxtrain.common.errors import DEBUG_ENV
 from maxtrain.config import CONFIGS_DIR, REPO_ROOT
 from maxtrain.training import loop as train_loop
@@ -64,62 +67,72 @@ def test_cli_trains_and_writes_metrics_config_and_tensorboard(tmp_path):
     assert "step     6/6" in result.stdout
 
 
-def test_cli_bad_key_exits_2_with_one_line_naming_it(tmp_path):
-    result = run_cli(
-        "model_name=tiny",
-        "optim.learning_rate=1e-3",
+def main_in_process(capsys, monkeypatch, *args: str) -> tuple[int, str, str]:
+    """The train command's main as the entry point calls it (with its memory pre-flight), in
+    this process: (exit status, stdout, stderr). A refusal costs no interpreter start; that its
+    exit status and a stderr free of tracebacks survive the interpreter's boundary is shown in
+    tests/training/test_bad_inputs.py."""
+    monkeypatch.delenv(DEBUG_ENV, raising=False)
+    capsys.readouterr()
+    argv = [str(CONFIGS_DIR / "base.yml"), "data.kind=synthetic", *args]
+    status = train_loop.main(argv, preflight=check_memory)
+    out, err = capsys.readouterr()
+    return status, out, err
+
+
+def test_cli_bad_key_exits_2_with_one_line_naming_it(tmp_path, capsys, monkeypatch):
+    status, _, err = main_in_process(
+        capsys, monkeypatch, "model_name=tiny", "optim.learning_rate=1e-3",
         f"run.output_dir={tmp_path}",
-        tmp_path=tmp_path,
-    )
-    assert result.returncode == 2
-    assert result.stderr.strip().count("\n") == 0, result.stderr
-    assert "optim.learning_rate" in result.stderr and "Traceback" not in result.stderr
+    )  # fmt: skip
+    assert status == 2
+    assert err.strip().count("\n") == 0, err
+    assert "optim.learning_rate" in err and "Traceback" not in err
     assert not any(tmp_path.iterdir())  # nothing written for a rejected config
 
 
-def test_cli_mesh_that_does_not_fit_the_devices_exits_2(tmp_path):
-    result = run_cli(
-        "model_name=tiny", "mesh.fsdp=4", f"run.output_dir={tmp_path}", tmp_path=tmp_path
-    )
-    assert result.returncode == 2
-    assert "mesh" in result.stderr and "1 are available" in result.stderr
-    assert "Traceback" not in result.stderr
+def test_cli_mesh_that_does_not_fit_the_devices_exits_2(tmp_path, capsys, monkeypatch):
+    devices = len(jax.devices())
+    status, _, err = main_in_process(
+        capsys, monkeypatch, "model_name=tiny", f"mesh.fsdp={2 * devices}",
+        f"run.output_dir={tmp_path}",
+    )  # fmt: skip
+    assert status == 2
+    assert "mesh" in err and f"{devices} are available" in err
+    assert "Traceback" not in err
 
 
-def test_cli_data_mistakes_exit_2_with_one_line_and_write_nothing(tmp_path):
-    missing = run_cli(
-        "model_name=small",
-        "data.kind=grain",
+def test_cli_data_mistakes_exit_2_with_one_line_and_write_nothing(tmp_path, capsys, monkeypatch):
+    status, _, missing = main_in_process(
+        capsys, monkeypatch, "model_name=small", "data.kind=grain",
         "data.sources=[{name: web, path: /nonexistent/*.arrayrecord, weight: 1}]",
         f"run.output_dir={tmp_path}",
-        tmp_path=tmp_path,
+    )  # fmt: skip
+    assert status == 2, missing
+    assert "/nonexistent/*.arrayrecord" in missing
+    assert missing.strip().count("\n") == 0 and "Traceback" not in missing
+    status, _, small_vocab = main_in_process(
+        capsys, monkeypatch, "model_name=tiny", "data.kind=grain", f"run.output_dir={tmp_path}"
     )
-    assert missing.returncode == 2, missing.stderr
-    assert "/nonexistent/*.arrayrecord" in missing.stderr
-    assert missing.stderr.strip().count("\n") == 0 and "Traceback" not in missing.stderr
-    small_vocab = run_cli(
-        "model_name=tiny", "data.kind=grain", f"run.output_dir={tmp_path}", tmp_path=tmp_path
-    )
-    assert small_vocab.returncode == 2, small_vocab.stderr
-    assert "vocab" in small_vocab.stderr and "256" in small_vocab.stderr
+    assert status == 2, small_vocab
+    assert "vocab" in small_vocab and "256" in small_vocab
     assert not any(tmp_path.iterdir())
 
 
-def test_cli_refuses_a_model_beyond_the_hosts_memory_before_writing_anything(tmp_path):
-    """deepseek-v3-671b needs terabytes per device on one CPU device, beyond any host's RAM:
+def test_cli_refuses_a_model_beyond_the_hosts_memory_before_writing_anything(
+    tmp_path, capsys, monkeypatch
+):
+    """deepseek-v3-671b needs terabytes per device on the CPU devices, beyond any host's RAM:
     refused in one line naming the estimate, the RAM and the override, before the run
     directory, its lock or its checkpoint folders exist (it used to die in XLA's
     RESOURCE_EXHAUSTED inside the checkpointer, leaving them behind)."""
-    result = run_cli(
-        "model_name=deepseek-v3-671b",
-        "run.name=big",
-        "train.steps=2",
+    status, _, err = main_in_process(
+        capsys, monkeypatch, "model_name=deepseek-v3-671b", "run.name=big", "train.steps=2",
         f"run.output_dir={tmp_path}",
-        tmp_path=tmp_path,
-    )
-    assert result.returncode == 2, result.stderr
-    assert result.stderr.strip().count("\n") == 0 and "Traceback" not in result.stderr
-    assert "GiB of RAM" in result.stderr and "run.check_memory=false" in result.stderr
+    )  # fmt: skip
+    assert status == 2, err
+    assert err.strip().count("\n") == 0 and "Traceback" not in err
+    assert "GiB of RAM" in err and "run.check_memory=false" in err
     assert not any(tmp_path.iterdir())
 
 

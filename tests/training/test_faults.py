@@ -13,11 +13,12 @@ import jax
 import numpy as np
 import pytest
 from flax import nnx
-from support.runs import tree_digest
+from support.runs import stopped_at, tree_digest
 from support.xla_env import xla_flags
 
 from maxtrain import config as config_lib
 from maxtrain.checkpointing import load_parameters
+from maxtrain.common.errors import DEBUG_ENV
 from maxtrain.training import run_lock
 from maxtrain.training.loop import main
 from maxtrain.training.run_model import model_def
@@ -42,14 +43,18 @@ LIMITED = (
 )
 
 
+def argv(run_dir: Path, *args: str) -> list[str]:
+    """The train command's arguments: the tiny model writing to run_dir, then args."""
+    base = str(config_lib.CONFIGS_DIR / "base.yml")
+    return [base, *TINY, f"run.output_dir={run_dir.parent}", f"run.name={run_dir.name}", *args]
+
+
 def cli(
     run_dir: Path, *args: str, max_file_bytes: int | None = None
 ) -> subprocess.CompletedProcess:
     """Runs the trainer on the tiny model; max_file_bytes: no file it writes may grow past
     this."""
-    base = str(config_lib.CONFIGS_DIR / "base.yml")
-    cmd = [sys.executable, "-m", "maxtrain.train", base, *TINY,
-           f"run.output_dir={run_dir.parent}", f"run.name={run_dir.name}", *args]  # fmt: skip
+    cmd = [sys.executable, "-m", "maxtrain.train", *argv(run_dir, *args)]
     if max_file_bytes is not None:
         cmd = [sys.executable, "-c", LIMITED, str(max_file_bytes), *cmd[1:]]
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": xla_flags()}
@@ -78,6 +83,10 @@ def params_at(step_dir: Path, *overrides: str):
 # step program (train.on_nonfinite and the checkpoint settings are the host's), compiled once.
 BLOW_UP_AT_3 = ["optim.lr=1e12", "optim.warmup_steps=4", "optim.clip_norm=0"]
 EVERY_STEP = ["checkpoint.local.every_steps=1", "checkpoint.local.keep=10"]
+# The runs that start from a finished run (the fixture `finished`): the embedding is 2 MiB, above
+# the full disk's 1 MiB, and the lr schedule is 8 steps long whatever train.steps says, so the
+# first 4 steps of the 8-step run are those of a run stopped at 4 (and one step program serves).
+BIG = ["model.vocab_size=8192", "checkpoint.local.every_steps=4", "optim.schedule_steps=8"]
 
 
 def test_nonfinite_loss_stops_and_the_run_resumes_from_the_last_finite_checkpoint(tmp_path):
@@ -127,51 +136,14 @@ def test_too_many_skips_in_a_row_stop_like_stop(tmp_path):
     assert [n for n in local if n.isdigit()] == ["1"]
 
 
-def test_full_disk_is_one_line_and_the_next_run_resumes_then_a_finished_run_is_left_alone(
-    tmp_path,
-):
-    """A save that cannot be written ends the run with one line naming the tier directory and
-    the cause, and removes the partial step. The disk fills through RLIMIT_FSIZE: a write past
-    1 MiB fails with EFBIG ("File too large") as a full disk fails with ENOSPC, and it needs no
-    privileges (a small tmpfs would need mount rights CI may lack); the same path was checked
-    by hand on a 2 MB tmpfs ("No space left on device"). The next run resumes from the last
-    complete step and replaces the records the failed run logged after it. Started once more,
-    the finished run says so and changes nothing."""
-    run_dir = tmp_path / "run"
-    big = [
-        "model.vocab_size=8192",  # a 2 MiB embedding
-        "checkpoint.local.every_steps=4",
-        "optim.schedule_steps=8",  # the 4- and 8-step runs' one lr schedule: one step program
-    ]
-    assert cli(run_dir, "train.steps=4", *big).returncode == 0
-    full = cli(run_dir, "train.steps=8", *big, max_file_bytes=2**20)
-    assert full.returncode == 2
-    [line] = full.stderr.strip().splitlines()
-    assert line.startswith(f"maxtrain: error: saving step 8 to {run_dir / 'checkpoints'}")
-    assert "failed: File too large" in line and "a restart resumes from step 4" in line
-    assert not [p for p in run_dir.rglob("*") if "orbax-checkpoint-tmp" in p.name]
-
-    resumed = cli(run_dir, "train.steps=8", *big)
-    assert resumed.returncode == 0, resumed.stderr[-2000:]
-    assert "resumed at step 4" in resumed.stdout
-    assert logged_steps(run_dir) == list(range(1, 9))
-
-    before = tree_digest(run_dir)
-    again = cli(run_dir, "train.steps=8", *big)
-    assert again.returncode == 0, again.stderr[-2000:]
-    [line] = again.stdout.strip().splitlines()
-    assert f"run {run_dir} is complete: step 8" in line
-    assert tree_digest(run_dir) == before
-
-
 @pytest.fixture(scope="module")
 def finished(tmp_path_factory) -> Path:
     """A finished 8-step run (step 4 in the local tier, the last, 8, in the persistent one) for the
     tests that start from a run's checkpoints: one launch instead of one per test, and a later
     launch of the same shape with train.steps=8 loads its step program instead of compiling one.
-    Tests that change the run work on a copy (copy_of)."""
+    Tests that change the run work on a copy (copy_of, stopped_at)."""
     run_dir = tmp_path_factory.mktemp("finished") / "run"
-    result = cli(run_dir, "train.steps=8", "checkpoint.local.every_steps=4")
+    result = cli(run_dir, "train.steps=8", *BIG)
     assert result.returncode == 0, result.stderr[-2000:]
     return run_dir
 
@@ -182,15 +154,50 @@ def copy_of(run_dir: Path, tmp_path: Path) -> Path:
     return copy
 
 
-def test_checkpoint_of_another_model_exits_2_naming_the_parameter_and_touches_nothing(
-    tmp_path, finished
+def test_full_disk_is_one_line_and_the_next_run_resumes_then_a_finished_run_is_left_alone(
+    tmp_path, finished, capsys
 ):
+    """A save that cannot be written ends the run with one line naming the tier directory and
+    the cause, and removes the partial step. The disk fills through RLIMIT_FSIZE: a write past
+    1 MiB fails with EFBIG ("File too large") as a full disk fails with ENOSPC, and it needs no
+    privileges (a small tmpfs would need mount rights CI may lack); the same path was checked
+    by hand on a 2 MB tmpfs ("No space left on device"). The next run resumes from the last
+    complete step and replaces the records the failed run logged after it. Started once more,
+    the finished run says so and changes nothing."""
+    run_dir = stopped_at(finished, 4, tmp_path / "run")  # a run at step 4, its embedding 2 MiB
+    full = cli(run_dir, "train.steps=8", *BIG, max_file_bytes=2**20)
+    assert full.returncode == 2
+    [line] = full.stderr.strip().splitlines()
+    assert line.startswith(f"maxtrain: error: saving step 8 to {run_dir / 'checkpoints'}")
+    assert "failed: File too large" in line and "a restart resumes from step 4" in line
+    assert not [p for p in run_dir.rglob("*") if "orbax-checkpoint-tmp" in p.name]
+
+    resumed = cli(run_dir, "train.steps=8", *BIG)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert "resumed at step 4" in resumed.stdout
+    assert logged_steps(run_dir) == list(range(1, 9))
+
+    before = tree_digest(run_dir)
+    capsys.readouterr()
+    assert main(argv(run_dir, "train.steps=8", *BIG)) == 0  # nothing to build: in this process
+    [line] = capsys.readouterr().out.strip().splitlines()
+    assert f"run {run_dir} is complete: step 8" in line
+    assert tree_digest(run_dir) == before
+
+
+def test_checkpoint_of_another_model_exits_2_naming_the_parameter_and_touches_nothing(
+    tmp_path, finished, capsys, monkeypatch
+):
+    """Through the command's main in this process: a refusal needs no interpreter of its own
+    (tests/training/test_bad_inputs.py shows exit 2 and one line at the process boundary)."""
+    monkeypatch.delenv(DEBUG_ENV, raising=False)
     run_dir = copy_of(finished, tmp_path)
     before = tree_digest(run_dir / "checkpoints")
-    result = cli(run_dir, "train.steps=10", "model.mlp_dim=96")
-    assert result.returncode == 2
-    assert result.stderr.strip().count("\n") == 0, result.stderr
-    assert "mlp" in result.stderr and "128" in result.stderr and "96" in result.stderr
+    capsys.readouterr()
+    assert main(argv(run_dir, "train.steps=10", *BIG, "model.mlp_dim=96")) == 2
+    err = capsys.readouterr().err
+    assert err.strip().count("\n") == 0 and "Traceback" not in err, err
+    assert "mlp" in err and "128" in err and "96" in err
     assert tree_digest(run_dir / "checkpoints") == before
 
 
@@ -202,7 +209,7 @@ def test_damaged_newest_checkpoint_falls_back_to_the_previous_one(tmp_path, fini
     victim = max((p for p in newest.rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
     victim.write_bytes(victim.read_bytes()[: victim.stat().st_size // 2])  # a torn write
     # train.steps=8 as before: a damaged step 8 does not make the run complete
-    result = cli(run_dir, "train.steps=8", "checkpoint.local.every_steps=4")
+    result = cli(run_dir, "train.steps=8", *BIG)
     assert result.returncode == 0, result.stderr[-2000:]
     assert "step 8" in result.stderr and "corrupt" in result.stderr
     assert "resumed at step 4" in result.stdout
@@ -213,12 +220,12 @@ def test_load_parameters_path_starts_a_new_run_from_those_parameters(tmp_path, f
     target = tmp_path / "target"
     # lr 0: the new run's one step changes nothing, so its parameters are the source's
     result = cli(
-        target, "train.steps=1", "optim.lr=0", f"checkpoint.load_parameters_path={finished}"
+        target, "train.steps=1", *BIG, "optim.lr=0", f"checkpoint.load_parameters_path={finished}"
     )
     assert result.returncode == 0, result.stderr[-2000:]
     assert "resumed" not in result.stdout  # a new run: step 1, fresh optimizer
-    loaded = params_at(target / "checkpoints" / "persistent" / "1")
-    original = params_at(finished / "checkpoints" / "persistent" / "8")
+    loaded = params_at(target / "checkpoints" / "persistent" / "1", *BIG)
+    original = params_at(finished / "checkpoints" / "persistent" / "8", *BIG)
     for a, b in zip(jax.tree.leaves(loaded), jax.tree.leaves(original), strict=True):
         np.testing.assert_array_equal(a, b)
 

@@ -4,7 +4,7 @@ import os
 
 import numpy as np
 import pytest
-from support.runs import losses
+from support.runs import losses, stopped_at
 
 from maxtrain import config as config_lib
 from maxtrain.training.loop import run
@@ -53,14 +53,16 @@ MOE_ON_TWO = (
 
 @pytest.mark.slow
 def test_a_resume_with_another_exchange_and_kernel_continues_the_run(make_cfg, capsys):
-    """Trained 2 steps with the all_to_all exchange and resumed to 4 with all_gather and the
-    grouped matmul named (xla, where the run said auto): the same run, whose losses are the
-    uninterrupted run's within float rounding. Another emb_dim is another run: refused."""
+    """Trained 2 steps with the all_to_all exchange (the uninterrupted run, stopped at its step-2
+    checkpoint) and resumed to 4 with all_gather and the grouped matmul named (xla, where the
+    run said auto): the same run, whose losses are the uninterrupted run's within float
+    rounding. Another emb_dim is another run: refused."""
     whole = make_cfg(*MOE_ON_TWO, "run.name=whole")
     run(whole)
-    run(make_cfg(*MOE_ON_TWO, "run.name=resumed", "train.steps=2"))
     other_computation = ("compute.expert_exchange=all_gather", "compute.grouped_matmul=xla")
     resumed = make_cfg(*MOE_ON_TWO, "run.name=resumed", *other_computation)
+    stopped_at(whole.run_dir, 2, resumed.run_dir)
+    capsys.readouterr()
     run(resumed)
     assert "resumed at step 2" in capsys.readouterr().out
     got, want = losses(resumed.run_dir), losses(whole.run_dir)
