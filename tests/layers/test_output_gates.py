@@ -16,8 +16,15 @@ CFG = dict(vocab_size=16, emb_dim=8, num_layers=1, num_heads=2, num_kv_heads=1)
 
 
 def _layer(kind, **fields):
+    """The layer, initialised as one compiled program (op by op, each op would compile alone)."""
     cfg = ModelConfig(**CFG, **({"mlp_dim": 12} if "moe" not in fields else {}), **fields)
-    return kind(ModelSpec(cfg, ComputeConfig(compute_dtype="float32")), rngs=nnx.Rngs(0))
+    spec = ModelSpec(cfg, ComputeConfig(compute_dtype="float32"))
+    return nnx.jit(lambda: kind(spec, rngs=nnx.Rngs(0)))()
+
+
+@nnx.jit
+def _apply(layer, *args):
+    return layer(*args)
 
 
 def _sigmoid(x):
@@ -35,10 +42,10 @@ def test_attention_output_gate_scales_each_head_and_dim_before_the_output_projec
     o = np.asarray(plain.o.kernel[...])  # [N, H, D]
     # The ungated attention output, recovered through the (invertible here) output projection.
     flat_o = o.reshape(8, 8)
-    heads = np.asarray(plain(x, positions, segments)) @ np.linalg.inv(flat_o)
+    heads = np.asarray(_apply(plain, x, positions, segments)) @ np.linalg.inv(flat_o)
     gate = _sigmoid(np.einsum("btd,dnh->btnh", np.asarray(x), gated.output_gate.kernel[...]))
     want = (heads.reshape(2, 5, 2, 4) * gate).reshape(2, 5, 8) @ flat_o
-    np.testing.assert_allclose(gated(x, positions, segments), want, rtol=2e-4, atol=2e-5)
+    np.testing.assert_allclose(_apply(gated, x, positions, segments), want, rtol=2e-4, atol=2e-5)
 
 
 def test_shared_expert_gate_scales_the_shared_experts_per_token():
@@ -52,8 +59,8 @@ def test_shared_expert_gate_scales_the_shared_experts_per_token():
     no_shared = _layer(MoE, moe=MoeConfig(**{**moe, "shared_experts": 0}))
     nnx.update(no_shared, nnx.state(plain).filter(lambda path, _: "shared" not in path))
     x = jax.random.normal(jax.random.key(4), (2, 5, 8))
-    routed = np.asarray(no_shared(x)[0])
-    shared = np.asarray(plain(x)[0]) - routed
+    routed = np.asarray(_apply(no_shared, x)[0])
+    shared = np.asarray(_apply(plain, x)[0]) - routed
     gate = _sigmoid(np.asarray(x) @ np.asarray(gated.shared_gate.kernel[...]))  # [B, T, 1]
-    np.testing.assert_allclose(gated(x)[0], routed + gate * shared, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(_apply(gated, x)[0], routed + gate * shared, rtol=1e-5, atol=1e-6)
     assert np.abs(shared).mean() > 0.01 and np.ptp(gate) > 0.1  # both matter here
