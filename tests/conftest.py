@@ -53,7 +53,8 @@ def make_cfg(tmp_path: Path):
 # The slow tier: modules that train whole runs (a few steps included), start processes, compile
 # for a TPU or run every expert exchange over the 8-device mesh. The rest (unit tests of the
 # parts: config, layers, kernels, data, optimizers, analysis) is the fast tier,
-# `python -m pytest -m "not slow"`.
+# `python -m pytest -m "not slow"`. A test in a fast module that trains or compiles at length is
+# marked slow itself (@pytest.mark.slow).
 SLOW_MODULES = {
     "test_bad_inputs", "test_benchmark", "test_bubble", "test_checkpoint_compat",
     "test_checkpoint_damage", "test_checkpointing", "test_cli", "test_context_parallel",

@@ -214,12 +214,14 @@ def cpu_dry_run(tmp_path_factory):
     return cfg, result, path.read_text()
 
 
+@pytest.mark.slow  # runs the benchmark's dry run
 def test_the_benchmark_says_why_a_cpu_has_no_prediction(cpu_dry_run):
     _, result, _ = cpu_dry_run
     predicted = result["compiled"]["predicted"]
     assert predicted["chip"] is None and "cpu" in predicted["why"].lower()
 
 
+@pytest.mark.slow  # runs the benchmark's dry run
 def test_the_benchmark_prints_the_step_its_throughput_mfu_and_bound(cpu_dry_run):
     """What the benchmark prints for a chip, from the same compiled CPU program timed on a
     v5e's figures: the step, tokens/s and model TFLOP/s per chip at that step and the MFU

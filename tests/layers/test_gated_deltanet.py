@@ -141,6 +141,7 @@ def _compiled(length: int) -> jax.stages.Compiled:
     return jax.jit(jax.grad(loss, argnums=(0, 1))).lower(params, x, segments).compile()
 
 
+@pytest.mark.slow  # compiles the layer's step at two long sequences
 def test_a_layer_is_matmuls_in_one_loop_over_chunks_linear_in_the_sequence():
     """What the compiled program runs: no library call (XLA:CPU ran a batch of triangular
     solves through LAPACK one matrix at a time, the layer's bulk of time, and its threads spun

@@ -82,6 +82,7 @@ def tiny_mla_reference(tmp_path_factory):
     return overrides, loss_and_grads(trainer, synthetic_batch(cfg))
 
 
+@pytest.mark.slow  # a training step on the 8-device mesh and on one device
 def test_tiny_mla_with_expert_parallelism_equals_one_device(tiny_mla_reference):
     overrides, (ref_loss, ref_grads) = tiny_mla_reference
     # Buffers for every routed row (expert_exchange_capacity >= mesh.expert): nothing drops.

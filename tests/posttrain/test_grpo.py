@@ -138,6 +138,7 @@ def policy_case(tmp_path_factory):
     return trainer, jax.tree.map(jnp.asarray, batch), params, reference
 
 
+@pytest.mark.slow  # builds and steps a trainer
 def test_objective_gradients_through_the_model_are_the_formula(policy_case, loss="grpo"):
     """The step's summed gradients over the count equal jax.grad of the mean loss written out
     from the model's logits (log-softmax at the temperature, gather, the token formula). One
