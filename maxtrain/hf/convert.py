@@ -5,11 +5,12 @@
     write_hf_model(cfg, params, output)                    # config.json + safetensors
     export_checkpoint(checkpoint, output)                  # from any maxtrain checkpoint
 
-Memory: import allocates the output parameters once (host jax arrays in our stacked layout)
-and writes each tensor into them in place as it is read, so it holds the output plus the
-tensor being converted; export holds the restored parameters plus the tensor being written.
-Neither holds the model twice while converting. (Orbax's asynchronous save of the imported
-checkpoint takes its own host copy of part of the state on top: see the README's numbers.)
+Memory: import allocates the output parameters once (host numpy arrays in our stacked layout),
+writes each tensor into them in place as it is read, then moves them onto the CPU device one
+array at a time, so it holds the output plus the tensor being converted; export holds the
+restored parameters plus the tensor being written. Neither holds the model twice while
+converting. (Orbax's asynchronous save of the imported checkpoint takes its own host copy of
+part of the state on top: see the README's numbers.)
 
 Outputs appear whole or not at all (maxtrain/common/files.py atomic_directory): each is written as
 the sibling `<output>.partial-<pid>` and renamed when complete; on any failure the partial directory
@@ -27,7 +28,6 @@ from pathlib import Path
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import yaml
@@ -77,10 +77,7 @@ def read_hf_model(
     hf_dir = Path(hf_dir)
     hf, family = read_config_json(hf_dir)
     cfg = model_config(hf, family, where=str(hf_dir / CONFIG_JSON))
-    host = jax.devices("cpu")[0]
-    params = jax.tree.map(
-        lambda a: jnp.zeros(a.shape, a.dtype, device=host), _abstract_params(cfg, param_dtype)
-    )
+    params = jax.tree.map(lambda a: np.zeros(a.shape, a.dtype), _abstract_params(cfg, param_dtype))
     why = f"{CONFIG_JSON} ({family.model_type})"
     layout = slots(cfg, family)
     with TensorReader(hf_dir) as reader:
@@ -89,16 +86,19 @@ def read_hf_model(
             node, leaf = _at(params, slot.path[:-1]), slot.path[-1]
             block_shape = node[leaf].shape[len(slot.index) :]
             tensor = reader.read(slot.hf_name, slot.hf_shape(block_shape), why)
-            node[leaf] = _put_block(node[leaf], slot.to_ours(tensor, block_shape), *slot.index)
-    return cfg, params
+            node[leaf][slot.index] = slot.to_ours(tensor, block_shape)  # cast to its dtype
+    return cfg, _onto_device(params, jax.devices("cpu")[0])
 
 
-@functools.partial(jax.jit, donate_argnums=0)
-def _put_block(stack: jax.Array, block: jax.Array, *index: int) -> jax.Array:
-    """stack with stack[index] = block (cast to stack's dtype), written in place: the donated
-    stack's buffer is reused, so filling a stacked parameter never holds it twice. The index
-    is traced, so one compilation serves every layer and expert."""
-    return stack.at[index].set(block.astype(stack.dtype))
+def _onto_device(tree: dict[str, Any], device: jax.Device) -> dict[str, Any]:
+    """The nested dict of numpy arrays as jax arrays on device, each host array dropped as
+    soon as it is moved, so the model is never held twice. Filling numpy arrays in place and
+    moving them once compiles nothing (a jitted in-place write compiled a program per shape of
+    parameter and block, dozens for one model)."""
+    for key, value in tree.items():
+        moved = _onto_device if isinstance(value, dict) else jax.device_put
+        tree[key] = moved(value, device)
+    return tree
 
 
 def import_checkpoint(

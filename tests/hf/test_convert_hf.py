@@ -10,6 +10,7 @@ logits; it needs a Python with torch and transformers (MAXTRAIN_HF_PYTHON).
 from __future__ import annotations
 
 import ast
+import functools
 import importlib
 import json
 import os
@@ -57,6 +58,13 @@ for _case in CASES:
     _model = model_config(_hf, FAMILIES[_hf["model_type"]], _case)
     if family_for(_model).model_type == _hf["model_type"]:
         FAMILY_CASES.setdefault(_hf["model_type"], _case)
+
+
+@functools.cache
+def committed(case: str) -> tuple[ModelConfig, dict]:
+    """read_hf_model of a committed fixture, read once for the tests that only read what it
+    returns (the logits and the export of each case, the refusals)."""
+    return read_hf_model(FIXTURES / case)
 
 
 def logits(cfg: ModelConfig, params: dict, tokens: np.ndarray) -> np.ndarray:
@@ -159,7 +167,7 @@ def test_a_family_is_its_module_and_a_fixture():
 
 @pytest.mark.parametrize("case", CASES)
 def test_imported_logits_match_transformers(case):
-    cfg, params = read_hf_model(FIXTURES / case)
+    cfg, params = committed(case)
     tokens = np.load(FIXTURES / case / "tokens.npy")
     diff = max_diff(logits(cfg, params, tokens), np.load(FIXTURES / case / "logits.npy"))
     assert diff <= TOLERANCE, f"{case}: max |logits diff| {diff:.2e}"
@@ -172,7 +180,7 @@ def test_imported_logits_match_transformers(case):
 def test_export_reproduces_the_original_files(case, tmp_path):
     """Export writes exactly the tensors transformers saved (names, dtype, values, sharded or
     not), and a config that imports as the same model."""
-    cfg, params = read_hf_model(FIXTURES / case)
+    cfg, params = committed(case)
     stored = next(iter(hf_tensors(FIXTURES / case).values())).dtype.name
     write_hf_model(cfg, params, tmp_path / "out", dtype=stored, max_shard_bytes=30_000)
     assert_same_tensors(tmp_path / "out", FIXTURES / case)
@@ -388,7 +396,7 @@ def test_multi_token_prediction_layers_past_the_decoder_are_skipped(tmp_path):
     edit_tensors(model_dir, lambda t: t.update(mtp))
     cfg, params = read_hf_model(model_dir)
     assert cfg.mtp.depth == 0
-    assert_trees_equal(params, read_hf_model(FIXTURES / case)[1])
+    assert_trees_equal(params, committed(case)[1])
     write_hf_model(cfg, params, tmp_path / "out")
     exported = json.loads((tmp_path / "out" / "config.json").read_text())
     assert exported["num_nextn_predict_layers"] == 0
@@ -662,7 +670,7 @@ def test_export_of_a_missing_checkpoint_is_one_line(tmp_path, capsys):
 
 
 def test_failed_export_leaves_no_directory(tmp_path, monkeypatch):
-    cfg, params = read_hf_model(FIXTURES / "mixtral_top2_v5")
+    cfg, params = committed("mixtral_top2_v5")
 
     def fail_midway(directory, tensors, max_shard_bytes):
         (directory / "model.safetensors").write_bytes(b"partial")
@@ -743,7 +751,7 @@ def test_qwen3_next_logits_do_not_depend_on_our_chunk():
     """model.linear_attention.chunk is how we compute the recurrence, not the checkpoint's:
     the fixture's 12 tokens in chunks of 4 (state carried between three chunks) give
     transformers' logits as one chunk of 64 does."""
-    cfg, params = read_hf_model(QWEN3_NEXT_CASE)
+    cfg, params = committed(QWEN3_NEXT_CASE.name)
     assert cfg.linear_attention.chunk == 64
     cfg = cfg.model_copy(
         update={"linear_attention": cfg.linear_attention.model_copy(update={"chunk": 4})}
@@ -767,7 +775,7 @@ def test_qwen3_next_logits_do_not_depend_on_our_chunk():
     ],
 )
 def test_what_qwen3_next_cannot_express_is_refused(change, expected):
-    cfg, _ = read_hf_model(QWEN3_NEXT_CASE)
+    cfg, _ = committed(QWEN3_NEXT_CASE.name)
     moe = {**cfg.moe.model_dump(), **change.pop("moe", {})}
     cfg = changed(cfg, moe=moe, **change)
     with pytest.raises(ConversionError, match="cannot export as Qwen3NextForCausalLM") as e:
@@ -786,7 +794,7 @@ def test_what_qwen3_next_cannot_express_is_refused(change, expected):
     ],
 )
 def test_what_gpt_oss_cannot_express_is_refused(change, expected):
-    cfg, _ = read_hf_model(FIXTURES / "gpt_oss_window_sinks_yarn_v5")
+    cfg, _ = committed("gpt_oss_window_sinks_yarn_v5")
     moe = {**cfg.moe.model_dump(), **change.pop("moe", {})}
     cfg = changed(cfg, moe=moe, **change)
     with pytest.raises(ConversionError, match="cannot export as") as e:
@@ -937,10 +945,12 @@ def test_gemma_3_options_export_only_as_gemma_3(preset, update, architecture, ex
 def hf_python(*modules: str) -> str:
     """A Python with `modules` (torch and transformers unless named): MAXTRAIN_HF_PYTHON, else
     this one. maxtrain needs Python >= 3.12, for which this machine has no CPU torch, so the two
-    usually differ; transformers alone (its tokenizers) needs no torch."""
+    usually differ; transformers alone (its tokenizers) needs no torch. The probe finds the
+    modules without importing them (seconds of CPU for transformers): the test imports them."""
     modules = modules or ("torch", "transformers")
     python = os.environ.get("MAXTRAIN_HF_PYTHON", sys.executable)
-    probe = subprocess.run([python, "-c", f"import {', '.join(modules)}"], capture_output=True)
+    find = f"import importlib.util as u; exit(any(u.find_spec(m) is None for m in {modules}))"
+    probe = subprocess.run([python, "-c", find], capture_output=True)
     if probe.returncode != 0:
         pytest.skip(
             f"needs {' + '.join(modules)}: set MAXTRAIN_HF_PYTHON (tools/make_hf_fixtures.py)"

@@ -249,10 +249,11 @@ def test_dpo_loss_is_log_2_when_the_policy_is_the_reference(dpo_case):
 
 
 def test_a_dpo_run_and_the_evaluate_tool_score_the_same_objective(make_cfg, tmp_path):
-    """Two DPO steps from a saved start checkpoint, evaluated at the end: the loop's held-out
-    DPO loss and accuracy are what `python -m maxtrain.evaluate --loss` prints for the saved
-    step, which it scores against the start checkpoint (the reference) as training did; at the
-    start, the policy is the reference: log 2 and half the pairs right."""
+    """Two DPO steps from a saved start checkpoint, evaluated after each: the loop's held-out
+    DPO loss and accuracy at the end are what `python -m maxtrain.evaluate --loss` prints for
+    the saved step, which it scores against the start checkpoint (the reference) as training
+    did; after the first step, whose rate is 0 (warmup), the policy is still the reference:
+    log 2."""
     from maxtrain import config as config_lib
     from maxtrain import evaluate as evaluate_cli
     from maxtrain.checkpointing.export import save_parameters
@@ -271,10 +272,12 @@ def test_a_dpo_run_and_the_evaluate_tool_score_the_same_objective(make_cfg, tmp_
     trainer = build_trainer(start, jax.devices()[:1])
     save_parameters(tmp_path / "start", trainer.state.params, config_yaml=config_lib.to_yaml(start))
     dpo = [*common, "train.task=dpo", f"checkpoint.load_parameters_path={tmp_path / 'start'}"]
-    at_start = make_cfg(*dpo, "train.steps=1", "train.eval_every=1", "optim.lr=0", "run.name=a")
-    assert math.isclose(loop.run(at_start)["eval/loss"], math.log(2), rel_tol=1e-5)
-    cfg = make_cfg(*dpo, "train.steps=2", "train.eval_every=2", "optim.lr=1e-2", "run.name=dpo")
+    cfg = make_cfg(*dpo, "train.steps=2", "train.eval_every=1", "optim.lr=1e-2", "run.name=dpo")
+    assert cfg.optim.warmup_steps == 1  # the first step's rate is 0
     trained = loop.run(cfg)
+    lines = (cfg.run_dir / "metrics.jsonl").read_text().splitlines()
+    at_start = next(r for r in map(json.loads, lines) if r["step"] == 1 and "eval/loss" in r)
+    assert math.isclose(at_start["eval/loss"], math.log(2), rel_tol=1e-5)
     assert trained["eval/loss"] < math.log(2)  # two steps on these pairs move the policy
     out = tmp_path / "scores.json"
     assert evaluate_cli.main([str(cfg.run_dir), "--no-tasks", "--loss", "--output", str(out)]) == 0

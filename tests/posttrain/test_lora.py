@@ -186,17 +186,23 @@ def test_expert_adapters_under_expert_parallelism(make_cfg):
     assert np.any(moved != 0)
 
 
-def test_lora_run_resumes_bit_exactly(make_cfg, tmp_path):
-    """A base checkpoint, then a LoRA run of 4 steps against 2 steps and a resume to 4: the
-    same adapters, bit for bit (the frozen base is re-read at the resume, never saved)."""
-    base = make_cfg("run.name=base", "train.steps=2")
-    run(base)
-    base_ckpt = str(tmp_path / "base" / "checkpoints" / "persistent")
+# The LoRA runs' one lr schedule: the flat runs of 1, 2 and 4 steps below compile one step
+# program between them.
+RUN_SCHEDULE = "optim.schedule_steps=4"
+
+
+def test_lora_run_resumes_bit_exactly(dense, make_cfg, tmp_path):
+    """A base checkpoint (the dense fixture's plain parameters), then a LoRA run of 4 steps
+    against 2 steps and a resume to 4: the same adapters, bit for bit (the frozen base is
+    re-read at the resume, never saved)."""
+    from maxtrain.checkpointing.export import save_parameters
+
+    base_ckpt = save_parameters(tmp_path / "base", dense[0].state.params)
     lora_args = [
         "lora.rank=4",
         f"checkpoint.load_parameters_path={base_ckpt}",
         "checkpoint.persistent.every_steps=2",
-        "optim.schedule_steps=4",  # the 2- and 4-step runs' one lr schedule: one step program
+        RUN_SCHEDULE,
     ]
     straight = make_cfg(*lora_args, "run.name=straight", "train.steps=4")
     run(straight)
@@ -342,6 +348,7 @@ def test_staged_lora_checkpoints_hold_the_adapters_in_model_order(dense, make_cf
         f"checkpoint.load_parameters_path={base}",
         "checkpoint.persistent.every_steps=1",
         "train.steps=2",
+        RUN_SCHEDULE,
     ]
     straight = make_cfg(*lora_args, *STAGED, "run.name=straight")
     run(straight)

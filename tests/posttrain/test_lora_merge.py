@@ -179,7 +179,8 @@ def test_merged_checkpoint_is_the_adapted_model_and_exports_its_weights(case, tm
 
 
 def test_bad_input_is_refused_in_one_line(tmp_path, capsys):
-    lora_run(tmp_path, "tiny", "lora.rank=2", "lora.modules=[attention]")
+    model, lora_keys, _ = CASES["dense-attention-mlp"]  # its programs: compiled once, above
+    lora_run(tmp_path, model, *lora_keys)
 
     def refused(*argv) -> str:
         assert MERGE_LORA([*map(str, argv)]) == 2
