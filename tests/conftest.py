@@ -1,9 +1,7 @@
 """CPU with 8 simulated devices for every test, compiling fast (xla_env.py), set before jax is
 imported anywhere; and the compilation cache the runs use (maxtrain/training/compile_cache.py) for
 the tests' own compilations too, so a program one test compiled loads in the next (tests build
-the same tiny models again and again). Every program goes to that cache, however quick its compile
-(a run caches only those over 0.2 s): the two pytest workers then compile a program once
-between them, and a module's later tests load what its earlier ones compiled.
+the same tiny models again and again).
 """
 
 import os
@@ -22,7 +20,6 @@ from maxtrain import config as config_lib  # noqa: E402
 from maxtrain.training import compile_cache  # noqa: E402
 
 compile_cache.enable_compilation_cache(None)
-jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
 
 BASE = config_lib.CONFIGS_DIR / "base.yml"
 
@@ -71,13 +68,9 @@ SLOW_MODULES = {
 
 
 def pytest_collection_modifyitems(items):
-    """Marks the slow tier, and puts its modules first: the workers take whole modules
-    (`--dist loadscope`, so a module's shared fixtures are built once), and handing out the
-    longest ones first leaves short ones to even out the end."""
     for item in items:
         if item.module.__name__ in SLOW_MODULES:
             item.add_marker(pytest.mark.slow)
-    items.sort(key=lambda item: item.module.__name__ not in SLOW_MODULES)
 
 
 @pytest.fixture
