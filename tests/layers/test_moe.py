@@ -319,17 +319,25 @@ def test_router_statistics_of_micro_batches_add_up_to_the_whole_batch():
         )
 
 
+def _sigmoid_routed_parts(layer, x):
+    """In float64 NumPy: the tokens, their sigmoid scores, each token's top-k experts, the
+    experts' (gate, up, down) kernels, and the shared expert's output (what the routed ones add
+    to)."""
+    flat = np.asarray(x.reshape(-1, D), np.float64)
+    scores = 1 / (1 + np.exp(-flat @ np.asarray(layer.router.kernel[...], np.float64)))
+    chosen = np.argsort(-scores, axis=-1, kind="stable")[:, :K]
+    kernels = tuple(
+        np.asarray(m.kernel[...], np.float64) for m in (layer.gate, layer.up, layer.down)
+    )
+    shared = np.asarray(apply(layer.shared, x), np.float64).reshape(-1, D)
+    return flat, scores, chosen, kernels, shared
+
+
 def test_sigmoid_scores_and_shared_expert_are_added_to_the_routed_output():
     layer = make_layer(score="sigmoid", renormalize=False, shared_experts=1, routed_scale=2.0)
     x = jax.random.normal(jax.random.key(7), (1, 4, D))
     y, _ = apply(layer, x)
-    flat = np.asarray(x.reshape(-1, D), np.float64)
-    scores = 1 / (1 + np.exp(-flat @ np.asarray(layer.router.kernel[...], np.float64)))
-    chosen = np.argsort(-scores, axis=-1, kind="stable")[:, :K]
-    gate, up, down = (
-        np.asarray(m.kernel[...], np.float64) for m in (layer.gate, layer.up, layer.down)
-    )
-    expected = np.asarray(apply(layer.shared, x), np.float64).reshape(-1, D)
+    flat, scores, chosen, (gate, up, down), expected = _sigmoid_routed_parts(layer, x)
     for n, experts in enumerate(chosen):
         for e in experts:
             h = flat[n] @ gate[e]
@@ -351,13 +359,7 @@ def test_weights_on_the_inputs_scale_what_each_expert_sees(capacity):
     )
     x = jax.random.normal(jax.random.key(8), (2, 4, D))
     y, stats = apply(layer, x)
-    flat = np.asarray(x.reshape(-1, D), np.float64)
-    scores = 1 / (1 + np.exp(-flat @ np.asarray(layer.router.kernel[...], np.float64)))
-    chosen = np.argsort(-scores, axis=-1, kind="stable")[:, :K]
-    gate, up, down = (
-        np.asarray(m.kernel[...], np.float64) for m in (layer.gate, layer.up, layer.down)
-    )
-    expected = np.asarray(apply(layer.shared, x), np.float64).reshape(-1, D)
+    flat, scores, chosen, (gate, up, down), expected = _sigmoid_routed_parts(layer, x)
     for n, experts in enumerate(chosen):
         for e in experts:
             rows = scores[n, e] * flat[n]
