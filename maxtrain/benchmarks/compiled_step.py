@@ -1,7 +1,8 @@
 """What the compiled train step says of itself, for `tools/benchmark.py --dry-run --compile`:
 the step compiled from shapes alone (nothing allocated) for this host's devices or a TPU/GPU
 topology's, read back per device: XLA's memory, FLOPs, collective bytes (ICI and DCN apart),
-the hand-written kernels in it and, on a chip of the table, the step time it predicts."""
+the hand-written kernels in it, with pipeline stages the schedule's idle share, and, on a chip of
+the table, the step time it predicts."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import sys
 import jax
 
 from maxtrain import config as config_lib
-from maxtrain.analysis import collectives, memory, program, step_time, transfers
+from maxtrain.analysis import bubble, collectives, memory, program, step_time, transfers
 from maxtrain.common import devices as devices_lib
 from maxtrain.common import files
 from maxtrain.parallel.mesh import device_slices
@@ -82,6 +83,7 @@ def compiled_program(
             hlo, dict(trainer.mesh.shape), slices
         ),
         "kernels": found,
+        **pipeline_idle_share(trainer, hlo),
         "predicted": predicted(cfg, trainer, hlo),
     }
 
@@ -104,6 +106,21 @@ def _memory_gib(analysis) -> tuple[dict[str, float], int]:
         "temporaries": gib(analysis.temp_size_in_bytes),
         "peak": gib(peak),
     }, peak
+
+
+def pipeline_idle_share(trainer, hlo: str) -> dict:
+    """With pipeline stages, the schedule's idle share read from the compiled program
+    (analysis/bubble.py) beside the table's formula value, or why it cannot be read; nothing
+    without stages."""
+    layout = trainer.saved.layout
+    if layout is None:
+        return {}
+    idle = {"schedule": layout.table.schedule, "formula": round(layout.bubble, 4)}
+    try:
+        reading = bubble.read(hlo, layout.table)
+    except ValueError as e:
+        return {"pipeline_idle_share": {**idle, "compiled": None, "why": str(e)}}
+    return {"pipeline_idle_share": {**idle, "compiled": round(reading.idle_share, 4)}}
 
 
 def predicted(cfg: config_lib.Config, trainer, hlo: str) -> dict:

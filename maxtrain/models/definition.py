@@ -80,11 +80,12 @@ class ModelDef:
         inputs, positions, segment_ids, targets, loss_mask [B, T].
 
         Under a pipeline schedule that runs the backward itself (parallel/scheduled.py) the
-        logits exist one micro-batch at a time on the last stage, and the auxiliary loss is
-        summed over the micro-batches' parts (AuxiliaryTraining.part_loss: the router z-loss
-        is the whole batch's, the balance loss each micro-batch's own); the gradient of the
-        whole objective the train step sums (token loss + z-loss + auxiliary loss x count:
-        training/step.py) rides on the token loss, the other two come without."""
+        logits exist one micro-batch at a time on the last stage, and the auxiliary loss is each
+        micro-batch's own, weighted by its counted tokens as gradient accumulation weighs it
+        (the balance loss reads the routing load, which is not known for the whole batch when
+        a micro-batch is differentiated); the gradient of the whole objective the train step
+        sums (token loss + z-loss + auxiliary loss x count: training/step.py) rides on the token
+        loss, the other two come without."""
         if self.layout is None or not self.layout.in_schedule:
             out = self.apply(
                 params, *(batch[k] for k in ("inputs", "positions", "segment_ids", "targets")),
@@ -105,8 +106,7 @@ class ModelDef:
         if not self.stat_rows:
             return jnp.zeros(())
         rows = jax.tree.leaves(stats)[0].shape[0]
-        part = self.auxiliary.part_loss(stats, self.layout.microbatches)
-        return part * (rows / self.stat_rows)
+        return self.auxiliary.aux_loss(stats) * (rows / self.stat_rows)
 
     def decode(
         self, params: Any, tokens, positions, cache: dict[str, StackCache]

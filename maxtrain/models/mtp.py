@@ -137,10 +137,6 @@ class MultiTokenTraining:
         extra = self.mtp_loss(stats) if "mtp_nll" in stats else 0.0
         return self.inner.aux_loss(stats) + extra
 
-    def part_loss(self, stats: Stats, parts: int) -> jax.Array:
-        """The inner loss's (a part's statistics come from the layers alone)."""
-        return self.inner.part_loss(stats, parts)
-
     def after_update(self, params: Any, old_params: Any, stats: Stats) -> Any:
         return self.inner.after_update(params, old_params, stats)
 

@@ -39,13 +39,6 @@ class AuxiliaryTraining(Protocol):
         """A scalar added to the step's mean token loss (already weighted)."""
         ...
 
-    def part_loss(self, stats: Stats, parts: int) -> jax.Array:
-        """The auxiliary loss of one of `parts` equal parts of a batch (a pipeline
-        micro-batch: parallel/scheduled.py) from its statistics, such that the parts' values add
-        up to the whole batch's where the loss is a linear function of the sums, and to the
-        mean of the parts' own losses where it needs the whole batch's statistics at once."""
-        ...
-
     def after_update(self, params: Any, old_params: Any, stats: Stats) -> Any:
         """The parameters after the optimizer's update, changed by any non-gradient rule."""
         ...
@@ -59,9 +52,6 @@ class NoAuxiliary:
     """A model that trains on its token loss alone."""
 
     def aux_loss(self, stats: Stats) -> jax.Array:
-        return jnp.zeros(())
-
-    def part_loss(self, stats: Stats, parts: int) -> jax.Array:
         return jnp.zeros(())
 
     def after_update(self, params: Any, old_params: Any, stats: Stats) -> Any:
@@ -86,13 +76,6 @@ class RouterTraining:
 
     def aux_loss(self, stats: Stats) -> jax.Array:
         return router.aux_loss(stats, self.moe)
-
-    def part_loss(self, stats: Stats, parts: int) -> jax.Array:
-        """The loss with the part's tokens counted as the whole batch's (parts x as many):
-        the z-loss is then the part's share of the whole batch's exactly, the balance loss its
-        own load's balance over the parts' count (the whole batch's load is not yet known when
-        a pipeline differentiates one micro-batch)."""
-        return self.aux_loss({**stats, "tokens": stats["tokens"] * parts})
 
     def after_update(self, params: Any, old_params: Any, stats: Stats) -> Any:
         """Each MoE layer's balancing bias moved by one step (router.balance_bias_steps) from

@@ -55,16 +55,18 @@ class StageModel:
     layer: Callable[..., tuple[jax.Array, dict[str, jax.Array]]]
     # per-run statistics ([layers, ...] each) -> the chunk's, in layer order
     join: Callable[[list[dict[str, jax.Array]]], dict[str, jax.Array]]
-    # statistics of some layers on one micro-batch [rows, ...] -> their share of the batch's
-    # auxiliary loss (a mean over tokens: the objective counts it times the counted tokens)
+    # statistics of some layers on one micro-batch [rows, ...] -> their share of the
+    # micro-batch's auxiliary loss (a mean over tokens: the objective counts it times the
+    # micro-batch's counted tokens, as gradient accumulation does)
     aux: Callable[[dict[str, jax.Array]], jax.Array]
     # (tail state, x [mb, T, D], targets, loss_mask) -> (summed token loss, summed z-loss)
     tail: Callable[..., tuple[jax.Array, jax.Array]]
 
 
 class Sums(NamedTuple):
-    """The step's sums: token loss, z-loss, the auxiliary loss times the counted tokens, and
-    the layers' statistics summed over micro-batches ([layers, ...] in model order)."""
+    """The step's sums: token loss, z-loss, the micro-batches' auxiliary losses each times its
+    counted tokens, and the layers' statistics summed over micro-batches ([layers, ...] in
+    model order)."""
 
     loss: jax.Array
     z_loss: jax.Array
@@ -80,31 +82,33 @@ def loss(
     x: jax.Array,
     batch: dict[str, jax.Array],
 ) -> tuple[jax.Array, Sums]:
-    """The batch's summed objective (token loss + z-loss + auxiliary loss x counted tokens,
-    as training/step.py sums them) and its parts, the parts without gradient.
+    """The batch's summed objective (token loss + z-loss + each micro-batch's auxiliary loss x
+    its counted tokens, as training/step.py sums them over `train.grad_accum_steps` micro-batches)
+    and its parts, the parts without gradient. The auxiliary loss is taken per micro-batch
+    because a micro-batch's backward starts before the last micro-batch's forward: the batch's
+    routing load, which the balance loss reads, is not known yet.
 
     stages: per stack the chunks' layer states [R, S, per chunk, ...]; tail: the tail's state;
     x [B, T, D]: the pipeline's input; batch: positions, segment_ids, targets, loss_mask [B, T].
     """
     M = table.microbatches
     micro = {key: pipeline.to_micro(value, M) for key, value in batch.items()}
-    count = jnp.sum(batch["loss_mask"]).astype(jnp.float32)
 
     @jax.custom_vjp
-    def objective(stages, tail, xs, micro, count):
-        sums, _ = _Program(model, table, micro, count).run(stages, tail, xs, backward=False)
+    def objective(stages, tail, xs, micro):
+        sums, _ = _Program(model, table, micro).run(stages, tail, xs, backward=False)
         return _total(sums), sums
 
-    def forward(stages, tail, xs, micro, count):
-        sums, grads = _Program(model, table, micro, count).run(stages, tail, xs, backward=True)
+    def forward(stages, tail, xs, micro):
+        sums, grads = _Program(model, table, micro).run(stages, tail, xs, backward=True)
         return (_total(sums), sums), grads
 
     def backward(grads, cotangents):
         scale = cotangents[0]  # the objective's; the sums are handed on without gradient
-        return (*jax.tree.map(lambda g: (scale * g).astype(g.dtype), grads), None, None)
+        return (*jax.tree.map(lambda g: (scale * g).astype(g.dtype), grads), None)
 
     objective.defvjp(forward, backward)
-    value, sums = objective(stages, tail, pipeline.to_micro(x, M), micro, count)
+    value, sums = objective(stages, tail, pipeline.to_micro(x, M), micro)
     return value, jax.lax.stop_gradient(sums)
 
 
@@ -122,15 +126,16 @@ class _Carry(NamedTuple):
     grads: dict[str, Any]  # the stages' gradients, shaped as their states
     tail_grads: Any
     input_grads: jax.Array  # [S, M + 1, mb, T, D]: stage 0's gradients of the micro-batches
-    sums: jax.Array  # [S, 3]: token loss, z-loss, weighted auxiliary loss
+    sums: jax.Array  # [S, 3]: token loss, z-loss, auxiliary loss x counted tokens
     stats: dict[str, jax.Array]  # [S, R, rows, ...]
 
 
 class _Program:
     """The table run on one batch (see the module docstring)."""
 
-    def __init__(self, model: StageModel, table: Table, micro: dict, count: jax.Array):
-        self.model, self.table, self.micro, self.count = model, table, micro, count
+    def __init__(self, model: StageModel, table: Table, micro: dict):
+        self.model, self.table, self.micro = model, table, micro
+        self.counts = jnp.sum(micro["loss_mask"], axis=(1, 2)).astype(jnp.float32)  # [M]
         self.S, self.R, self.M = table.stages, table.repeats, table.microbatches
         self.stage = jnp.arange(self.S)
         self.ring = self.R > 1  # a unit's next chunk starts on stage 0 again
@@ -378,8 +383,9 @@ class _Slot:
         self.program, self.valid, self.micro, self.chunk = program, valid, micro, chunk
         self.params = _chunk(program.stages, chunk, None)  # per stack [S, per chunk, ...]
         self.positions, self.segment_ids = program._inputs(micro)
-        # A layer's share of the auxiliary loss enters the objective times the counted tokens.
-        self.aux_weight = program.count * valid
+        # A layer's share of the micro-batch's auxiliary loss enters the objective times the
+        # micro-batch's counted tokens.
+        self.aux_weight = program.counts[micro] * valid
         self.aux_cotangent = jnp.ones((program.S,), jnp.float32)
 
     def layer_state(self, stack: str, layer) -> Any:

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import optax
 
 from maxtrain.models import ModelDef, combine_stats, no_stats
+from maxtrain.parallel import pipeline
 from maxtrain.parallel.mesh import constrain
 from maxtrain.training.objectives import NEXT_TOKEN, LossSums, Objective
 from maxtrain.training.split import ParameterSplit, WholeModel
@@ -116,14 +117,11 @@ def _summed_over_micro_batches(
     if grad_accum_steps == 1:
         return grads_and_aux(batch)
 
-    def to_micro(x: jax.Array) -> jax.Array:
-        # [B, T] -> [M, B/M, T] taking every M-th row: each device keeps its own rows in every
-        # micro-batch, so the split moves no data (a leading [M, B/M] reshape would reshard).
-        M = grad_accum_steps
-        micro_x = x.reshape(x.shape[0] // M, M, *x.shape[1:]).swapaxes(0, 1)
-        return constrain(micro_x, (None, "batch", "length"))
-
-    micro = jax.tree.map(to_micro, batch)
+    # The rows a pipeline's micro-batches take (each device keeps its own rows in every
+    # micro-batch), so that an in-schedule pipeline table's auxiliary loss, per micro-batch,
+    # is the one accumulation over as many micro-batches computes.
+    split = lambda x: pipeline.to_micro(x, grad_accum_steps)
+    micro = jax.tree.map(lambda x: constrain(split(x), (None, "batch", "length")), batch)
     first = jax.tree.map(lambda x: x[0], micro)
     grad_shapes, sum_shapes = jax.eval_shape(grads_and_aux, first)
     zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), (grad_shapes, sum_shapes))

@@ -12,6 +12,7 @@ from maxtrain import config as config_lib
 from maxtrain.analysis.collectives import collective_bytes, device_groups
 from maxtrain.data.streams import data_streams
 from maxtrain.models import param_count
+from maxtrain.parallel import schedules
 from maxtrain.parallel.mesh import device_slices
 from maxtrain.training.trainer import build_trainer
 
@@ -102,3 +103,25 @@ def test_stages_over_slices_send_activations_and_data_over_slices_sends_gradient
     moved = staged[4][0]
     assert moved["collective-permute"] >= 2 * 3 * block
     assert sum(moved.values()) <= 2 * 3 * block + 8 * (2 * block)
+
+
+def test_an_in_schedule_table_over_slices_sends_its_ticks_blocks_whatever_the_depth(tmp_path):
+    """1F1B (the in-schedule tables' executor, parallel/scheduled.py) over the slices: no
+    parameter crosses either, and the permutes are the table's: one block per tick that
+    shifts forward outputs, one per tick that shifts input gradients back, and at most one per
+    micro-batch and one more handing stage 0's input gradients to the embedding."""
+    M = 4
+    stages = ["mesh.dcn.stage=2", "mesh.fsdp=4", "pipeline.schedule=1f1b"]
+    staged = {
+        layers: dcn_bytes(
+            tmp_path, [*stages, f"pipeline.microbatches={M}", f"model.num_layers={layers}"]
+        )
+        for layers in (4, 8)
+    }
+    moved, cfg = staged[4]
+    assert moved == staged[8][0]
+    assert set(moved) <= {"collective-permute", "all-reduce"}
+    block = 1 * 32 * cfg.model.emb_dim * 4  # 16 rows over 4 micro-batches and fsdp 4, float32
+    phases = schedules.build("1f1b", 2, 1, M).phases()
+    shifts = sum(end - start for start, end, kinds in phases for kind in kinds)
+    assert shifts * block <= moved["collective-permute"] <= (shifts + M + 1) * block + 64

@@ -10,7 +10,8 @@ The MoE cases run the dropless default (compute.expert_exchange_overflow rounds)
 stages with buffers of half the routed rows (compute.expert_exchange_capacity 0.5: every layer
 needs at least two rounds, so the rounds' loop and its replayed backward run in every stage),
 against one stage whose one round holds the worst case (capacity 8): dropless, the two compute
-the same.
+the same. They train with the Switch balance loss, which the in-schedule tables take per
+micro-batch: their reference accumulates gradients over the same 8 micro-batches.
 """
 
 import jax
@@ -41,6 +42,7 @@ MOE = [  # a dense first layer, then 4 MoE layers; experts split over 2 devices 
     "model.moe.balance_bias_update_rate=0.01",
     "compute.expert_exchange_capacity=8",  # one round of worst-case buffers: never a second
     *DENSE[2:],
+    "train.global_batch_size=64",  # 8 micro-batches of a row per device of a stage
 ]
 STEPS = 3
 
@@ -67,16 +69,13 @@ def train(tmp_path, overrides: list[str]) -> dict:
     return {"steps": steps, "exchange": exchange, "params": params}
 
 
-# Each model's overrides and its one-stage layout. An in-schedule table (1f1b, zero_bubble)
-# takes the Switch balance loss per micro-batch (AuxiliaryTraining.part_loss): another
-# objective than the batch's, so its MoE case trains without one, against a reference without.
+# Each model's overrides and its one-stage layout. An in-schedule table (1f1b, interleaved,
+# zero bubble) takes the auxiliary loss per micro-batch, as gradient accumulation over as many
+# micro-batches does (models/definition.py losses): its MoE cases' reference accumulates over 8.
 MODELS = {
     "dense": (DENSE, ["mesh.fsdp=8"]),
     "moe": (MOE, ["mesh.expert=2", "mesh.fsdp=4"]),
-    "moe-no-balance-loss": (
-        [*MOE, "model.moe.aux_loss_weight=0"],
-        ["mesh.expert=2", "mesh.fsdp=4"],
-    ),
+    "moe-accumulated": (MOE, ["mesh.expert=2", "mesh.fsdp=4", "train.grad_accum_steps=8"]),
 }
 
 
@@ -106,10 +105,19 @@ def assert_same_training(got: dict, want: dict) -> None:
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=2e-6, err_msg=jax.tree_util.keystr(path))
 
 
-# (model, overrides, stages S, repeats R, micro-batches M)
+# (model, overrides, stages S, repeats R, micro-batches M): each schedule at S = 2 and 4 with
+# M = 8 on the dense model, and on the MoE with expert parallelism and two-round exchanges
+STAGE_MOE = ["mesh.expert=2", "compute.expert_exchange_capacity=0.5"]
 CASES = {
-    "gpipe-S2-fsdp-tensor-remat-none": (
-        "dense", ["mesh.stage=2", "mesh.fsdp=2", "mesh.tensor=2", "compute.remat=none"], 2, 1, 2,
+    "gpipe-S2-M8-fsdp-tensor-remat-none": (
+        "dense",
+        ["mesh.stage=2", "mesh.fsdp=2", "mesh.tensor=2", "pipeline.microbatches=8",
+         "compute.remat=none"],
+        2, 1, 8,
+    ),
+    "gpipe-S4-M8-tensor": (
+        "dense", ["mesh.stage=4", "mesh.fsdp=1", "mesh.tensor=2", "pipeline.microbatches=8"],
+        4, 1, 8,
     ),
     "circular-S2-R2-M4-unrolled-remat-minimal-accumulated": (
         "dense",
@@ -118,16 +126,11 @@ CASES = {
          "compute.remat=minimal", "train.grad_accum_steps=2"],
         2, 2, 4,
     ),
-    "circular-S4-R2-tensor": (
+    "circular-S4-R2-M8-tensor": (
         "dense",
         ["mesh.stage=4", "mesh.fsdp=1", "mesh.tensor=2", "pipeline.schedule=circular",
-         "pipeline.repeats=2", "pipeline.microbatches=4"],
-        4, 2, 4,
-    ),
-    "moe-dense-first-expert-parallel-S2-dropless-rounds": (
-        "moe",
-        ["mesh.stage=2", "mesh.expert=2", "mesh.fsdp=2", "compute.expert_exchange_capacity=0.5"],
-        2, 1, 2,
+         "pipeline.repeats=2", "pipeline.microbatches=8"],
+        4, 2, 8,
     ),
     "1f1b-S2-M8-fsdp-tensor": (
         "dense",
@@ -135,11 +138,29 @@ CASES = {
          "pipeline.microbatches=8"],
         2, 1, 8,
     ),
+    "1f1b-S4-M8-tensor": (
+        "dense",
+        ["mesh.stage=4", "mesh.fsdp=1", "mesh.tensor=2", "pipeline.schedule=1f1b",
+         "pipeline.microbatches=8"],
+        4, 1, 8,
+    ),
     "interleaved_1f1b-S2-R2-M8-fsdp-tensor": (
         "dense",
         ["mesh.stage=2", "mesh.fsdp=2", "mesh.tensor=2", "pipeline.schedule=interleaved_1f1b",
          "pipeline.repeats=2", "pipeline.microbatches=8"],
         2, 2, 8,
+    ),
+    "interleaved_1f1b-S4-R2-M8-tensor": (
+        "dense",
+        ["mesh.stage=4", "mesh.fsdp=1", "mesh.tensor=2", "pipeline.schedule=interleaved_1f1b",
+         "pipeline.repeats=2", "pipeline.microbatches=8"],
+        4, 2, 8,
+    ),
+    "zero_bubble-S2-M8-fsdp-tensor": (
+        "dense",
+        ["mesh.stage=2", "mesh.fsdp=2", "mesh.tensor=2", "pipeline.schedule=zero_bubble",
+         "pipeline.microbatches=8"],
+        2, 1, 8,
     ),
     "zero_bubble-S4-M8-tensor": (
         "dense",
@@ -147,11 +168,32 @@ CASES = {
          "pipeline.microbatches=8"],
         4, 1, 8,
     ),
-    "zero_bubble-moe-expert-parallel-S2-dropless-rounds": (
-        "moe-no-balance-loss",
-        ["mesh.stage=2", "mesh.expert=2", "mesh.fsdp=2", "compute.expert_exchange_capacity=0.5",
-         "pipeline.schedule=zero_bubble"],
-        2, 1, 2,
+    "moe-gpipe-S2-M8": (
+        "moe", ["mesh.stage=2", "mesh.fsdp=2", *STAGE_MOE, "pipeline.microbatches=8"], 2, 1, 8,
+    ),
+    "moe-circular-S2-R2-M8": (
+        "moe",
+        ["mesh.stage=2", "mesh.fsdp=2", *STAGE_MOE, "pipeline.schedule=circular",
+         "pipeline.repeats=2", "pipeline.microbatches=8"],
+        2, 2, 8,
+    ),
+    "moe-1f1b-S2-M8": (
+        "moe-accumulated",
+        ["mesh.stage=2", "mesh.fsdp=2", *STAGE_MOE, "pipeline.schedule=1f1b",
+         "pipeline.microbatches=8"],
+        2, 1, 8,
+    ),
+    "moe-interleaved_1f1b-S2-R2-M8": (
+        "moe-accumulated",
+        ["mesh.stage=2", "mesh.fsdp=2", *STAGE_MOE, "pipeline.schedule=interleaved_1f1b",
+         "pipeline.repeats=2", "pipeline.microbatches=8"],
+        2, 2, 8,
+    ),
+    "moe-zero_bubble-S4-M8": (
+        "moe-accumulated",
+        ["mesh.stage=4", "mesh.fsdp=1", *STAGE_MOE, "pipeline.schedule=zero_bubble",
+         "pipeline.microbatches=8"],
+        4, 1, 8,
     ),
 }  # fmt: skip
 
@@ -169,7 +211,7 @@ def test_stages_train_like_one_stage(tmp_path, one_stage, case):
     got = train(tmp_path, [*MODELS[model][0], *overrides])
     want = one_stage(model)
     assert_same_training(got, want)
-    schedule = case.split("-")[0] if case.split("-")[0] in schedules.SCHEDULES else "gpipe"
+    schedule = next(part for part in case.split("-") if part in schedules.SCHEDULES)
     bubble = idle_share(schedule, stages, repeats, microbatches)
     assert [b for _, _, b in got["steps"]] == pytest.approx([bubble] * STEPS)
     if model != "dense":  # nothing dropped; the one stage's run needed one round, these more
