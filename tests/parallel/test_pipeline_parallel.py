@@ -42,7 +42,7 @@ MOE = [  # a dense first layer, then 4 MoE layers; experts split over 2 devices 
     "model.moe.balance_bias_update_rate=0.01",
     "compute.expert_exchange_capacity=8",  # one round of worst-case buffers: never a second
     *DENSE[2:],
-    "train.global_batch_size=64",  # 8 micro-batches of a row per device of a stage
+    "train.global_batch_size=64",  # 8 micro-batches (or accumulation steps) over 8 devices
 ]
 STEPS = 3
 
@@ -106,7 +106,8 @@ def assert_same_training(got: dict, want: dict) -> None:
 
 
 # (model, overrides, stages S, repeats R, micro-batches M): each schedule at S = 2 and 4 with
-# M = 8 on the dense model, and on the MoE with expert parallelism and two-round exchanges
+# M = 8 on the dense model; each on the MoE with expert parallelism and two-round exchanges,
+# each of the two executors (gpipe/circular's scan, the in-schedule tables') at S = 2 and 4
 STAGE_MOE = ["mesh.expert=2", "compute.expert_exchange_capacity=0.5"]
 CASES = {
     "gpipe-S2-M8-fsdp-tensor-remat-none": (
@@ -115,16 +116,18 @@ CASES = {
          "compute.remat=none"],
         2, 1, 8,
     ),
-    "gpipe-S4-M8-tensor": (
-        "dense", ["mesh.stage=4", "mesh.fsdp=1", "mesh.tensor=2", "pipeline.microbatches=8"],
+    "gpipe-S4-M8-tensor-accumulated": (
+        "dense",
+        ["mesh.stage=4", "mesh.fsdp=1", "mesh.tensor=2", "pipeline.microbatches=8",
+         "train.grad_accum_steps=2"],
         4, 1, 8,
     ),
-    "circular-S2-R2-M4-unrolled-remat-minimal-accumulated": (
+    "circular-S2-R2-M8-unrolled-remat-minimal": (
         "dense",
         ["mesh.stage=2", "mesh.fsdp=2", "mesh.tensor=2", "pipeline.schedule=circular",
-         "pipeline.repeats=2", "pipeline.microbatches=4", "compute.scan_layers=false",
-         "compute.remat=minimal", "train.grad_accum_steps=2"],
-        2, 2, 4,
+         "pipeline.repeats=2", "pipeline.microbatches=8", "compute.scan_layers=false",
+         "compute.remat=minimal"],
+        2, 2, 8,
     ),
     "circular-S4-R2-M8-tensor": (
         "dense",
@@ -171,17 +174,20 @@ CASES = {
     "moe-gpipe-S2-M8": (
         "moe", ["mesh.stage=2", "mesh.fsdp=2", *STAGE_MOE, "pipeline.microbatches=8"], 2, 1, 8,
     ),
+    "moe-gpipe-S4-M8": (
+        "moe", ["mesh.stage=4", "mesh.fsdp=1", *STAGE_MOE, "pipeline.microbatches=8"], 4, 1, 8,
+    ),
     "moe-circular-S2-R2-M8": (
         "moe",
         ["mesh.stage=2", "mesh.fsdp=2", *STAGE_MOE, "pipeline.schedule=circular",
          "pipeline.repeats=2", "pipeline.microbatches=8"],
         2, 2, 8,
     ),
-    "moe-1f1b-S2-M8": (
+    "moe-1f1b-S4-M8": (
         "moe-accumulated",
-        ["mesh.stage=2", "mesh.fsdp=2", *STAGE_MOE, "pipeline.schedule=1f1b",
+        ["mesh.stage=4", "mesh.fsdp=1", *STAGE_MOE, "pipeline.schedule=1f1b",
          "pipeline.microbatches=8"],
-        2, 1, 8,
+        4, 1, 8,
     ),
     "moe-interleaved_1f1b-S2-R2-M8": (
         "moe-accumulated",
