@@ -26,12 +26,17 @@ paying for a slice. The parts:
                       half a byte) and float32 scales; `params`, `optimizer` and `gradients`
                       are then the adapters' alone
 
-With pipeline stages (parallel/pipeline.py) a device holds its stage's layers only, and the
-backward pass keeps every iteration's activations: R x M + S - 1 iterations of one group of
-layers on one micro-batch (1/M of the tokens), about 1/S of the layers' activations plus the
-bubble's share. The buffer of micro-batches waiting for their next repeat holds the whole
-batch's layer input, the leading dense layers run on every stage with the whole batch, and the
-head splits the batch over the stages (the `stage_batch` rule), so the logits are 1/S.
+With pipeline stages (parallel/pipeline.py) a device holds its stage's layers only. Under gpipe
+and circular the backward pass keeps every iteration's activations: R x M + S - 1 iterations of
+one group of layers on one micro-batch (1/M of the tokens), about 1/S of the layers' activations
+plus the bubble's share. The in-schedule tables (1f1b, interleaved, zero bubble:
+parallel/scheduled.py) keep each layer's input only, for the units in flight (the table's
+`in_flight`, which does not grow with M), and zero bubble also each projection's input and
+output gradient for the units whose weight gradient is pending. The buffer of micro-batches
+waiting for their next repeat holds the whole batch's layer input, the leading dense layers run
+on every stage with the whole batch, and the head splits the batch over the stages (the
+`stage_batch` rule), so the logits are 1/S; under the in-schedule tables the last stage takes
+one micro-batch's logits at a time, 1/M.
 
 The activation model is deliberately simple (per-token byte counts per layer; see
 `_saved_per_token`). tests/analysis/test_memory.py checks the whole estimate against XLA's own
@@ -130,6 +135,8 @@ def estimate(cfg: Config, num_devices: int) -> MemoryEstimate:
     layout = stage_layout(cfg)
     activations = _activation_bytes(cfg, sizes, batch, length, c, layout)
     head_tokens = tokens // (layout.stages if layout else 1)
+    if layout is not None and layout.in_schedule:  # the last stage, a micro-batch at a time
+        head_tokens = tokens // layout.microbatches
     # no float32 copy: kernels/cross_entropy.py
     logits = 2 * head_tokens * cfg.model.vocab_size * c
     # Multi-token prediction (models/mtp.py): per module, its logits and its block, not remat'd.
@@ -224,18 +231,22 @@ def _activation_bytes(
 ) -> int:
     model = cfg.model
     kinds = layer_kinds(model)
-    # (layers, sequences per pass, passes whose activations the backward keeps)
+    # (layers, sequences per pass, passes whose activations the backward keeps, remat policy)
+    policy = cfg.compute.remat
     if layout is None:
-        runs = [(kinds, batch, 1)]
+        runs = [(kinds, batch, 1, policy)]
     else:
         micro = batch // layout.microbatches
-        runs = [(kinds[: len(layout.prologue)], batch, 1), (layout.group, micro, layout.iterations)]
+        stages = (layout.group, micro, layout.iterations, policy)
+        if layout.in_schedule:  # the layers' inputs of the units in flight
+            stages = (layout.group, micro, layout.table.in_flight(), "full")
+        runs = [(kinds[: len(layout.prologue)], batch, 1, policy), stages]
     kept = working = scores = dispatch = 0
-    for layers, rows, passes in runs:
+    for layers, rows, passes, policy in runs:
         if not layers:
             continue
         tokens = rows * length
-        kept += passes * tokens * sum(_saved_per_token(cfg, kind, c) for kind in layers)
+        kept += passes * tokens * sum(_saved_per_token(cfg, kind, c, policy) for kind in layers)
         per_token = max(_saved_per_token(cfg, kind, c, policy="none") for kind in layers)
         working = max(working, tokens * per_token)
         # Keys a device's queries meet at once: the whole sequence, or under context
@@ -257,9 +268,27 @@ def _activation_bytes(
             dispatch = max(dispatch, _moe_dispatch_bytes(cfg, sizes, tokens, c))
     if layout is not None:  # the micro-batches between repeats, and their gradient
         kept += 2 * batch * length * model.emb_dim * c
+    if layout is not None and layout.table.splits_backward:  # zero bubble's pending units
+        units = layout.table.buffer_slots(layout.table.pending)
+        micro_tokens = batch // layout.microbatches * length
+        kept += units * micro_tokens * sum(_projection_pairs(model, k) for k in layout.group) * c
     # The score arrays live inside attention and the dispatch buffers inside the MoE layer:
     # never at once, each beside the recomputed layer's working set.
     return kept + working + max(scores, dispatch)
+
+
+def _projection_pairs(model, kind: LayerKind) -> int:
+    """Elements per token of a layer's projections' inputs and output gradients, which zero
+    bubble keeps from a unit's input gradient to its weight gradient
+    (parallel/split_backward.py): attention's q, k, v and output, the MLP's (or each routed
+    expert's, top_k times) gate, up and down."""
+    D, H = model.emb_dim, model.resolved_head_dim
+    q, kv = model.num_heads * H, model.resolved_kv_heads * H
+    attention = 3 * D + q + 2 * kv + q + D
+    width, copies = model.mlp_dim, 1
+    if kind.is_moe:
+        width, copies = model.moe.expert_mlp_dim, model.moe.top_k
+    return attention + copies * (2 * D + 2 * width + width + D)
 
 
 def _reference_keys(model, seq_len: int) -> int:

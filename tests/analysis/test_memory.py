@@ -52,6 +52,14 @@ def compiled_bytes_per_device(cfg) -> int:
             "model.linear_attention={num_key_heads: 2, num_value_heads: 4, key_head_dim: 32, "
             "value_head_dim: 32, chunk: 32}",
         ),
+        # 1F1B keeps the layers' inputs of the micro-batches in flight (at most S of them)
+        (
+            "mesh.stage=2",
+            "mesh.fsdp=4",
+            "pipeline.schedule=1f1b",
+            "pipeline.microbatches=8",
+            "train.global_batch_size=64",
+        ),
     ],
 )
 def test_estimate_is_within_30_percent_of_the_compiled_step(make_cfg, overrides):
@@ -79,6 +87,24 @@ def test_sliding_windows_shrink_the_plain_xla_scores(make_cfg):
     rows, heads, t, w = 1, 4, 1024, 64  # a sequence per device, small's 4 heads
     assert plain - windowed == 2 * 4 * rows * heads * t * (t - 2 * w)
     assert activations("model.layers=[sliding-dense*3, global-dense]", *local) == plain
+
+
+def test_in_schedule_tables_keep_less_than_gpipe_and_one_micro_batch_of_logits(make_cfg):
+    """GPipe's backward keeps R x M + S - 1 passes of a micro-batch's layer inputs, 1F1B those
+    of the units in flight (at most S): less at every M. 1F1B's head takes one micro-batch at a
+    time on the last stage, GPipe's 1/S of the batch on each stage."""
+    common = ("model_name=small", "mesh.stage=2", "mesh.fsdp=4", "train.global_batch_size=64")
+
+    def estimate(schedule, microbatches):
+        overrides = (f"pipeline.schedule={schedule}", f"pipeline.microbatches={microbatches}")
+        return memory.estimate(make_cfg(*common, *overrides), num_devices=8)
+
+    for microbatches in (2, 4, 8):
+        gpipe, one_f_one_b = estimate("gpipe", microbatches), estimate("1f1b", microbatches)
+        assert one_f_one_b.activations < gpipe.activations, microbatches
+        rows, seq_len, vocab, bf16 = 64 // 4, 32, 2048, 2  # small's vocabulary
+        assert gpipe.logits == 2 * rows * seq_len // 2 * vocab * bf16
+        assert one_f_one_b.logits == 2 * rows * seq_len // microbatches * vocab * bf16
 
 
 def test_parameter_shards_follow_the_mesh(make_cfg):
