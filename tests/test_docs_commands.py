@@ -51,6 +51,7 @@ PLACEHOLDERS = {
     "h100/<recipe>": "h100/dense-1.5b",
     "<recipe>": "llama3-8b",
     "[LAYOUT]": "",
+    "[SCHEDULE]": "",
     "kernel|plain": "kernel",
     "[--unrolled]": "--unrolled",
     "[model.moe.n_group=8 model.moe.topk_group=2]": "model.moe.n_group=8 model.moe.topk_group=2",
