@@ -4,7 +4,9 @@ Each case trains 3 steps with mesh.stage > 1 and the same 3 steps with one stage
 given to fsdp instead), from the same initial parameters and batches, and compares the loss and
 gradient norm of every step and every parameter at the end. The tolerance is float32 rounding:
 the pipeline computes each micro-batch's gradient separately and sums them, so sums run in
-another order (measured differences: below 5e-7 in the parameters after 3 steps).
+another order (measured differences after 3 steps: below 5e-7 in the parameters of the dense
+cases; up to 2.3e-6 in one element of 8192 of the MoE's dense layer under interleaved 1F1B at
+S = 4, an Adam step on a gradient near zero).
 
 The MoE cases run the dropless default (compute.expert_exchange_overflow rounds) inside the
 stages with buffers of half the routed rows (compute.expert_exchange_capacity 0.5: every layer
@@ -33,11 +35,11 @@ DENSE = [
     "optim.warmup_steps=1",
     "checkpoint.enabled=false",
 ]
-MOE = [  # a dense first layer, then 4 MoE layers; experts split over 2 devices in each stage
+MOE = [  # a dense first layer, then 8 MoE layers; experts split over 2 devices in each stage
     "model_name=tiny-moe",
     "model.vocab_size=256",  # every token frequent: no embedding row's Adam step is on rounding
-    "model.num_layers=5",
-    "model.layers=[global-dense, global-moe*4]",
+    "model.num_layers=9",
+    "model.layers=[global-dense, global-moe*8]",
     "model.mlp_dim=128",
     "model.moe.balance_bias_update_rate=0.01",
     "compute.expert_exchange_capacity=8",  # one round of worst-case buffers: never a second
@@ -102,12 +104,11 @@ def assert_same_training(got: dict, want: dict) -> None:
     for (path, a), b in zip(
         jax.tree.leaves_with_path(got["params"]), jax.tree.leaves(want["params"]), strict=True
     ):
-        np.testing.assert_allclose(a, b, rtol=1e-5, atol=2e-6, err_msg=jax.tree_util.keystr(path))
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=5e-6, err_msg=jax.tree_util.keystr(path))
 
 
 # (model, overrides, stages S, repeats R, micro-batches M): each schedule at S = 2 and 4 with
-# M = 8 on the dense model; each on the MoE with expert parallelism and two-round exchanges,
-# each of the two executors (gpipe/circular's scan, the in-schedule tables') at S = 2 and 4
+# M = 8, on the dense model and on the MoE with expert parallelism and two-round exchanges
 STAGE_MOE = ["mesh.expert=2", "compute.expert_exchange_capacity=0.5"]
 CASES = {
     "gpipe-S2-M8-fsdp-tensor-remat-none": (
@@ -183,6 +184,18 @@ CASES = {
          "pipeline.repeats=2", "pipeline.microbatches=8"],
         2, 2, 8,
     ),
+    "moe-circular-S4-R2-M8": (
+        "moe",
+        ["mesh.stage=4", "mesh.fsdp=1", *STAGE_MOE, "pipeline.schedule=circular",
+         "pipeline.repeats=2", "pipeline.microbatches=8"],
+        4, 2, 8,
+    ),
+    "moe-1f1b-S2-M8": (
+        "moe-accumulated",
+        ["mesh.stage=2", "mesh.fsdp=2", *STAGE_MOE, "pipeline.schedule=1f1b",
+         "pipeline.microbatches=8"],
+        2, 1, 8,
+    ),
     "moe-1f1b-S4-M8": (
         "moe-accumulated",
         ["mesh.stage=4", "mesh.fsdp=1", *STAGE_MOE, "pipeline.schedule=1f1b",
@@ -194,6 +207,18 @@ CASES = {
         ["mesh.stage=2", "mesh.fsdp=2", *STAGE_MOE, "pipeline.schedule=interleaved_1f1b",
          "pipeline.repeats=2", "pipeline.microbatches=8"],
         2, 2, 8,
+    ),
+    "moe-interleaved_1f1b-S4-R2-M8": (
+        "moe-accumulated",
+        ["mesh.stage=4", "mesh.fsdp=1", *STAGE_MOE, "pipeline.schedule=interleaved_1f1b",
+         "pipeline.repeats=2", "pipeline.microbatches=8"],
+        4, 2, 8,
+    ),
+    "moe-zero_bubble-S2-M8": (
+        "moe-accumulated",
+        ["mesh.stage=2", "mesh.fsdp=2", *STAGE_MOE, "pipeline.schedule=zero_bubble",
+         "pipeline.microbatches=8"],
+        2, 1, 8,
     ),
     "moe-zero_bubble-S4-M8": (
         "moe-accumulated",
