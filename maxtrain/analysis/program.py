@@ -382,6 +382,16 @@ def entry_parameter_copies(hlo_text: str) -> list[tuple[str, int]]:
     return copies
 
 
+def copy_count(hlo_text: str) -> int:
+    """How many copy instructions a compiled program holds, in any computation, fusions
+    included (each once, however often it runs). On XLA:CPU most are transposes into the
+    layout a dot wants its operand in, fused into the loops that produce it: einsums that
+    read an array in another order than it was written cost one each. The bytes hardly show
+    them; the count does (tests/training/test_step_program.py bounds it)."""
+    matches = (INSTRUCTION.match(line) for line in hlo_text.splitlines())
+    return sum(1 for m in matches if m is not None and m.group(3) == "copy")
+
+
 # ---- kernels of a compiled program ------------------------------------------------------------
 
 # custom-call targets of hand-written kernels: Pallas on TPU (Mosaic) and GPU (Mosaic GPU,

@@ -79,6 +79,7 @@ def compiled_program(
         "fit": memory.fit(peak / 2**30, device.device_kind),
         "flops_per_device": cost.get("flops"),
         "bytes_accessed_per_device": cost.get("bytes accessed"),
+        "copies": program.copy_count(hlo),
         "collective_bytes": collectives.collective_bytes_per_axis(
             hlo, dict(trainer.mesh.shape), slices
         ),

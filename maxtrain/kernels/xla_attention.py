@@ -178,8 +178,8 @@ def block_attention(
     scores = _masked_scores(_grouped(q, k.shape[2]), k, mask)  # [B, K, G, Tq, S]
     lse = jax.nn.logsumexp(scores, axis=-1)  # [B, K, G, Tq]
     probs = jnp.exp(scores - lse[..., None])
-    out = jnp.einsum("bkgts,bskh->btkgh", probs, v.astype(jnp.float32)).reshape(b, t, n, -1)
-    return out, lse.transpose(0, 3, 1, 2).reshape(b, t, n)
+    out = jnp.einsum("bkgts,bksh->bkgth", probs, _kv_heads_major(v).astype(jnp.float32))
+    return _ungrouped(out), lse.transpose(0, 3, 1, 2).reshape(b, t, n)
 
 
 def merge_blocks(
@@ -230,16 +230,38 @@ def masked_attention(
     return (out, per_query(row_max)) if with_max_logit else out
 
 
+# Inside the kernel every array is heads-major: queries and outputs [B, K, G, T, H], keys and
+# values [B, K, S, H], scores [B, K, G, T, S]. Each product is then a matmul batched over
+# (B, K) with its operands in the order XLA's dot takes them, so the compiler transposes q, k,
+# v and the output once per pass instead of transposing the [T, S] probabilities and their
+# gradient for the products that read them (the compiled dense CPU step of docs/benchmarks.md:
+# 71 copies with token-major einsums, 61 this way).
+
+
 def _grouped(q: jax.Array, num_kv: int) -> jax.Array:
+    """[B, T, N, H] -> [B, K, G, T, H]: query head n reads kv head n // G."""
     b, t, n, h = q.shape
-    return q.reshape(b, t, num_kv, n // num_kv, h)  # [B, T, K, G, H]; q head n -> kv head n // G
+    return q.reshape(b, t, num_kv, n // num_kv, h).transpose(0, 2, 3, 1, 4)
+
+
+def _ungrouped(x: jax.Array) -> jax.Array:
+    """[B, K, G, T, H] -> [B, T, N, H], `_grouped`'s inverse."""
+    b, k, g, t, h = x.shape
+    return x.transpose(0, 3, 1, 2, 4).reshape(b, t, k * g, h)
+
+
+def _kv_heads_major(x: jax.Array) -> jax.Array:
+    """Keys or values [B, S, K, H] -> [B, K, S, H], and back: the transpose is its own inverse."""
+    return x.transpose(0, 2, 1, 3)
 
 
 def _masked_scores(q: jax.Array, k: jax.Array, mask: jax.Array) -> jax.Array:
-    """Grouped q [B, T, K, G, H], k [B, S, K, H], mask [B, T, S] -> the scaled scores
+    """Grouped q [B, K, G, T, H], k [B, S, K, H], mask [B, T, S] -> the scaled scores
     [B, K, G, T, S] in float32, finfo.min where masked: never NaN (unlike -inf), and a row
     with no visible key stays finite."""
-    scores = jnp.einsum("btkgh,bskh->bkgts", q, k, preferred_element_type=jnp.float32)
+    scores = jnp.einsum(
+        "bkgth,bksh->bkgts", q, _kv_heads_major(k), preferred_element_type=jnp.float32
+    )
     scores = scores / math.sqrt(q.shape[-1])
     return jnp.where(mask[:, None, None], scores, jnp.finfo(jnp.float32).min)
 
@@ -256,12 +278,14 @@ def _probabilities(q, k, mask, lse=None):
 
 @jax.custom_vjp
 def _attention_forward(q, k, v, mask):
-    b, t, n, _ = q.shape
     probs, lse, row_max = _probabilities(_grouped(q, k.shape[2]), k, mask)
     out = jnp.einsum(
-        "bkgts,bskh->btkgh", probs.astype(v.dtype), v, preferred_element_type=jnp.float32
+        "bkgts,bksh->bkgth",
+        probs.astype(v.dtype),
+        _kv_heads_major(v),
+        preferred_element_type=jnp.float32,
     )
-    return out.reshape(b, t, n, v.shape[-1]).astype(q.dtype), lse, row_max
+    return _ungrouped(out).astype(q.dtype), lse, row_max
 
 
 def _attention_fwd_rule(q, k, v, mask):
@@ -277,25 +301,26 @@ def attention_backward(residuals, cotangents):
     q, k, v, mask, out, lse = residuals
     # d_lse: zero unless sinks use the log-sum-exp; the row max is a statistic, no gradient
     d_out, d_lse = cotangents[:2]
-    b, t, n, h = q.shape
     num_kv = k.shape[2]
     gq = _grouped(q, num_kv)
-    g_out = _grouped(d_out, num_kv)  # [B, T, K, G, Hv]
+    g_out = _grouped(d_out, num_kv)  # [B, K, G, T, Hv]
     probs, _, _ = _probabilities(gq, k, mask, lse)  # recomputed: P [B, K, G, T, S]
     # rowsum(dO * O) per query: the softmax's own term in dS
     delta = jnp.einsum(
-        "btkgh,btkgh->bkgt", g_out.astype(jnp.float32), _grouped(out, num_kv).astype(jnp.float32)
+        "bkgth,bkgth->bkgt", g_out.astype(jnp.float32), _grouped(out, num_kv).astype(jnp.float32)
     )
-    d_probs = jnp.einsum("btkgh,bskh->bkgts", g_out, v, preferred_element_type=jnp.float32)
+    kh, vh = _kv_heads_major(k), _kv_heads_major(v)
+    d_probs = jnp.einsum("bkgth,bksh->bkgts", g_out, vh, preferred_element_type=jnp.float32)
     d_scores = probs.astype(jnp.float32) * (d_probs - delta[..., None] + d_lse[..., None])
     d_scores = d_scores.astype(q.dtype)
-    d_scores = d_scores / math.sqrt(h)
-    dq = jnp.einsum("bkgts,bskh->btkgh", d_scores, k, preferred_element_type=jnp.float32)
-    dk = jnp.einsum("bkgts,btkgh->bskh", d_scores, gq, preferred_element_type=jnp.float32)
+    d_scores = d_scores / math.sqrt(q.shape[-1])
+    dq = jnp.einsum("bkgts,bksh->bkgth", d_scores, kh, preferred_element_type=jnp.float32)
+    dk = jnp.einsum("bkgts,bkgth->bksh", d_scores, gq, preferred_element_type=jnp.float32)
     dv = jnp.einsum(
-        "bkgts,btkgh->bskh", probs.astype(v.dtype), g_out, preferred_element_type=jnp.float32
+        "bkgts,bkgth->bksh", probs.astype(v.dtype), g_out, preferred_element_type=jnp.float32
     )
-    return (dq.reshape(b, t, n, h).astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None)
+    dk, dv = _kv_heads_major(dk).astype(k.dtype), _kv_heads_major(dv).astype(v.dtype)
+    return _ungrouped(dq).astype(q.dtype), dk, dv, None
 
 
 _attention_forward.defvjp(_attention_fwd_rule, attention_backward)

@@ -1,5 +1,5 @@
 """What a compiled program does (maxtrain/analysis/program.py): the matmul FLOPs and the bytes
-accessed counted per loop trip, the grouped matmuls of each pass."""
+accessed counted per loop trip, the grouped matmuls of each pass, the copies it holds."""
 
 import jax
 import jax.numpy as jnp
@@ -7,6 +7,7 @@ import jax.numpy as jnp
 from maxtrain.analysis.program import (
     GroupedMatmulRun,
     bytes_accessed,
+    copy_count,
     grouped_matmuls,
     loop_trip_counts,
     matmul_flops,
@@ -47,6 +48,19 @@ def test_bytes_accessed_count_each_trip_of_a_loop():
     assert abs(bytes_accessed(unrolled.as_text()) / xla - 1) < 0.01
     assert abs(bytes_accessed(scanned.as_text()) / xla - 1) < 0.1
     assert scanned.cost_analysis()["bytes accessed"] < xla / 3
+
+
+def test_copy_count_finds_the_transposes_fused_into_loops():
+    """An array written in one order and read flat in another is copied into the new layout
+    inside the fusion that computes it: one copy per such read, none for a read in its own
+    order."""
+    a = jnp.ones((64, 32))
+    same_order = lambda a: jnp.sin(a).reshape(-1)  # noqa: E731
+    two_transposed = lambda a: (jnp.sin(a).T.reshape(-1), jnp.cos(a).T.reshape(-1))  # noqa: E731
+    counts = [
+        copy_count(jax.jit(f).lower(a).compile().as_text()) for f in (same_order, two_transposed)
+    ]
+    assert counts == [0, 2]
 
 
 def test_loop_trip_counts_name_every_scan_length():
