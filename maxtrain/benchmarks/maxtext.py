@@ -110,8 +110,9 @@ def maxtext_model(model: ModelConfig) -> dict:
     )
 
 
-def maxtrain_command(run: Comparison) -> list[str]:
-    """tools/benchmark.py's command line for maxtrain's side of the comparison."""
+def maxtrain_command(run: Comparison, save_hlo: str | None = None) -> list[str]:
+    """tools/benchmark.py's command line for maxtrain's side of the comparison (with
+    `save_hlo`, it writes its optimized program there)."""
     moe = [f"mesh.expert={run.expert}", "compute.grouped_matmul=tokamax"]
     return [
         sys.executable,
@@ -131,6 +132,7 @@ def maxtrain_command(run: Comparison) -> list[str]:
         "--compile",
         "--topology",
         run.topology,
+        *(["--save-hlo", save_hlo] if save_hlo else []),
     ]
 
 
@@ -150,8 +152,8 @@ def maxtext_settings(run: Comparison) -> dict:
     }
 
 
-def maxtrain_side(run: Comparison) -> dict:
-    command = maxtrain_command(run)
+def maxtrain_side(run: Comparison, programs: Path | None = None) -> dict:
+    command = maxtrain_command(run, programs and str(programs / "maxtrain.hlo"))
     compiled = json.loads(_run(command, "maxtrain").splitlines()[-1])["compiled"]
     return {
         "command": " ".join(
@@ -168,9 +170,16 @@ def maxtrain_side(run: Comparison) -> dict:
     }
 
 
-def maxtext_side(python: str, run: Comparison, options: list[str], flops_per_token: float) -> dict:
+def maxtext_side(
+    python: str,
+    run: Comparison,
+    options: list[str],
+    flops_per_token: float,
+    programs: Path | None = None,
+) -> dict:
     """MaxText's compile, its cost analysis and memory as it prints them, and the step-time
-    model on the optimized program it dumps; MFU counts the same model FLOPs as maxtrain's."""
+    model on the optimized program it dumps (kept in `programs`/maxtext.hlo if given); MFU
+    counts the same model FLOPs as maxtrain's."""
     if parse_topology(run.topology)[0] not in ("v5e", "v6e"):
         raise UserError(f"--topology {run.topology}: this comparison knows v5e and v6e slices")
     with tempfile.TemporaryDirectory() as dump:
@@ -178,7 +187,10 @@ def maxtext_side(python: str, run: Comparison, options: list[str], flops_per_tok
         command, out = train_compile(
             python, run.topology, settings, options, dump_dir=dump, finish=True
         )
-        prediction = predict(optimized_program(dump), run.topology)
+        program = optimized_program(dump)
+    if programs:
+        (programs / "maxtext.hlo").write_text(program)
+    prediction = predict(program, run.topology)
     cost = ast.literal_eval(re.search(r"^Cost analysis: (\{.*\})$", out, re.M)[1])
     memory = dict(
         (k, int(v)) for k, v in re.findall(r"(\w+_size_in_bytes)=(\d+)", out.split("Memory")[-1])
@@ -322,15 +334,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--maxtext-option", action="append", default=[], metavar="KEY=VALUE", help="MaxText key"
     )
+    parser.add_argument(
+        "--save-programs", metavar="DIR", help="writes both optimized programs there, to read"
+    )
     args = parser.parse_args(argv)
     try:
         if not Path(args.maxtext_python).is_file():
             raise UserError(f"--maxtext-python {args.maxtext_python}: no such file")
         run = comparison(args)
-        ours = maxtrain_side(run)
+        programs = Path(args.save_programs) if args.save_programs else None
+        if programs:
+            programs.mkdir(parents=True, exist_ok=True)
+        ours = maxtrain_side(run, programs)
         predicted = ours["predicted"]
         flops_per_token = predicted["tflops_per_chip"] * 1e12 / predicted["tokens_per_sec_per_chip"]
-        theirs = maxtext_side(args.maxtext_python, run, args.maxtext_option, flops_per_token)
+        theirs = maxtext_side(
+            args.maxtext_python, run, args.maxtext_option, flops_per_token, programs
+        )
     except UserError as e:
         return refuse("compare_maxtext", e)
     print(json.dumps(result(run, ours, theirs)))
