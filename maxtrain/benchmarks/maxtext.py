@@ -153,19 +153,29 @@ def maxtext_settings(run: Comparison) -> dict:
 
 
 def maxtrain_side(run: Comparison, programs: Path | None = None) -> dict:
-    command = maxtrain_command(run, programs and str(programs / "maxtrain.hlo"))
-    compiled = json.loads(_run(command, "maxtrain").splitlines()[-1])["compiled"]
+    """maxtrain's compile through tools/benchmark.py, and the step-time model on its optimized
+    program placed on the slice as MaxText's is (`predict`): the benchmark's own prediction
+    places collectives by its mesh's axes, which MaxText's program does not name."""
+    with tempfile.TemporaryDirectory() as scratch:
+        saved = (programs or Path(scratch)) / "maxtrain.hlo"
+        command = maxtrain_command(run, str(saved))
+        compiled = json.loads(_run(command, "maxtrain").splitlines()[-1])["compiled"]
+        prediction = predict(saved.read_text(), run.topology)
+    throughput = compiled["predicted"]
+    flops_per_token = throughput["tflops_per_chip"] * 1e12 / throughput["tokens_per_sec_per_chip"]
+    summary = step_time.summary(prediction, run.chips * SEQ_LEN, run.chips, flops_per_token)
     return {
         "command": " ".join(
             str(Path(c).relative_to(REPO_ROOT)) if c.startswith(str(REPO_ROOT)) else c
-            for c in command[1:]
+            for c in command[1 : command.index("--save-hlo")]
         ),
         **_figures(
             compiled["bytes_accessed_per_device"],
             compiled["flops_per_device"],
             compiled["gib_per_device"],
         ),
-        "predicted": _predicted(compiled["predicted"]),
+        "predicted": _predicted(summary),
+        "flops_per_token": flops_per_token,
         "compile_s": compiled["compile_s"],
     }
 
@@ -346,10 +356,8 @@ def main(argv: list[str] | None = None) -> int:
         if programs:
             programs.mkdir(parents=True, exist_ok=True)
         ours = maxtrain_side(run, programs)
-        predicted = ours["predicted"]
-        flops_per_token = predicted["tflops_per_chip"] * 1e12 / predicted["tokens_per_sec_per_chip"]
         theirs = maxtext_side(
-            args.maxtext_python, run, args.maxtext_option, flops_per_token, programs
+            args.maxtext_python, run, args.maxtext_option, ours.pop("flops_per_token"), programs
         )
     except UserError as e:
         return refuse("compare_maxtext", e)
