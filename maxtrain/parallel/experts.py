@@ -3,14 +3,15 @@ of the experts, inside `shard_map`.
 
 The router runs on the global (auto-sharded) activations like any other layer; the experts run
 per device. Tokens stay on the device that holds them. The experts' weights arrive as stored,
-each device's FSDP shard, and are gathered inside: the all-gather's transpose sums their
-gradients by a reduce-scatter (entering gathered, they were summed whole on every device by an
-all-reduce and then sliced: twice the traffic). They stay split over the mesh axes of the `exp`
-rule (expert parallelism: rows travel to the devices holding their experts by an exchange of
-parallel/expert_exchanges.py) and of the `mlp` rule (each device computes a slice of every
-expert's hidden units; the partial outputs are summed). A batch too small to split over the
-expert axes (a short eval batch) stays replicated there: each device computes its own experts'
-share of every token and a sum over the expert axes completes the output, with no exchange.
+each device's FSDP shard: gate and up are joined on the shards, 1/FSDP of the bytes, and then
+gathered; the gather's transpose sums their gradients as a reduce-scatter (the TPU compiler
+may still lower it as an all-reduce and a slice, as it does MaxText's). They stay split over
+the mesh axes of the `exp` rule (expert parallelism: rows travel to the devices holding their
+experts by an exchange of parallel/expert_exchanges.py) and of the `mlp` rule (each device
+computes a slice of every expert's hidden units; the partial outputs are summed). A batch too
+small to split over the expert axes (a short eval batch) stays replicated there: each device
+computes its own experts' share of every token and a sum over the expert axes completes the
+output, with no exchange.
 
 `ShardedExperts` is what the layer holds, picked once when it is built: the dispatch
 (`make_dispatch`: the capacity blocks, or the dropless grouped matmul through an exchange), the
