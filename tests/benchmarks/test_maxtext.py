@@ -84,6 +84,7 @@ def test_an_expert_split_is_the_same_on_both_sides_or_refused(capsys):
     assert {"mesh.expert=4", "mesh.fsdp=4"} <= set(maxtext.maxtrain_command(run))
     settings = maxtext.maxtext_settings(run)
     assert (settings["ici_expert_parallelism"], settings["ici_fsdp_parallelism"]) == (4, -1)
+    assert settings["allow_split_physical_axes"] == "true"  # else MaxText refuses 8 on a 4x4
     for shape, expert in (("dense-1.5b", 2), ("mixtral-8x7b", 16)):
         argv = ["--maxtext-python", sys.executable, "--shape", shape, "--expert", str(expert)]
         assert maxtext.main(argv) == 2
