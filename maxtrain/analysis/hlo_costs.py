@@ -23,8 +23,9 @@ compiler run), the same way for every backend:
               named in `Module.unknown_kernels`, so that an undercount shows.
   bytes       each operand and result as laid out (tiles padded), except what sits in the TPU
               core's own memory (memory space 1, VMEM: no HBM traffic) or is a scalar flag;
-              a fusion reads only the slices it takes of an operand that it slices, and an
-              in-place update (dynamic-update-slice) moves the update, not its whole buffer;
+              a fusion reads only the slices it takes of an operand that it slices, an
+              asynchronous slice (slice-start) only its slice, and an in-place update
+              (dynamic-update-slice) moves the update, not its whole buffer;
               bytes to and from the host's memory (space 5) apart.
 """
 
@@ -171,6 +172,8 @@ class Module:
     def _read_arrays(self, ins: Instruction) -> list[Array]:
         if ins.opcode in ("dynamic-slice", "slice", "gather"):
             return [_as_space(a, self.operand_arrays(ins.operands[0])) for a in ins.results]
+        if ins.opcode == "slice-start":
+            return [_as_space(_async_slice(ins), self.operand_arrays(ins.operands[0]))]
         if ins.opcode == "dynamic-update-slice":
             return self.operand_arrays(ins.operands[1])
         callee = self.callee(ins) if ins.opcode == "fusion" else None
@@ -184,6 +187,8 @@ class Module:
         return read
 
     def _written_arrays(self, ins: Instruction) -> list[Array]:
+        if ins.opcode == "slice-start":
+            return [_async_slice(ins)]
         body = self.computations.get(self.callee(ins), []) if ins.opcode == "fusion" else []
         root = body[-1] if body else ins
         if root.opcode == "dynamic-update-slice":
@@ -200,6 +205,13 @@ class Module:
             for element, array in zip(root.operands, ins.results, strict=False)
             if made.get(element.partition("#")[0], root).opcode not in passed
         ]
+
+
+def _async_slice(ins: Instruction) -> Array:
+    """The slice an asynchronous slice-start takes (the TPU compiler's, often into VMEM): its
+    result is ((its operands), the slice, a sync flag); the operands are passed through, not
+    read whole or written."""
+    return ins.results[len(ins.operands)]
 
 
 def _as_space(array: Array, buffer: list[Array]) -> Array:

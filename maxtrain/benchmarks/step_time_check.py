@@ -22,12 +22,9 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from maxtrain.analysis import step_time
 from maxtrain.benchmarks import maxtext
-from maxtrain.common import devices
 from maxtrain.common.errors import ArgumentParser, UserError, refuse
 from maxtrain.config import REPO_ROOT
-from maxtrain.parallel.topology import parse_topology
 
 _RECIPES = "AI-Hypercomputer/tpu-recipes, training/trillium/"
 # MaxText's LIBTPU_INIT_ARGS bundles (maxtext/benchmarks/xla_flags_library.py). The recipes' bundle
@@ -146,9 +143,6 @@ H100 = (
 
 def check_maxtext(row: Measured, python: str) -> dict:
     """A MaxText run compiled as its recipe states, timed by the model for its slice."""
-    generation, _ = parse_topology(row.topology)
-    chip = devices.chip(f"tpu {generation}")
-    shape = tuple(int(d) for d in row.topology.split(":")[1].split("x"))
     with tempfile.TemporaryDirectory() as dump:
         maxtext.train_compile(
             python,
@@ -157,8 +151,7 @@ def check_maxtext(row: Measured, python: str) -> dict:
             libtpu_flags=row.libtpu_flags,
             dump_dir=dump,
         )
-        program = maxtext.optimized_program(dump)
-    prediction = step_time.predict(program, chip, step_time.Placement(slice_shape=shape))
+        prediction = maxtext.predict(maxtext.optimized_program(dump), row.topology)
     configuration = ", ".join(f"{k}={v}" for k, v in row.settings.items())
     return _row(row.name, row.source, f"{row.topology}: {configuration}", row.seconds, prediction)
 

@@ -2,13 +2,16 @@
 of the experts, inside `shard_map`.
 
 The router runs on the global (auto-sharded) activations like any other layer; the experts run
-per device. Tokens stay on the device that holds them. The experts' weights arrive gathered over
-FSDP and split over the mesh axes of the `exp` rule (expert parallelism: rows travel to the
-devices holding their experts by an exchange of parallel/expert_exchanges.py) and of the `mlp`
-rule (each device computes a slice of every expert's hidden units; the partial outputs are
-summed). A batch too small to split over the expert axes (a short eval batch) stays replicated
-there: each device computes its own experts' share of every token and a sum over the expert
-axes completes the output, with no exchange.
+per device. Tokens stay on the device that holds them. The experts' weights arrive as stored,
+each device's FSDP shard: gate and up are joined on the shards, 1/FSDP of the bytes, and then
+gathered; the gather's transpose sums their gradients as a reduce-scatter (the TPU compiler
+may still lower it as an all-reduce and a slice, as it does MaxText's). They stay split over
+the mesh axes of the `exp` rule (expert parallelism: rows travel to the devices holding their
+experts by an exchange of parallel/expert_exchanges.py) and of the `mlp` rule (each device
+computes a slice of every expert's hidden units; the partial outputs are summed). A batch too
+small to split over the expert axes (a short eval batch) stays replicated there: each device
+computes its own experts' share of every token and a sum over the expert axes completes the
+output, with no exchange.
 
 `ShardedExperts` is what the layer holds, picked once when it is built: the dispatch
 (`make_dispatch`: the capacity blocks, or the dropless grouped matmul through an exchange), the
@@ -19,6 +22,7 @@ dispatch as one `Routed` (layers/routed_experts.py).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from dataclasses import dataclass
@@ -44,7 +48,7 @@ from maxtrain.parallel.expert_exchanges import EXCHANGES, ExpertBlocks, exchange
 from maxtrain.parallel.mesh import active_rules, logical_to_spec, spec_axes
 
 # The experts' weights as stored (embed sharded by FSDP) and as the per-device code receives
-# them: gathered over FSDP, still split over experts and hidden units.
+# them; it gathers the embed dim over FSDP, keeping the split over experts and hidden units.
 IN_AXES = ("exp", "embed", "mlp")  # gate and up [E, D, F]
 OUT_AXES = ("exp", "mlp", "embed")  # down [E, F, D]
 _TOKENS = ("batch", "length", "act_embed")
@@ -91,33 +95,55 @@ class ExpertSplit:
 
     tokens: P  # x and y [B, T, D]
     routes: P  # expert ids and weights [B, T, k]
-    weights_in: P  # gate and up, gathered over FSDP
-    weights_out: P  # down, gathered over FSDP
+    weights_in: (
+        P  # gate and up: as stored, but gathered over FSDP axes the tokens are not split over
+    )
+    weights_out: P  # down: likewise
     biases: P | None  # gate's and up's biases, if any
     par: Parallelism
     token_axes: tuple[str, ...]
     tensor_axes: tuple[str, ...]
+    fsdp_in: tuple[str, ...] = ()  # mesh axes gate's and up's embed dim enters split over
+    fsdp_out: tuple[str, ...] = ()  # and down's
 
     @classmethod
     def of(
         cls, mesh: Mesh, rules: dict[str, list[str]], x: jax.Array, expert_ids: jax.Array,
         projections: ExpertProjections,
     ) -> ExpertSplit:  # fmt: skip
-        gathered = {**rules, "embed": []}
         tokens = logical_to_spec(_TOKENS, rules, mesh, x.shape)
-        weights_in = logical_to_spec(IN_AXES, gathered, mesh, projections.gate.shape)
-        biases = None if projections.gate_bias is None else P(weights_in[0], weights_in[2])
-        expert_axes = spec_axes(weights_in[0])
+        token_axes = tuple(a for part in tokens for a in spec_axes(part))
+        stored_in = logical_to_spec(IN_AXES, rules, mesh, projections.gate.shape)
+        stored_out = logical_to_spec(OUT_AXES, rules, mesh, projections.down.shape)
+        expert_axes, tensor_axes = spec_axes(stored_in[0]), spec_axes(stored_in[2])
+
+        def inside(embed) -> tuple[str, ...]:
+            """The FSDP axes gathered inside: those the tokens are split over too (over the
+            others, the weights enter gathered, as the tokens enter the same on each device)."""
+            return tuple(a for a in spec_axes(embed) if a in token_axes)
+
+        fsdp_in, fsdp_out = inside(stored_in[1]), inside(stored_out[2])
         return cls(
             tokens=tokens,
             routes=logical_to_spec(_ROUTES, rules, mesh, expert_ids.shape),
-            weights_in=weights_in,
-            weights_out=logical_to_spec(OUT_AXES, gathered, mesh, projections.down.shape),
-            biases=biases,
+            weights_in=P(stored_in[0], fsdp_in or None, stored_in[2]),
+            weights_out=P(stored_out[0], stored_out[1], fsdp_out or None),
+            biases=None if projections.gate_bias is None else P(stored_in[0], stored_in[2]),
             par=Parallelism(expert_axes, math.prod(mesh.shape[a] for a in expert_axes)),
-            token_axes=tuple(a for part in tokens for a in spec_axes(part)),
-            tensor_axes=spec_axes(weights_in[2]),
+            token_axes=token_axes,
+            tensor_axes=tensor_axes,
+            fsdp_in=fsdp_in,
+            fsdp_out=fsdp_out,
         )
+
+    def gathered(self, w: ExpertWeights) -> ExpertWeights:
+        """One device's joined FSDP shards of the experts, gathered over the FSDP axes."""
+        gate_up, down = w.gate_up, w.down
+        if self.fsdp_in:
+            gate_up = jax.lax.all_gather(gate_up, self.fsdp_in, axis=1, tiled=True)
+        if self.fsdp_out:
+            down = jax.lax.all_gather(down, self.fsdp_out, axis=2, tiled=True)
+        return dataclasses.replace(w, gate_up=gate_up, down=down)
 
     @property
     def in_specs(self) -> tuple[P | None, ...]:
@@ -143,6 +169,12 @@ class ExpertSplit:
         gradients are summed over them once, here, rather than inside the exchange's rounds,
         whose number may differ between the devices of these axes."""
         return tuple(a for a in self.token_axes if a not in self.par.expert_axes + self.tensor_axes)
+
+    def shared_axes_of(self, projection: int) -> tuple[str, ...]:
+        """The shared axes an ExpertProjections entry (by index) is to be marked per-device
+        over: all but the FSDP axes it is stored split over, which `gathered` gathers."""
+        stored = (self.fsdp_in, self.fsdp_in, self.fsdp_out, (), ())[projection]
+        return tuple(a for a in self.shared_axes if a not in stored)
 
     @property
     def count_axes(self) -> tuple[str, ...]:
@@ -185,9 +217,14 @@ class ShardedExperts:
 
     def _per_device(self, split: ExpertSplit, x, expert_ids, weights, *experts):
         """One device's share, inside shard_map: its tokens, its slices of the experts."""
-        if split.shared_axes:
-            experts = jax.lax.pcast(experts, split.shared_axes, to="varying")
-        w = ExpertWeights.joined(*experts, self.activation)
+        experts = [
+            jax.lax.pcast(p, shared, to="varying")
+            if (shared := split.shared_axes_of(i)) and p is not None
+            else p
+            for i, p in enumerate(experts)
+        ]
+        # gate and up joined on this device's shards, 1/FSDP of the bytes, then gathered
+        w = split.gathered(ExpertWeights.joined(*experts, self.activation))
         num_experts, par = self.num_experts, split.par
         if split.replicated:
             # Mark the shared inputs as per-device: their gradients then get summed over

@@ -55,6 +55,24 @@ def test_a_matmul_takes_the_longer_of_its_flops_at_peak_and_its_bytes(dtype):
     assert [c.instruction for c in got.top] == ["dot"]
 
 
+ASYNC_SLICE = """ENTRY %main (t: f32[4096,128]) -> f32[1024,128] {
+  %t = f32[4096,128]{1,0:T(8,128)} parameter(0)
+  %s = ((f32[4096,128]{1,0:T(8,128)}), f32[1024,128]{1,0:T(8,128)SPACE}, s32[]{:S(2)}) slice-start(%t), slice={[1024:2048], [0:128]}
+  ROOT %d = f32[1024,128]{1,0:T(8,128)SPACE} slice-done(%s)
+}
+"""  # noqa: E501
+
+
+@pytest.mark.parametrize("space, hbm", [("S(1)", 1024 * 128 * 4), ("", 2 * 1024 * 128 * 4)])
+def test_an_async_slice_moves_its_slice_not_its_operand(space, hbm):
+    """The TPU compiler's slice-start (e.g. a quarter of an embedding shard into VMEM) passes
+    its operand through in its result tuple: it reads the slice from HBM and writes it to VMEM
+    (free) or HBM. Counting the operand read whole and written back, as once, gave a
+    compiled MoE step 15 ms of HBM traffic that no chip would move."""
+    got = _predict(ASYNC_SLICE.replace("SPACE", space))
+    assert got.hbm_bytes == hbm
+
+
 LOOP = """%body (p: (s32[], f32[256,256])) -> (s32[], f32[256,256]) {
   %p = (s32[], f32[256,256]{1,0}) parameter(0)
   %i = s32[] get-tuple-element(%p), index=0
