@@ -46,6 +46,7 @@ COMMAND = re.compile(r"(?:\.venv/bin/)?python (-m maxtrain\.\w+|tools/\w+\.py)\b
 # What a guide writes for the reader to fill in -> what the test fills in.
 PLACEHOLDERS = {
     "CONFIG.yml": "configs/base.yml",
+    "[OVERLAY.yml ...] ": "",
     "[dotted.key=value ...]": "",
     "[key=value ...]": "",
     "h100/<recipe>": "h100/dense-1.5b",

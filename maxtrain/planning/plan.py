@@ -116,7 +116,7 @@ def plan(cfg: Config, args, topology: str, chip: devices_lib.Chip, chips: int) -
         "memory_dropped": dict(dropped.most_common()),
         "screened_in": len(kept),
         "compiled": len(outcomes),
-        "from_cache": sum(o.source == "cache" for o in outcomes),
+        "from_cache": sum(o.cached for o in outcomes),
         "winner": _row(winner),
         "config": _row(config_out),
         "overlay": args.out if winner else None,
@@ -172,7 +172,9 @@ def _compile(cfg, args, chosen: list[Screened], topology, slices, chip, chips, b
         source = "cache" if all(j.cached for j in mine) else "compiled"
         if depths:
             source = f"proxy {depths[0]},{depths[1]} layers ({source})"
-        outcomes.append(report.outcome(s, s.candidate == baseline, verdict, source, mfu_of))
+        out = report.outcome(s, s.candidate == baseline, verdict, source, mfu_of)
+        out.cached = all(j.cached for j in mine)
+        outcomes.append(out)
     return outcomes
 
 

@@ -25,6 +25,7 @@ class Outcome:
     bound: str = ""
     mfu: float | None = None
     source: str = ""  # compiled, cache, proxy of depths ... ; or why there is no verdict
+    cached: bool = False  # every compile of it came from the plan cache
 
 
 def at_depth(results: list[dict], depths: tuple[int, ...], layers: int, hbm_gib: float) -> dict:

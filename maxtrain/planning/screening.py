@@ -2,8 +2,9 @@
 rules (candidates.py) is estimated (analysis/memory.py); what cannot fit even with the
 estimate's measured error as margin is dropped, and so is a candidate with more micro-batches
 than its memory needs (the same layout with fewer fits, and fewer micro-batches mean fewer
-weight gathers). The survivors are ordered by a first-order step time, so that a plan whose
-time budget runs out has compiled the likeliest first.
+weight gathers). The survivors are ordered by a first-order step time, those the estimate says
+fit without the margin first, so that a plan whose time budget runs out has compiled the
+likeliest first.
 
 The first-order time is the larger of the model's FLOPs (remat's recomputation included) at
 the chip's bf16 peak and the weight collectives over the chip's links (FSDP's gathers and
@@ -63,7 +64,9 @@ def screen(
             dropped[f"memory estimate over {MARGIN:g} x HBM"] += 1
             continue
         fits[same_but_accum] = Screened(c, gib, first_order_seconds(cfg, c, chip))
-    return sorted(fits.values(), key=lambda s: (s.first_order_s, s.estimate_gib)), dropped
+    # those the estimate says fit outright first: the margin admits some the compiler refuses
+    order = lambda s: (s.estimate_gib > chip.hbm_gib, s.first_order_s, s.estimate_gib)  # noqa: E731
+    return sorted(fits.values(), key=order), dropped
 
 
 def estimate_gib(cfg: Config, c: Candidate, chip: Chip, chips_per_slice: int) -> float:

@@ -61,13 +61,14 @@ def test_a_plan_writes_the_winner_and_a_second_comes_from_the_cache(planned):
 
 def test_the_proxy_scaled_to_the_depth_matches_the_full_compile(planned):
     """The plan compiled depths 1 and 2 and scaled them to 4 layers; the 4-layer model
-    compiled whole predicts the same step and needs the same memory, within 5%."""
+    compiled whole predicts the same step within 5%, and the same peak memory within the
+    compiled figure's rounding (a thousandth of a GiB: the tiny model needs 7 MiB)."""
     first, _, _ = planned
     scaled = first["winner"]
     request = {"config": BASE, "overrides": [*TINY, "mesh.fsdp=4"], "topology": "v5e:2x2"}
     full = worker.verdict(request)
     assert scaled["step_s"] == pytest.approx(full["step_s"], rel=0.05)
-    assert scaled["peak_gib"] == pytest.approx(full["peak_gib"], rel=0.05)
+    assert scaled["peak_gib"] == pytest.approx(full["peak_gib"], abs=0.0015)
 
 
 def test_the_winners_overlay_trains_as_the_layout_written_by_hand(tmp_path):
@@ -84,7 +85,8 @@ def test_the_winners_overlay_trains_as_the_layout_written_by_hand(tmp_path):
         "compute: {remat: minimal}\n"
         "train: {grad_accum_steps: 2}\n"
     )
-    args = [*runs.ARGS[:5], "train.steps=3", "train.seq_len=64", "train.global_batch_size=8"]
+    args = [*runs.ARGS[:5], "train.steps=3", "train.log_every=1", "train.seq_len=64"]
+    args += ["train.global_batch_size=8"]  # micro-batches of 4: one row per data x fsdp
     losses = []
     for name, config in (("overlay", [BASE, str(overlay)]), ("by_hand", [str(by_hand)])):
         run_dir = tmp_path / name
