@@ -9,6 +9,7 @@ from maxtrain.common import devices
 from maxtrain.config import MESH_AXES
 from maxtrain.parallel.mesh import axis_sizes
 from maxtrain.planning import candidates as lib
+from maxtrain.planning import plan
 from maxtrain.planning.screening import screen, with_layout
 
 V5E = devices.chip("tpu v5e")
@@ -80,3 +81,14 @@ def test_the_memory_sieve_drops_what_cannot_fit_and_needless_micro_batches():
         "more micro-batches than memory needs (dominated)": 2,  # full with 2 and 4
         "memory estimate over 1.3 x HBM": 3,  # no remat: every layer's activations, 8K tokens
     }
+
+
+def test_a_plan_without_a_target_is_refused_in_one_line(capsys):
+    base = str(config_lib.CONFIGS_DIR / "base.yml")
+    assert plan.main([base, "model_name=tiny"]) == 2
+    assert plan.main([base, "model_name=tiny", "--device", "a100"]) == 2
+    lines = capsys.readouterr().err.splitlines()
+    assert lines == [
+        "plan: error: give --topology (a TPU slice, e.g. v5e:4x4) or --device h100 --devices N",
+        "plan: error: --device 'a100': expected h100, h200 or b200",
+    ]
