@@ -60,10 +60,10 @@ SLOW_MODULES = {
     "test_grain_multiprocess", "test_grain_pipeline", "test_grpo_runs", "test_lora",
     "test_lora_costs", "test_lora_merge", "test_megatron_data", "test_memory", "test_moe",
     "test_moe_dispatch", "test_moe_permutation", "test_mtp", "test_multiprocess_checkpoint",
-    "test_muon", "test_muon_deal", "test_pipeline_parallel", "test_pipeline_runs", "test_qk_clip",
-    "test_quantization", "test_resume", "test_run_edges", "test_run_identity",
-    "test_schedule_memory", "test_signals", "test_step_program", "test_tpu_compile",
-    "test_train_numerics", "test_training", "test_upcycle",
+    "test_muon", "test_muon_deal", "test_pipeline_parallel", "test_pipeline_runs",
+    "test_plan_compiles", "test_qk_clip", "test_quantization", "test_resume", "test_run_edges",
+    "test_run_identity", "test_schedule_memory", "test_signals", "test_step_program",
+    "test_tpu_compile", "test_train_numerics", "test_training", "test_upcycle",
 }  # fmt: skip
 
 

@@ -94,6 +94,7 @@ FORBIDDEN_FOR_MODEL = (
     "maxtrain.inference",
     "maxtrain.evaluation",
     "maxtrain.benchmarks",
+    "maxtrain.planning",
 )
 MODEL_PACKAGES = ["maxtrain.kernels", "maxtrain.layers", "maxtrain.models", "maxtrain.parallel"]
 

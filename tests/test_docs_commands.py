@@ -45,7 +45,9 @@ COMMAND = re.compile(r"(?:\.venv/bin/)?python (-m maxtrain\.\w+|tools/\w+\.py)\b
 
 # What a guide writes for the reader to fill in -> what the test fills in.
 PLACEHOLDERS = {
+    "CONFIG.yml plan.yml": "configs/base.yml configs/plans/dense-1.5b-v5e-4x4.yml",
     "CONFIG.yml": "configs/base.yml",
+    "[OVERLAY.yml ...] ": "",
     "[dotted.key=value ...]": "",
     "[key=value ...]": "",
     "h100/<recipe>": "h100/dense-1.5b",

@@ -117,11 +117,13 @@ def fit(estimate_gib: float, device_kind: str) -> dict[str, object]:
     }
 
 
-def estimate(cfg: Config, num_devices: int) -> MemoryEstimate:
+def estimate(cfg: Config, num_devices: int, mdef: ModelDef | None = None) -> MemoryEstimate:
+    """The estimate for `num_devices` devices; `mdef`: the run's model_def(cfg), where the
+    caller has it (a plan estimates many meshes of one model; building it takes a second)."""
     sizes = axis_sizes(cfg.mesh, num_devices)
     mesh = AbstractMesh(tuple(sizes[a] for a in MESH_AXES), MESH_AXES)
     param_bytes = _BYTES[cfg.compute.param_dtype]
-    trained, frozen = _param_shards(cfg, mesh)
+    trained, frozen = _param_shards(cfg, mesh, mdef or model_def(cfg))
     params = sum(_shard_bytes(leaf, shard) for _, leaf, shard in trained)  # adapters: float32
     moments, scratch = 2 * params, 0
     if cfg.optim.name == "muon":
@@ -159,10 +161,11 @@ def estimate(cfg: Config, num_devices: int) -> MemoryEstimate:
 Shard = tuple[tuple, jax.ShapeDtypeStruct, list[int]]  # (path, leaf, the shape one device holds)
 
 
-def _param_shards(cfg: Config, mesh: AbstractMesh) -> tuple[list[Shard], list[Shard]]:
+def _param_shards(
+    cfg: Config, mesh: AbstractMesh, mdef: ModelDef
+) -> tuple[list[Shard], list[Shard]]:
     """The trained parameters' shards and the frozen base's (none without LoRA), split exactly
     as the train state's shardings split them (training/state.py leaf_specs)."""
-    mdef = model_def(cfg)
     trained, frozen = _params(cfg, mdef)
 
     def shards(tree: dict) -> list[Shard]:

@@ -134,7 +134,10 @@ def _beside(value: Any, folder: Path) -> Any:
 def parse_override(text: str) -> tuple[list[str], Any]:
     """'optim.lr=3e-4' -> (['optim', 'lr'], 0.0003); the value is parsed as YAML."""
     if "=" not in text:
-        raise ConfigError(f"override {text!r} is not of the form key=value (e.g. optim.lr=3e-4)")
+        raise ConfigError(
+            f"override {text!r} is not of the form key=value (e.g. optim.lr=3e-4) "
+            "nor an overlay file (.yml)"
+        )
     key, raw = text.split("=", 1)
     if not key or any(not part for part in key.split(".")):
         raise ConfigError(f"override {text!r} has an empty key")
@@ -206,12 +209,30 @@ def preset(name: str) -> ModelConfig:
     return validate_model(migration.migrate({"model": _read_yaml(path)}, str(path))["model"])
 
 
+def is_overlay(text: str) -> bool:
+    """Whether a command-line argument after the config is an overlay file (a YAML path, such
+    as the layout `tools/plan.py` writes), not a key=value override."""
+    return "=" not in text and text.endswith((".yml", ".yaml"))
+
+
 def load(config_path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> Config:
-    """Builds the validated Config for a config file plus CLI overrides, each source's keys of
-    an older maxtrain migrated as it is read (migration.py)."""
+    """Builds the validated Config for a config file plus what follows it on the command line,
+    each source's keys of an older maxtrain migrated as it is read (migration.py).
+
+    Merge order, later wins: configs/base.yml, the model's file, the config file (its
+    base_config parents first), then `overrides` left to right: each overlay file (a YAML
+    path, its own parents first) merged as a config file is, each key=value set."""
     for text in overrides:
-        parse_override(text)  # a malformed override is refused before any file is read
-    user = overridden(_load_with_parents(Path(config_path)), overrides)
+        if not is_overlay(text):
+            parse_override(text)  # a malformed override is refused before any file is read
+    user, settings = _load_with_parents(Path(config_path)), []
+    for text in [*overrides, None]:  # None: the end, where the last key=values are set
+        if text is None or is_overlay(text):
+            user = overridden(user, settings) if settings else user
+            settings = []
+            user = _merged(user, _load_with_parents(Path(text))) if text else user
+        else:
+            settings.append(text)
     merged = _read_yaml(CONFIGS_DIR / "base.yml")
     model_name = user.get("model_name", merged.get("model_name"))
     if not isinstance(model_name, str):

@@ -13,7 +13,10 @@ from maxtrain import models as model_lib
 from maxtrain.common.units import count
 from maxtrain.config import Config
 
-USAGE = "python -m maxtrain.train [--debug] [--print-config] CONFIG.yml [key=value ...]"
+USAGE = (
+    "python -m maxtrain.train [--debug] [--print-config] CONFIG.yml [OVERLAY.yml ...] "
+    "[key=value ...]"
+)
 
 OPTIONS = {
     "--print-config": "print the resolved config (validated) as YAML, and run nothing",

@@ -27,6 +27,18 @@ def test_merge_order_base_then_model_then_file_then_cli(tmp_path):
     assert cfg.optim.b2 == 0.95  # base default survives
 
 
+def test_overlay_files_and_overrides_apply_left_to_right(tmp_path):
+    """What follows the config file: an overlay merges as a config file does (a layout the
+    planner wrote), a key=value before it is overwritten by it, one after it wins."""
+    overlay = tmp_path / "plan.yml"
+    overlay.write_text("mesh:\n  fsdp: 4\n  tensor: 2\ntrain:\n  steps: 9\n")
+    cfg = config_lib.load(BASE, ["model_name=tiny", "train.steps=3", str(overlay), "mesh.fsdp=2"])
+    assert (cfg.mesh.fsdp, cfg.mesh.tensor, cfg.train.steps) == (2, 2, 9)
+    assert cfg.mesh.data == 1  # the overlay's mesh merged into the config's, not replacing it
+    with pytest.raises(ConfigError, match="config file not found: .*nope.yml"):
+        config_lib.load(BASE, ["model_name=tiny", str(tmp_path / "nope.yml")])
+
+
 def test_model_name_from_cli_selects_model_file():
     cfg = config_lib.load(BASE, ["model_name=llama3-8b", "mesh.fsdp=8", "optim.lr=3e-4"])
     assert cfg.model.emb_dim == 4096 and cfg.model.num_layers == 32
