@@ -95,9 +95,8 @@ class ExpertSplit:
 
     tokens: P  # x and y [B, T, D]
     routes: P  # expert ids and weights [B, T, k]
-    weights_in: (
-        P  # gate and up: as stored, but gathered over FSDP axes the tokens are not split over
-    )
+    # gate and up: as stored, but gathered over the FSDP axes the tokens are not split over
+    weights_in: P
     weights_out: P  # down: likewise
     biases: P | None  # gate's and up's biases, if any
     par: Parallelism
