@@ -76,6 +76,17 @@ _DEEPSEEK = dict(
     n_group=1,
     topk_group=1,
 )
+# DeepSeek-V3.2 shapes: DeepSeek-V3's, with a lightning indexer of 16 heads of 16 (its first 8
+# dims rotated by halves, the attention's interleaved) choosing 4 keys per query, fewer than
+# the 12 tokens, so the choice changes the logits.
+_DEEPSEEK_V32 = dict(
+    **{**_DEEPSEEK, "n_group": 1, "topk_group": 1},
+    q_lora_rank=24,
+    index_n_heads=16,
+    index_head_dim=16,
+    index_topk=4,
+    rope_parameters=dict(rope_type="default", rope_theta=10000.0),
+)
 # GLM-4.5 shapes: grouped-query attention with q/k/v biases and partial RoPE, DeepSeek-V3's
 # router (sigmoid scores, correction bias, shared expert), a first dense layer.
 _GLM4_MOE = dict(
@@ -387,6 +398,7 @@ CASES: dict[str, tuple[str, dict, dict]] = {
         ),
         dict(layout="legacy", dtype="bfloat16", seed=15),
     ),
+    "deepseek_v32_indexer_top4_v5": ("deepseek_v32", _DEEPSEEK_V32, dict(layout="v5", seed=100)),
     "gpt_oss_window_sinks_yarn_v5": ("gpt_oss", _GPT_OSS, dict(layout="v5", seed=2)),
     "qwen3_next_hybrid_moe_v5": ("qwen3_next", _QWEN3_NEXT, dict(layout="v5", seed=16)),
 }
@@ -499,6 +511,8 @@ def write_generation(model_dir: Path, max_new_tokens: int = MAX_NEW_TOKENS) -> N
     model = AutoModelForCausalLM.from_pretrained(
         model_dir, dtype=torch.float32, attn_implementation="eager"
     ).eval()
+    margins: list[float] = []
+    _indexer_margins(model, torch, margins)
     cases = []
     for prompt in PROMPTS:
         ids = tokenizer(prompt)["input_ids"]
@@ -507,6 +521,8 @@ def write_generation(model_dir: Path, max_new_tokens: int = MAX_NEW_TOKENS) -> N
                 torch.tensor([ids]), max_new_tokens=max_new_tokens, do_sample=False
             )
         cases.append({"prompt": prompt, "prompt_ids": ids, "new_ids": out[0, len(ids) :].tolist()})
+    if margins and min(margins) < 1e-4:  # an indexer's choice rounding could flip
+        raise SystemExit(f"{model_dir}: an index score is within {min(margins):.1e}; reseed")
     result = {"max_new_tokens": max_new_tokens, "cases": cases}
     (model_dir / "generate.json").write_text(json.dumps(result, indent=1) + "\n")
 
@@ -538,10 +554,11 @@ def _router_margins(model, torch) -> list[float] | None:
                 _top_k_gap(output[at], router.top_k)
             )
         )
-    kinds = ("DeepseekV3TopkRouter", "Glm4MoeTopkRouter")  # the same router
+    _indexer_margins(model, torch, margins)
+    kinds = ("DeepseekV3TopkRouter", "Glm4MoeTopkRouter", "DeepseekV32TopkRouter")  # the same
     routers = [m for m in model.modules() if type(m).__name__ in kinds]
     if not routers:
-        return margins if top_k_of_logits else None
+        return margins if top_k_of_logits or margins else None
 
     def record(router, inputs, output):
         _, _, chosen = output
@@ -567,6 +584,37 @@ def _router_margins(model, torch) -> list[float] | None:
             bias.copy_(0.1 * torch.randn_like(bias))
         router.register_forward_hook(record)
     return margins
+
+
+def _indexer_margins(model, torch, margins: list[float]) -> None:
+    """DeepSeek sparse attention's indexers (DeepseekV32Indexer and its subclasses): while one
+    runs, its top-k call records the smallest gap between a query's k-th and (k+1)-th index
+    score, among queries with more than k visible keys (the masked ones are at finfo.min or
+    -inf), so that rounding cannot change a choice in our port."""
+    indexers = [m for m in model.modules() if type(m).__name__.endswith("Indexer")]
+    if not indexers:
+        return
+    running: list[bool] = []
+    topk = torch.Tensor.topk
+
+    def recording_topk(scores, k, *args, **kwargs):
+        if running and k < scores.shape[-1]:
+            ranked = scores.detach().float().sort(-1, descending=True)[0]
+            choice = (ranked[..., k] > -1e30) & (ranked[..., k - 1] > -1e30)
+            if choice.any():
+                margins.append(float((ranked[..., k - 1] - ranked[..., k])[choice].min()))
+        return topk(scores, k, *args, **kwargs)
+
+    def enter(*_) -> None:
+        running.append(True)
+
+    def leave(*_) -> None:  # a hook's return value would replace the output
+        running.pop()
+
+    torch.Tensor.topk = recording_topk
+    for indexer in indexers:
+        indexer.register_forward_pre_hook(enter)
+        indexer.register_forward_hook(leave)
 
 
 def _top_k_gap(scores, k: int) -> float:

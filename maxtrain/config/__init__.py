@@ -37,6 +37,7 @@ from maxtrain.config.loading import (
 from maxtrain.config.lora import LoraConfig
 from maxtrain.config.model import (
     AttentionTemperature,
+    IndexerConfig,
     LinearAttention,
     MlaConfig,
     ModelConfig,
@@ -82,6 +83,7 @@ __all__ = [
     "MeshAxes",
     "MeshConfig",
     "ModelConfig",
+    "IndexerConfig",
     "MlaConfig",
     "MoeConfig",
     "MtpConfig",

@@ -31,6 +31,20 @@ class MtpConfig(Section):
     loss_weight: NonNegativeFloat = 0.3
 
 
+class IndexerConfig(Section):
+    """The lightning indexer of DeepSeek sparse attention (layers/indexer.py): `heads` cheap
+    query heads of `head_dim` against one key per token, scored sum_h w_h relu(q_h . k), pick
+    each query's `top_k` keys, over which multi-head latent attention runs. Its queries come
+    from the query latent (mla.q_lora_rank); its first qk_rope_head_dim dims are rotated."""
+
+    heads: PositiveInt = 64
+    head_dim: PositiveInt = 128
+    top_k: PositiveInt = 2048
+    # RoPE pairing of the indexer's rotary dims: DeepSeek-V3.2 rotates halves (false), GLM-5
+    # interleaved pairs (true), whatever the attention's own pairing (model.rope.interleaved).
+    rope_interleaved: bool = False
+
+
 class MlaConfig(Section):
     """Multi-head latent attention (DeepSeek-V2/V3; layers/mla.py): queries and keys/values
     through low-rank latents; each head's query/key is a per-head part without position plus a
@@ -41,10 +55,30 @@ class MlaConfig(Section):
     qk_nope_head_dim: int = Field(gt=0)  # per head, without position
     qk_rope_head_dim: int = Field(gt=0, multiple_of=2)  # rotary part (key shared by all heads)
     v_head_dim: int = Field(gt=0)  # value head size; may differ from the query/key head size
+    # DeepSeek sparse attention (DeepSeek-V3.2, GLM-5): each query attends to the top_k keys
+    # a lightning indexer picks (layers/indexer.py); null: every causal key.
+    indexer: IndexerConfig | None = None
 
     @property
     def qk_head_dim(self) -> int:
         return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @model_validator(mode="after")
+    def _check_indexer(self) -> MlaConfig:
+        """The indexer reads the query latent and rotates the attention's rotary dims."""
+        if self.indexer is None:
+            return self
+        if self.q_lora_rank is None:
+            raise ValueError(
+                "model.mla.indexer needs model.mla.q_lora_rank (its queries come from the "
+                "query latent); set it"
+            )
+        if self.indexer.head_dim < self.qk_rope_head_dim:
+            raise ValueError(
+                f"model.mla.indexer.head_dim ({self.indexer.head_dim}) must be at least "
+                f"model.mla.qk_rope_head_dim ({self.qk_rope_head_dim}), the dims it rotates"
+            )
+        return self
 
 
 class LinearAttention(Section):

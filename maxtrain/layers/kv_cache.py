@@ -134,9 +134,13 @@ class LatentCache(NamedTuple):
     all heads share (Rr = qk_rope_head_dim), side by side. Decoding attends from it directly,
     as one key/value head (layers/mla.py `cached`), so no per-head key or value is kept:
     R + Rr elements per position, against N x (qk_head_dim + v_head_dim) for keys and values.
-    Not split over `tensor`: every head reads all of it."""
+    Not split over `tensor`: every head reads all of it. With DeepSeek sparse attention
+    (model.mla.indexer) each position also keeps its index key (Hi = indexer.head_dim) after
+    them, which the indexer scores new queries against (layers/indexer.py)."""
 
-    key: jax.Array  # [..., B, S, R + Rr]: [latent | rotary key]; its first R dims are the value
+    # [..., B, S, R + Rr (+ Hi)]: [latent | rotary key (| index key)]; its first R dims are
+    # the value
+    key: jax.Array
 
     axes = ("layers", "batch", None, None)
 
@@ -144,10 +148,12 @@ class LatentCache(NamedTuple):
     def zeros(cls, cfg: ModelConfig, layers: int, batch: int, length: int, dtype) -> LatentCache:
         assert cfg.mla is not None  # built only for a model with model.mla
         width = cfg.mla.kv_lora_rank + cfg.mla.qk_rope_head_dim
+        if cfg.mla.indexer is not None:
+            width += cfg.mla.indexer.head_dim
         return cls(jnp.zeros((layers, batch, length, width), dtype))
 
     def write(self, key: jax.Array, positions: jax.Array) -> LatentCache:
-        """The cache with key [B, T, R + Rr] stored at positions [B, T] (consecutive per row)."""
+        """The cache with key [B, T, width] stored at positions [B, T] (consecutive per row)."""
         return LatentCache(_write_rows(self.key, key, positions, self.axes[1:]))
 
 

@@ -26,6 +26,12 @@ the latents themselves (the value head: c), and W_uv maps the result to the head
 That is multi-query attention over R + Rr dims per position, and runs on the same cached kernel
 as grouped-query attention. Nothing per head is ever made for the cached positions: a step
 reads the cache once, not kv_b's N x (nope + V) outputs for every position.
+
+DeepSeek sparse attention (model.mla.indexer: DeepSeek-V3.2, GLM-5): a lightning indexer
+(layers/indexer.py) scores every visible key per query and each query attends to its top_k
+only. Training and generation alike then run the absorbed form over the gathered
+[c | k_rope] of the chosen positions (kernels/sparse_attention.py): T x top_k x (R + Rr) per
+head, where expanding per-head keys first would make N x (nope + V) per chosen key.
 """
 
 from __future__ import annotations
@@ -38,9 +44,11 @@ from flax import nnx
 
 from maxtrain.config import ModelConfig
 from maxtrain.kernels.attention import attention_kernel
-from maxtrain.kernels.xla_attention import cached_attention, head_max_logit
+from maxtrain.kernels.sparse_attention import gathered_attention, top_k_keys
+from maxtrain.kernels.xla_attention import cached_attention, head_max_logit, visible_keys
 from maxtrain.layers.attention import AttentionCounts
 from maxtrain.layers.base import Projection
+from maxtrain.layers.indexer import LightningIndexer
 from maxtrain.layers.kv_cache import LatentCache
 from maxtrain.layers.norms import RMSNorm
 from maxtrain.layers.rope import Rope
@@ -61,6 +69,9 @@ class MLA(nnx.Module):
         q = D * N * H if m.q_lora_rank is None else m.q_lora_rank * (D + N * H)
         latent = m.kv_lora_rank + m.qk_rope_head_dim
         kv_b = N * (m.qk_nope_head_dim + V)
+        if m.indexer is not None:  # its query, key and head weights
+            i = m.indexer
+            q += (m.q_lora_rank or 0) * i.heads * i.head_dim + D * (i.head_dim + i.heads)
         return AttentionCounts(
             matmul_params=q + D * latent + m.kv_lora_rank * kv_b + N * V * D,
             qk_width=N * H,
@@ -106,6 +117,7 @@ class MLA(nnx.Module):
         self.o = Projection("btnh,nhd->btd", (N, m.v_head_dim, D), (*heads, "embed"), **kw)
         self.dims = (m.kv_lora_rank, m.qk_nope_head_dim)  # where the fused outputs split
         self.rope = Rope(m.qk_rope_head_dim, cfg.rope.theta, cfg.rope.scaling, cfg.rope.interleaved)
+        self.indexer = LightningIndexer(spec, rngs=rngs) if m.indexer is not None else None
         # the kernel, picked once; with compute.attention_max_logit it gives each head's max logit
         self.max_logit = spec.compute.attention_max_logit
         self.attend = attention_kernel(spec.compute.attention, max_logit=self.max_logit)
@@ -117,8 +129,14 @@ class MLA(nnx.Module):
         other attention kinds with model.mla). With compute.attention_max_logit: (that, each
         head's largest logit [N])."""
         _, nope = self.dims
-        q = self._query(x, positions)  # [B, T, N, H]
+        q, q_resid = self._query(x, positions)  # [B, T, N, H]
         latent, k_rope = self._latent(x, positions)
+        if self.indexer is not None:
+            index = jnp.arange(x.shape[1])
+            visible = visible_keys(index, index, segment_ids, segment_ids)  # [B, T, T]
+            key = jnp.concatenate([latent, k_rope[:, :, 0]], axis=-1)
+            index_keys = self.indexer.keys(x, positions)
+            return self._sparse(x, q, q_resid, positions, key, index_keys, visible)
         kv = self.kv_b(latent)  # [B, T, N, nope + V]
         kv = constrain(kv, ("batch", "length", "heads", "head_dim"))
         k_nope, v = jnp.split(kv, [nope], axis=-1)
@@ -138,34 +156,76 @@ class MLA(nnx.Module):
         [latent | rotary key] are written into the layer's cache at their positions ([B, T],
         consecutive per row), and the queries attend over the cache in the absorbed form (module
         docstring). Same projections, norms and RoPE as the training path."""
-        rank, nope = self.dims
-        q = self._query(x, positions)  # [B, T, N, nope + Rr]
+        rank, _ = self.dims
+        q, q_resid = self._query(x, positions)  # [B, T, N, nope + Rr]
         latent, k_rope = self._latent(x, positions)
-        cache = cache.write(jnp.concatenate([latent, k_rope[:, :, 0]], axis=-1), positions)
-        w_uk, w_uv = jnp.split(self.kv_b.kernel[...].astype(q.dtype), [nope], axis=-1)
-        q_latent = jnp.einsum("btnh,rnh->btnr", q[..., :nope], w_uk)  # [B, T, N, R]
-        # The kernel divides scores by sqrt of the query's size, R + Rr; the model's scale is
-        # 1/sqrt(nope + Rr).
-        rescale = math.sqrt(q_latent.shape[-1] + k_rope.shape[-1]) / math.sqrt(q.shape[-1])
-        query = jnp.concatenate([q_latent, q[..., nope:]], axis=-1) * jnp.asarray(rescale, q.dtype)
-        query = constrain(query, ("batch", "length", "heads", None))
-        key = cache.key[:, :, None, :]  # [B, S, 1, R + Rr]: one key head for all query heads
+        new = [latent, k_rope[:, :, 0]]
+        if self.indexer is not None:
+            new.append(self.indexer.keys(x, positions))
+        cache = cache.write(jnp.concatenate(new, axis=-1), positions)
+        width = rank + k_rope.shape[-1]
+        key, index_keys = cache.key[..., :width], cache.key[..., width:]
+        if self.indexer is not None:
+            stored = jnp.arange(key.shape[1], dtype=positions.dtype)
+            visible = visible_keys(positions, stored)  # [B, T, S]
+            return self._sparse(x, q, q_resid, positions, key, index_keys, visible), cache
+        query, w_uv = self._absorbed(q)
+        key = key[:, :, None, :]  # [B, S, 1, R + Rr]: one key head for all query heads
         out = cached_attention(query, key, key[..., :rank], positions)  # [B, T, N, R]
         return self.o(jnp.einsum("btnr,rnv->btnv", out, w_uv)), cache
 
-    def _query(self, x: jax.Array, positions: jax.Array) -> jax.Array:
-        """Queries [B, T, N, nope + Rr] of x [B, T, D]: the rotary part rotated, the whole
-        scaled by YaRN's softmax factor."""
+    def _sparse(
+        self,
+        x: jax.Array,
+        q: jax.Array,
+        q_resid: jax.Array,
+        positions: jax.Array,
+        key: jax.Array,
+        index_keys: jax.Array,
+        visible: jax.Array,
+    ) -> jax.Array:
+        """DeepSeek sparse attention, training's and generation's: queries q [B, T, N, H]
+        (query latent q_resid) over keys key [B, S, R + Rr] ([latent | rotary key]) with index
+        keys [B, S, Hi], each query reading only the top_k of its `visible` [B, T, S] keys the
+        indexer scores highest, in the absorbed form (module docstring) -> [B, T, D]."""
+        assert self.indexer is not None
+        scores = self.indexer.scores(x, q_resid, positions, index_keys)  # [B, T, S]
+        indices, valid = top_k_keys(scores, visible, self.indexer.top_k)
+        query, w_uv = self._absorbed(q)
+        rank, _ = self.dims
+        key = key[:, :, None, :]  # one key head for all query heads
+        out = gathered_attention(query, key, key[..., :rank], indices, valid)  # [B, T, N, R]
+        return self.o(jnp.einsum("btnr,rnv->btnv", out, w_uv))
+
+    def _absorbed(self, q: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """Queries q [B, T, N, nope + Rr] -> (the absorbed queries [B, T, N, R + Rr] that score
+        [latent | rotary key] directly, W_uv [R, N, V] that takes the attended latents to each
+        head's values): the module docstring's form."""
+        rank, nope = self.dims
+        w_uk, w_uv = jnp.split(self.kv_b.kernel[...].astype(q.dtype), [nope], axis=-1)
+        q_latent = jnp.einsum("btnh,rnh->btnr", q[..., :nope], w_uk)  # [B, T, N, R]
+        # The kernels divide scores by sqrt of the query's size, R + Rr; the model's scale is
+        # 1/sqrt(nope + Rr).
+        rope_dims = q.shape[-1] - nope
+        rescale = math.sqrt(rank + rope_dims) / math.sqrt(q.shape[-1])
+        query = jnp.concatenate([q_latent, q[..., nope:]], axis=-1) * jnp.asarray(rescale, q.dtype)
+        return constrain(query, ("batch", "length", "heads", None)), w_uv
+
+    def _query(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array | None]:
+        """(queries [B, T, N, nope + Rr] of x [B, T, D]: the rotary part rotated, the whole
+        scaled by YaRN's softmax factor; the normalised query latent [B, T, r] the indexer
+        reads, None without q_lora_rank)."""
         _, nope = self.dims
         if self.q is not None:
-            q = self.q(x)
+            q, q_resid = self.q(x), None
         else:
-            q = self.q_b(self.q_norm(self.q_a(x)))
+            q_resid = self.q_norm(self.q_a(x))
+            q = self.q_b(q_resid)
         q = constrain(q, ("batch", "length", "heads", "head_dim"))  # [B, T, N, H]
         q = jnp.concatenate([q[..., :nope], self.rope(q[..., nope:], positions)], axis=-1)
         if self.rope.softmax_factor != 1.0:
             q = q * jnp.asarray(self.rope.softmax_factor, q.dtype)
-        return q
+        return q, q_resid
 
     def _latent(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
         """(normalised latent c [B, T, R], rotated rotary key [B, T, 1, Rr], one for all

@@ -1,4 +1,5 @@
-"""RMSNorm, computed in float32 whatever the compute dtype (variance of bf16 is too coarse).
+"""RMSNorm (and the indexer's LayerNorm), computed in float32 whatever the compute dtype
+(variance of bf16 is too coarse).
 
 Gemma's variant (`plus_one`, model.norm_scale_plus_one) scales by 1 + w with w starting at 0,
 where Llama's scales by w starting at 1: the same function at initialisation, different stored
@@ -45,3 +46,26 @@ class RMSNorm(nnx.Module):
         if self.scale is not None:
             normed = normed * (self.offset + self.scale[...].astype(jnp.float32))
         return normed.astype(x.dtype)
+
+
+class LayerNorm(nnx.Module):
+    """(x - mean) / std times a learned scale plus a learned bias, in float32 (torch's
+    nn.LayerNorm): the lightning indexer's key norm (layers/indexer.py), where RMSNorm is
+    everyone else's."""
+
+    def __init__(self, dim: int, *, eps: float, param_dtype: jnp.dtype):
+        self.eps = eps
+        self.scale = nnx.Param(
+            jnp.ones((dim,), param_dtype), out_sharding=("norm",), eager_sharding=False
+        )
+        self.bias = nnx.Param(
+            jnp.zeros((dim,), param_dtype), out_sharding=("norm",), eager_sharding=False
+        )
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x32 = x.astype(jnp.float32)
+        centred = x32 - jnp.mean(x32, axis=-1, keepdims=True)
+        variance = jnp.mean(centred * centred, axis=-1, keepdims=True)
+        normed = centred * jax.lax.rsqrt(variance + self.eps)
+        scaled = normed * self.scale[...].astype(jnp.float32) + self.bias[...].astype(jnp.float32)
+        return scaled.astype(x.dtype)

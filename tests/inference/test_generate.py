@@ -63,6 +63,8 @@ HYBRID = (
             "model.layers=[global-dense, sliding-moe, global-moe, sliding-moe]", *WINDOW_3,
         ),
         ("model_name=tiny-mla",),
+        # DeepSeek sparse attention: 3 keys per query of the 12, from the cache's index keys
+        ("model_name=tiny-mla", "model.mla.indexer={heads: 4, head_dim: 16, top_k: 3}"),
         # Every layer sliding (Mistral); sliding and global alternating in one stack; Llama 4's
         # chunked layers, chunks of 4, beside its nope layers.
         ("model.layers=[sliding-dense]", *WINDOW_3),
@@ -73,8 +75,8 @@ HYBRID = (
         ("model.layers=[linear-dense, global-dense]", *LINEAR),
     ],
     ids=[
-        "dense-qk-norm", "moe-after-dense-mixed", "mla", "window", "window-mixed", "chunk",
-        "hybrid-moe", "hybrid-alternating",
+        "dense-qk-norm", "moe-after-dense-mixed", "mla", "mla-sparse", "window", "window-mixed",
+        "chunk", "hybrid-moe", "hybrid-alternating",
     ],
 )  # fmt: skip
 def test_cached_decode_equals_the_full_forward(make_cfg, overrides):
@@ -220,6 +222,9 @@ def test_greedy_generation_of_a_hybrid_model_follows_its_training_forward(make_c
         # with rotate-half pairs.
         ("deepseek_v3_q_lora_yarn_v5", ["--devices", "1"]),
         ("deepseek_v3_plain_q_half_rope_legacy", ["mesh.fsdp=4", "mesh.tensor=2"]),
+        # DeepSeek-V3.2's sparse attention: each query reads the 4 keys its indexer picks from
+        # the cache's index keys, prompts of 1 to 29 tokens and 16 new ones, over 8 devices.
+        ("deepseek_v32_indexer_top4_v5", ["mesh.fsdp=4", "mesh.tensor=2"]),
         # GLM-4.5: q/k/v biases, qk-norm, a quarter of each head rotated, sigmoid routing with
         # a shared expert after a dense layer; 16 new tokens, weights split over fsdp x tensor.
         ("glm4_moe_qk_norm_quarter_rope_v5", ["mesh.fsdp=4", "mesh.tensor=2"]),

@@ -62,7 +62,11 @@ class LatentAttention(Aspect):
         }
 
     def unexpressed(self, cfg: ModelConfig) -> list[str]:
-        return [] if cfg.mla else ["model.mla=null (its attention is multi-head latent)"]
+        if cfg.mla is None:
+            return ["model.mla=null (its attention is multi-head latent)"]
+        if cfg.mla.indexer is not None:  # deepseek_v32.py's
+            return ["model.mla.indexer=set (DeepSeek sparse attention: deepseek_v32)"]
+        return []
 
 
 FAMILY = Family(

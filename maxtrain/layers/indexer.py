@@ -1,0 +1,72 @@
+"""The lightning indexer of DeepSeek sparse attention (DeepSeek-V3.2, GLM-5): cheap scores that
+pick the keys each query's multi-head latent attention reads (layers/mla.py).
+
+    queries  q_resid (the query latent) -> q    [B, T, I, Hi]   I index heads
+    key      x -> k -> LayerNorm                [B, T, Hi]      one key for all index heads
+    weights  x -> weights * I^-1/2              [B, T, I]
+    score    s[t, s'] = sum_i w[t, i] relu(q[t, i] . k[s'] / sqrt(Hi))
+
+The first qk_rope_head_dim dims of q and k are rotated (by halves in DeepSeek-V3.2, interleaved
+pairs in GLM-5: model.mla.indexer.rope_interleaved), the rest carry no position. Scoring is
+T x S like dense attention's, but with a few small heads and no softmax or value; the expensive
+attention then runs over each query's top_k keys only (kernels/sparse_attention.py).
+
+The scores follow transformers' DeepseekV32Indexer in float32; the FP8 quantisation and the
+Hadamard rotation of DeepSeek's kernels are left out (the rotation preserves dot products).
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from maxtrain.layers.base import Projection
+from maxtrain.layers.norms import LayerNorm
+from maxtrain.layers.rope import Rope
+from maxtrain.layers.spec import ModelSpec
+from maxtrain.parallel.mesh import constrain
+
+# The key LayerNorm's epsilon, fixed in DeepSeek's reference code and transformers.
+KEY_NORM_EPS = 1e-6
+
+
+class LightningIndexer(nnx.Module):
+    def __init__(self, spec: ModelSpec, *, rngs: nnx.Rngs):
+        cfg = spec.model
+        m = cfg.mla
+        assert m is not None and m.indexer is not None and m.q_lora_rank is not None
+        heads, dim = m.indexer.heads, m.indexer.head_dim
+        kw = spec.projection(rngs)
+        self.q = Projection(
+            "btr,rnh->btnh", (m.q_lora_rank, heads, dim), ("latent", "heads", "head_dim"), **kw
+        )
+        self.k = Projection("btd,dh->bth", (cfg.emb_dim, dim), ("embed", "head_dim"), **kw)
+        self.k_norm = LayerNorm(dim, eps=KEY_NORM_EPS, param_dtype=spec.param_dtype)
+        self.weights = Projection("btd,dn->btn", (cfg.emb_dim, heads), ("embed", "heads"), **kw)
+        self.rope = Rope(
+            m.qk_rope_head_dim, cfg.rope.theta, cfg.rope.scaling, m.indexer.rope_interleaved
+        )
+        self.top_k = m.indexer.top_k
+
+    def keys(self, x: jax.Array, positions: jax.Array) -> jax.Array:
+        """x [B, T, D] -> each token's index key [B, T, Hi], normalised and rotated: what
+        generation caches beside the latents."""
+        k = self.k_norm(self.k(x))
+        return self.rope(k[:, :, None, :], positions)[:, :, 0]
+
+    def scores(
+        self, x: jax.Array, q_resid: jax.Array, positions: jax.Array, keys: jax.Array
+    ) -> jax.Array:
+        """Index scores [B, T, S] (float32) of queries x [B, T, D] with query latent q_resid
+        [B, T, r] at positions [B, T] against index keys [B, S, Hi]."""
+        q = self.rope(self.q(q_resid), positions)  # [B, T, I, Hi]
+        q = constrain(q, ("batch", "length", "heads", "head_dim"))
+        heads, dim = q.shape[-2:]
+        logits = jnp.einsum(
+            "btnh,bsh->btns", q, keys.astype(q.dtype), preferred_element_type=jnp.float32
+        )
+        weights = self.weights(x).astype(jnp.float32) / math.sqrt(heads)
+        return jnp.einsum("btn,btns->bts", weights, jax.nn.relu(logits / math.sqrt(dim)))
