@@ -43,6 +43,13 @@ class IndexerConfig(Section):
     # RoPE pairing of the indexer's rotary dims: DeepSeek-V3.2 rotates halves (false), GLM-5
     # interleaved pairs (true), whatever the attention's own pairing (model.rope.interleaved).
     rope_interleaved: bool = False
+    # The training stage (docs/deepseek.md). warmup: attention stays dense and only the
+    # indexer trains (the rest frozen, read from checkpoint.load_parameters_path), towards the
+    # attention's distribution over the visible keys; sparse: attention over the chosen keys,
+    # the indexer towards the distribution over them. Either way its input is detached: its
+    # KL loss alone trains it, and it never trains the rest of the model.
+    stage: Literal["warmup", "sparse"] = "sparse"
+    loss_weight: NonNegativeFloat = 1.0  # times the KL (mean over tokens and layers)
 
 
 class MlaConfig(Section):

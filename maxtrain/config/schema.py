@@ -100,6 +100,12 @@ class Config(Section):
                 f"train.grpo.kl={grpo.kl} needs checkpoint.load_parameters_path: the model to "
                 "tune, the reference the penalty measures the policy against"
             )
+        indexer = self.model.mla.indexer if self.model.mla else None
+        if indexer and indexer.stage == "warmup" and not self.checkpoint.load_parameters_path:
+            raise ValueError(
+                "model.mla.indexer.stage=warmup needs checkpoint.load_parameters_path: the "
+                "model whose attention the indexer learns, held frozen"
+            )
         if self.train.task == "dpo" and not self.checkpoint.load_parameters_path:
             raise ValueError(
                 "train.task=dpo needs checkpoint.load_parameters_path: the model to tune, whose "

@@ -31,6 +31,9 @@ from maxtrain.parallel.mesh import constrain
 
 # The key LayerNorm's epsilon, fixed in DeepSeek's reference code and transformers.
 KEY_NORM_EPS = 1e-6
+# A layer's training statistics (models/indexer_training.py): its KL summed over the real
+# tokens, and their count.
+INDEXER_KL, INDEXER_TOKENS = "indexer_kl", "indexer_tokens"
 
 
 class LightningIndexer(nnx.Module):
@@ -70,3 +73,20 @@ class LightningIndexer(nnx.Module):
         )
         weights = self.weights(x).astype(jnp.float32) / math.sqrt(heads)
         return jnp.einsum("btn,btns->bts", weights, jax.nn.relu(logits / math.sqrt(dim)))
+
+
+def attention_target(scores: jax.Array, mask: jax.Array) -> jax.Array:
+    """What the indexer learns (DeepSeek-V3.2, sec. 2.1): the attention's probabilities from
+    its scores [B, T, N, S] (float32, scaled) over the keys `mask` [B, T, S] allows, summed
+    over heads and L1-normalised (the heads' mean) -> [B, T, S], a constant."""
+    scores = jnp.where(mask[:, :, None], scores, jnp.finfo(jnp.float32).min)
+    return jax.lax.stop_gradient(jnp.mean(jax.nn.softmax(scores, axis=-1), axis=2))
+
+
+def indexer_kl(target: jax.Array, index_scores: jax.Array, mask: jax.Array) -> jax.Array:
+    """Per query [B, T]: KL(target || softmax of the index scores) over the keys `mask`
+    [B, T, S] allows (target and scores [B, T, S], float32); keys the target gives no weight
+    add nothing."""
+    log_q = jax.nn.log_softmax(jnp.where(mask, index_scores, jnp.finfo(jnp.float32).min), -1)
+    terms = target * (jnp.log(jnp.where(target > 0, target, 1.0)) - log_q)
+    return jnp.sum(jnp.where(mask & (target > 0), terms, 0.0), axis=-1)

@@ -44,11 +44,17 @@ from flax import nnx
 
 from maxtrain.config import ModelConfig
 from maxtrain.kernels.attention import attention_kernel
-from maxtrain.kernels.sparse_attention import gathered_attention, top_k_keys
+from maxtrain.kernels.sparse_attention import gather_keys, gathered_attention, top_k_keys
 from maxtrain.kernels.xla_attention import cached_attention, head_max_logit, visible_keys
 from maxtrain.layers.attention import AttentionCounts
 from maxtrain.layers.base import Projection
-from maxtrain.layers.indexer import LightningIndexer
+from maxtrain.layers.indexer import (
+    INDEXER_KL,
+    INDEXER_TOKENS,
+    LightningIndexer,
+    attention_target,
+    indexer_kl,
+)
 from maxtrain.layers.kv_cache import LatentCache
 from maxtrain.layers.norms import RMSNorm
 from maxtrain.layers.rope import Rope
@@ -118,36 +124,72 @@ class MLA(nnx.Module):
         self.dims = (m.kv_lora_rank, m.qk_nope_head_dim)  # where the fused outputs split
         self.rope = Rope(m.qk_rope_head_dim, cfg.rope.theta, cfg.rope.scaling, cfg.rope.interleaved)
         self.indexer = LightningIndexer(spec, rngs=rngs) if m.indexer is not None else None
+        self.warmup = m.indexer is not None and m.indexer.stage == "warmup"
         # the kernel, picked once; with compute.attention_max_logit it gives each head's max logit
         self.max_logit = spec.compute.attention_max_logit
         self.attend = attention_kernel(spec.compute.attention, max_logit=self.max_logit)
 
     def __call__(
         self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array, kind: int = 0
-    ) -> jax.Array | tuple[jax.Array, jax.Array]:
+    ) -> jax.Array | tuple[jax.Array, jax.Array | dict[str, jax.Array]]:
         """x [B, T, D] -> [B, T, D]. Every MLA layer is global (`kind` 0: the config refuses
         other attention kinds with model.mla). With compute.attention_max_logit: (that, each
-        head's largest logit [N])."""
-        _, nope = self.dims
+        head's largest logit [N]); with model.mla.indexer: (that, the indexer's statistics)."""
         q, q_resid = self._query(x, positions)  # [B, T, N, H]
         latent, k_rope = self._latent(x, positions)
         if self.indexer is not None:
-            index = jnp.arange(x.shape[1])
-            visible = visible_keys(index, index, segment_ids, segment_ids)  # [B, T, T]
-            key = jnp.concatenate([latent, k_rope[:, :, 0]], axis=-1)
-            index_keys = self.indexer.keys(x, positions)
-            return self._sparse(x, q, q_resid, positions, key, index_keys, visible)
+            return self._indexed(x, q, q_resid, latent, k_rope, positions, segment_ids)
+        out = self._dense(q, latent, k_rope, segment_ids)
+        if self.max_logit:  # each head's over the batch, padding left out
+            out, row_max = out
+            return self.o(out), head_max_logit(row_max, segment_ids)
+        return self.o(out)
+
+    def _dense(
+        self, q: jax.Array, latent: jax.Array, k_rope: jax.Array, segment_ids: jax.Array
+    ) -> jax.Array | tuple[jax.Array, jax.Array]:
+        """Every head's keys and values from the latent, and the attention kernel over all
+        visible keys -> [B, T, N, V] (and the kernel's row max with attention_max_logit)."""
+        _, nope = self.dims
         kv = self.kv_b(latent)  # [B, T, N, nope + V]
         kv = constrain(kv, ("batch", "length", "heads", "head_dim"))
         k_nope, v = jnp.split(kv, [nope], axis=-1)
         k = jnp.concatenate(
             [k_nope, jnp.broadcast_to(k_rope, (*k_nope.shape[:3], k_rope.shape[-1]))], -1
         )
-        out = self.attend(q, k, v, segment_ids)  # [B, T, N, V]
-        if self.max_logit:  # each head's over the batch, padding left out
-            out, row_max = out
-            return self.o(out), head_max_logit(row_max, segment_ids)
-        return self.o(out)
+        return self.attend(q, k, v, segment_ids)  # [B, T, N, V]
+
+    def _indexed(self, x, q, q_resid, latent, k_rope, positions, segment_ids):
+        """Training's DeepSeek sparse attention -> (output [B, T, D], the indexer's KL summed
+        over the real tokens and their count). The indexer reads x and the query latent
+        detached, so that its loss alone trains it. Stage warmup: the attention dense, the
+        KL to its distribution over every visible key; sparse: the attention over the top_k
+        keys, the KL over them."""
+        assert self.indexer is not None
+        index = jnp.arange(x.shape[1])
+        visible = visible_keys(index, index, segment_ids, segment_ids)  # [B, T, T]
+        key = jnp.concatenate([latent, k_rope[:, :, 0]], axis=-1)  # [B, T, R + Rr]
+        x_in, q_in = jax.lax.stop_gradient(x), jax.lax.stop_gradient(q_resid)
+        index_keys = self.indexer.keys(x_in, positions)
+        scores = self.indexer.scores(x_in, q_in, positions, index_keys)  # [B, T, T]
+        query, w_uv = self._absorbed(q)
+        scale = 1.0 / math.sqrt(query.shape[-1])  # the kernels' (_absorbed)
+        if self.warmup:
+            out = self._dense(q, latent, k_rope, segment_ids)
+            logits = jnp.einsum("btnr,bsr->btns", query, key, preferred_element_type=jnp.float32)
+            kl = indexer_kl(attention_target(logits * scale, visible), scores, visible)
+        else:
+            indices, valid = top_k_keys(scores, visible, self.indexer.top_k)
+            out = self._gathered(query, w_uv, key, indices, valid)
+            chosen = gather_keys(key, indices)  # [B, T, k, R + Rr]
+            logits = jnp.einsum(
+                "btnr,btjr->btnj", query, chosen, preferred_element_type=jnp.float32
+            )
+            target = attention_target(logits * scale, valid)
+            kl = indexer_kl(target, jnp.take_along_axis(scores, indices, -1), valid)
+        real = (segment_ids != 0).astype(jnp.float32)
+        stats = {INDEXER_KL: jnp.sum(kl * real), INDEXER_TOKENS: jnp.sum(real)}
+        return self.o(out), stats
 
     def cached(
         self, x: jax.Array, positions: jax.Array, cache: LatentCache, kind: int = 0
@@ -192,10 +234,15 @@ class MLA(nnx.Module):
         scores = self.indexer.scores(x, q_resid, positions, index_keys)  # [B, T, S]
         indices, valid = top_k_keys(scores, visible, self.indexer.top_k)
         query, w_uv = self._absorbed(q)
+        return self.o(self._gathered(query, w_uv, key, indices, valid))
+
+    def _gathered(self, query, w_uv, key, indices, valid) -> jax.Array:
+        """Absorbed queries [B, T, N, R + Rr] over the chosen of key [B, S, R + Rr] (one key
+        head for all query heads, its latent the value) -> each head's values [B, T, N, V]."""
         rank, _ = self.dims
-        key = key[:, :, None, :]  # one key head for all query heads
+        key = key[:, :, None, :]
         out = gathered_attention(query, key, key[..., :rank], indices, valid)  # [B, T, N, R]
-        return self.o(jnp.einsum("btnr,rnv->btnv", out, w_uv))
+        return jnp.einsum("btnr,rnv->btnv", out, w_uv)
 
     def _absorbed(self, q: jax.Array) -> tuple[jax.Array, jax.Array]:
         """Queries q [B, T, N, nope + Rr] -> (the absorbed queries [B, T, N, R + Rr] that score

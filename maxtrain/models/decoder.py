@@ -139,8 +139,10 @@ class DecoderBlock(nnx.Module):
         )
         self.attn_norm = RMSNorm(cfg.emb_dim, **norm_kw)
         self.mixer_name = kind.mixer_name
-        # Attention's max logits (compute.attention_max_logit) join the block's statistics.
+        # Attention's max logits (compute.attention_max_logit) and its indexer's statistics
+        # (DeepSeek sparse attention, layers/mla.py) join the block's statistics.
         self.max_logit = spec.compute.attention_max_logit and kind.mixer_name == qk_clip.MIXER
+        self.indexer_stats = kind.mixer_name == qk_clip.MIXER and bool(cfg.mla and cfg.mla.indexer)
         setattr(self, kind.mixer_name, kind.make_mixer(spec, rngs=rngs))
         self.mlp_norm = RMSNorm(cfg.emb_dim, **norm_kw)
         self.ffn_name = kind.ffn_name
@@ -153,18 +155,17 @@ class DecoderBlock(nnx.Module):
         self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array, kind: Kind = 0
     ) -> tuple[jax.Array, dict[str, jax.Array]]:
         """Returns the new residual stream [B, T, D] and the feed-forward's statistics (and
-        attention's max logits, qk_clip.MAX_LOGIT [N], where the block reports them); `kind`
-        is the layer's attention kind's index (layers/attention_pattern.py model_kinds)."""
+        attention's, where the block reports them: max logits, qk_clip.MAX_LOGIT [N], or the
+        indexer's); `kind` is the layer's attention kind's index (attention_pattern.py)."""
         mixer = getattr(self, self.mixer_name)
-        attn_out = mixer(self.attn_norm(x), positions, segment_ids, kind)
-        if self.max_logit:
-            attn_out, max_logit = attn_out
+        attn_out, attn_stats = mixer(self.attn_norm(x), positions, segment_ids, kind), {}
+        if self.max_logit or self.indexer_stats:
+            attn_out, attn_stats = attn_out
+            attn_stats = {qk_clip.MAX_LOGIT: attn_stats} if self.max_logit else attn_stats
         x = x + _normed(self.attn_post_norm, attn_out)
         ffn_out, stats = getattr(self, self.ffn_name)(self.mlp_norm(x))
         x = x + _normed(self.mlp_post_norm, ffn_out)
-        if self.max_logit:
-            stats = {**stats, qk_clip.MAX_LOGIT: max_logit}
-        return constrain(x, ("batch", "length", "act_embed")), stats
+        return constrain(x, ("batch", "length", "act_embed")), {**stats, **attn_stats}
 
     def cached(
         self, x: jax.Array, positions: jax.Array, cache: Cache, kind: int = 0

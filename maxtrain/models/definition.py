@@ -21,6 +21,7 @@ from flax import nnx
 from maxtrain.layers.base import ADAPTER_A, ADAPTER_B
 from maxtrain.layers.kv_cache import StackCache
 from maxtrain.layers.spec import ModelSpec
+from maxtrain.models.indexer_training import IndexerTraining
 from maxtrain.models.mtp import MultiTokenTraining
 from maxtrain.models.qk_clip import MAX_LOGIT, QKClip
 from maxtrain.models.router_training import (
@@ -183,6 +184,9 @@ def define(
     )
     if cfg.mtp.depth:
         auxiliary = MultiTokenTraining(auxiliary, cfg.mtp)
+    if cfg.mla is not None and cfg.mla.indexer is not None:
+        indexer = cfg.mla.indexer
+        auxiliary = IndexerTraining(auxiliary, indexer.loss_weight, indexer.stage == "warmup")
     qk_clip = None if qk_clip_threshold is None else QKClip.of(cfg, qk_clip_threshold)
     return ModelDef(
         graphdef,

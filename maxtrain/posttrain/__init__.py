@@ -4,8 +4,9 @@ The loop, the step and the state know only the contracts (training/objectives.py
 training/split.py ParameterSplit). What post-training adds implements them here: DPO's
 objective and frozen reference (dpo.py), GRPO's objective (grpo.py; its rollouts, which sample
 with maxtrain.inference, sit above training in rollout.py), LoRA/QLoRA's adapters on a frozen
-base (lora.py, imported only when asked for: Qwix takes seconds to import), and the merge of a
-split's checkpoint into a plain model (merging.py).
+base (lora.py, imported only when asked for: Qwix takes seconds to import), DeepSeek sparse
+attention's indexer warm-up on a frozen model (indexer_warmup.py), and the merge of a split's
+checkpoint into a plain model (merging.py).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 from maxtrain.config import Config, TrainConfig
 from maxtrain.posttrain.dpo import DPO, ReferenceCopy
 from maxtrain.posttrain.grpo import GRPO
+from maxtrain.posttrain.indexer_warmup import IndexerWarmup
 from maxtrain.training.objectives import NEXT_TOKEN, Objective
 from maxtrain.training.split import ParameterSplit, WholeModel
 
@@ -30,14 +32,17 @@ def objective(train: TrainConfig) -> Objective:
 
 def parameter_split(cfg: Config) -> ParameterSplit:
     """What the run trains and what it holds frozen: adapters on a frozen base (lora.rank > 0),
-    the whole model beside a frozen reference copy (dpo, and grpo with a KL penalty), or the
-    whole model."""
+    the whole model beside a frozen reference copy (dpo, and grpo with a KL penalty), the
+    indexers on a frozen model (DeepSeek sparse attention's warm-up), or the whole model."""
     if cfg.lora.enabled:
         from maxtrain.posttrain.lora import LoraSplit
 
         return LoraSplit(cfg.lora)
     if cfg.train.task == "dpo" or (cfg.train.task == "grpo" and cfg.train.grpo.kl != "none"):
         return ReferenceCopy()
+    indexer = cfg.model.mla.indexer if cfg.model.mla else None
+    if indexer is not None and indexer.stage == "warmup":
+        return IndexerWarmup()
     return WholeModel()
 
 
