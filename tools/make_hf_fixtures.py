@@ -398,6 +398,8 @@ CASES: dict[str, tuple[str, dict, dict]] = {
         ),
         dict(layout="legacy", dtype="bfloat16", seed=15),
     ),
+    # GLM-5: the same shapes; its indexer's rotary dims paired interleaved.
+    "glm_moe_dsa_indexer_top4_v5": ("glm_moe_dsa", _DEEPSEEK_V32, dict(layout="v5", seed=100)),
     "deepseek_v32_indexer_top4_v5": ("deepseek_v32", _DEEPSEEK_V32, dict(layout="v5", seed=100)),
     "gpt_oss_window_sinks_yarn_v5": ("gpt_oss", _GPT_OSS, dict(layout="v5", seed=2)),
     "qwen3_next_hybrid_moe_v5": ("qwen3_next", _QWEN3_NEXT, dict(layout="v5", seed=16)),
@@ -555,7 +557,12 @@ def _router_margins(model, torch) -> list[float] | None:
             )
         )
     _indexer_margins(model, torch, margins)
-    kinds = ("DeepseekV3TopkRouter", "Glm4MoeTopkRouter", "DeepseekV32TopkRouter")  # the same
+    kinds = (  # the same router
+        "DeepseekV3TopkRouter",
+        "Glm4MoeTopkRouter",
+        "DeepseekV32TopkRouter",
+        "GlmMoeDsaTopkRouter",
+    )
     routers = [m for m in model.modules() if type(m).__name__ in kinds]
     if not routers:
         return margins if top_k_of_logits or margins else None

@@ -633,6 +633,11 @@ BAD_IMPORTS = {
         lambda d: edit_config(d, layer_types=["sliding_attention"] * 3 + ["full_attention"]),
         "layer_types holds 'sliding_attention'; supported: linear_attention, full_attention",
     ),
+    "a GLM-5 layer sharing the previous layer's top-k": (
+        "glm_moe_dsa_indexer_top4_v5",
+        lambda d: edit_config(d, indexer_types=["full", "shared", "full"]),
+        "layers [1] reuse the previous layer's top-k (indexer_types 'shared'): not supported",
+    ),
     "layer_types of another length": (
         "gpt_oss_window_sinks_yarn_v5",
         lambda d: edit_config(d, layer_types=["sliding_attention", "full_attention"]),

@@ -225,6 +225,7 @@ def test_greedy_generation_of_a_hybrid_model_follows_its_training_forward(make_c
         # DeepSeek-V3.2's sparse attention: each query reads the 4 keys its indexer picks from
         # the cache's index keys, prompts of 1 to 29 tokens and 16 new ones, over 8 devices.
         ("deepseek_v32_indexer_top4_v5", ["mesh.fsdp=4", "mesh.tensor=2"]),
+        ("glm_moe_dsa_indexer_top4_v5", ["--devices", "1"]),  # its indexer's RoPE interleaved
         # GLM-4.5: q/k/v biases, qk-norm, a quarter of each head rotated, sigmoid routing with
         # a shared expert after a dense layer; 16 new tokens, weights split over fsdp x tensor.
         ("glm4_moe_qk_norm_quarter_rope_v5", ["mesh.fsdp=4", "mesh.tensor=2"]),
