@@ -199,6 +199,8 @@ def test_export_reproduces_the_original_files(case, tmp_path):
         "mixtral-8x7b",
         "qwen3-30b-a3b",
         "deepseek-v3-671b",
+        "deepseek-v3.2-671b",
+        "glm-5",
         "kimi-k2-1t",
         "tiny-mla",
         "glm-4.5",

@@ -73,7 +73,10 @@ DESIGNED = [
 ]
 
 ALL_PRESETS = sorted({name for name, *_ in PUBLISHED} | {name for name, _ in DESIGNED})
-MLA_PRESETS = ["deepseek-v3-671b", "kimi-k2-1t", "deepseek-v2-lite-16b", "tiny-mla"]
+MLA_PRESETS = [
+    "deepseek-v3-671b", "kimi-k2-1t", "deepseek-v2-lite-16b", "tiny-mla", "deepseek-v3.2-671b",
+    "glm-5",
+]  # fmt: skip
 GQA_MOE_PRESETS = ["glm-4.5", "glm-4.5-air"]
 LLAMA4_PRESETS = ["llama4-scout-17b-16e"]
 GPT_OSS_PRESETS = ["gpt-oss-120b", "gpt-oss-20b"]
@@ -235,6 +238,9 @@ def mla_moe_closed_form(m: ModelConfig) -> tuple[int, int]:
     kv = d * (a.kv_lora_rank + a.qk_rope_head_dim) + a.kv_lora_rank  # kv_a and its norm
     kv += a.kv_lora_rank * heads * (a.qk_nope_head_dim + a.v_head_dim)  # kv_b
     attention = q + kv + heads * a.v_head_dim * d + 2 * d  # o, the two block norms
+    if (i := a.indexer) is not None:  # its q, k and its LayerNorm, head weights
+        attention += a.q_lora_rank * i.heads * i.head_dim + d * i.head_dim + 2 * i.head_dim
+        attention += d * i.heads
     router = d * e.num_experts + (e.num_experts if e.balance_bias_update_rate > 0 else 0)
     moe_layer = attention + router + (e.num_experts + e.shared_experts) * 3 * d * e.expert_mlp_dim
     dense_layer = attention + 3 * d * m.mlp_dim
@@ -261,6 +267,12 @@ PUBLISHED_MLA = [
     ("kimi-k2-1t", 1.026e12, 32e9, 1.04e12, 0.01, 0.015),
     # DeepSeek-V2 report (arXiv 2405.04434), appendix: V2-Lite 15.7B total, 2.4B activated.
     ("deepseek-v2-lite-16b", 15.7e9, 2.4e9, None, 0.01, 0.025),
+    # DeepSeek-V3.2-Exp's model card: DeepSeek-V3's 671B/37B and 685B on the hub, its indexers
+    # (0.85B) within the rounding.
+    ("deepseek-v3.2-671b", 671e9, 37e9, 685e9, 0.01, 0.015),
+    # GLM-5 technical report: 744B total, 40B activated (without its multi-token prediction
+    # layer).
+    ("glm-5", 744e9, 40e9, None, 0.01, 0.025),
 ]
 
 
