@@ -442,8 +442,12 @@ def check_kernels(model: Any, compute: Any, found: dict[str, int], context: int 
 
     context: the mesh's context degree. Above 1 the sequence is split over devices and its
     attention runs as blocks in plain XLA inside the context exchange
-    (parallel/context.py), whatever compute.attention says: no attention kernel is due."""
-    attention = program_call(compute.attention) if context == 1 else None
+    (parallel/context.py), whatever compute.attention says: no attention kernel is due. Nor
+    is one for DeepSeek sparse attention's sparse stage (model.mla.indexer), whose attention
+    over the gathered keys is plain XLA (kernels/sparse_attention.py)."""
+    indexer = model.mla.indexer if model.mla is not None else None
+    sparse = indexer is not None and indexer.stage == "sparse"
+    attention = program_call(compute.attention) if context == 1 and not sparse else None
     wanted = [("compute.attention", compute.attention, attention)]
     if model.moe is not None:
         impl = compute.grouped_matmul

@@ -487,3 +487,15 @@ def test_every_layer_kind_compiles_local_layers_to_windowed_splash(make_cfg):
     assert set(grids["splash_mha_fwd_segmented_residuals"]) == {(3, 3), (3, 2)}, grids
     assert set(grids["splash_mha_dq_segmented_no_residuals"]) == {(3, 3), (3, 2)}, grids
     assert set(grids["splash_mha_dkv_segmented_no_residuals"]) == {(3, 3), (2, 3)}, grids
+
+
+def test_deepseek_sparse_attention_under_fsdp_and_tensor(make_cfg):
+    """One MLA layer with a lightning indexer (top 64 of the 128 tokens), its index heads
+    split over tensor: the gathered attention compiles for the TPU, and no dense attention
+    kernel runs beside it."""
+    _, _, found = _compile(
+        make_cfg, "model_name=tiny-mla", "mesh.fsdp=2", "mesh.tensor=2", "model.moe=null",
+        "model.layers=null", "model.num_layers=1",
+        "model.mla.indexer={heads: 4, head_dim: 32, top_k: 64}",
+    )  # fmt: skip
+    assert not any(name.startswith("splash") for name in found), found
