@@ -118,9 +118,14 @@ def keys_per_query(cfg: ModelConfig, seq_len: int) -> tuple[float, ...]:
     W < T: W - W^2 / 2T (W keys once the window is full, its triangle over the first W
     queries); chunks of C: the triangles of the T // C full chunks and the last partial one,
     C^2 / 2 each, over T. A linear-attention layer attends to no keys: its recurrence's cost
-    is its own (training/metrics.py)."""
+    is its own (training/metrics.py). DeepSeek sparse attention's global layers (model.mla's
+    indexer, sparse stage) attend to top_k keys once past them: a window's count."""
     t = seq_len
     keys = {"global": t / 2, "nope": t / 2, "linear": 0.0}
+    indexer = cfg.mla.indexer if cfg.mla is not None else None
+    if indexer is not None and indexer.stage == "sparse":
+        k = min(indexer.top_k, t)
+        keys["global"] = k - k * k / (2 * t)
     if cfg.attention_chunk is not None:
         full, rest = divmod(t, cfg.attention_chunk)
         keys["chunked"] = (full * cfg.attention_chunk**2 + rest**2) / (2 * t)

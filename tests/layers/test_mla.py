@@ -66,6 +66,18 @@ def test_mla_flops_count_its_projections_and_both_head_sizes():
     assert metrics.attention_flops_per_token(m, seq_len=64) == attention
 
 
+def test_sparse_attention_flops_count_top_k_keys_and_the_indexer():
+    """With an indexer choosing 16 of 64 keys, a query attends to min(its position + 1, 16):
+    16 - 16^2 / (2 x 64) = 14 on average; the indexer's q, k and head weights are projections."""
+    indexer = "model.mla.indexer={heads: 4, head_dim: 16, top_k: 16}"
+    m = load(BASE, ["model_name=tiny-mla", indexer]).model
+    dense = load(BASE, ["model_name=tiny-mla"]).model
+    extra = 64 * 4 * 16 + 128 * 16 + 128 * 4
+    assert metrics.attention_proj_params(m) == metrics.attention_proj_params(dense) + extra
+    attention = 6 * 14 * (4 * 24 + 4 * 16) * 3
+    assert metrics.attention_flops_per_token(m, seq_len=64) == attention
+
+
 @pytest.fixture(scope="module")
 def tiny_mla_reference(tmp_path_factory):
     overrides = [
