@@ -100,12 +100,6 @@ class Config(Section):
                 f"train.grpo.kl={grpo.kl} needs checkpoint.load_parameters_path: the model to "
                 "tune, the reference the penalty measures the policy against"
             )
-        indexer = self.model.mla.indexer if self.model.mla else None
-        if indexer and indexer.stage == "warmup" and not self.checkpoint.load_parameters_path:
-            raise ValueError(
-                "model.mla.indexer.stage=warmup needs checkpoint.load_parameters_path: the "
-                "model whose attention the indexer learns, held frozen"
-            )
         if self.train.task == "dpo" and not self.checkpoint.load_parameters_path:
             raise ValueError(
                 "train.task=dpo needs checkpoint.load_parameters_path: the model to tune, whose "
@@ -183,6 +177,31 @@ class Config(Section):
         for problem, present in problems.items():
             if present:
                 raise ValueError(f"{key} does not work with {problem}; unset one of them")
+        return self
+
+    @model_validator(mode="after")
+    def _check_indexer(self) -> Config:
+        """DeepSeek sparse attention (model.mla.indexer): its warm-up trains the indexers on
+        a frozen model it must be given; what its layers do not report or combine with is
+        refused."""
+        indexer = self.model.mla.indexer if self.model.mla else None
+        if indexer is None:
+            return self
+        warmup = indexer.stage == "warmup"
+        if warmup and not self.checkpoint.load_parameters_path:
+            raise ValueError(
+                "model.mla.indexer.stage=warmup needs checkpoint.load_parameters_path: the "
+                "model whose attention the indexer learns, held frozen"
+            )
+        problems = {
+            "optim.qk_clip_threshold or compute.attention_max_logit (its layers report no max "
+            "logit)": self.optim.qk_clip_threshold is not None or self.compute.attention_max_logit,
+            "pipeline stages (mesh.stage > 1)": self.mesh.stage * self.mesh.dcn.stage > 1,
+            "lora, in the warm-up (which trains the indexers alone)": warmup and self.lora.enabled,
+        }
+        for problem, present in problems.items():
+            if present:
+                raise ValueError(f"model.mla.indexer does not work with {problem}")
         return self
 
     @model_validator(mode="after")

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from maxtrain import config as config_lib
+from maxtrain.config import ConfigError
 from maxtrain.data import to_global
 from maxtrain.data.synthetic import SyntheticText
 from maxtrain.parallel.mesh import sharding_rules
@@ -85,3 +86,19 @@ def test_sparse_stage_keeps_the_indexer_and_the_model_losses_apart(sparse):
     kl_indexers, kl_rest = split_indexers(jax.device_get(kl_grads))
     assert not any(nonzero(token_indexers)) and all(nonzero(kl_indexers))
     assert not any(nonzero(kl_rest)) and any(nonzero(token_rest))
+
+
+@pytest.mark.parametrize(
+    "overrides, error",
+    [
+        (["model.mla.indexer.stage=warmup"], "stage=warmup needs checkpoint.load_parameters_"),
+        (["optim.qk_clip_threshold=100"], "indexer does not work with optim.qk_clip_threshold"),
+        (["mesh.stage=2"], "indexer does not work with pipeline stages"),
+        ([*WARMUP, "lora.rank=4"], "indexer does not work with lora, in the warm-up"),
+        (["model.mla.q_lora_rank=null"], "model.mla.indexer needs model.mla.q_lora_rank"),
+        (["model.mla.indexer.head_dim=4"], r"head_dim \(4\) must be at least"),
+    ],
+)
+def test_bad_indexer_configs_are_refused_in_one_line(make_cfg, overrides, error):
+    with pytest.raises(ConfigError, match=error):
+        make_cfg(*INDEXER, *overrides)
