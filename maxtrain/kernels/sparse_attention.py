@@ -22,6 +22,34 @@ import math
 import jax
 import jax.numpy as jnp
 
+# Queries per block of `index_scores`: its largest array is [block, index heads, S] float32.
+INDEX_BLOCK = 256
+
+
+def index_scores(q: jax.Array, k: jax.Array, w: jax.Array, block: int = INDEX_BLOCK) -> jax.Array:
+    """The lightning indexer's scores (layers/indexer.py): queries q [B, T, I, H], one key per
+    position k [B, S, H], head weights w [B, T, I] -> [B, T, S] float32,
+    sum_i w_i relu(q_i . k / sqrt(H)). Computed `block` queries at a time, each block
+    rematerialised in the backward: the [T, I, S] logits of all heads at once (4 GiB per
+    sequence of 2048 tokens at DeepSeek-V3.2's 64 heads, forward and backward) are never
+    held, only a block's."""
+    b, t, _, h = q.shape
+    size = min(block, t)
+
+    def blocks(x: jax.Array) -> jax.Array:  # [B, T, ...] -> [blocks, B, size, ...]
+        x = jnp.pad(x, [(0, 0), (0, -t % size)] + [(0, 0)] * (x.ndim - 2))
+        return x.reshape(b, -1, size, *x.shape[2:]).swapaxes(0, 1)
+
+    @jax.checkpoint
+    def one(qw: tuple[jax.Array, jax.Array]) -> jax.Array:
+        q_block, w_block = qw
+        logits = jnp.einsum("btnh,bsh->btns", q_block, k, preferred_element_type=jnp.float32)
+        relu = jax.nn.relu(logits / math.sqrt(h))
+        return jnp.einsum("btn,btns->bts", w_block.astype(jnp.float32), relu)
+
+    out = jax.lax.map(one, (blocks(q), blocks(w)))  # [blocks, B, size, S]
+    return out.swapaxes(0, 1).reshape(b, -1, k.shape[1])[:, :t]
+
 
 def top_k_keys(scores: jax.Array, visible: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
     """scores [B, T, S] (float32), visible [B, T, S] -> (indices [B, T, min(k, S)] int32 of each

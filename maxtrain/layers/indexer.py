@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from maxtrain.kernels.sparse_attention import index_scores
 from maxtrain.layers.base import Projection
 from maxtrain.layers.norms import LayerNorm
 from maxtrain.layers.rope import Rope
@@ -67,12 +68,8 @@ class LightningIndexer(nnx.Module):
         [B, T, r] at positions [B, T] against index keys [B, S, Hi]."""
         q = self.rope(self.q(q_resid), positions)  # [B, T, I, Hi]
         q = constrain(q, ("batch", "length", "heads", "head_dim"))
-        heads, dim = q.shape[-2:]
-        logits = jnp.einsum(
-            "btnh,bsh->btns", q, keys.astype(q.dtype), preferred_element_type=jnp.float32
-        )
-        weights = self.weights(x).astype(jnp.float32) / math.sqrt(heads)
-        return jnp.einsum("btn,btns->bts", weights, jax.nn.relu(logits / math.sqrt(dim)))
+        weights = self.weights(x).astype(jnp.float32) / math.sqrt(q.shape[-2])
+        return index_scores(q, keys.astype(q.dtype), weights)
 
 
 def attention_target(scores: jax.Array, mask: jax.Array) -> jax.Array:
