@@ -18,37 +18,47 @@ fixed k (tests/kernels/test_sparse_attention.py).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 
-# Queries per block of `index_scores`: its largest array is [block, index heads, S] float32.
-INDEX_BLOCK = 256
+# Queries per block of `by_query_blocks`: the indexer's largest array is [block, index heads, S]
+# float32.
+QUERY_BLOCK = 256
 
 
-def index_scores(q: jax.Array, k: jax.Array, w: jax.Array, block: int = INDEX_BLOCK) -> jax.Array:
-    """The lightning indexer's scores (layers/indexer.py): queries q [B, T, I, H], one key per
-    position k [B, S, H], head weights w [B, T, I] -> [B, T, S] float32,
-    sum_i w_i relu(q_i . k / sqrt(H)). Computed `block` queries at a time, each block
-    rematerialised in the backward: the [T, I, S] logits of all heads at once (4 GiB per
-    sequence of 2048 tokens at DeepSeek-V3.2's 64 heads, forward and backward) are never
-    held, only a block's."""
-    b, t, _, h = q.shape
+def by_query_blocks(
+    fn: Callable[..., jax.Array], per_query: tuple[jax.Array, ...], block: int = QUERY_BLOCK
+) -> jax.Array:
+    """fn over `block` queries at a time: the arrays `per_query` ([B, T, ...] each) cut along T
+    (padded to whole blocks), fn's outputs ([B, block, ...]) joined back into [B, T, ...]. Each
+    block is recomputed in the backward (jax.checkpoint), so that only one block's
+    intermediates are ever held: what a row-wise function of [T, ..., S] arrays needs."""
+    b, t = per_query[0].shape[:2]
     size = min(block, t)
 
     def blocks(x: jax.Array) -> jax.Array:  # [B, T, ...] -> [blocks, B, size, ...]
         x = jnp.pad(x, [(0, 0), (0, -t % size)] + [(0, 0)] * (x.ndim - 2))
         return x.reshape(b, -1, size, *x.shape[2:]).swapaxes(0, 1)
 
-    @jax.checkpoint
-    def one(qw: tuple[jax.Array, jax.Array]) -> jax.Array:
-        q_block, w_block = qw
+    out = jax.lax.map(jax.checkpoint(lambda xs: fn(*xs)), tuple(blocks(x) for x in per_query))
+    return out.swapaxes(0, 1).reshape(b, -1, *out.shape[3:])[:, :t]
+
+
+def index_scores(q: jax.Array, k: jax.Array, w: jax.Array, block: int = QUERY_BLOCK) -> jax.Array:
+    """The lightning indexer's scores (layers/indexer.py): queries q [B, T, I, H], one key per
+    position k [B, S, H], head weights w [B, T, I] -> [B, T, S] float32,
+    sum_i w_i relu(q_i . k / sqrt(H)), by blocks of queries: all heads' [T, I, S] logits at
+    once (4 GiB per sequence of 2048 tokens at DeepSeek-V3.2's 64 heads, forward and backward)
+    are never held, only a block's."""
+
+    def scores(q_block: jax.Array, w_block: jax.Array) -> jax.Array:
         logits = jnp.einsum("btnh,bsh->btns", q_block, k, preferred_element_type=jnp.float32)
-        relu = jax.nn.relu(logits / math.sqrt(h))
+        relu = jax.nn.relu(logits / math.sqrt(q.shape[-1]))
         return jnp.einsum("btn,btns->bts", w_block.astype(jnp.float32), relu)
 
-    out = jax.lax.map(one, (blocks(q), blocks(w)))  # [blocks, B, size, S]
-    return out.swapaxes(0, 1).reshape(b, -1, k.shape[1])[:, :t]
+    return by_query_blocks(scores, (q, w), block)
 
 
 def top_k_keys(scores: jax.Array, visible: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:

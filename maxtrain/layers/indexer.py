@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from maxtrain.kernels.sparse_attention import index_scores
+from maxtrain.kernels.sparse_attention import by_query_blocks, index_scores
 from maxtrain.layers.base import Projection
 from maxtrain.layers.norms import LayerNorm
 from maxtrain.layers.rope import Rope
@@ -87,3 +87,18 @@ def indexer_kl(target: jax.Array, index_scores: jax.Array, mask: jax.Array) -> j
     log_q = jax.nn.log_softmax(jnp.where(mask, index_scores, jnp.finfo(jnp.float32).min), -1)
     terms = target * (jnp.log(jnp.where(target > 0, target, 1.0)) - log_q)
     return jnp.sum(jnp.where(mask & (target > 0), terms, 0.0), axis=-1)
+
+
+def dense_kl(
+    query: jax.Array, key: jax.Array, scores: jax.Array, visible: jax.Array, scale: float
+) -> jax.Array:
+    """The warm-up's KL per query [B, T]: from the attention of queries query [B, T, N, W] over
+    keys key [B, S, W] (one key head, logits times `scale`), every visible key ([B, T, S]), to
+    the index scores [B, T, S], by blocks of queries (kernels/sparse_attention.py): the
+    attention's [N, T, S] float32 logits are never held at once."""
+
+    def one(query: jax.Array, scores: jax.Array, visible: jax.Array) -> jax.Array:
+        logits = jnp.einsum("btnr,bsr->btns", query, key, preferred_element_type=jnp.float32)
+        return indexer_kl(attention_target(logits * scale, visible), scores, visible)
+
+    return by_query_blocks(one, (query, scores, visible))

@@ -53,6 +53,7 @@ from maxtrain.layers.indexer import (
     INDEXER_TOKENS,
     LightningIndexer,
     attention_target,
+    dense_kl,
     indexer_kl,
 )
 from maxtrain.layers.kv_cache import LatentCache
@@ -176,8 +177,7 @@ class MLA(nnx.Module):
         scale = 1.0 / math.sqrt(query.shape[-1])  # the kernels' (_absorbed)
         if self.warmup:
             out = self._dense(q, latent, k_rope, segment_ids)
-            logits = jnp.einsum("btnr,bsr->btns", query, key, preferred_element_type=jnp.float32)
-            kl = indexer_kl(attention_target(logits * scale, visible), scores, visible)
+            kl = dense_kl(query, key, scores, visible, scale)
         else:
             indices, valid = top_k_keys(scores, visible, self.indexer.top_k)
             out = self._gathered(query, w_uv, key, indices, valid)
