@@ -6,7 +6,8 @@
     qwen3_moe.py    Qwen3MoeForCausalLM    deepseek_v3.py  DeepseekV3ForCausalLM
     glm4_moe.py     Glm4MoeForCausalLM     llama4.py       Llama4ForCausalLM
     gemma3.py       Gemma3ForCausalLM      gpt_oss.py      GptOssForCausalLM
-    qwen3_next.py   Qwen3NextForCausalLM
+    qwen3_next.py   Qwen3NextForCausalLM   deepseek_v32.py DeepseekV32ForCausalLM
+    glm_moe_dsa.py  GlmMoeDsaForCausalLM
 
 The registry is the package's modules: a new family is a new module here (and its fixture,
 tools/make_hf_fixtures.py), nothing else.
