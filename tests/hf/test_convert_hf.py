@@ -769,7 +769,7 @@ def test_qwen3_next_logits_do_not_depend_on_our_chunk():
         (dict(moe=dict(shared_expert_gate=False)), "model.moe.shared_expert_gate=false"),
         (dict(moe=dict(shared_experts=0, shared_expert_gate=False)), "shared_experts=0"),
         (
-            dict(layers=["linear-moe", "sliding-moe"], sliding_window=4, mlp_dim=None),
+            dict(layers=["linear-dense", "sliding-moe"], sliding_window=4),
             "model.layers' sliding",
         ),
     ],

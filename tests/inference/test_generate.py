@@ -242,6 +242,10 @@ def test_greedy_generation_of_a_hybrid_model_follows_its_training_forward(make_c
         # recurrent state, prompts right-padded in one prefill) beside a gated attention
         # layer's keys and values, MoE with a gated shared expert, over 8 devices.
         ("qwen3_next_hybrid_moe_v5", ["mesh.fsdp=2", "mesh.tensor=2", "mesh.expert=2"]),
+        # Qwen3.5: the same hybrid with the Gated DeltaNet's projections stored apart, half
+        # of each head rotated, tied; its MoE every layer MoE. 16 new tokens each.
+        ("qwen3_5_text_tied_mrope_v5", ["mesh.fsdp=4", "mesh.tensor=2"]),
+        ("qwen3_5_moe_text_v5", ["mesh.fsdp=2", "mesh.tensor=2", "mesh.expert=2"]),
     ],
 )
 def test_greedy_generation_from_an_import_equals_transformers(case, mesh, tmp_path, capsys):
