@@ -209,6 +209,8 @@ def test_export_reproduces_the_original_files(case, tmp_path):
         "gpt-oss-20b",
         "gpt-oss-120b",
         "qwen3-next-80b-a3b",
+        "qwen3.5-9b",
+        "qwen3.5-35b-a3b",
     ],
 )
 def test_preset_configs_round_trip(preset):
