@@ -48,7 +48,8 @@ class MlaConfig(Section):
 
 
 class LinearAttention(Section):
-    """The `linear` layers of model.layers: Gated DeltaNet (Qwen3-Next), a recurrence over a
+    """The `linear` layers of model.layers: Gated DeltaNet (Qwen3-Next, Qwen3.5; with
+    channel_decay Kimi Delta Attention, Kimi Linear's), a recurrence over a
     fixed-size state per head in place of softmax attention (layers/gated_deltanet.py), whose
     cost grows linearly with the sequence. Query/key heads may be fewer than value heads (a
     divisor of them), as attention's key/value heads are."""
@@ -59,6 +60,10 @@ class LinearAttention(Section):
     value_head_dim: PositiveInt = 128
     conv_kernel: PositiveInt = 4  # taps of the causal depthwise convolution over q, k and v
     chunk: PositiveInt = 64  # training computes the recurrence in chunks of this many tokens
+    # Kimi Delta Attention (Kimi Linear): the decay per key channel, not per head, from a
+    # projection of rank key_head_dim; the output gate from one of rank value_head_dim, and
+    # sigmoid, not silu, of it scaling the normed output.
+    channel_decay: bool = False
 
     @model_validator(mode="after")
     def _check_heads(self) -> LinearAttention:

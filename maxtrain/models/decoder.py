@@ -99,7 +99,8 @@ def _attention(spec: ModelSpec, *, rngs: nnx.Rngs) -> nnx.Module:
 
 
 def _linear_attention(spec: ModelSpec, *, rngs: nnx.Rngs) -> nnx.Module:
-    """The linear attention of model.linear_attention: Gated DeltaNet."""
+    """The linear attention of model.linear_attention: Gated DeltaNet (Kimi Delta Attention
+    with channel_decay)."""
     cfg, la = spec.model, spec.model.linear_attention
     assert la is not None  # a linear layer implies it (config validation)
     return GatedDeltaNet(
@@ -110,6 +111,7 @@ def _linear_attention(spec: ModelSpec, *, rngs: nnx.Rngs) -> nnx.Module:
         la.value_head_dim,
         conv_kernel=la.conv_kernel,
         chunk=la.chunk,
+        channel_decay=la.channel_decay,
         norm_eps=cfg.norm_eps,
         **spec.projection(rngs),
     )

@@ -771,6 +771,10 @@ def test_qwen3_next_logits_do_not_depend_on_our_chunk():
         (dict(moe=dict(shared_expert_gate=False)), "model.moe.shared_expert_gate=false"),
         (dict(moe=dict(shared_experts=0, shared_expert_gate=False)), "shared_experts=0"),
         (
+            dict(linear_attention=dict(num_key_heads=2, num_value_heads=4, channel_decay=True)),
+            "model.linear_attention.channel_decay=true",
+        ),
+        (
             dict(layers=["linear-dense", "sliding-moe"], sliding_window=4),
             "model.layers' sliding",
         ),

@@ -124,6 +124,12 @@ class GatedDeltaNet(Aspect):
             for key, ours in _LINEAR_KEYS.items()
         }
 
+    def unexpressed(self, cfg: ModelConfig) -> list[str]:
+        linear = cfg.linear_attention
+        if linear is not None and linear.channel_decay:
+            return ["model.linear_attention.channel_decay=true (Kimi Delta Attention)"]
+        return []
+
     def tensors(self, cfg: ModelConfig, site: LayerSite) -> list[Slot]:
         if site.mixer != "linear":
             return []
