@@ -66,12 +66,10 @@ class GatedDeltaNet(nnx.Module):
         D, heads = cfg.emb_dim, la.num_value_heads
         key, value = la.num_key_heads * la.key_head_dim, heads * la.value_head_dim
         state = heads * la.key_head_dim * la.value_head_dim
-        if la.channel_decay:  # z and a through their ranks dv and dk; a per channel
-            gates = (D + heads) * la.value_head_dim + (
-                D + heads * la.key_head_dim
-            ) * la.key_head_dim
-        else:  # z; a per head
-            gates = D * value + D * heads
+        dk, dv = la.key_head_dim, la.value_head_dim  # z and a: direct, or through ranks dv, dk
+        gates = (
+            (D + heads) * dv + (D + heads * dk) * dk if la.channel_decay else D * (value + heads)
+        )
         return AttentionCounts(
             # q, k, v; z and a; b; o; the taps over q, k and v
             matmul_params=D * (2 * key + value)
@@ -119,35 +117,43 @@ class GatedDeltaNet(nnx.Module):
         self.q = Projection("btd,dkh->btkh", (D, Nk, dk), key, **kw)
         self.k = Projection("btd,dkh->btkh", (D, Nk, dk), key, **kw)
         self.v = Projection("btd,dnh->btnh", (D, Nv, dv), value, **kw)
-        self.b = Projection("btd,dn->btn", (D, Nv), ("embed", "heads"), **kw)
-        if channel_decay:  # rank dv and dk: x -> [rank] -> [Nv, dv] or [Nv, dk]
-            self.z_down = Projection("btd,dr->btr", (D, dv), ("embed", "latent"), **kw)
-            self.z = Projection("btr,rnh->btnh", (dv, Nv, dv), ("latent", *value[1:]), **kw)
-            self.a_down = Projection("btd,dr->btr", (D, dk), ("embed", "latent"), **kw)
-            self.a = Projection("btr,rnh->btnh", (dk, Nv, dk), ("latent", *value[1:]), **kw)
-        else:
-            self.z = Projection("btd,dnh->btnh", (D, Nv, dv), value, **kw)
-            self.a = Projection("btd,dn->btn", (D, Nv), ("embed", "heads"), **kw)
+        self._gates(D, Nv, dk, dv, **kw)
         # Depthwise taps [conv_kernel, heads, head dim], oldest input first (transformers'
         # conv1d.weight[c, 0, :]); the spread of PyTorch's default Conv1d init, U(+-1/sqrt(K)).
         conv = dict(std=(3 * conv_kernel) ** -0.5, dtype=param_dtype)
         self.q_conv = make_param(rngs, (conv_kernel, Nk, dk), (None, *key[1:]), **conv)
         self.k_conv = make_param(rngs, (conv_kernel, Nk, dk), (None, *key[1:]), **conv)
         self.v_conv = make_param(rngs, (conv_kernel, Nv, dv), (None, *value[1:]), **conv)
-        # Per value head decay rate exp(a_log) and time-step bias, initialised as transformers
-        # does: exp(a_log) uniform in [0.01, 16], dt_bias 1.
+        # Per value head decay rate exp(a_log) and time-step bias (per key channel with
+        # channel_decay), initialised as transformers does: exp(a_log) uniform in [0.01, 16],
+        # dt_bias 1.
         a = jax.random.uniform(rngs.params(), (Nv,), jnp.float32, 0.01, 16.0)
         self.a_log = nnx.Param(
             jnp.log(a).astype(param_dtype), out_sharding=("heads",), eager_sharding=False
         )
-        decay_shape, decay_axes = (
-            ((Nv, dk), ("heads", "head_dim")) if channel_decay else ((Nv,), ("heads",))
-        )
+        shape, axes = ((Nv, dk), value[1:]) if channel_decay else ((Nv,), ("heads",))
         self.dt_bias = nnx.Param(
-            jnp.ones(decay_shape, param_dtype), out_sharding=decay_axes, eager_sharding=False
+            jnp.ones(shape, param_dtype), out_sharding=axes, eager_sharding=False
         )
         self.norm = RMSNorm(dv, eps=norm_eps, param_dtype=param_dtype, rngs=rngs)
         self.o = Projection("btnh,nhd->btd", (Nv, dv, D), ("heads", "head_dim", "embed"), **kw)
+
+    def _gates(self, D: int, Nv: int, dk: int, dv: int, **kw) -> None:
+        """The output gate z, the write strength's b and the decay's a (in that order, the
+        random draws' of every checkpoint before): per value head from x (Gated DeltaNet), or
+        with channel_decay z and a through ranks dv and dk, a per key channel."""
+        value, per_head = ("embed", "heads", "head_dim"), ("embed", "heads")
+        if self.channel_decay:  # x -> [rank] -> [Nv, dv] or [Nv, dk]
+            self.z_down = Projection("btd,dr->btr", (D, dv), ("embed", "latent"), **kw)
+            self.z = Projection("btr,rnh->btnh", (dv, Nv, dv), ("latent", *value[1:]), **kw)
+        else:
+            self.z = Projection("btd,dnh->btnh", (D, Nv, dv), value, **kw)
+        self.b = Projection("btd,dn->btn", (D, Nv), per_head, **kw)
+        if self.channel_decay:
+            self.a_down = Projection("btd,dr->btr", (D, dk), ("embed", "latent"), **kw)
+            self.a = Projection("btr,rnh->btnh", (dk, Nv, dk), ("latent", *value[1:]), **kw)
+        else:
+            self.a = Projection("btd,dn->btn", (D, Nv), per_head, **kw)
 
     def __call__(
         self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array, kind: int = 0

@@ -99,8 +99,7 @@ def _attention(spec: ModelSpec, *, rngs: nnx.Rngs) -> nnx.Module:
 
 
 def _linear_attention(spec: ModelSpec, *, rngs: nnx.Rngs) -> nnx.Module:
-    """The linear attention of model.linear_attention: Gated DeltaNet (Kimi Delta Attention
-    with channel_decay)."""
+    """model.linear_attention's: Gated DeltaNet (with channel_decay Kimi Delta Attention)."""
     cfg, la = spec.model, spec.model.linear_attention
     assert la is not None  # a linear layer implies it (config validation)
     return GatedDeltaNet(
