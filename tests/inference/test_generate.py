@@ -71,10 +71,16 @@ HYBRID = (
         HYBRID,
         # Linear and attention layers alternating, dense: runs of one layer from two stacks.
         ("model.layers=[linear-dense, global-dense]", *LINEAR),
+        # Kimi Delta Attention's linear layers (a decay per key channel) beside attention.
+        (
+            "model.layers=[linear-dense, global-dense]",
+            "model.linear_attention={num_key_heads: 4, num_value_heads: 4, key_head_dim: 8, "
+            "value_head_dim: 8, chunk: 4, channel_decay: true}",
+        ),
     ],
     ids=[
         "dense-qk-norm", "moe-after-dense-mixed", "mla", "window", "window-mixed", "chunk",
-        "hybrid-moe", "hybrid-alternating",
+        "hybrid-moe", "hybrid-alternating", "kimi-delta-alternating",
     ],
 )  # fmt: skip
 def test_cached_decode_equals_the_full_forward(make_cfg, overrides):
