@@ -41,6 +41,9 @@ class MlaConfig(Section):
     qk_nope_head_dim: int = Field(gt=0)  # per head, without position
     qk_rope_head_dim: int = Field(gt=0, multiple_of=2)  # rotary part (key shared by all heads)
     v_head_dim: int = Field(gt=0)  # value head size; may differ from the query/key head size
+    # false: the rotary part is not rotated either, no layer sees a position (Kimi Linear's
+    # NoPE MLA; its key part is still one for all heads)
+    rope: bool = True
 
     @property
     def qk_head_dim(self) -> int:
@@ -204,6 +207,11 @@ class ModelConfig(Section):
                     f"model.{key} applies to grouped-query attention, not to multi-head latent "
                     f"attention (model.mla is set); remove it"
                 )
+        if not self.mla.rope and self.rope.scaling is not None:
+            raise ValueError(
+                "model.rope.scaling scales a rotation, and model.mla.rope is false (NoPE); "
+                "remove one"
+            )
         kinds = sorted({t.attention for t in self.layer_types} - {"global", "linear"})
         if kinds:
             raise ValueError(

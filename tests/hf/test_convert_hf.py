@@ -1116,3 +1116,12 @@ def test_transformers_loads_our_exports_with_the_same_logits(tmp_path):
     for name, (*_, ours) in models_out.items():
         diff = max_diff(ours, np.load(exported / name / "logits.npy"))
         assert diff <= TOLERANCE, f"{name}: max |logits diff| {diff:.2e}"
+
+
+def test_nope_mla_is_refused_by_deepseek_v3():
+    """DeepSeek-V3 rotates MLA's rotary part: a model whose MLA sees no position
+    (model.mla.rope false, Kimi Linear's) is refused, not written as one that does."""
+    cfg, _ = committed("deepseek_v3_grouped")
+    cfg = changed(cfg, mla={**cfg.mla.model_dump(), "rope": False}, rope={"theta": 10000.0})
+    with pytest.raises(ConversionError, match=r"model.mla.rope=false \(NoPE\)"):
+        hf_config(cfg, family_for(cfg), "float32", 0.02)

@@ -62,7 +62,9 @@ class LatentAttention(Aspect):
         }
 
     def unexpressed(self, cfg: ModelConfig) -> list[str]:
-        return [] if cfg.mla else ["model.mla=null (its attention is multi-head latent)"]
+        if cfg.mla is None:
+            return ["model.mla=null (its attention is multi-head latent)"]
+        return [] if cfg.mla.rope else ["model.mla.rope=false (NoPE)"]
 
 
 FAMILY = Family(
