@@ -170,6 +170,28 @@ _QWEN3_5 = dict(
         mrope_interleaved=True,
     ),
 )
+# Kimi Linear: three Kimi Delta Attention layers (4 heads of 8, a decay per key channel) then
+# a NoPE multi-head latent attention layer, a dense first layer, then DeepSeek-V3's sigmoid
+# router with a shared expert. Its default special token ids lie outside a small vocabulary.
+_KIMI_LINEAR = dict(
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    layer_types=["linear_attention"] * 3 + ["full_attention"],
+    linear_attn_config=dict(head_dim=8, num_heads=4, short_conv_kernel_size=4),
+    kv_lora_rank=16,
+    qk_nope_head_dim=8,
+    qk_rope_head_dim=8,
+    v_head_dim=12,
+    num_experts=8,
+    num_experts_per_token=2,
+    moe_intermediate_size=16,
+    num_shared_experts=1,
+    first_k_dense_replace=1,
+    pad_token_id=None,
+    bos_token_id=None,
+    eos_token_id=None,
+)
 
 # name -> (model_type, config keys, options). Options: layout "v5" keeps the config.json
 # transformers 5 writes, "legacy" rewrites it the way most published checkpoints read;
@@ -414,6 +436,7 @@ CASES: dict[str, tuple[str, dict, dict]] = {
         dict(_QWEN3_5, tie_word_embeddings=True),
         dict(layout="v5", seed=28),
     ),
+    "kimi_linear_kda_nope_mla_v5": ("kimi_linear", _KIMI_LINEAR, dict(layout="v5", seed=19)),
     # Every layer MoE (Qwen3.5-MoE has no dense layer), a gated shared expert 2 experts wide.
     "qwen3_5_moe_text_v5": (
         "qwen3_5_moe_text",
@@ -578,7 +601,7 @@ def _router_margins(model, torch) -> list[float] | None:
                 _top_k_gap(output[at], router.top_k)
             )
         )
-    kinds = ("DeepseekV3TopkRouter", "Glm4MoeTopkRouter")  # the same router
+    kinds = ("DeepseekV3TopkRouter", "Glm4MoeTopkRouter", "KimiLinearTopkRouter")  # alike
     routers = [m for m in model.modules() if type(m).__name__ in kinds]
     if not routers:
         return margins if top_k_of_logits else None

@@ -31,7 +31,7 @@ def kimi_delta_attention_tensors(linear: LinearAttention) -> tuple:
     )  # fmt: skip
     return (
         *(
-            ((sa, ours, "kernel"), f"{sa}.{name}.weight", 1, None, None)
+            ((la, ours, "kernel"), f"{sa}.{name}.weight", 1, None, None)
             for ours, name in linear_maps
         ),
         *(((la, f"{ours}_conv"), f"{sa}.{ours}_conv1d.weight", 1, None, 1) for ours in "qkv"),

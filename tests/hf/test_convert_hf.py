@@ -150,7 +150,7 @@ def test_a_family_is_its_module_and_a_fixture():
     assert list(FAMILIES.values()) == entries
     assert sorted(FAMILY_CASES) == sorted(FAMILIES)
     assert len({family.rank for family in entries}) == len(entries)
-    sections = {"": ModelConfig, "moe": MoeConfig, "rope": config_lib.RopeConfig}
+    sections = {"": ModelConfig, "moe": MoeConfig, "rope": config_lib.RopeConfig, "mla": MlaConfig}
     for family in entries:
         for key, value in family.fixed.items():
             section, _, name = key.rpartition(".")
@@ -1118,10 +1118,14 @@ def test_transformers_loads_our_exports_with_the_same_logits(tmp_path):
         assert diff <= TOLERANCE, f"{name}: max |logits diff| {diff:.2e}"
 
 
-def test_nope_mla_is_refused_by_deepseek_v3():
+def test_nope_mla_exports_as_kimi_linear_and_deepseek_v3_refuses_it():
     """DeepSeek-V3 rotates MLA's rotary part: a model whose MLA sees no position
-    (model.mla.rope false, Kimi Linear's) is refused, not written as one that does."""
+    (model.mla.rope false) exports as Kimi Linear, whose MLA does not, and DeepSeek-V3 refuses
+    it rather than writing one that does; Kimi Linear refuses MLA with RoPE."""
     cfg, _ = committed("deepseek_v3_grouped")
-    cfg = changed(cfg, mla={**cfg.mla.model_dump(), "rope": False}, rope={"theta": 10000.0})
+    nope = changed(cfg, mla={**cfg.mla.model_dump(), "rope": False}, rope={"theta": 10000.0})
+    assert family_for(nope).model_type == "kimi_linear"
     with pytest.raises(ConversionError, match=r"model.mla.rope=false \(NoPE\)"):
-        hf_config(cfg, family_for(cfg), "float32", 0.02)
+        hf_config(nope, FAMILIES["deepseek_v3"], "float32", 0.02)
+    with pytest.raises(ConversionError, match=r"model.mla.rope=true"):
+        hf_config(cfg, FAMILIES["kimi_linear"], "float32", 0.02)

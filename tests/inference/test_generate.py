@@ -252,6 +252,10 @@ def test_greedy_generation_of_a_hybrid_model_follows_its_training_forward(make_c
         # of each head rotated, tied; its MoE every layer MoE. 16 new tokens each.
         ("qwen3_5_text_tied_mrope_v5", ["mesh.fsdp=4", "mesh.tensor=2"]),
         ("qwen3_5_moe_text_v5", ["mesh.fsdp=2", "mesh.tensor=2", "mesh.expert=2"]),
+        # Kimi Linear: Kimi Delta Attention layers (a decay per key channel) generating from
+        # their states beside a NoPE latent-attention layer's cached latents, sigmoid routing;
+        # 16 new tokens over 8 devices.
+        ("kimi_linear_kda_nope_mla_v5", ["mesh.fsdp=2", "mesh.tensor=2", "mesh.expert=2"]),
     ],
 )
 def test_greedy_generation_from_an_import_equals_transformers(case, mesh, tmp_path, capsys):

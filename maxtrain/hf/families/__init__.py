@@ -8,6 +8,7 @@
     gemma3.py       Gemma3ForCausalLM      gpt_oss.py      GptOssForCausalLM
     qwen3_next.py   Qwen3NextForCausalLM
     qwen3_5_text.py Qwen3_5ForCausalLM     qwen3_5_moe_text.py  Qwen3_5MoeForCausalLM
+    kimi_linear.py  KimiLinearForCausalLM
 
 The registry is the package's modules: a new family is a new module here (and its fixture,
 tools/make_hf_fixtures.py), nothing else.
