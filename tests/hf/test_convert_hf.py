@@ -211,6 +211,7 @@ def test_export_reproduces_the_original_files(case, tmp_path):
         "qwen3-next-80b-a3b",
         "qwen3.5-9b",
         "qwen3.5-35b-a3b",
+        "kimi-linear-48b-a3b",
     ],
 )
 def test_preset_configs_round_trip(preset):

@@ -489,3 +489,19 @@ def test_qwen3_5_presets_match_published_counts(tmp_path: Path) -> None:
         ["linear-dense*3", "global-dense"],
         ["linear-moe*3", "global-moe"],
     ]
+
+
+def test_kimi_linear_preset_matches_published_counts(tmp_path: Path) -> None:
+    """Kimi-Linear-48B-A3B's model card: 48B total, 3B activated. The preset counts 49.12B
+    (2.3% over the card's whole billions: the tolerance says so) and 3.48B active, 3.11B
+    without the input embedding, both rounding to 3B; 20 Kimi Delta Attention layers and 7
+    NoPE MLA ones, as the published full_attn_layers place them."""
+    from maxtrain.models import active_param_count, embedding_lookup_params
+
+    m = load_preset("kimi-linear-48b-a3b", tmp_path)
+    assert_close(model_params(m), 48_000_000_000, 0.025, "kimi-linear-48b-a3b total")
+    active = active_param_count(m)
+    assert round(active / 1e9) == round((active - embedding_lookup_params(m)) / 1e9) == 3
+    full = [i + 1 for i in range(m.num_layers) if m.layer_attention(i) == "global"]
+    assert full == [4, 8, 12, 16, 20, 24, 27]
+    assert m.linear_attention.channel_decay and not m.mla.rope
