@@ -161,6 +161,48 @@ _QWEN3_NEXT = dict(
     shared_expert_intermediate_size=16,
     mlp_only_layers=[0],
 )
+# Qwen3.5: Qwen3-Next's hybrid with separate Gated DeltaNet projections. Half of each 16-dim
+# head rotated, with the multimodal RoPE keys published configs carry (text: plain RoPE).
+_QWEN3_5 = dict(
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    linear_key_head_dim=8,
+    linear_value_head_dim=6,
+    linear_conv_kernel_dim=4,
+    rope_parameters=dict(
+        rope_type="default",
+        rope_theta=10000.0,
+        partial_rotary_factor=0.5,
+        mrope_section=[2, 1, 1],
+        mrope_interleaved=True,
+    ),
+)
+# Kimi Linear: three Kimi Delta Attention layers (4 heads of 8, a decay per key channel) then
+# a NoPE multi-head latent attention layer, a dense first layer, then DeepSeek-V3's sigmoid
+# router with a shared expert. Its default special token ids lie outside a small vocabulary.
+_KIMI_LINEAR = dict(
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    layer_types=["linear_attention"] * 3 + ["full_attention"],
+    linear_attn_config=dict(head_dim=8, num_heads=4, short_conv_kernel_size=4),
+    kv_lora_rank=16,
+    qk_nope_head_dim=8,
+    qk_rope_head_dim=8,
+    v_head_dim=12,
+    num_experts=8,
+    num_experts_per_token=2,
+    moe_intermediate_size=16,
+    num_shared_experts=1,
+    first_k_dense_replace=1,
+    pad_token_id=None,
+    bos_token_id=None,
+    eos_token_id=None,
+)
 
 # name -> (model_type, config keys, options). Options: layout "v5" keeps the config.json
 # transformers 5 writes, "legacy" rewrites it the way most published checkpoints read;
@@ -403,6 +445,24 @@ CASES: dict[str, tuple[str, dict, dict]] = {
     "deepseek_v32_indexer_top4_v5": ("deepseek_v32", _DEEPSEEK_V32, dict(layout="v5", seed=100)),
     "gpt_oss_window_sinks_yarn_v5": ("gpt_oss", _GPT_OSS, dict(layout="v5", seed=2)),
     "qwen3_next_hybrid_moe_v5": ("qwen3_next", _QWEN3_NEXT, dict(layout="v5", seed=16)),
+    "qwen3_5_text_tied_mrope_v5": (
+        "qwen3_5_text",
+        dict(_QWEN3_5, tie_word_embeddings=True),
+        dict(layout="v5", seed=28),
+    ),
+    "kimi_linear_kda_nope_mla_v5": ("kimi_linear", _KIMI_LINEAR, dict(layout="v5", seed=19)),
+    # Every layer MoE (Qwen3.5-MoE has no dense layer), a gated shared expert 2 experts wide.
+    "qwen3_5_moe_text_v5": (
+        "qwen3_5_moe_text",
+        dict(
+            _QWEN3_5,
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=8,
+            shared_expert_intermediate_size=16,
+        ),
+        dict(layout="v5", seed=24),
+    ),
 }
 
 
@@ -505,11 +565,14 @@ def write_tokenizer(model_dir: Path) -> None:
 def write_generation(model_dir: Path, max_new_tokens: int = MAX_NEW_TOKENS) -> None:
     """transformers' prompt ids and greedy continuations into model_dir/generate.json."""
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
     if not (model_dir / "tokenizer.json").is_file():
         write_tokenizer(model_dir)
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    # The tokenizer tokenizer.json defines, as tokenizer_config.json names it: AutoTokenizer
+    # would take the class transformers maps a model_type to (Qwen3.5-MoE's splits text its
+    # own way before the BPE).
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(
         model_dir, dtype=torch.float32, attn_implementation="eager"
     ).eval()
@@ -562,6 +625,7 @@ def _router_margins(model, torch) -> list[float] | None:
         "Glm4MoeTopkRouter",
         "DeepseekV32TopkRouter",
         "GlmMoeDsaTopkRouter",
+        "KimiLinearTopkRouter",
     )
     routers = [m for m in model.modules() if type(m).__name__ in kinds]
     if not routers:

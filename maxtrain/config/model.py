@@ -65,6 +65,9 @@ class MlaConfig(Section):
     # DeepSeek sparse attention (DeepSeek-V3.2, GLM-5): each query attends to the top_k keys
     # a lightning indexer picks (layers/indexer.py); null: every causal key.
     indexer: IndexerConfig | None = None
+    # false: the rotary part is not rotated either, no layer sees a position (Kimi Linear's
+    # NoPE MLA; its key part is still one for all heads)
+    rope: bool = True
 
     @property
     def qk_head_dim(self) -> int:
@@ -89,7 +92,8 @@ class MlaConfig(Section):
 
 
 class LinearAttention(Section):
-    """The `linear` layers of model.layers: Gated DeltaNet (Qwen3-Next), a recurrence over a
+    """The `linear` layers of model.layers: Gated DeltaNet (Qwen3-Next, Qwen3.5; with
+    channel_decay Kimi Delta Attention, Kimi Linear's), a recurrence over a
     fixed-size state per head in place of softmax attention (layers/gated_deltanet.py), whose
     cost grows linearly with the sequence. Query/key heads may be fewer than value heads (a
     divisor of them), as attention's key/value heads are."""
@@ -100,6 +104,10 @@ class LinearAttention(Section):
     value_head_dim: PositiveInt = 128
     conv_kernel: PositiveInt = 4  # taps of the causal depthwise convolution over q, k and v
     chunk: PositiveInt = 64  # training computes the recurrence in chunks of this many tokens
+    # Kimi Delta Attention (Kimi Linear): the decay per key channel, not per head, from a
+    # projection of rank key_head_dim; the output gate from one of rank value_head_dim, and
+    # sigmoid, not silu, of it scaling the normed output.
+    channel_decay: bool = False
 
     @model_validator(mode="after")
     def _check_heads(self) -> LinearAttention:
@@ -240,6 +248,11 @@ class ModelConfig(Section):
                     f"model.{key} applies to grouped-query attention, not to multi-head latent "
                     f"attention (model.mla is set); remove it"
                 )
+        if not self.mla.rope and self.rope.scaling is not None:
+            raise ValueError(
+                "model.rope.scaling scales a rotation, and model.mla.rope is false (NoPE); "
+                "remove one"
+            )
         kinds = sorted({t.attention for t in self.layer_types} - {"global", "linear"})
         if kinds:
             raise ValueError(

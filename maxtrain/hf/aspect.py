@@ -28,20 +28,26 @@ class HfConfig:
     takes the class's default; a shape key without one is an error naming it."""
 
     def __init__(self, raw: Mapping[str, Any], defaults: Mapping[str, Any], model_type: str,
-                 where: str) -> None:  # fmt: skip
+                 where: str, aliases: Mapping[str, str] | None = None) -> None:  # fmt: skip
         self.raw, self.defaults, self.model_type, self.where = raw, defaults, model_type, where
+        self.aliases = aliases or {}  # transformers' attribute_map: a key -> the one it stores
+
+    def _stored(self, key: str) -> str:
+        """The key config.json holds `key` under: its alias where the family has one there."""
+        alias = self.aliases.get(key)
+        return alias if alias is not None and alias in self.raw else key
 
     def __getitem__(self, key: str) -> Any:
-        found = self.raw.get(key, self.defaults.get(key, _NO_DEFAULT))
+        found = self.raw.get(self._stored(key), self.defaults.get(key, _NO_DEFAULT))
         if found is _NO_DEFAULT:
             raise self.error(f"no {key!r}; a {self.model_type} config needs it")
         return found
 
     def __contains__(self, key: str) -> bool:
-        return key in self.raw
+        return self._stored(key) in self.raw
 
     def get(self, key: str, default: Any = None) -> Any:
-        return self.raw.get(key, self.defaults.get(key, default))
+        return self.raw.get(self._stored(key), self.defaults.get(key, default))
 
     def count(self, key: str, minimum: int = 1) -> int:
         """An integer key of at least `minimum` (num_hidden_layers)."""

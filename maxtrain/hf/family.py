@@ -59,6 +59,10 @@ class Family:
     # there: import sets them, export refuses a model with others.
     fixed: Mapping[str, Any] = field(default_factory=dict)
     rope: RopeFormat = RopeFormat()
+    # transformers' attribute_map: a key the shared code reads -> the one config.json stores
+    # it under (Kimi Linear's model_max_length for max_position_embeddings). Export writes the
+    # first, which transformers maps.
+    aliases: Mapping[str, str] = field(default_factory=dict)
 
     @property
     def mappings(self) -> tuple[Aspect, ...]:
@@ -67,4 +71,4 @@ class Family:
 
     def config_json(self, raw: Mapping[str, Any], where: str) -> HfConfig:
         """A config.json of this family (where: its path, for messages)."""
-        return HfConfig(raw, self.defaults, self.model_type, where)
+        return HfConfig(raw, self.defaults, self.model_type, where, self.aliases)

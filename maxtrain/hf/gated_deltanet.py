@@ -1,8 +1,10 @@
-"""transformers' fused Gated DeltaNet tensors (Qwen3-Next's `linear_attn.`) <-> one layer's
-parameters (layers/gated_deltanet.py), for the layer's own tests, which load transformers'
-Qwen3NextGatedDeltaNet with them. The layout (which rows of in_proj_qkvz, in_proj_ba and
-conv1d are which of our projections and taps) is stated once, as Slots with Parts, in
-maxtrain/hf/families/qwen3_next.py, which import and export of whole checkpoints use too.
+"""transformers' fused Gated DeltaNet tensors (Qwen3-Next's `linear_attn.`), or Kimi Delta
+Attention's (Kimi Linear's `self_attn.`, with channel_decay) <-> one layer's parameters
+(layers/gated_deltanet.py), for the layer's own tests, which load transformers'
+Qwen3NextGatedDeltaNet and KimiLinearDeltaAttention with them. The layouts (which rows of
+in_proj_qkvz, in_proj_ba and conv1d are which of our projections and taps) are stated once, as
+Slots with Parts, in maxtrain/hf/families/qwen3_next.py and maxtrain/hf/kimi_delta.py, which
+import and export of whole checkpoints use too.
 """
 
 from __future__ import annotations
@@ -14,10 +16,9 @@ from flax import nnx
 
 from maxtrain.config import LinearAttention
 from maxtrain.hf.families.qwen3_next import linear_attention_tensors
+from maxtrain.hf.kimi_delta import kimi_delta_attention_tensors
 from maxtrain.hf.layout import Slot, hf_tensor
 from maxtrain.layers.gated_deltanet import GatedDeltaNet
-
-_PREFIX = "linear_attn."
 
 
 def from_hf(
@@ -27,11 +28,13 @@ def from_hf(
     num_v_heads: int,
     head_k_dim: int,
     head_v_dim: int,
+    channel_decay: bool = False,
 ) -> dict[tuple[str, ...], np.ndarray]:
-    """One layer's tensors, by their names inside `linear_attn.` -> our parameters, by path in
-    the layer (("q", "kernel"), ("a_log",), ...)."""
-    hidden, conv_kernel = tensors["out_proj.weight"].shape[0], tensors["conv1d.weight"].shape[-1]
-    linear = _sizes(num_k_heads, num_v_heads, head_k_dim, head_v_dim, conv_kernel)
+    """One layer's tensors, by their names inside `linear_attn.` (`self_attn.` with
+    channel_decay) -> our parameters, by path in the layer (("q", "kernel"), ("a_log",), ...)."""
+    output, conv = ("o_proj", "q_conv1d") if channel_decay else ("out_proj", "conv1d")
+    hidden, conv_kernel = tensors[f"{output}.weight"].shape[0], tensors[f"{conv}.weight"].shape[-1]
+    linear = _sizes(num_k_heads, num_v_heads, head_k_dim, head_v_dim, conv_kernel, channel_decay)
     shapes = _parameter_shapes(hidden, linear)
     return {
         slot.path: slot.to_ours(tensors[slot.hf_name], shapes[slot.path]) for slot in _slots(linear)
@@ -43,7 +46,8 @@ def to_hf(params: dict[tuple[str, ...], np.ndarray]) -> dict[str, np.ndarray]:
     `linear_attn.`."""
     _, num_k_heads, head_k_dim = params[("q", "kernel")].shape
     conv_kernel, num_v_heads, head_v_dim = params[("v_conv",)].shape
-    linear = _sizes(num_k_heads, num_v_heads, head_k_dim, head_v_dim, conv_kernel)
+    channel_decay = ("a_down", "kernel") in params
+    linear = _sizes(num_k_heads, num_v_heads, head_k_dim, head_v_dim, conv_kernel, channel_decay)
     by_name: dict[str, list[Slot]] = {}
     for slot in _slots(linear):
         by_name.setdefault(slot.hf_name, []).append(slot)
@@ -54,20 +58,26 @@ def to_hf(params: dict[tuple[str, ...], np.ndarray]) -> dict[str, np.ndarray]:
 
 
 def _sizes(
-    num_k_heads: int, num_v_heads: int, head_k_dim: int, head_v_dim: int, conv_kernel: int
+    num_k_heads: int,
+    num_v_heads: int,
+    head_k_dim: int,
+    head_v_dim: int,
+    conv_kernel: int,
+    channel_decay: bool,
 ) -> LinearAttention:
     return LinearAttention(
         num_key_heads=num_k_heads, num_value_heads=num_v_heads, key_head_dim=head_k_dim,
-        value_head_dim=head_v_dim, conv_kernel=conv_kernel,
+        value_head_dim=head_v_dim, conv_kernel=conv_kernel, channel_decay=channel_decay,
     )  # fmt: skip
 
 
 def _slots(linear: LinearAttention) -> list[Slot]:
-    """qwen3_next.py's Slots of one layer, named inside `linear_attn.`, paths inside the
-    layer."""
+    """qwen3_next.py's (kimi_delta.py's) Slots of one layer, named inside their prefix, paths
+    inside the layer."""
+    layout = kimi_delta_attention_tensors if linear.channel_decay else linear_attention_tensors
     return [
-        Slot(name.removeprefix(_PREFIX), path[1:], (), in_axes, part, unit_axis)
-        for path, name, in_axes, part, unit_axis in linear_attention_tensors(linear)
+        Slot(name.split(".", 1)[1], path[1:], (), in_axes, part, unit_axis)
+        for path, name, in_axes, part, unit_axis in layout(linear)
     ]
 
 
@@ -81,6 +91,7 @@ def _parameter_shapes(hidden: int, linear: LinearAttention) -> dict[tuple[str, .
             linear.key_head_dim,
             linear.value_head_dim,
             conv_kernel=linear.conv_kernel,
+            channel_decay=linear.channel_decay,
             init_std=0.02,
             param_dtype=jnp.float32,
             compute_dtype=jnp.float32,

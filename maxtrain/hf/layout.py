@@ -110,9 +110,10 @@ class Slot:
     # A linear weight: leading input axes of our kernel (0: a bias, flattened); None: same layout
     in_axes: int | None
     part: Part | None = None  # our block is this part of the tensor's last axis; None: all of it
-    # An axis of size 1 the Hugging Face tensor has and ours not (Conv1d's input channel per
-    # group, conv1d.weight [C, 1, K]); None: none.
-    unit_axis: int | None = None
+    # Axes of size 1 the Hugging Face tensor has and ours not (Conv1d's input channel per
+    # group, conv1d.weight [C, 1, K]: 1; Kimi Linear's A_log [1, 1, H, 1]: (0, 1, 3)); None:
+    # none.
+    unit_axis: int | tuple[int, ...] | None = None
 
     def hf_shape(self, block_shape: tuple[int, ...]) -> tuple[int, ...]:
         """The Hugging Face shape of a tensor whose block of our parameter has block_shape."""
@@ -121,8 +122,8 @@ class Slot:
             shape[-1] = self.part.whole_width(shape[-1])
         if self.in_axes:
             shape.reverse()
-        if self.unit_axis is not None:
-            shape.insert(self.unit_axis, 1)
+        for axis in sorted(np.atleast_1d(self.unit_axis if self.unit_axis is not None else [])):
+            shape.insert(axis, 1)
         return tuple(shape)
 
     def _in_major_shape(self, block_shape: tuple[int, ...]) -> tuple[int, ...]:

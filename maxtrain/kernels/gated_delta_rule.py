@@ -12,6 +12,14 @@ queries always divided by sqrt(dk) inside; the callers L2-normalise q and k befo
 Qwen3-Next asks of that function). Query/key heads may be fewer than value heads: value head n
 reads query/key head n // (Nv / Nk), transformers' repeat_interleave.
 
+The decay is per head (g [..., Nv]: Gated DeltaNet) or per head and key channel (g [..., Nv,
+dk]: Kimi Delta Attention, Kimi Linear's, whose a_t is a diagonal [dk, dk] that decays each
+row of the state by its own rate: transformers' recurrent_kimi_delta_attention). The second is
+the first's generalisation, and everything below holds for both with a_t, gamma_i and
+Gamma_ij read as diagonals, a product such as Gamma_ij (q_i . k_j) as sum_c Gamma_ijc q_ic
+k_jc. A per-head decay keeps a trailing channel axis of one, so that it costs what it did; a
+per-channel one holds a [C, C, dk] decay per chunk and head, as transformers' chunked form does.
+
 Packed documents: the state starts at zero at each document start (a token whose segment id
 differs from the previous token's), which is the recurrence with a_t = 0 there. A row's first
 token continues `initial_state` (zero when none is given).
@@ -65,13 +73,15 @@ def gated_delta_step(
     beta: jax.Array,
     state: jax.Array,
 ) -> tuple[jax.Array, jax.Array]:
-    """One token of the recurrence, decoding's form: q/k [B, Nk, dk], v [B, Nv, dv], g/beta
-    [B, Nv], state [B, Nv, dk, dv] -> (output [B, Nv, dv] in v's dtype, next state, float32)."""
+    """One token of the recurrence, decoding's form: q/k [B, Nk, dk], v [B, Nv, dv], g [B, Nv]
+    or [B, Nv, dk], beta [B, Nv], state [B, Nv, dk, dv] -> (output [B, Nv, dv] in v's dtype,
+    next state, float32)."""
     nv, dk = v.shape[1], q.shape[-1]
     out_dtype = v.dtype
     q, k = (_value_heads(x, nv, axis=1).astype(jnp.float32) for x in (q, k))
     v, g, beta = (x.astype(jnp.float32) for x in (v, g, beta))
-    decayed = state.astype(jnp.float32) * jnp.exp(g)[:, :, None, None]
+    g = _channels(g, beta)  # [B, Nv, 1 or dk]
+    decayed = state.astype(jnp.float32) * jnp.exp(g)[..., None]
     predicted = jnp.einsum("bhk,bhkv->bhv", k, decayed)
     state = decayed + jnp.einsum("bhk,bhv->bhkv", k, beta[..., None] * (v - predicted))
     out = jnp.einsum("bhk,bhkv->bhv", q * dk**-0.5, state)
@@ -90,7 +100,8 @@ def chunked_gated_delta_rule(
     chunk: int = 64,
 ) -> tuple[jax.Array, jax.Array]:
     """The recurrence over a sequence, in chunks of `chunk` tokens (module docstring): q/k
-    [B, T, Nk, dk], v [B, T, Nv, dv], g/beta [B, T, Nv], segment_ids [B, T] (None: one
+    [B, T, Nk, dk], v [B, T, Nv, dv], g [B, T, Nv] or [B, T, Nv, dk], beta [B, T, Nv],
+    segment_ids [B, T] (None: one
     document per row), initial_state [B, Nv, dk, dv] (None: zeros) -> (output [B, T, Nv, dv]
     in v's dtype, the state after the last token [B, Nv, dk, dv], float32). T need not be a
     multiple of `chunk`: the last chunk is padded with tokens that neither decay nor write."""
@@ -99,6 +110,7 @@ def chunked_gated_delta_rule(
     out_dtype = v.dtype
     q, k = (_value_heads(x, nv, axis=2) for x in (q, k))
     q, k, v, g, beta = (x.astype(jnp.float32) for x in (q, k, v, g, beta))
+    g = _channels(g, beta)  # [B, T, Nv, 1 or dk]
     q = q * dk**-0.5
     starts = jnp.zeros((b, t), jnp.int32) if segment_ids is None else document_starts(segment_ids)
     pad = -t % chunk
@@ -130,22 +142,31 @@ def _within_chunk(
     q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Array, starts: jax.Array
 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
     """What one chunk computes without the state entering it (q/k [B, C, h, dk] with q scaled,
-    v [B, C, h, dv], g/beta [B, C, h], document starts [B, C]): (its outputs' own part P U
-    [B, h, C, dv]; the map gamma q - P W [B, h, C, dk] that reads the entering state into
-    them; M [B, h, dk, dk] and K^T U [B, h, dk, dv], the state's update; module docstring)."""
+    v [B, C, h, dv], g [B, C, h, 1 or dk], beta [B, C, h], document starts [B, C]): (its
+    outputs' own part P U [B, h, C, dv]; the map gamma q - P W [B, h, C, dk] that reads the
+    entering state into them; M [B, h, dk, dk] and K^T U [B, h, dk, dv], the state's update;
+    module docstring)."""
     size, dv = q.shape[1], v.shape[-1]
-    decay, reach = _chunk_decays(g, starts)  # Gamma [B, h, c, s], gamma [B, c, h]
-    a = jnp.einsum("bchk,bshk->bhcs", beta[..., None] * k, k) * decay
+    decay, reach = _chunk_decays(g, starts)  # Gamma [B, h, c, s, 1|dk], gamma [B, c, h, 1|dk]
+    a = _decayed_products(beta[..., None] * k, k, decay)
     a = jnp.where(jnp.tri(size, k=-1, dtype=bool), a, 0.0)
-    rhs = jnp.concatenate([beta[..., None] * v, (beta * reach)[..., None] * k], axis=-1)
+    rhs = jnp.concatenate([beta[..., None] * v, beta[..., None] * reach * k], axis=-1)
     solved = _unit_lower_solve(a, rhs.transpose(0, 2, 1, 3))  # [U | W]: [B, h, c, dv + dk]
     u, w = solved[..., :dv], solved[..., dv:]
-    scores = jnp.einsum("bchk,bshk->bhcs", q, k) * decay  # P
+    scores = _decayed_products(q, k, decay)  # P
     own = scores @ u
-    reading = jnp.einsum("bch,bchk->bhck", reach, q) - scores @ w
-    to_end = jnp.einsum("bhs,bshk->bhks", decay[:, :, -1], k)  # K^T: keys decayed to the end
-    lost = (1.0 - reach[:, -1])[..., None, None] * jnp.eye(k.shape[-1], dtype=k.dtype)
+    reading = (reach * q).transpose(0, 2, 1, 3) - scores @ w
+    to_end = jnp.swapaxes(decay[:, :, -1] * k.transpose(0, 2, 1, 3), -1, -2)  # K^T [B, h, k, s]
+    lost = (1.0 - reach[:, -1])[..., None] * jnp.eye(k.shape[-1], dtype=k.dtype)  # diagonal
     return own, reading, lost + to_end @ w, to_end @ u
+
+
+def _decayed_products(x: jax.Array, y: jax.Array, decay: jax.Array) -> jax.Array:
+    """sum_k x_ck y_sk Gamma_csk, [B, h, c, s], of x/y [B, C, h, dk] and Gamma [B, h, c, s,
+    1 or dk]: a per-head decay scales the dot products, a per-channel one enters them."""
+    if decay.shape[-1] == 1:
+        return jnp.einsum("bchk,bshk->bhcs", x, y) * decay[..., 0]
+    return jnp.einsum("bchk,bshk,bhcsk->bhcs", x, y, decay)
 
 
 @jax.custom_vjp
@@ -210,9 +231,10 @@ _matmul = partial(jnp.matmul, precision=jax.lax.Precision.HIGHEST)
 
 
 def _chunk_decays(g: jax.Array, starts: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """g [B, C, h] and document starts [B, C] of a chunk -> (Gamma [B, h, c, s]: the decay from
-    key s to query c, zero unless s <= c in one document; gamma [B, c, h]: the decay from the
-    chunk's start to c, zero past a document start in the chunk). Masked before the exp, so
+    """g [B, C, h, K] (K: 1 or dk) and document starts [B, C] of a chunk -> (Gamma [B, h, c, s,
+    K]: the decay from key s to query c, zero unless s <= c in one document; gamma [B, c, h,
+    K]: the decay from the chunk's start to c, zero past a document start in the chunk).
+    Masked before the exp, so
     that no positive exponent is ever taken and no gradient flows through a masked pair.
 
     The running sums are matmuls with a lower-triangular matrix of ones, not cumsums: XLA:CPU
@@ -226,10 +248,10 @@ def _chunk_decays(g: jax.Array, starts: jax.Array) -> tuple[jax.Array, jax.Array
     cumulative = running_sum(g)  # G_c
     document = running_sum(starts.astype(jnp.float32))  # the chunk's document index of c
     visible = (document[:, :, None] == document[:, None, :]) & jnp.tri(size, dtype=bool)
-    exponent = cumulative.transpose(0, 2, 1)  # [B, h, C]
-    exponent = exponent[..., :, None] - exponent[..., None, :]
-    decay = jnp.exp(jnp.where(visible[:, None], exponent, -jnp.inf))
-    reach = jnp.exp(jnp.where((document == 0)[..., None], cumulative, -jnp.inf))
+    exponent = cumulative.transpose(0, 2, 1, 3)  # [B, h, C, K]
+    exponent = exponent[:, :, :, None] - exponent[:, :, None, :]
+    decay = jnp.exp(jnp.where(visible[:, None, :, :, None], exponent, -jnp.inf))
+    reach = jnp.exp(jnp.where((document == 0)[..., None, None], cumulative, -jnp.inf))
     return decay, reach
 
 
@@ -238,6 +260,12 @@ def document_starts(segment_ids: jax.Array) -> jax.Array:
     document start past the row's first token), else 0."""
     changed = segment_ids[:, 1:] != segment_ids[:, :-1]
     return jnp.pad(changed, ((0, 0), (1, 0))).astype(jnp.int32)
+
+
+def _channels(g: jax.Array, beta: jax.Array) -> jax.Array:
+    """The log decay with a trailing channel axis: [..., Nv] (per head: beta's shape) -> [...,
+    Nv, 1]; [..., Nv, dk] (per key channel) as it is."""
+    return g[..., None] if g.shape == beta.shape else g
 
 
 def _value_heads(x: jax.Array, num_value_heads: int, *, axis: int) -> jax.Array:

@@ -6,7 +6,11 @@
     mix       the gated delta rule over (q, k, v, g, beta) (kernels/gated_delta_rule.py)
     out       RMSNorm(mix) * silu(z) per value head (z = x -> projection), then the output map
 
-as transformers 5.23.0's Qwen3NextGatedDeltaNet computes it. Query/key heads (Nk) may be fewer
+as transformers 5.23.0's Qwen3NextGatedDeltaNet computes it. With `channel_decay`, Kimi Delta
+Attention (transformers' KimiLinearDeltaAttention, Kimi Linear's): the decay per value head and
+key channel, g = -exp(a_log) softplus(a + dt_bias) with a = x -> rank-dk projection -> [Nv, dk]
+and dt_bias [Nv, dk]; z from a rank-dv projection; the output RMSNorm(mix) * sigmoid(z). The
+kernel takes a decay of either shape. Query/key heads (Nk) may be fewer
 than value heads (Nv, a multiple): value head n reads query/key head n // (Nv / Nk). On a mesh
 they split like attention's: value heads are the layer's `heads`, query/key heads its
 `kv_heads` (mesh.rules), so that a device's value heads read only its own query/key heads.
@@ -62,10 +66,15 @@ class GatedDeltaNet(nnx.Module):
         D, heads = cfg.emb_dim, la.num_value_heads
         key, value = la.num_key_heads * la.key_head_dim, heads * la.value_head_dim
         state = heads * la.key_head_dim * la.value_head_dim
+        dk, dv = la.key_head_dim, la.value_head_dim  # z and a: direct, or through ranks dv, dk
+        gates = (
+            (D + heads) * dv + (D + heads * dk) * dk if la.channel_decay else D * (value + heads)
+        )
         return AttentionCounts(
-            # q, k, v, z; b, a; o; the taps over q, k and v
-            matmul_params=D * (2 * key + 2 * value)
-            + 2 * D * heads
+            # q, k, v; z and a; b; o; the taps over q, k and v
+            matmul_params=D * (2 * key + value)
+            + gates
+            + D * heads
             + value * D
             + la.conv_kernel * (2 * key + value),
             qk_width=0,
@@ -86,6 +95,7 @@ class GatedDeltaNet(nnx.Module):
         *,
         conv_kernel: int = 4,
         chunk: int = 64,
+        channel_decay: bool = False,
         norm_eps: float = 1e-6,
         init_std: float,
         param_dtype: jnp.dtype,
@@ -98,6 +108,7 @@ class GatedDeltaNet(nnx.Module):
             )
         D, Nk, Nv, dk, dv = hidden, num_k_heads, num_v_heads, head_k_dim, head_v_dim
         self.chunk = chunk
+        self.channel_decay = channel_decay
         self.compute_dtype = compute_dtype
         kw = dict(
             init_std=init_std, param_dtype=param_dtype, compute_dtype=compute_dtype, rngs=rngs
@@ -106,26 +117,43 @@ class GatedDeltaNet(nnx.Module):
         self.q = Projection("btd,dkh->btkh", (D, Nk, dk), key, **kw)
         self.k = Projection("btd,dkh->btkh", (D, Nk, dk), key, **kw)
         self.v = Projection("btd,dnh->btnh", (D, Nv, dv), value, **kw)
-        self.z = Projection("btd,dnh->btnh", (D, Nv, dv), value, **kw)
-        self.b = Projection("btd,dn->btn", (D, Nv), ("embed", "heads"), **kw)
-        self.a = Projection("btd,dn->btn", (D, Nv), ("embed", "heads"), **kw)
+        self._gates(D, Nv, dk, dv, **kw)
         # Depthwise taps [conv_kernel, heads, head dim], oldest input first (transformers'
         # conv1d.weight[c, 0, :]); the spread of PyTorch's default Conv1d init, U(+-1/sqrt(K)).
         conv = dict(std=(3 * conv_kernel) ** -0.5, dtype=param_dtype)
         self.q_conv = make_param(rngs, (conv_kernel, Nk, dk), (None, *key[1:]), **conv)
         self.k_conv = make_param(rngs, (conv_kernel, Nk, dk), (None, *key[1:]), **conv)
         self.v_conv = make_param(rngs, (conv_kernel, Nv, dv), (None, *value[1:]), **conv)
-        # Per value head decay rate exp(a_log) and time-step bias, initialised as transformers
-        # does: exp(a_log) uniform in [0.01, 16], dt_bias 1.
+        # Per value head decay rate exp(a_log) and time-step bias (per key channel with
+        # channel_decay), initialised as transformers does: exp(a_log) uniform in [0.01, 16],
+        # dt_bias 1.
         a = jax.random.uniform(rngs.params(), (Nv,), jnp.float32, 0.01, 16.0)
         self.a_log = nnx.Param(
             jnp.log(a).astype(param_dtype), out_sharding=("heads",), eager_sharding=False
         )
+        shape, axes = ((Nv, dk), value[1:]) if channel_decay else ((Nv,), ("heads",))
         self.dt_bias = nnx.Param(
-            jnp.ones((Nv,), param_dtype), out_sharding=("heads",), eager_sharding=False
+            jnp.ones(shape, param_dtype), out_sharding=axes, eager_sharding=False
         )
         self.norm = RMSNorm(dv, eps=norm_eps, param_dtype=param_dtype, rngs=rngs)
         self.o = Projection("btnh,nhd->btd", (Nv, dv, D), ("heads", "head_dim", "embed"), **kw)
+
+    def _gates(self, D: int, Nv: int, dk: int, dv: int, **kw) -> None:
+        """The output gate z, the write strength's b and the decay's a (in that order, the
+        random draws' of every checkpoint before): per value head from x (Gated DeltaNet), or
+        with channel_decay z and a through ranks dv and dk, a per key channel."""
+        value, per_head = ("embed", "heads", "head_dim"), ("embed", "heads")
+        if self.channel_decay:  # x -> [rank] -> [Nv, dv] or [Nv, dk]
+            self.z_down = Projection("btd,dr->btr", (D, dv), ("embed", "latent"), **kw)
+            self.z = Projection("btr,rnh->btnh", (dv, Nv, dv), ("latent", *value[1:]), **kw)
+        else:
+            self.z = Projection("btd,dnh->btnh", (D, Nv, dv), value, **kw)
+        self.b = Projection("btd,dn->btn", (D, Nv), per_head, **kw)
+        if self.channel_decay:
+            self.a_down = Projection("btd,dr->btr", (D, dk), ("embed", "latent"), **kw)
+            self.a = Projection("btr,rnh->btnh", (dk, Nv, dk), ("latent", *value[1:]), **kw)
+        else:
+            self.a = Projection("btd,dn->btn", (D, Nv), per_head, **kw)
 
     def __call__(
         self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array, kind: int = 0
@@ -162,7 +190,8 @@ class GatedDeltaNet(nnx.Module):
         window skips, ending at the row's last real token; their outputs mean nothing."""
         q, k, v, z, g, beta = self._project(x)
         if real is not None:
-            g, beta = jnp.where(real[..., None], g, 0.0), jnp.where(real[..., None], beta, 0.0)
+            per_token = real.reshape(*real.shape, *(1,) * (g.ndim - 2))  # over g's heads, dims
+            g, beta = jnp.where(per_token, g, 0.0), jnp.where(real[..., None], beta, 0.0)
         ends = None if real is None else jnp.sum(real, axis=1)  # real tokens per row
         convolved, windows = [], []
         streams = ((q, self.q_conv), (k, self.k_conv), (v, self.v_conv))
@@ -193,15 +222,21 @@ class GatedDeltaNet(nnx.Module):
         return self.step(x, cache, positions >= 0)
 
     def _project(self, x: jax.Array) -> tuple[jax.Array, ...]:
-        """x [B, T, D] -> q/k [B, T, Nk, dk], v/z [B, T, Nv, dv] in compute dtype, and the
-        log decay g and write strength beta [B, T, Nv] in float32."""
+        """x [B, T, D] -> q/k [B, T, Nk, dk], v/z [B, T, Nv, dv] in compute dtype, the log
+        decay g [B, T, Nv] (with channel_decay [B, T, Nv, dk]) and the write strength beta
+        [B, T, Nv] in float32."""
         q = constrain(self.q(x), KEY_AXES)
         k = constrain(self.k(x), KEY_AXES)
         v = constrain(self.v(x), VALUE_AXES)
-        z = constrain(self.z(x), VALUE_AXES)
         b = constrain(self.b(x), VALUE_AXES[:3]).astype(jnp.float32)
-        a = constrain(self.a(x), VALUE_AXES[:3]).astype(jnp.float32)
         rate = jnp.exp(self.a_log[...].astype(jnp.float32))
+        if self.channel_decay:
+            z = constrain(self.z(self.z_down(x)), VALUE_AXES)
+            a = constrain(self.a(self.a_down(x)), VALUE_AXES).astype(jnp.float32)
+            rate = rate[:, None]
+        else:
+            z = constrain(self.z(x), VALUE_AXES)
+            a = constrain(self.a(x), VALUE_AXES[:3]).astype(jnp.float32)
         g = -rate * jax.nn.softplus(a + self.dt_bias[...].astype(jnp.float32))
         return q, k, v, z, g, jax.nn.sigmoid(b)
 
@@ -213,9 +248,10 @@ class GatedDeltaNet(nnx.Module):
         return [p.reshape(*p.shape[:2], *s) for p, s in zip(parts, shapes, strict=True)]
 
     def _output(self, mixed: jax.Array, z: jax.Array) -> jax.Array:
-        """The gated RMSNorm, RMSNorm(mixed) * silu(z) per value head, then the output map."""
+        """The gated RMSNorm, RMSNorm(mixed) * silu(z) per value head (sigmoid(z) with
+        channel_decay), then the output map."""
         mixed = constrain(mixed.astype(self.compute_dtype), VALUE_AXES)
-        gate = jax.nn.silu(z.astype(jnp.float32))
+        gate = (jax.nn.sigmoid if self.channel_decay else jax.nn.silu)(z.astype(jnp.float32))
         return self.o((self.norm(mixed).astype(jnp.float32) * gate).astype(self.compute_dtype))
 
 

@@ -126,6 +126,7 @@ class MLA(nnx.Module):
         self.rope = Rope(m.qk_rope_head_dim, cfg.rope.theta, cfg.rope.scaling, cfg.rope.interleaved)
         self.indexer = LightningIndexer(spec, rngs=rngs) if m.indexer is not None else None
         self.warmup = m.indexer is not None and m.indexer.stage == "warmup"
+        self.rotates = m.rope
         # the kernel, picked once; with compute.attention_max_logit it gives each head's max logit
         self.max_logit = spec.compute.attention_max_logit
         self.attend = attention_kernel(spec.compute.attention, max_logit=self.max_logit)
@@ -269,7 +270,7 @@ class MLA(nnx.Module):
             q_resid = self.q_norm(self.q_a(x))
             q = self.q_b(q_resid)
         q = constrain(q, ("batch", "length", "heads", "head_dim"))  # [B, T, N, H]
-        q = jnp.concatenate([q[..., :nope], self.rope(q[..., nope:], positions)], axis=-1)
+        q = jnp.concatenate([q[..., :nope], self._rotate(q[..., nope:], positions)], axis=-1)
         if self.rope.softmax_factor != 1.0:
             q = q * jnp.asarray(self.rope.softmax_factor, q.dtype)
         return q, q_resid
@@ -279,4 +280,8 @@ class MLA(nnx.Module):
         heads) of x [B, T, D]: what keys and values are made from."""
         rank, _ = self.dims
         latent, k_rope = jnp.split(self.kv_a(x), [rank], axis=-1)
-        return self.kv_norm(latent), self.rope(k_rope[:, :, None, :], positions)
+        return self.kv_norm(latent), self._rotate(k_rope[:, :, None, :], positions)
+
+    def _rotate(self, x: jax.Array, positions: jax.Array) -> jax.Array:
+        """RoPE on the rotary part, or nothing with model.mla.rope false (NoPE)."""
+        return self.rope(x, positions) if self.rotates else x

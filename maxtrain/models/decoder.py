@@ -99,7 +99,7 @@ def _attention(spec: ModelSpec, *, rngs: nnx.Rngs) -> nnx.Module:
 
 
 def _linear_attention(spec: ModelSpec, *, rngs: nnx.Rngs) -> nnx.Module:
-    """The linear attention of model.linear_attention: Gated DeltaNet."""
+    """model.linear_attention's: Gated DeltaNet (with channel_decay Kimi Delta Attention)."""
     cfg, la = spec.model, spec.model.linear_attention
     assert la is not None  # a linear layer implies it (config validation)
     return GatedDeltaNet(
@@ -110,6 +110,7 @@ def _linear_attention(spec: ModelSpec, *, rngs: nnx.Rngs) -> nnx.Module:
         la.value_head_dim,
         conv_kernel=la.conv_kernel,
         chunk=la.chunk,
+        channel_decay=la.channel_decay,
         norm_eps=cfg.norm_eps,
         **spec.projection(rngs),
     )

@@ -150,7 +150,7 @@ def test_a_family_is_its_module_and_a_fixture():
     assert list(FAMILIES.values()) == entries
     assert sorted(FAMILY_CASES) == sorted(FAMILIES)
     assert len({family.rank for family in entries}) == len(entries)
-    sections = {"": ModelConfig, "moe": MoeConfig, "rope": config_lib.RopeConfig}
+    sections = {"": ModelConfig, "moe": MoeConfig, "rope": config_lib.RopeConfig, "mla": MlaConfig}
     for family in entries:
         for key, value in family.fixed.items():
             section, _, name = key.rpartition(".")
@@ -211,6 +211,9 @@ def test_export_reproduces_the_original_files(case, tmp_path):
         "gpt-oss-20b",
         "gpt-oss-120b",
         "qwen3-next-80b-a3b",
+        "qwen3.5-9b",
+        "qwen3.5-35b-a3b",
+        "kimi-linear-48b-a3b",
     ],
 )
 def test_preset_configs_round_trip(preset):
@@ -776,7 +779,11 @@ def test_qwen3_next_logits_do_not_depend_on_our_chunk():
         (dict(moe=dict(shared_expert_gate=False)), "model.moe.shared_expert_gate=false"),
         (dict(moe=dict(shared_experts=0, shared_expert_gate=False)), "shared_experts=0"),
         (
-            dict(layers=["linear-moe", "sliding-moe"], sliding_window=4, mlp_dim=None),
+            dict(linear_attention=dict(num_key_heads=2, num_value_heads=4, channel_decay=True)),
+            "model.linear_attention.channel_decay=true",
+        ),
+        (
+            dict(layers=["linear-dense", "sliding-moe"], sliding_window=4),
             "model.layers' sliding",
         ),
     ],
@@ -976,12 +983,25 @@ SPECIAL_TEXTS += [
     "<|im_start|>user\nhi<|im_end|>", "1 <s> 2 </s> 3 <unk> 4 <pad> 5",
 ]  # fmt: skip
 
+# transformers' AutoTokenizer ignores tokenizer_config.json's class for some model types (its
+# MODELS_WITH_INCORRECT_HUB_TOKENIZER_CLASS, meant for the hub's Qwen3.5-MoE repositories) and
+# loads its own, which splits text before the vocabulary does: an export of such a family is
+# read with the class its tokenizer_config.json names (docs/huggingface.md says so).
+AUTO_TOKENIZER_OVERRIDES = {"qwen3_5_moe_text": "Qwen3_5Tokenizer"}
+
 ENCODE_IN_TRANSFORMERS = """
 import json, sys
 from transformers import AutoTokenizer
-texts, dirs = json.loads(sys.argv[1]), sys.argv[2:]
-tokenizers = {d: AutoTokenizer.from_pretrained(d) for d in dirs}
-print(json.dumps({d: [tokenizer.encode(t) for t in texts] for d, tokenizer in tokenizers.items()}))
+from transformers.models.auto.tokenization_auto import tokenizer_class_from_name
+texts, overridden, dirs = json.loads(sys.argv[1]), json.loads(sys.argv[2]), sys.argv[3:]
+auto = {d: AutoTokenizer.from_pretrained(d) for d in dirs}
+named = lambda d: json.load(open(d + "/tokenizer_config.json"))["tokenizer_class"]
+tokenizers = {
+    d: tokenizer_class_from_name(named(d)).from_pretrained(d) if d in overridden else auto[d]
+    for d in dirs
+}
+encoded = {d: [tokenizer.encode(t) for t in texts] for d, tokenizer in tokenizers.items()}
+print(json.dumps({"auto": {d: type(t).__name__ for d, t in auto.items()}, "encoded": encoded}))
 """
 
 
@@ -1019,15 +1039,19 @@ def test_transformers_encodes_an_exported_tokenizer_as_maxtrain_does(tmp_path, m
     controls = {sp.bos_id(), sp.eos_id(), sp.unk_id(), sp.pad_id()}
     assert not controls & {i for ids in expected for i in ids}  # special text is text
     dirs = [str(tmp_path / family) for family in families]
+    overridden = [str(tmp_path / family) for family in AUTO_TOKENIZER_OVERRIDES]
     result = subprocess.run(
-        [python, "-c", ENCODE_IN_TRANSFORMERS, json.dumps(texts), *dirs],
+        [python, "-c", ENCODE_IN_TRANSFORMERS, json.dumps(texts), json.dumps(overridden), *dirs],
         capture_output=True,
         text=True,
         check=True,
     )
-    encoded = json.loads(result.stdout.strip().splitlines()[-1])
+    found = json.loads(result.stdout.strip().splitlines()[-1])
     for directory in dirs:
-        assert encoded[directory] == expected, directory
+        assert found["encoded"][directory] == expected, directory
+    for family, auto_class in AUTO_TOKENIZER_OVERRIDES.items():
+        if family in families:  # the override is still transformers': the docs still hold
+            assert found["auto"][str(tmp_path / family)] == auto_class
 
 
 def upcycled(
@@ -1100,3 +1124,16 @@ def test_transformers_loads_our_exports_with_the_same_logits(tmp_path):
     for name, (*_, ours) in models_out.items():
         diff = max_diff(ours, np.load(exported / name / "logits.npy"))
         assert diff <= TOLERANCE, f"{name}: max |logits diff| {diff:.2e}"
+
+
+def test_nope_mla_exports_as_kimi_linear_and_deepseek_v3_refuses_it():
+    """DeepSeek-V3 rotates MLA's rotary part: a model whose MLA sees no position
+    (model.mla.rope false) exports as Kimi Linear, whose MLA does not, and DeepSeek-V3 refuses
+    it rather than writing one that does; Kimi Linear refuses MLA with RoPE."""
+    cfg, _ = committed("deepseek_v3_grouped")
+    nope = changed(cfg, mla={**cfg.mla.model_dump(), "rope": False}, rope={"theta": 10000.0})
+    assert family_for(nope).model_type == "kimi_linear"
+    with pytest.raises(ConversionError, match=r"model.mla.rope=false \(NoPE\)"):
+        hf_config(nope, FAMILIES["deepseek_v3"], "float32", 0.02)
+    with pytest.raises(ConversionError, match=r"model.mla.rope=true"):
+        hf_config(cfg, FAMILIES["kimi_linear"], "float32", 0.02)

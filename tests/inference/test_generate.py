@@ -73,10 +73,16 @@ HYBRID = (
         HYBRID,
         # Linear and attention layers alternating, dense: runs of one layer from two stacks.
         ("model.layers=[linear-dense, global-dense]", *LINEAR),
+        # Kimi Delta Attention's linear layers (a decay per key channel) beside attention.
+        (
+            "model.layers=[linear-dense, global-dense]",
+            "model.linear_attention={num_key_heads: 4, num_value_heads: 4, key_head_dim: 8, "
+            "value_head_dim: 8, chunk: 4, channel_decay: true}",
+        ),
     ],
     ids=[
         "dense-qk-norm", "moe-after-dense-mixed", "mla", "mla-sparse", "window", "window-mixed",
-        "chunk", "hybrid-moe", "hybrid-alternating",
+        "chunk", "hybrid-moe", "hybrid-alternating", "kimi-delta-alternating",
     ],
 )  # fmt: skip
 def test_cached_decode_equals_the_full_forward(make_cfg, overrides):
@@ -248,6 +254,14 @@ def test_greedy_generation_of_a_hybrid_model_follows_its_training_forward(make_c
         # recurrent state, prompts right-padded in one prefill) beside a gated attention
         # layer's keys and values, MoE with a gated shared expert, over 8 devices.
         ("qwen3_next_hybrid_moe_v5", ["mesh.fsdp=2", "mesh.tensor=2", "mesh.expert=2"]),
+        # Qwen3.5: the same hybrid with the Gated DeltaNet's projections stored apart, half
+        # of each head rotated, tied; its MoE every layer MoE. 16 new tokens each.
+        ("qwen3_5_text_tied_mrope_v5", ["mesh.fsdp=4", "mesh.tensor=2"]),
+        ("qwen3_5_moe_text_v5", ["mesh.fsdp=2", "mesh.tensor=2", "mesh.expert=2"]),
+        # Kimi Linear: Kimi Delta Attention layers (a decay per key channel) generating from
+        # their states beside a NoPE latent-attention layer's cached latents, sigmoid routing;
+        # 16 new tokens over 8 devices.
+        ("kimi_linear_kda_nope_mla_v5", ["mesh.fsdp=2", "mesh.tensor=2", "mesh.expert=2"]),
     ],
 )
 def test_greedy_generation_from_an_import_equals_transformers(case, mesh, tmp_path, capsys):

@@ -2,7 +2,10 @@
 NumPy statement of the recurrence token by token (values) and against a plain lax.scan of it
 (gradients), over packed rows whose documents start inside a chunk, on a chunk's edge and as a
 one-token document, with T not a multiple of the chunk; and decoding's one-token step against
-the chunked form."""
+the chunked form. Each with the decay per head (Gated DeltaNet) and per head and key channel
+(Kimi Delta Attention: the NumPy statement is transformers' recurrent_kimi_delta_attention's,
+the state's rows decayed each by its own rate), and the second equal to the first where every
+channel of a head decays alike."""
 
 from functools import partial
 
@@ -25,15 +28,22 @@ SEGMENT_IDS = np.array([[1] * 5 + [2] * 3 + [3] * 5 + [4] * 8, [1] * 16 + [2] + 
 DECAY_SCALES = np.array([0.02, 0.1, 0.3, 2.0])
 
 
-def _inputs(seed: int = 0) -> tuple[np.ndarray, ...]:
+GATES = ["head", "channel"]  # the decay's shape: [B, T, NV] or [B, T, NV, DK]
+
+
+def _inputs(seed: int = 0, gate: str = "head") -> tuple[np.ndarray, ...]:
     """q, k, v, g, beta, initial state: unit q and k (as the layer gives them), decays from
-    nearly none to strong (DECAY_SCALES), write strengths across (0, 1)."""
+    nearly none to strong (DECAY_SCALES; per channel, each channel its own draw under its
+    head's scale), write strengths across (0, 1)."""
     rng = np.random.default_rng(seed)
     unit = lambda x: x / np.linalg.norm(x, axis=-1, keepdims=True)  # noqa: E731
     q = unit(rng.normal(size=(B, T, NK, DK)))
     k = unit(rng.normal(size=(B, T, NK, DK)))
     v = rng.normal(size=(B, T, NV, DV))
-    g = -rng.uniform(0.0, 1.0, size=(B, T, NV)) * DECAY_SCALES
+    if gate == "head":
+        g = -rng.uniform(0.0, 1.0, size=(B, T, NV)) * DECAY_SCALES
+    else:
+        g = -rng.uniform(0.0, 1.0, size=(B, T, NV, DK)) * DECAY_SCALES[:, None]
     beta = rng.uniform(0.05, 1.0, size=(B, T, NV))
     state = rng.normal(size=(B, NV, DK, DV))
     return tuple(x.astype(np.float32) for x in (q, k, v, g, beta, state))
@@ -54,7 +64,8 @@ def _numpy_recurrence(q, k, v, g, beta, segment_ids, state):
                 state[b] = 0.0
             for n in range(NV):
                 key, query = k[b, t, n // group], q[b, t, n // group] / np.sqrt(DK)
-                s = state[b, n] * np.exp(g[b, t, n])
+                decay = np.exp(g[b, t, n])  # a number, or one per key channel (row of s)
+                s = state[b, n] * (decay[:, None] if decay.ndim else decay)
                 s = s + np.outer(key, beta[b, t, n] * (v[b, t, n] - s.T @ key))
                 state[b, n] = s
                 out[b, t, n] = s.T @ query
@@ -70,7 +81,8 @@ def _scan_recurrence(q, k, v, g, beta, segment_ids, state):
 
     def token(s, inputs):
         q_t, k_t, v_t, g_t, beta_t, start_t = inputs
-        s = jnp.where(start_t[:, None, None, None], 0.0, s) * jnp.exp(g_t)[..., None, None]
+        decay = jnp.exp(g_t if g_t.ndim == 3 else g_t[..., None])[..., None]
+        s = jnp.where(start_t[:, None, None, None], 0.0, s) * decay
         read = jnp.einsum("bhkv,bhk->bhv", s, k_t)
         s = s + k_t[..., None] * (beta_t[..., None] * (v_t - read))[:, :, None, :]
         return s, jnp.einsum("bhkv,bhk->bhv", s, q_t)
@@ -80,11 +92,12 @@ def _scan_recurrence(q, k, v, g, beta, segment_ids, state):
     return jnp.moveaxis(out, 0, 1), state
 
 
+@pytest.mark.parametrize("gate", GATES)
 @pytest.mark.parametrize("chunk", [CHUNK, 32])
-def test_chunked_equals_the_recurrence_across_documents(chunk):
+def test_chunked_equals_the_recurrence_across_documents(chunk, gate):
     """Chunks of 8 (documents starting inside chunks and on their edges, a partial last chunk)
     and one chunk longer than the row: outputs and final state as the NumPy recurrence's."""
-    q, k, v, g, beta, state = _inputs()
+    q, k, v, g, beta, state = _inputs(gate=gate)
     want_out, want_state = _numpy_recurrence(q, k, v, g, beta, SEGMENT_IDS, state)
     rule = jax.jit(partial(chunked_gated_delta_rule, chunk=chunk))
     out, final = rule(q, k, v, g, beta, jnp.asarray(SEGMENT_IDS), state)
@@ -93,10 +106,11 @@ def test_chunked_equals_the_recurrence_across_documents(chunk):
     np.testing.assert_allclose(final, want_state, atol=2e-5)
 
 
-def test_a_document_sees_nothing_of_the_one_before():
+@pytest.mark.parametrize("gate", GATES)
+def test_a_document_sees_nothing_of_the_one_before(gate):
     """Row 0's last document (tokens 13..20) gives the same outputs inside the packed row as
     alone, from an empty state: what came before it, the initial state included, is gone."""
-    q, k, v, g, beta, state = _inputs(1)
+    q, k, v, g, beta, state = _inputs(1, gate)
     rule = jax.jit(partial(chunked_gated_delta_rule, chunk=CHUNK))
     packed, _ = rule(q, k, v, g, beta, jnp.asarray(SEGMENT_IDS), state)
     alone, _ = rule(*(x[:1, 13:] for x in (q, k, v, g, beta)))
@@ -105,11 +119,12 @@ def test_a_document_sees_nothing_of_the_one_before():
     assert np.abs(unpacked[:1, 13:] - alone).max() > 0.1
 
 
-def test_chunked_gradients_equal_the_scan_of_the_recurrence():
+@pytest.mark.parametrize("gate", GATES)
+def test_chunked_gradients_equal_the_scan_of_the_recurrence(gate):
     """Gradients of a random projection of (outputs, final state) with respect to every
     input, initial state included: the chunked form's against the token-by-token scan's,
     whose values are checked against the NumPy statement first."""
-    inputs = _inputs(2)
+    inputs = _inputs(2, gate)
     segments = jnp.asarray(SEGMENT_IDS)
     scan_out, scan_state = jax.jit(_scan_recurrence)(*inputs[:5], segments, inputs[5])
     want_out, want_state = _numpy_recurrence(*inputs[:5], SEGMENT_IDS, inputs[5])
@@ -134,10 +149,11 @@ def test_chunked_gradients_equal_the_scan_of_the_recurrence():
         np.testing.assert_allclose(x, y, rtol=1e-4, atol=1e-4, err_msg=name)
 
 
-def test_decoding_step_by_step_equals_the_chunked_form():
+@pytest.mark.parametrize("gate", GATES)
+def test_decoding_step_by_step_equals_the_chunked_form(gate):
     """From the same initial state, one token at a time (decoding's form) gives the chunked
     form's outputs over one document per row, and its final state."""
-    q, k, v, g, beta, state = _inputs(4)
+    q, k, v, g, beta, state = _inputs(4, gate)
     want_out, want_state = jax.jit(partial(chunked_gated_delta_rule, chunk=CHUNK))(
         q, k, v, g, beta, initial_state=state
     )
@@ -148,3 +164,19 @@ def test_decoding_step_by_step_equals_the_chunked_form():
         outs.append(out)
     np.testing.assert_allclose(np.stack(outs, axis=1), want_out, atol=2e-5)
     np.testing.assert_allclose(state, want_state, atol=2e-5)
+
+
+def test_a_per_channel_decay_alike_in_every_channel_is_the_per_head_one():
+    """Kimi Delta Attention's gate generalises Gated DeltaNet's: a head whose channels all
+    decay at its per-head rate gives the per-head outputs and state, and a per-channel gate
+    that differs across channels gives others."""
+    q, k, v, g, beta, state = _inputs(5)
+    rule = jax.jit(partial(chunked_gated_delta_rule, chunk=CHUNK))
+    segments = jnp.asarray(SEGMENT_IDS)
+    per_head = rule(q, k, v, g, beta, segments, state)
+    alike = np.repeat(g[..., None], DK, axis=-1)
+    per_channel = rule(q, k, v, alike, beta, segments, state)
+    for want, got in zip(per_head, per_channel, strict=True):
+        np.testing.assert_allclose(got, want, atol=1e-6)
+    varied = alike * np.linspace(0.5, 1.5, DK, dtype=np.float32)
+    assert np.abs(rule(q, k, v, varied, beta, segments, state)[0] - per_head[0]).max() > 0.01

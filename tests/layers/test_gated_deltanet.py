@@ -1,11 +1,13 @@
 """The Gated DeltaNet layer (maxtrain/layers/gated_deltanet.py) against transformers'
-Qwen3NextGatedDeltaNet: the committed fixture (tests/fixtures/gated_deltanet/, made by
-tools/make_gated_deltanet_fixture.py) loaded through maxtrain/hf/gated_deltanet.py, in
+Qwen3NextGatedDeltaNet, and with channel_decay against KimiLinearDeltaAttention (Kimi Delta
+Attention): the committed fixtures (tests/fixtures/gated_deltanet/ and kimi_delta_attention/,
+made by tools/make_gated_deltanet_fixture.py) loaded through maxtrain/hf/gated_deltanet.py, in
 training's chunked path, packed, and in generation's step by step; and what its compiled
 program costs as the sequence doubles."""
 
 import functools
 import json
+from types import SimpleNamespace
 
 import jax
 import jax.numpy as jnp
@@ -18,35 +20,47 @@ from maxtrain.analysis.program import executed, loop_trip_counts, matmul_flops
 from maxtrain.hf.gated_deltanet import from_hf, to_hf
 from maxtrain.layers.gated_deltanet import GatedDeltaNet
 
-FIXTURE = REPO / "tests" / "fixtures" / "gated_deltanet"
-CONFIG = json.loads((FIXTURE / "config.json").read_text())
-DIMS = dict(
-    num_k_heads=CONFIG["linear_num_key_heads"],
-    num_v_heads=CONFIG["linear_num_value_heads"],
-    head_k_dim=CONFIG["linear_key_head_dim"],
-    head_v_dim=CONFIG["linear_value_head_dim"],
-)
-X, Y = np.load(FIXTURE / "x.npy"), np.load(FIXTURE / "y.npy")  # [2, 20, D], transformers' output
+FIXTURES = REPO / "tests" / "fixtures"
+VARIANTS = ["gated_deltanet", "kimi_delta_attention"]  # fixture directories
 
 
-def _layer(chunk: int = 8, **sizes) -> GatedDeltaNet:
+def _dims(variant: str) -> dict:
+    """A fixture's layer sizes, as from_hf and the layer name them."""
+    config = json.loads((FIXTURES / variant / "config.json").read_text())
+    if variant == "kimi_delta_attention":  # one set of heads for q/k and v
+        heads, dim = config["linear_num_heads"], config["linear_head_dim"]
+        sizes = dict(num_k_heads=heads, num_v_heads=heads, head_k_dim=dim, head_v_dim=dim)
+        return dict(sizes, channel_decay=True)
+    return dict(
+        num_k_heads=config["linear_num_key_heads"],
+        num_v_heads=config["linear_num_value_heads"],
+        head_k_dim=config["linear_key_head_dim"],
+        head_v_dim=config["linear_value_head_dim"],
+    )
+
+
+def _layer(chunk: int = 8, variant: str = "gated_deltanet", **sizes) -> GatedDeltaNet:
     """The layer, initialised as one compiled program (not op by op)."""
-    sizes = {"hidden": CONFIG["hidden_size"], **DIMS, **sizes}
+    config = json.loads((FIXTURES / variant / "config.json").read_text())
+    sizes = {"hidden": config["hidden_size"], **_dims(variant), **sizes}
     return nnx.jit(lambda: GatedDeltaNet(
         sizes["hidden"], sizes["num_k_heads"], sizes["num_v_heads"], sizes["head_k_dim"],
-        sizes["head_v_dim"], conv_kernel=CONFIG["linear_conv_kernel_dim"], chunk=chunk,
-        norm_eps=CONFIG["rms_norm_eps"], init_std=0.02, param_dtype=jnp.float32,
-        compute_dtype=jnp.float32, rngs=nnx.Rngs(0),
+        sizes["head_v_dim"], conv_kernel=config["linear_conv_kernel_dim"], chunk=chunk,
+        channel_decay=sizes.get("channel_decay", False), norm_eps=config["rms_norm_eps"],
+        init_std=0.02, param_dtype=jnp.float32, compute_dtype=jnp.float32, rngs=nnx.Rngs(0),
     ))()  # fmt: skip
 
 
-@pytest.fixture(scope="module")
-def transformers_layer():
-    """Our layer holding the fixture's weights (chunks of 8, so that its 20 tokens take three),
-    as its training path, its generation step and that step under the decoder's decode
-    contract (`cached`), each compiled once per input shape."""
-    layer = _layer()
-    for path, value in from_hf(dict(np.load(FIXTURE / "weights.npz")), **DIMS).items():
+@pytest.fixture(scope="module", params=VARIANTS)
+def oracle(request):
+    """A fixture's input x [2, 20, D] and transformers' output y, and our layer holding its
+    weights (chunks of 8, so that its 20 tokens take three), as its training path (`call`),
+    its generation step and that step under the decoder's decode contract (`cached`), each
+    compiled once per input shape."""
+    variant = request.param
+    layer = _layer(variant=variant)
+    weights = dict(np.load(FIXTURES / variant / "weights.npz"))
+    for path, value in from_hf(weights, **_dims(variant)).items():
         param = getattr(functools.reduce(getattr, path[:-1], layer), path[-1])
         assert param.shape == value.shape, path
         param[...] = jnp.asarray(value)
@@ -56,45 +70,60 @@ def transformers_layer():
     cached = jax.jit(
         lambda p, x, positions, carried: nnx.merge(graph, p).cached(x, positions, carried)
     )
-    partials = (functools.partial(f, params) for f in (call, step, cached))
-    return *partials, layer.init_state
+    call, step, cached = (functools.partial(f, params) for f in (call, step, cached))
+    x, y = (np.load(FIXTURES / variant / f"{name}.npy") for name in ("x", "y"))
+    return SimpleNamespace(
+        x=x, y=y, call=call, step=step, cached=cached, init_state=layer.init_state
+    )
 
 
-def test_the_fused_tensors_map_to_our_parameters_and_back_exactly():
-    tensors = dict(np.load(FIXTURE / "weights.npz"))
-    back = to_hf(from_hf(tensors, **DIMS))
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_the_tensors_map_to_our_parameters_and_back_exactly(variant):
+    tensors = dict(np.load(FIXTURES / variant / "weights.npz"))
+    back = to_hf(from_hf(tensors, **_dims(variant)))
     assert back.keys() == tensors.keys()
     for name, value in tensors.items():
+        assert back[name].shape == value.shape, name
         np.testing.assert_array_equal(back[name], value, err_msg=name)
 
 
-def test_training_path_equals_transformers(transformers_layer):
+def test_training_path_equals_transformers(oracle):
     """One document per row, 20 tokens in chunks of 8 (the last partial): transformers'
     output within 1e-5, where it is of order one."""
-    call, *_ = transformers_layer
-    out = call(X, np.ones(X.shape[:2], np.int32))
-    assert np.sqrt(np.mean(Y**2)) > 1.0
-    np.testing.assert_allclose(out, Y, atol=1e-5)
+    out = oracle.call(oracle.x, np.ones(oracle.x.shape[:2], np.int32))
+    assert np.sqrt(np.mean(oracle.y**2)) > 0.9
+    np.testing.assert_allclose(out, oracle.y, atol=1e-5)
 
 
-def test_packed_documents_equal_each_alone(transformers_layer):
+def test_kimi_decays_differ_across_a_heads_channels():
+    """Kimi Delta Attention's fixture exercises per-channel decay: its forget gate gives a
+    head's channels different rates at one token (so a per-head kernel could not pass)."""
+    weights = dict(np.load(FIXTURES / "kimi_delta_attention" / "weights.npz"))
+    x = np.load(FIXTURES / "kimi_delta_attention" / "x.npy")
+    pre = x[0, 0] @ weights["f_a_proj.weight"].T @ weights["f_b_proj.weight"].T
+    pre = (pre + weights["dt_bias"]).reshape(4, -1)
+    g = -np.exp(weights["A_log"].reshape(4, 1)) * np.log1p(np.exp(pre))
+    assert (g.max(axis=1) - g.min(axis=1)).min() > 0.1
+
+
+def test_packed_documents_equal_each_alone(oracle):
     """Two documents per row, each a prefix of a fixture row, give transformers' outputs for
     each prefix alone: neither the convolution (4 taps) nor the state reaches across a
     document start, inside a chunk (9) or on a chunk's edge (16)."""
-    call, *_ = transformers_layer
+    X, Y = oracle.x, oracle.y
     first = (X[0, :9], X[1, :11]), (Y[0, :9], Y[1, :11])
     second = (X[1, :16], X[0, :4]), (Y[1, :16], Y[0, :4])
     packed = np.stack([np.concatenate(first[0]), np.concatenate(second[0])])
     want = np.stack([np.concatenate(first[1]), np.concatenate(second[1])])
     segments = np.array([[1] * 9 + [2] * 11, [1] * 16 + [2] * 4], np.int32)
-    np.testing.assert_allclose(call(packed, segments), want, atol=1e-5)
+    np.testing.assert_allclose(oracle.call(packed, segments), want, atol=1e-5)
 
 
-def test_generation_step_by_step_and_after_a_prefill_equals_transformers(transformers_layer):
+def test_generation_step_by_step_and_after_a_prefill_equals_transformers(oracle):
     """Decoding one token at a time from an empty state, and after a prefill of 10 tokens
     (chunked, from the state): transformers' outputs, each step carrying the convolution
     window and the rule's state."""
-    _, step, _, init_state = transformers_layer
+    X, Y, step, init_state = oracle.x, oracle.y, oracle.step, oracle.init_state
     for prefill in (1, 10):
         out, state = step(X[:, :prefill], init_state(X.shape[0]))
         outs = [out]
@@ -104,13 +133,13 @@ def test_generation_step_by_step_and_after_a_prefill_equals_transformers(transfo
         np.testing.assert_allclose(np.concatenate(outs, axis=1), Y, atol=1e-5, err_msg=prefill)
 
 
-def test_a_right_padded_prefill_then_steps_equals_transformers(transformers_layer):
+def test_a_right_padded_prefill_then_steps_equals_transformers(oracle):
     """Generation's contract (`cached`, as the decoder calls it): rows of 10 and 3 prompt
     tokens in one prefill, the second right-padded to 10 with the first row's inputs at
     position -1, then one token per step at each row's own next position, give transformers'
     outputs at every real token: the padding neither decays nor writes the rule's state, and
     the convolution's window ends at the row's last prompt token, not its padding."""
-    _, _, cached, init_state = transformers_layer
+    X, Y, cached, init_state = oracle.x, oracle.y, oracle.cached, oracle.init_state
     lengths, width = np.array([10, 3]), 10
     prompt = X[:, :width].copy()
     prompt[1, lengths[1] :] = X[0, lengths[1] : width]

@@ -1,12 +1,16 @@
 """Multi-head latent attention and YaRN: what the transformers fixtures (test_convert_hf.py)
-do not cover: the rope bands, the FLOP count, and sharded runs equal to one device."""
+do not cover: the rope bands, the FLOP count, sharded runs equal to one device, and NoPE MLA
+(model.mla.rope false, Kimi Linear's) seeing no position."""
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 from support.numerics import assert_trees_close, loss_and_grads, synthetic_batch
 
-from maxtrain.config import CONFIGS_DIR, RopeScaling, load
+from maxtrain import models as model_lib
+from maxtrain.config import CONFIGS_DIR, ComputeConfig, RopeScaling, load
 from maxtrain.layers.rope import Rope
 from maxtrain.training import metrics
 from maxtrain.training.loop import build_trainer
@@ -117,3 +121,31 @@ def test_a_grouped_query_key_beside_mla_is_a_config_error_naming_it(override):
     with pytest.raises(ConfigError, match=f"{key} applies to grouped-query attention") as e:
         load(BASE, ["model_name=tiny-mla", override])
     assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("rope", [False, True])
+def test_nope_mla_sees_which_tokens_came_before_not_their_order(rope):
+    """With model.mla.rope false the layer sees no position: one layer's logits at the last
+    token are the same whichever order the tokens before it came in (their keys' rotary parts
+    and its query's unrotated); with RoPE they are not."""
+    overrides = ["model.num_layers=1", "model.layers=[global-dense]", "model.moe=null"]
+    cfg = load(BASE, ["model_name=tiny-mla", *overrides, f"model.mla.rope={str(rope).lower()}"])
+    cfg = cfg.model
+    model = model_lib.build(model_lib.ModelSpec(cfg, ComputeConfig(compute_dtype="float32")))
+    tokens = jnp.array([[5, 17, 3, 250, 9, 42], [17, 250, 5, 3, 9, 42]], jnp.int32)
+    positions = jnp.broadcast_to(jnp.arange(6, dtype=jnp.int32), tokens.shape)
+    logits = nnx.jit(lambda m, t: m(t, positions, jnp.ones_like(t))[0])(model, tokens)
+    moved = float(jnp.max(jnp.abs(logits[0, -1] - logits[1, -1])))
+    assert moved > 1e-3 if rope else moved < 1e-5, moved
+
+
+def test_nope_mla_with_rope_scaling_is_a_config_error():
+    with pytest.raises(Exception, match="model.mla.rope is false"):
+        load(
+            BASE,
+            [
+                "model_name=tiny-mla",
+                "model.mla.rope=false",
+                "model.rope.scaling={type: linear, factor: 2.0}",
+            ],
+        )

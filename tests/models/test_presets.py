@@ -436,12 +436,13 @@ def test_gpt_oss_presets_match_published_counts(case, tmp_path: Path) -> None:
 # ---- Qwen3-Next (Gated DeltaNet layers beside gated attention, a gated shared expert) --------
 
 
-def qwen3_next_closed_form(m: ModelConfig) -> tuple[int, int]:
-    """(total, active) parameters of a Qwen3-Next-shaped model from its shape keys: Gated
-    DeltaNet layers (q, k, v, z, b, a and o projections, convolution taps over q, k and v, a
-    decay and time-step bias per value head, the gated norm) and gated attention layers (q
-    with its output gate, k, v, o, qk-norm) by model.layers, every layer a MoE of routed
-    experts, shared ones and the shared ones' gate; embedding and head untied."""
+def hybrid_closed_form(m: ModelConfig) -> tuple[int, int]:
+    """(total, active) parameters of a Qwen3-Next- or Qwen3.5-shaped model from its shape keys:
+    Gated DeltaNet layers (q, k, v, z, b, a and o projections, convolution taps over q, k and
+    v, a decay and time-step bias per value head, the gated norm) and gated attention layers (q
+    with its output gate, k, v, o, qk-norm) by model.layers; every layer a dense SwiGLU, or a
+    MoE of routed experts, shared ones and the shared ones' gate; embedding and head tied or
+    not."""
     d, e, la = m.emb_dim, m.moe, m.linear_attention
     hd, heads = m.resolved_head_dim, la.num_value_heads
     q, kv = m.num_heads * hd, m.resolved_kv_heads * hd
@@ -449,12 +450,16 @@ def qwen3_next_closed_form(m: ModelConfig) -> tuple[int, int]:
     key, value = la.num_key_heads * la.key_head_dim, heads * la.value_head_dim
     linear = d * (2 * key + 2 * value) + 2 * d * heads + value * d
     linear += la.conv_kernel * (2 * key + value) + 2 * heads + la.value_head_dim
-    expert = 3 * d * e.expert_mlp_dim
-    moe = d * e.num_experts + (e.num_experts + e.shared_experts) * expert + d
+    if e is None:
+        ffn, inactive = 3 * d * m.mlp_dim, 0
+    else:
+        expert = 3 * d * e.expert_mlp_dim
+        ffn = d * e.num_experts + (e.num_experts + e.shared_experts) * expert + d
+        inactive = (e.num_experts - e.top_k) * expert
     full = sum(m.layer_attention(i) == "global" for i in range(m.num_layers))
-    layers = full * attention + (m.num_layers - full) * linear + m.num_layers * (moe + 2 * d)
-    total = 2 * m.vocab_size * d + layers + d
-    return total, total - m.num_layers * (e.num_experts - e.top_k) * expert
+    layers = full * attention + (m.num_layers - full) * linear + m.num_layers * (ffn + 2 * d)
+    total = (1 if m.tie_embeddings else 2) * m.vocab_size * d + layers + d
+    return total, total - m.num_layers * inactive
 
 
 def test_qwen3_next_preset_matches_published_counts(tmp_path: Path) -> None:
@@ -466,7 +471,7 @@ def test_qwen3_next_preset_matches_published_counts(tmp_path: Path) -> None:
     from maxtrain.models import active_param_count
 
     m = load_preset("qwen3-next-80b-a3b", tmp_path)
-    closed_total, closed_active = qwen3_next_closed_form(m)
+    closed_total, closed_active = hybrid_closed_form(m)
     assert (model_params(m), active_param_count(m)) == (closed_total, closed_active)
     assert closed_total == 79_674_391_296
     assert_close(closed_total, 80_000_000_000, 0.015, "qwen3-next-80b-a3b total")
@@ -474,3 +479,41 @@ def test_qwen3_next_preset_matches_published_counts(tmp_path: Path) -> None:
     assert_close(closed_total - embedding_and_head, 79_000_000_000, 0.015, "non-embedding")
     assert round((closed_active - embedding_and_head) / 1e9) == 3
     assert m.layers == ["linear-moe*3", "global-moe"]
+
+
+def test_qwen3_5_presets_match_published_counts(tmp_path: Path) -> None:
+    """Qwen3.5's published sizes are whole billions of the whole multimodal model: 9B for
+    the dense model; 35B total and 3B activated for the MoE. Our presets are their language
+    models (configs/models/qwen3.5-*.yml): 8.95B, within 0.6% of 9B; 34.66B, within 1% of 35B,
+    with 3.45B active (2.95B without the input embedding), which rounds to 3B."""
+    from maxtrain.models import active_param_count, embedding_lookup_params
+
+    dense = load_preset("qwen3.5-9b", tmp_path)
+    assert (model_params(dense), active_param_count(dense)) == hybrid_closed_form(dense)
+    assert_close(model_params(dense), 9_000_000_000, 0.006, "qwen3.5-9b total")
+    moe = load_preset("qwen3.5-35b-a3b", tmp_path)
+    closed_total, closed_active = hybrid_closed_form(moe)
+    assert (model_params(moe), active_param_count(moe)) == (closed_total, closed_active)
+    assert_close(closed_total, 35_000_000_000, 0.01, "qwen3.5-35b-a3b total")
+    assert round(closed_active / 1e9) == 3
+    assert round((closed_active - embedding_lookup_params(moe)) / 1e9) == 3
+    assert [m.layers for m in (dense, moe)] == [
+        ["linear-dense*3", "global-dense"],
+        ["linear-moe*3", "global-moe"],
+    ]
+
+
+def test_kimi_linear_preset_matches_published_counts(tmp_path: Path) -> None:
+    """Kimi-Linear-48B-A3B's model card: 48B total, 3B activated. The preset counts 49.12B
+    (2.3% over the card's whole billions: the tolerance says so) and 3.48B active, 3.11B
+    without the input embedding, both rounding to 3B; 20 Kimi Delta Attention layers and 7
+    NoPE MLA ones, as the published full_attn_layers place them."""
+    from maxtrain.models import active_param_count, embedding_lookup_params
+
+    m = load_preset("kimi-linear-48b-a3b", tmp_path)
+    assert_close(model_params(m), 48_000_000_000, 0.025, "kimi-linear-48b-a3b total")
+    active = active_param_count(m)
+    assert round(active / 1e9) == round((active - embedding_lookup_params(m)) / 1e9) == 3
+    full = [i + 1 for i in range(m.num_layers) if m.layer_attention(i) == "global"]
+    assert full == [4, 8, 12, 16, 20, 24, 27]
+    assert m.linear_attention.channel_decay and not m.mla.rope

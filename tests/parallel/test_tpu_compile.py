@@ -499,3 +499,25 @@ def test_deepseek_sparse_attention_under_fsdp_and_tensor(make_cfg):
         "model.mla.indexer={heads: 4, head_dim: 32, top_k: 64}",
     )  # fmt: skip
     assert not any(name.startswith("splash") for name in found), found
+
+
+def test_kimi_delta_attention_under_fsdp_and_tensor(make_cfg):
+    """Kimi Delta Attention (model.linear_attention.channel_decay) on fsdp 2 x tensor 2, one
+    layer of 4 heads of 128 over 128 tokens: the chunked rule scans its 2 chunks of 64 tokens,
+    and the per-channel decay's parameters (the time-step bias [heads, dk], the rank-dk
+    projection to [heads, dk]) split their heads over tensor, as the value heads do."""
+    trainer, hlo, _ = _compile(
+        make_cfg,
+        "mesh.fsdp=2",
+        "mesh.tensor=2",
+        "model.emb_dim=128",
+        "model.layers=[linear-dense]",
+        "model.linear_attention={num_key_heads: 4, num_value_heads: 4, key_head_dim: 128, "
+        "value_head_dim: 128, channel_decay: true}",
+        "compute.attention=xla",  # no attention layer to run splash
+    )
+    assert 2 in program.loop_trip_counts(hlo)  # 128 / 64 chunks
+    linear = trainer.shardings.params["linear_layers"]["linear_attn"]  # [layers, ...]
+    decay_bias, decay_up = linear["dt_bias"].spec, linear["a"]["kernel"].spec
+    assert decay_bias[1] == "tensor", decay_bias  # [L, heads, dk]
+    assert decay_up[2] == "tensor", decay_up  # [L, rank, heads, dk]

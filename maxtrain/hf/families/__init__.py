@@ -7,7 +7,8 @@
     glm4_moe.py     Glm4MoeForCausalLM     llama4.py       Llama4ForCausalLM
     gemma3.py       Gemma3ForCausalLM      gpt_oss.py      GptOssForCausalLM
     qwen3_next.py   Qwen3NextForCausalLM   deepseek_v32.py DeepseekV32ForCausalLM
-    glm_moe_dsa.py  GlmMoeDsaForCausalLM
+    glm_moe_dsa.py  GlmMoeDsaForCausalLM   kimi_linear.py  KimiLinearForCausalLM
+    qwen3_5_text.py Qwen3_5ForCausalLM     qwen3_5_moe_text.py  Qwen3_5MoeForCausalLM
 
 The registry is the package's modules: a new family is a new module here (and its fixture,
 tools/make_hf_fixtures.py), nothing else.

@@ -11,6 +11,7 @@ export writes none (num_nextn_predict_layers 0).
 """
 
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from maxtrain.config import LayerType, ModelConfig
@@ -39,26 +40,28 @@ SIGMOID_ROUTED_EXPERTS = Experts(
 )
 
 
+@dataclass(frozen=True)
 class LatentAttention(Aspect):
     """model.mla, its keys named alike in config.json, and the RoPE pairing rope_interleave
-    says (transformers' head_dim is the rotary part's)."""
+    says (transformers' head_dim is the rotary part's); `rotates` false: a family whose MLA
+    rotates nothing (Kimi Linear's NoPE), which has no rope_interleave."""
 
+    rotates: bool = True
     keys = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
     owns = frozenset({"mla", "rope.interleaved"})
 
     def read(self, hf: HfConfig, layers: Sequence[LayerType]) -> dict[str, Any]:
-        return {
-            "mla": {key: hf[key] for key in self.keys},
-            "rope": {"interleaved": hf["rope_interleave"]},
-        }
+        rope = {"rope": {"interleaved": hf["rope_interleave"]}} if self.rotates else {}
+        return {"mla": {key: hf[key] for key in self.keys}, **rope}
 
     def write(self, cfg: ModelConfig, defaults: Mapping[str, Any]) -> dict[str, Any]:
         assert cfg.mla is not None  # unexpressed refuses grouped-query attention first
+        rope = {"rope_interleave": cfg.rope.interleaved} if self.rotates else {}
         return {
             **{key: getattr(cfg.mla, key) for key in self.keys},
             "num_key_value_heads": cfg.resolved_kv_heads,
             "head_dim": cfg.mla.qk_rope_head_dim,  # what transformers sets it to
-            "rope_interleave": cfg.rope.interleaved,
+            **rope,
         }
 
     def unexpressed(self, cfg: ModelConfig) -> list[str]:
@@ -66,6 +69,10 @@ class LatentAttention(Aspect):
             return ["model.mla=null (its attention is multi-head latent)"]
         if cfg.mla.indexer is not None:  # deepseek_v32.py's
             return ["model.mla.indexer=set (DeepSeek sparse attention: deepseek_v32)"]
+        if cfg.mla.rope != self.rotates:
+            return [
+                f"model.mla.rope={str(cfg.mla.rope).lower()}" + ("" if cfg.mla.rope else " (NoPE)")
+            ]
         return []
 
 

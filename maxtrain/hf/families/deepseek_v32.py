@@ -63,7 +63,7 @@ class IndexedLatentAttention(LatentAttention):
     def unexpressed(self, cfg: ModelConfig) -> list[str]:
         if cfg.mla is None or cfg.mla.indexer is None:
             return ["model.mla.indexer=null (its attention is DeepSeek sparse attention)"]
-        found = []
+        found = [] if cfg.mla.rope else ["model.mla.rope=false (NoPE)"]
         if cfg.rope.interleaved != self.attention_interleaved:
             found.append(f"model.rope.interleaved={str(cfg.rope.interleaved).lower()}")
         if cfg.mla.indexer.rope_interleaved != self.indexer_interleaved:

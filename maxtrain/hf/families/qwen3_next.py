@@ -23,8 +23,8 @@ head dim]. out_proj.weight [D, Nv dv] is our o kernel [Nv, dv, D] flattened and 
 norm.weight [dv], A_log [Nv] and dt_bias [Nv] are ours as they are.
 """
 
-from collections.abc import Mapping, Sequence
-from dataclasses import replace
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, replace
 from typing import Any
 
 from maxtrain.config import LayerType, LinearAttention, ModelConfig
@@ -43,17 +43,29 @@ _LINEAR_KEYS = {
     "linear_value_head_dim": "value_head_dim",
     "linear_conv_kernel_dim": "conv_kernel",
 }
-_SHARED_WIDTH, _EXPERT_WIDTH = "shared_expert_intermediate_size", "moe_intermediate_size"
+SHARED_WIDTH, EXPERT_WIDTH = "shared_expert_intermediate_size", "moe_intermediate_size"
+LINEAR_ATTN = "linear_attn"  # a Gated DeltaNet layer's tensors' prefix
+# Which layers are linear: layer_types, else all but every full_attention_interval-th.
+LAYER_TYPES = LayerTypes(
+    names={"linear_attention": "linear", "full_attention": "global"},
+    every=EveryNth("full_attention_interval", "global", "linear"),
+)
+# What every Qwen3-Next and Qwen3.5 checkpoint has (a section's keys only where it is set).
+HYBRID_FIXED = {
+    "qk_norm": "rms",
+    "norm_scale_plus_one": True,
+    "attention_output_gate": True,
+    "moe.shared_expert_gate": True,
+}
 
 
 def linear_attention_tensors(linear: LinearAttention) -> tuple:
-    """A Gated DeltaNet layer's tensors inside `linear_attn.`: (our path, Hugging Face name,
-    input axes, Part, unit axis: conv1d's input channel per group)."""
-    nk, nv = linear.num_key_heads, linear.num_value_heads
+    """A Gated DeltaNet layer's tensors inside `linear_attn.`, its projections fused and
+    grouped by query/key head as Qwen3-Next stores them: (our path, Hugging Face name, input
+    axes, Part, unit axis: conv1d's input channel per group)."""
+    nk, nv, la = linear.num_key_heads, linear.num_value_heads, LINEAR_ATTN
     dk, dv, group = linear.key_head_dim, linear.value_head_dim, nv // nk
     qkvz, ba = (dk, dk, group * dv, group * dv), (group, group)
-    conv = (nk * dk, nk * dk, nv * dv)
-    la = "linear_attn"
     return (
         *(
             ((la, ours, "kernel"), f"{la}.in_proj_qkvz.weight", 1, Part(i, qkvz), None)
@@ -63,6 +75,17 @@ def linear_attention_tensors(linear: LinearAttention) -> tuple:
             ((la, ours, "kernel"), f"{la}.in_proj_ba.weight", 1, Part(i, ba), None)
             for i, ours in enumerate("ba")
         ),
+        *linear_state_tensors(linear),
+    )
+
+
+def linear_state_tensors(linear: LinearAttention) -> tuple:
+    """The tensors of a Gated DeltaNet layer besides its input projections, alike in every
+    family that has one (linear_attention_tensors' tuples): the convolution over q, k and v
+    head-major, the output projection, the decay's A_log and dt_bias, the output norm."""
+    nk, nv, la = linear.num_key_heads, linear.num_value_heads, LINEAR_ATTN
+    conv = (nk * linear.key_head_dim, nk * linear.key_head_dim, nv * linear.value_head_dim)
+    return (
         *(
             ((la, f"{ours}_conv"), f"{la}.conv1d.weight", 1, Part(i, conv), 1)
             for i, ours in enumerate("qkv")
@@ -74,10 +97,19 @@ def linear_attention_tensors(linear: LinearAttention) -> tuple:
     )
 
 
+def is_hybrid(cfg: ModelConfig) -> bool:
+    """Whether `cfg` is of the Qwen3-Next shape (Gated DeltaNet layers or gated attention),
+    which the Qwen3-Next and Qwen3.5 families share."""
+    return cfg.linear_attention is not None or cfg.attention_output_gate
+
+
+@dataclass(frozen=True)
 class GatedDeltaNet(Aspect):
     """model.linear_attention (its `chunk` is ours to choose, not the checkpoint's) and the
-    linear layers' tensors; written at transformers' defaults where no layer is linear."""
+    linear layers' tensors, as `layout` names them (Qwen3-Next's fused projections by
+    default); written at transformers' defaults where no layer is linear."""
 
+    layout: Callable[[LinearAttention], tuple] = linear_attention_tensors
     owns = frozenset({"linear_attention"})
 
     def read(self, hf: HfConfig, layers: Sequence[LayerType]) -> dict[str, Any]:
@@ -92,15 +124,19 @@ class GatedDeltaNet(Aspect):
             for key, ours in _LINEAR_KEYS.items()
         }
 
+    def unexpressed(self, cfg: ModelConfig) -> list[str]:
+        linear = cfg.linear_attention
+        if linear is not None and linear.channel_decay:
+            return ["model.linear_attention.channel_decay=true (Kimi Delta Attention)"]
+        return []
+
     def tensors(self, cfg: ModelConfig, site: LayerSite) -> list[Slot]:
         if site.mixer != "linear":
             return []
         assert cfg.linear_attention is not None  # a linear layer implies it
         return [
             replace(site.slot(name, path, in_axes, part), unit_axis=unit_axis)
-            for path, name, in_axes, part, unit_axis in linear_attention_tensors(
-                cfg.linear_attention
-            )
+            for path, name, in_axes, part, unit_axis in self.layout(cfg.linear_attention)
         ]
 
 
@@ -111,17 +147,17 @@ class SharedExpertWidth(Aspect):
     owns = frozenset({"moe.shared_experts"})
 
     def read(self, hf: HfConfig, layers: Sequence[LayerType]) -> dict[str, Any]:
-        width, expert = hf[_SHARED_WIDTH], hf[_EXPERT_WIDTH]
+        width, expert = hf[SHARED_WIDTH], hf[EXPERT_WIDTH]
         if not isinstance(width, int) or width <= 0 or width % expert:
             raise hf.error(
-                f"{_SHARED_WIDTH}={width} is not supported (only a positive multiple of "
-                f"{_EXPERT_WIDTH}={expert})"
+                f"{SHARED_WIDTH}={width} is not supported (only a positive multiple of "
+                f"{EXPERT_WIDTH}={expert})"
             )
         return {"moe": {"shared_experts": width // expert}}
 
     def write(self, cfg: ModelConfig, defaults: Mapping[str, Any]) -> dict[str, Any]:
         assert cfg.moe is not None
-        return {_SHARED_WIDTH: cfg.moe.shared_experts * cfg.moe.expert_mlp_dim}
+        return {SHARED_WIDTH: cfg.moe.shared_experts * cfg.moe.expert_mlp_dim}
 
     def unexpressed(self, cfg: ModelConfig) -> list[str]:
         if cfg.moe is not None and not cfg.moe.shared_experts:
@@ -148,40 +184,32 @@ FAMILY = Family(
         "linear_conv_kernel_dim": 4,
         "num_experts": 512,
         "num_experts_per_tok": 10,
-        _EXPERT_WIDTH: 512,
-        _SHARED_WIDTH: 512,
+        EXPERT_WIDTH: 512,
+        SHARED_WIDTH: 512,
         "norm_topk_prob": True,
         "decoder_sparse_step": 1,
         "mlp_only_layers": [],
         "router_aux_loss_coef": 1e-3,
     },
     required={"hidden_act": "silu", "attention_bias": False},
-    layers=LayerLayout(
-        LayerTypes(
-            names={"linear_attention": "linear", "full_attention": "global"},
-            every=EveryNth("full_attention_interval", "global", "linear"),
-        ),
-        SparseStep(),
-    ),
+    layers=LayerLayout(LAYER_TYPES, SparseStep()),
     aspects=(
         GroupedQuery(),
         GatedDeltaNet(),  # before the feed-forward: a layer's tensors in transformers' order
         DenseMlp(),
         Experts(
             count_keys=("num_experts",),
-            width_key=_EXPERT_WIDTH,
+            width_key=EXPERT_WIDTH,
             renormalize_key="norm_topk_prob",
             shared_block="shared_expert",
         ),
         SharedExpertWidth(),
     ),
-    fixed={
-        "qk_norm": "rms",
-        "norm_scale_plus_one": True,
-        "attention_output_gate": True,
-        "moe.shared_expert_gate": True,
-    },
+    fixed=HYBRID_FIXED,
     rope=RopeFormat(partial_default=0.25),
-    claims=lambda cfg: cfg.linear_attention is not None or cfg.attention_output_gate,
+    # Qwen3.5 (qwen3_5_text.py, qwen3_5_moe_text.py) computes the same and ranks above: export
+    # writes Qwen3-Next only what Qwen3.5 cannot state (dense layers beside MoE ones, top-k
+    # weights not renormalised).
+    claims=is_hybrid,
     rank=10,
 )
