@@ -101,10 +101,10 @@ def chunked_gated_delta_rule(
 ) -> tuple[jax.Array, jax.Array]:
     """The recurrence over a sequence, in chunks of `chunk` tokens (module docstring): q/k
     [B, T, Nk, dk], v [B, T, Nv, dv], g [B, T, Nv] or [B, T, Nv, dk], beta [B, T, Nv],
-    segment_ids [B, T] (None: one
-    document per row), initial_state [B, Nv, dk, dv] (None: zeros) -> (output [B, T, Nv, dv]
-    in v's dtype, the state after the last token [B, Nv, dk, dv], float32). T need not be a
-    multiple of `chunk`: the last chunk is padded with tokens that neither decay nor write."""
+    segment_ids [B, T] (None: one document per row), initial_state [B, Nv, dk, dv] (None:
+    zeros) -> (output [B, T, Nv, dv] in v's dtype, the state after the last token [B, Nv, dk,
+    dv], float32). T need not be a multiple of `chunk`: the last chunk is padded with tokens
+    that neither decay nor write."""
     b, t, _, dk = q.shape
     nv, dv = v.shape[2:]
     out_dtype = v.dtype
@@ -234,8 +234,8 @@ def _chunk_decays(g: jax.Array, starts: jax.Array) -> tuple[jax.Array, jax.Array
     """g [B, C, h, K] (K: 1 or dk) and document starts [B, C] of a chunk -> (Gamma [B, h, c, s,
     K]: the decay from key s to query c, zero unless s <= c in one document; gamma [B, c, h,
     K]: the decay from the chunk's start to c, zero past a document start in the chunk).
-    Masked before the exp, so
-    that no positive exponent is ever taken and no gradient flows through a masked pair.
+    Masked before the exp, so that no positive exponent is ever taken and no gradient flows
+    through a masked pair.
 
     The running sums are matmuls with a lower-triangular matrix of ones, not cumsums: XLA:CPU
     fused a cumsum into the [C, C] exponent that reads it, summing it anew for every pair (4x
