@@ -102,12 +102,10 @@ def _linear_attention(spec: ModelSpec, *, rngs: nnx.Rngs) -> nnx.Module:
     """model.linear_attention's: Gated DeltaNet (with channel_decay Kimi Delta Attention)."""
     cfg, la = spec.model, spec.model.linear_attention
     assert la is not None  # a linear layer implies it (config validation)
+    heads = (la.num_key_heads, la.num_value_heads, la.key_head_dim, la.value_head_dim)
     return GatedDeltaNet(
         cfg.emb_dim,
-        la.num_key_heads,
-        la.num_value_heads,
-        la.key_head_dim,
-        la.value_head_dim,
+        *heads,
         conv_kernel=la.conv_kernel,
         chunk=la.chunk,
         channel_decay=la.channel_decay,
