@@ -15,18 +15,18 @@ own way (transformers' attribute_map: model_max_length, num_experts_per_token, .
 under either name, written under the shared one.
 """
 
-from collections.abc import Mapping, Sequence
-from dataclasses import replace
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
-from maxtrain.config import LayerType, ModelConfig
-from maxtrain.hf.aspect import Aspect, HfConfig, Writes
+from maxtrain.config import LayerType, LinearAttention, ModelConfig
+from maxtrain.hf.aspect import HfConfig, Writes
 from maxtrain.hf.families.deepseek_v3 import LatentAttention
+from maxtrain.hf.families.qwen3_next import GatedDeltaNet
 from maxtrain.hf.family import TRANSFORMERS_DEFAULTS, Family
 from maxtrain.hf.feed_forward import DenseMlp, Experts
 from maxtrain.hf.kimi_delta import kimi_delta_attention_tensors
 from maxtrain.hf.layer_layout import EveryNth, FirstDense, LayerLayout, LayerTypes
-from maxtrain.hf.layout import LayerSite, Slot
 
 _BLOCK = "block_sparse_moe"
 _LINEAR = "linear_attn_config"
@@ -51,10 +51,12 @@ class KimiLayerTypes(LayerTypes):
         return ["global" if i + 1 in full else "linear" for i in range(num_layers)]
 
 
-class KimiDelta(Aspect):
-    """model.linear_attention (Kimi Delta Attention) and its layers' tensors."""
+@dataclass(frozen=True)
+class KimiDelta(GatedDeltaNet):
+    """model.linear_attention (Kimi Delta Attention) from linear_attn_config, and its layers'
+    tensors (Gated DeltaNet's slots, in kimi_delta.py's layout)."""
 
-    owns = frozenset({"linear_attention"})
+    layout: Callable[[LinearAttention], tuple] = kimi_delta_attention_tensors
 
     def read(self, hf: HfConfig, layers: Sequence[LayerType]) -> dict[str, Any]:
         if all(t.attention != "linear" for t in layers):
@@ -92,17 +94,6 @@ class KimiDelta(Aspect):
         if (la.num_key_heads, la.key_head_dim) != (la.num_value_heads, la.value_head_dim):
             found.append("model.linear_attention's key heads unlike its value heads")
         return found
-
-    def tensors(self, cfg: ModelConfig, site: LayerSite) -> list[Slot]:
-        if site.mixer != "linear":
-            return []
-        assert cfg.linear_attention is not None  # a linear layer implies it
-        return [
-            replace(site.slot(name, path, in_axes, part), unit_axis=unit_axis)
-            for path, name, in_axes, part, unit_axis in kimi_delta_attention_tensors(
-                cfg.linear_attention
-            )
-        ]
 
 
 FAMILY = Family(

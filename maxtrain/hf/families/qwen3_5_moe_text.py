@@ -4,9 +4,10 @@ scaled by a sigmoid gate) in every layer, the top-k weights always renormalised 
 norm_topk_prob, decoder_sparse_step or mlp_only_layers)."""
 
 from maxtrain.hf.attention import GroupedQuery
-from maxtrain.hf.families.qwen3_5_text import SHARED_DEFAULTS, separate_projection_tensors
+from maxtrain.hf.families.qwen3_5_text import separate_projection_tensors
 from maxtrain.hf.families.qwen3_next import (
     EXPERT_WIDTH,
+    HYBRID_DEFAULTS,
     HYBRID_FIXED,
     LAYER_TYPES,
     SHARED_WIDTH,
@@ -22,7 +23,7 @@ FAMILY = Family(
     model_type="qwen3_5_moe_text",
     architecture="Qwen3_5MoeForCausalLM",
     defaults={
-        **SHARED_DEFAULTS,
+        **HYBRID_DEFAULTS,
         "num_key_value_heads": 2,
         "num_experts": 256,
         "num_experts_per_tok": 8,

@@ -15,6 +15,7 @@ nested, tensors under model.language_model.) are not read.
 from maxtrain.config import LinearAttention
 from maxtrain.hf.attention import GroupedQuery
 from maxtrain.hf.families.qwen3_next import (
+    HYBRID_DEFAULTS,
     HYBRID_FIXED,
     LAYER_TYPES,
     LINEAR_ATTN,
@@ -22,7 +23,7 @@ from maxtrain.hf.families.qwen3_next import (
     is_hybrid,
     linear_state_tensors,
 )
-from maxtrain.hf.family import TRANSFORMERS_DEFAULTS, Family, RopeFormat
+from maxtrain.hf.family import Family, RopeFormat
 from maxtrain.hf.feed_forward import DenseMlp
 from maxtrain.hf.layer_layout import AllDense, LayerLayout
 from maxtrain.hf.layout import Part
@@ -43,25 +44,10 @@ def separate_projection_tensors(linear: LinearAttention) -> tuple:
     )
 
 
-# Qwen3_5TextConfig's values for absent keys that Qwen3.5 and Qwen3.5-MoE share.
-SHARED_DEFAULTS = {
-    **TRANSFORMERS_DEFAULTS,
-    "rms_norm_eps": 1e-6,
-    "max_position_embeddings": 32768,
-    "head_dim": 256,
-    "layer_types": None,
-    "full_attention_interval": 4,
-    "linear_num_key_heads": 16,
-    "linear_num_value_heads": 32,
-    "linear_key_head_dim": 128,
-    "linear_value_head_dim": 128,
-    "linear_conv_kernel_dim": 4,
-}
-
 FAMILY = Family(
     model_type="qwen3_5_text",
     architecture="Qwen3_5ForCausalLM",
-    defaults={**SHARED_DEFAULTS, "num_key_value_heads": 4, "intermediate_size": 12288},
+    defaults={**HYBRID_DEFAULTS, "num_key_value_heads": 4, "intermediate_size": 12288},
     required={"hidden_act": "silu", "attention_bias": False},
     layers=LayerLayout(LAYER_TYPES, AllDense()),
     aspects=(

@@ -165,23 +165,29 @@ class SharedExpertWidth(Aspect):
         return []
 
 
+# transformers' values for absent keys that Qwen3-Next and Qwen3.5 (qwen3_5_text.py) share:
+# the hybrid's layout and the Gated DeltaNet's sizes.
+HYBRID_DEFAULTS = {
+    **TRANSFORMERS_DEFAULTS,
+    "rms_norm_eps": 1e-6,
+    "max_position_embeddings": 32768,
+    "head_dim": 256,
+    "layer_types": None,
+    "full_attention_interval": 4,
+    "linear_num_key_heads": 16,
+    "linear_num_value_heads": 32,
+    "linear_key_head_dim": 128,
+    "linear_value_head_dim": 128,
+    "linear_conv_kernel_dim": 4,
+}
+
 FAMILY = Family(
     model_type="qwen3_next",
     architecture="Qwen3NextForCausalLM",
     defaults={
-        **TRANSFORMERS_DEFAULTS,
-        "rms_norm_eps": 1e-6,
-        "max_position_embeddings": 32768,
+        **HYBRID_DEFAULTS,
         "num_key_value_heads": 2,
-        "head_dim": 256,
         "intermediate_size": 5632,
-        "layer_types": None,
-        "full_attention_interval": 4,
-        "linear_num_key_heads": 16,
-        "linear_num_value_heads": 32,
-        "linear_key_head_dim": 128,
-        "linear_value_head_dim": 128,
-        "linear_conv_kernel_dim": 4,
         "num_experts": 512,
         "num_experts_per_tok": 10,
         EXPERT_WIDTH: 512,
