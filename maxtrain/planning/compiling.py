@@ -13,6 +13,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
@@ -64,19 +65,21 @@ def cache_dir() -> Path:
     return compile_cache.root() / "plans"
 
 
-def run_jobs(jobs: list[Job], processes: int, budget_s: float, say=None) -> None:
-    """Fills each job's result: from the cache, else compiled; what the budget leaves
-    uncompiled gets {"skipped": "time budget"}."""
+def run_jobs(
+    groups: Iterable[list[Job]],
+    processes: int,
+    budget_s: float,
+    say=None,
+    limit: int | None = None,
+    pass_over=None,
+) -> None:
+    """Takes the groups (one candidate's compiles each) in order, at most `limit` of them, and
+    fills each job's result: from the cache, else compiled. A group `pass_over(group)` names a
+    reason for, from the verdicts so far, is not taken: its jobs get {"skipped": reason}. What
+    the budget leaves uncompiled gets {"skipped": "time budget"}; groups beyond the limit keep
+    no result."""
     say = say or (lambda line: print(line, file=sys.stderr, flush=True))
-    todo = []
-    for job in jobs:
-        path = cache_dir() / f"{job.key()}.json"
-        if path.is_file():
-            job.result, job.cached = json.loads(path.read_text()), True
-        else:
-            todo.append(job)
-    say(f"plan: {len(jobs) - len(todo)} of {len(jobs)} compiles from the cache")
-    _Pool(processes, budget_s, say).run(todo)
+    _Pool(processes, budget_s, say).run(iter(groups), limit, pass_over or (lambda group: None))
 
 
 class _Pool:
@@ -86,30 +89,54 @@ class _Pool:
         self.processes, self.budget_s, self.say = processes, budget_s, say
         self.start = time.monotonic()
         self.running: list[tuple[Job, subprocess.Popen, Path, Path]] = []
-        self.done = 0
+        self.taken = self.passed_over = self.cached = self.done = 0
 
-    def run(self, todo: list[Job]) -> None:
-        pending, total, last = list(todo), len(todo), 0.0
-        while pending or self.running:
-            while pending and len(self.running) < self.processes and not self._spent():
-                self._launch(pending.pop(0))
+    def run(self, groups: Iterator[list[Job]], limit: int | None, pass_over) -> None:
+        queue: list[Job] = []  # the taken groups' jobs not yet started
+        more, last = True, 0.0
+        while queue or self.running or more:
+            while len(self.running) < self.processes and not self._spent():
+                if queue:
+                    self._launch(queue.pop(0))
+                    continue
+                group = next(groups, None) if more and self.taken != limit else None
+                if group is None:
+                    more = False
+                    break
+                if why := pass_over(group):
+                    for job in group:
+                        job.result = {"skipped": why}
+                    self.passed_over += 1
+                    continue
+                self.taken += 1
+                queue = [job for job in group if not self._from_cache(job)]
             if self._spent():
-                self._stop_all(pending)
+                self._stop_all(queue)
                 return
-            time.sleep(0.5)
-            self._reap()
-            if time.monotonic() - last > 15 or (not pending and not self.running):
+            if self.running:
+                time.sleep(0.5)
+                self._reap()
+            if time.monotonic() - last > 15 or not (queue or self.running or more):
                 last = time.monotonic()
-                self.say(self._progress(total, len(pending)))
+                self.say(self._progress())
+
+    def _from_cache(self, job: Job) -> bool:
+        path = cache_dir() / f"{job.key()}.json"
+        if not path.is_file():
+            return False
+        job.result, job.cached = json.loads(path.read_text()), True
+        self.cached += 1
+        return True
 
     def _spent(self) -> bool:
         return time.monotonic() - self.start > self.budget_s
 
-    def _progress(self, total: int, pending: int) -> str:
+    def _progress(self) -> str:
         elapsed = time.monotonic() - self.start
         return (
-            f"plan: compiled {self.done} of {total}, {len(self.running)} compiling, "
-            f"{pending} waiting; {elapsed:.0f} s of the {self.budget_s:.0f} s budget"
+            f"plan: {self.taken} candidates taken, {self.passed_over} passed over; "
+            f"{self.cached} compiles from the cache, {self.done} compiled, "
+            f"{len(self.running)} compiling; {elapsed:.0f} s of the {self.budget_s:.0f} s budget"
         )
 
     def _launch(self, job: Job) -> None:
@@ -150,7 +177,8 @@ class _Pool:
             out.unlink(missing_ok=True)
 
     def _stop_all(self, pending: list[Job]) -> None:
-        """The budget is spent: the workers this pool started are stopped, one by one."""
+        """The budget is spent: the workers this pool started are stopped, one by one, and the
+        taken groups' jobs not started are skipped."""
         for job, worker, out, log in self.running:
             worker.kill()
             worker.wait()

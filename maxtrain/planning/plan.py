@@ -11,7 +11,8 @@ pipeline's micro-batches, the expert exchange and the context exchange. Pruned b
 (divisibility, heads per tensor shard, experts per device, dominated choices), then by the
 memory estimate with its measured error as margin (screening.py). The config's own layout and
 the `--compiles` survivors first in a first-order order are compiled (compiling.py: parallel
-processes, a time budget, a cache); with --proxy a model of one layer kind as two reduced
+processes, a time budget, a cache), passing over a survivor when one of its kind with no larger
+estimate did not fit (refused_alike); with --proxy a model of one layer kind as two reduced
 depths whose step and memory scale to the model's layers (report.py). Prints the table and
 writes the winner as a config overlay (`python -m maxtrain.train CONFIG.yml OVERLAY.yml`).
 docs/planning.md says how, how long it takes and what the model leaves out.
@@ -43,6 +44,8 @@ from maxtrain.planning import candidates as candidates_lib
 from maxtrain.planning import compiling, report
 from maxtrain.planning.screening import Screened, estimate_gib, screen, with_layout
 from maxtrain.training import metrics
+
+PASSED_OVER = "passed over"  # a candidate refused_alike rules out, which the table leaves out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -97,10 +100,10 @@ def plan(cfg: Config, args, topology: str, chip: devices_lib.Chip, chips: int) -
     kept, dropped = screen(cfg, survivors, chip, chips)
     say(f"plan: {considered} candidates; {sum(ruled.values())} ruled out, "
         f"{sum(dropped.values())} dropped by the memory estimate, {len(kept)} left")  # fmt: skip
-    chosen = [s for s in kept if s.candidate != baseline][: args.compiles]
+    chosen = [s for s in kept if s.candidate != baseline]
     if baseline:  # compiled first, whatever the estimate says: the layout to beat
         chosen.insert(0, Screened(baseline, estimate_gib(cfg, baseline, chip, chips), 0.0))
-    outcomes = _compile(cfg, args, chosen, topology, slices, chip, chips, baseline)
+    outcomes, passed_over = _compile(cfg, args, chosen, topology, slices, chip, chips, baseline)
     ordered = report.ranked(outcomes)
     print(report.table(ordered, chip))
     winner = next((o for o in ordered if o.fits), None)
@@ -116,6 +119,7 @@ def plan(cfg: Config, args, topology: str, chip: devices_lib.Chip, chips: int) -
         "memory_dropped": dict(dropped.most_common()),
         "screened_in": len(kept),
         "compiled": len(outcomes),
+        "passed_over": passed_over,
         "from_cache": sum(o.cached for o in outcomes),
         "winner": _row(winner),
         "config": _row(config_out),
@@ -144,30 +148,49 @@ def proxy_depths(cfg: Config, args) -> tuple[int, ...] | None:
     return (unit, 2 * unit)
 
 
-def _compile(cfg, args, chosen: list[Screened], topology, slices, chip, chips, baseline) -> list:
-    """Compiles the chosen candidates (two proxy depths each where proxy_depths says so) and
-    returns their outcomes."""
+def _compile(
+    cfg, args, chosen: list[Screened], topology, slices, chip, chips, baseline
+) -> tuple[list, int]:
+    """Compiles the config's layout and `args.compiles` of the chosen candidates after it, in
+    order (two proxy depths each where proxy_depths says so), passing over those a refusal
+    rules out (refused_alike); returns their outcomes and how many were passed over."""
     base = proxy_depths(cfg, args)
-    plans, jobs = [], []
-    for s in chosen:
-        layout = with_layout(cfg, s.candidate)
-        unit = s.candidate.degree("stage")
-        depths = tuple(d * unit for d in base) if base else None
-        if depths and depths[1] * 2 > cfg.model.num_layers:
-            depths = None
-        mine = [_job(args, layout, s.candidate, topology, slices, d) for d in depths or (None,)]
-        plans.append((s, depths, mine))
-        jobs += mine
-    compiling.run_jobs(jobs, args.processes, args.budget, say)
+    plans: list[tuple[Screened, tuple | None, list]] = []
+
+    def groups():
+        for s in chosen:
+            layout = with_layout(cfg, s.candidate)
+            unit = s.candidate.degree("stage")
+            depths = tuple(d * unit for d in base) if base else None
+            if depths and depths[1] * 2 > cfg.model.num_layers:
+                depths = None
+            mine = [_job(args, layout, s.candidate, topology, slices, d) for d in depths or (None,)]
+            plans.append((s, depths, mine))
+            yield mine
+
+    def pass_over(group) -> str | None:
+        screened = plans[-1][0]
+        if screened.candidate == baseline:
+            return None
+        refused = [s for s, _, jobs in plans[:-1] if any(_refused(j.result) for j in jobs)]
+        return refused_alike(screened, refused)
+
+    limit = args.compiles + (baseline is not None)
+    compiling.run_jobs(groups(), args.processes, args.budget, say, limit, pass_over)
     tokens, flops = cfg.tokens_per_step, metrics.train_flops_per_token(cfg.model, cfg.train.seq_len)
     total = chips * slices
 
     def mfu_of(step_s: float) -> float:
         return tokens * flops / step_s / total / chip.peak_flops["bf16"]
 
-    outcomes = []
+    outcomes, passed_over = [], 0
     for s, depths, mine in plans:
         results = [j.result for j in mine]
+        if any(r is None for r in results):  # beyond the limit: never taken
+            continue
+        if any(r.get("skipped", "").startswith(PASSED_OVER) for r in results):
+            passed_over += 1
+            continue
         verdict = report.at_depth(results, depths or (0,), cfg.model.num_layers, chip.hbm_gib)
         source = "cache" if all(j.cached for j in mine) else "compiled"
         if depths:
@@ -175,7 +198,29 @@ def _compile(cfg, args, chosen: list[Screened], topology, slices, chip, chips, b
         out = report.outcome(s, s.candidate == baseline, verdict, source, mfu_of)
         out.cached = all(j.cached for j in mine)
         outcomes.append(out)
-    return outcomes
+    return outcomes, passed_over
+
+
+def _refused(result: dict | None) -> bool:
+    """The compiler refused the layout, or compiled it over the chip's memory."""
+    return result is not None and ("refused" in result or ("fits" in result and not result["fits"]))
+
+
+def refused_alike(screened: Screened, refused: list[Screened]) -> str | None:
+    """Why to pass over a candidate without compiling it: a layout with the same remat policy
+    and pipelining, whose memory estimate is no larger, did not fit. The estimate's error
+    depends mostly on those two (remat's kept activations, a pipeline's in-flight buffers), so
+    a larger estimate of the same kind would very likely not fit either; the compile goes to
+    the next candidate instead. A heuristic: it may pass over a layout that would just fit."""
+    c = screened.candidate
+    for r in refused:
+        same_kind = r.candidate.remat == c.remat and (r.candidate.degree("stage") > 1) == (
+            c.degree("stage") > 1
+        )
+        if same_kind and screened.estimate_gib >= r.estimate_gib:
+            label, gib = r.candidate.label(), r.estimate_gib
+            return f"{PASSED_OVER}: {label} did not fit at an estimate of {gib:.2f} GiB"
+    return None
 
 
 def _job(args, layout: Config, c, topology: str, slices: int, depth: int | None):

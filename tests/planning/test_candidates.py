@@ -1,7 +1,8 @@
 """The plan's search before anything compiles: the factorisations, the rules that rule a
 candidate out (each with its reason), the config's own layout as a candidate, a candidate's
-overlay as the config keys a run reads, and the memory sieve."""
+overlay as the config keys a run reads, the memory sieve, and what a refusal passes over."""
 
+import json
 import math
 
 from maxtrain import config as config_lib
@@ -9,8 +10,8 @@ from maxtrain.common import devices
 from maxtrain.config import MESH_AXES
 from maxtrain.parallel.mesh import axis_sizes
 from maxtrain.planning import candidates as lib
-from maxtrain.planning import plan
-from maxtrain.planning.screening import screen, with_layout
+from maxtrain.planning import compiling, plan
+from maxtrain.planning.screening import Screened, screen, with_layout
 
 V5E = devices.chip("tpu v5e")
 RECIPES = config_lib.REPO_ROOT / "recipes" / "tpu-v5e"
@@ -92,3 +93,46 @@ def test_a_plan_without_a_target_is_refused_in_one_line(capsys):
         "plan: error: give --topology (a TPU slice, e.g. v5e:4x4) or --device h100 --devices N",
         "plan: error: --device 'a100': expected h100, h200 or b200",
     ]
+
+
+def test_a_refusal_passes_over_the_same_kind_with_no_smaller_estimate():
+    """remat minimal at 13.4 GiB did not fit: minimal at 13.4 or more is passed over; minimal at
+    13.3, remat full at any estimate and a pipelined minimal are not (their estimates err
+    otherwise)."""
+    refused = [Screened(_candidate("minimal", fsdp=256), 13.4, 1.0)]
+    alike = lambda c, gib: plan.refused_alike(Screened(c, gib, 1.0), refused)  # noqa: E731
+    why = alike(_candidate("minimal", fsdp=128, expert=2), 13.4)
+    assert (
+        why
+        == "passed over: fsdp 256 | remat minimal | accum 1 did not fit at an estimate of 13.40 GiB"
+    )
+    assert alike(_candidate("minimal", fsdp=128, expert=2), 13.3) is None
+    assert alike(_candidate("full", fsdp=256), 14.0) is None
+    assert alike(_candidate("minimal", fsdp=128, stage=2), 14.0) is None
+
+
+def test_the_pool_takes_groups_in_order_up_to_the_limit_not_counting_those_passed_over(
+    tmp_path, monkeypatch
+):
+    """Five one-job groups whose verdicts are in the cache (nothing compiles): the third is
+    passed over once the first's refusal is known, so the limit of three takes the first,
+    second and fourth, and the fifth keeps no result."""
+    monkeypatch.setenv("MAXTRAIN_CACHE", str(tmp_path))
+    jobs = [compiling.Job("c.yml", [f"n={i}"], "v5e:2x2", 1, str(i)) for i in range(5)]
+    verdicts = [{"refused": "out of memory"}, *({"fits": True, "step_s": i} for i in range(1, 5))]
+    compiling.cache_dir().mkdir(parents=True)
+    for job, verdict in zip(jobs, verdicts, strict=True):
+        (compiling.cache_dir() / f"{job.key()}.json").write_text(json.dumps(verdict))
+    said = []
+
+    def pass_over(group):
+        return "after a refusal" if group[0] is jobs[2] and jobs[0].result else None
+
+    compiling.run_jobs([[j] for j in jobs], 2, 60.0, said.append, 3, pass_over)
+    assert [j.result for j in jobs] == [
+        *verdicts[:2],
+        {"skipped": "after a refusal"},
+        verdicts[3],
+        None,
+    ]
+    assert said[-1].startswith("plan: 3 candidates taken, 1 passed over; 3 compiles from the cache")
