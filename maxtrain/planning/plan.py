@@ -151,14 +151,29 @@ def proxy_depths(cfg: Config, args) -> tuple[int, ...] | None:
 def _compile(
     cfg, args, chosen: list[Screened], topology, slices, chip, chips, baseline
 ) -> tuple[list, int]:
-    """Compiles the config's layout and `args.compiles` of the chosen candidates after it, in
-    order (two proxy depths each where proxy_depths says so), passing over those a refusal
-    rules out (refused_alike); returns their outcomes and how many were passed over."""
+    """Compiles the config's layout and `args.compiles` of the chosen candidates after it (two
+    proxy depths each where proxy_depths says so), in order but for what refusals teach: a
+    candidate of a kind the compiler refused waits behind those of kinds it has not, and one
+    a refusal rules out (refused_alike) is passed over. Returns their outcomes and how many
+    were passed over."""
     base = proxy_depths(cfg, args)
     plans: list[tuple[Screened, tuple | None, list]] = []
 
+    def refusals(before: int) -> list[tuple[Screened, float | None]]:
+        found = []
+        for s, _, jobs in plans[:before]:
+            for job in jobs:
+                refused, peak = _refusal(job.result)
+                if refused:
+                    found.append((s, peak))
+        return found
+
     def groups():
-        for s in chosen:
+        rest = list(chosen)
+        while rest:
+            refused_kinds = {_kind(s) for s, _ in refusals(len(plans))}
+            s = next((s for s in rest if _kind(s) not in refused_kinds), rest[0])
+            rest.remove(s)
             layout = with_layout(cfg, s.candidate)
             unit = s.candidate.degree("stage")
             depths = tuple(d * unit for d in base) if base else None
@@ -172,16 +187,19 @@ def _compile(
         screened = plans[-1][0]
         if screened.candidate == baseline:
             return None
-        refused = [s for s, _, jobs in plans[:-1] if any(_refused(j.result) for j in jobs)]
-        return refused_alike(screened, refused)
+        return refused_alike(screened, refusals(len(plans) - 1), chip.hbm_gib)
 
     limit = args.compiles + (baseline is not None)
     compiling.run_jobs(groups(), args.processes, args.budget, say, limit, pass_over)
+    return _outcomes(cfg, plans, chip, chips * slices, baseline)
+
+
+def _outcomes(cfg, plans, chip, total_chips: int, baseline) -> tuple[list, int]:
+    """The compiled candidates' outcomes, and how many candidates were passed over."""
     tokens, flops = cfg.tokens_per_step, metrics.train_flops_per_token(cfg.model, cfg.train.seq_len)
-    total = chips * slices
 
     def mfu_of(step_s: float) -> float:
-        return tokens * flops / step_s / total / chip.peak_flops["bf16"]
+        return tokens * flops / step_s / total_chips / chip.peak_flops["bf16"]
 
     outcomes, passed_over = [], 0
     for s, depths, mine in plans:
@@ -201,25 +219,40 @@ def _compile(
     return outcomes, passed_over
 
 
-def _refused(result: dict | None) -> bool:
-    """The compiler refused the layout, or compiled it over the chip's memory."""
-    return result is not None and ("refused" in result or ("fits" in result and not result["fits"]))
+def _refusal(result: dict | None) -> tuple[bool, float | None]:
+    """(the layout did not fit: refused by the compiler, or compiled over the chip's memory;
+    the compiled peak where there is one)."""
+    if result is None or "skipped" in result or "failed" in result:
+        return False, None
+    if "refused" in result:
+        return True, None
+    return not result["fits"], result.get("peak_gib")
 
 
-def refused_alike(screened: Screened, refused: list[Screened]) -> str | None:
-    """Why to pass over a candidate without compiling it: a layout with the same remat policy
-    and pipelining, whose memory estimate is no larger, did not fit. The estimate's error
-    depends mostly on those two (remat's kept activations, a pipeline's in-flight buffers), so
-    a larger estimate of the same kind would very likely not fit either; the compile goes to
-    the next candidate instead. A heuristic: it may pass over a layout that would just fit."""
-    c = screened.candidate
-    for r in refused:
-        same_kind = r.candidate.remat == c.remat and (r.candidate.degree("stage") > 1) == (
-            c.degree("stage") > 1
-        )
-        if same_kind and screened.estimate_gib >= r.estimate_gib:
-            label, gib = r.candidate.label(), r.estimate_gib
-            return f"{PASSED_OVER}: {label} did not fit at an estimate of {gib:.2f} GiB"
+def _kind(screened: Screened) -> tuple[str, bool]:
+    """What the memory estimate's error mostly depends on: the remat policy, pipelined or not."""
+    return screened.candidate.remat, screened.candidate.degree("stage") > 1
+
+
+def refused_alike(
+    screened: Screened, refusals: list[tuple[Screened, float | None]], hbm_gib: float
+) -> str | None:
+    """Why to pass over a candidate without compiling it: a layout of the same kind (remat
+    policy, pipelined or not) did not fit, and this one's estimate is at least the bar that
+    refusal sets: the refused layout's estimate, scaled down by how far over the chip its
+    compile was where it was compiled (the estimate's error for that kind is at least that).
+    The estimate errs mostly by kind (the activations remat keeps, a pipeline's in-flight
+    buffers), so the compile goes to the next candidate instead. A heuristic: it may pass over
+    a layout that would just fit."""
+    for r, peak in refusals:
+        same_kind = _kind(r) == _kind(screened)
+        bar = r.estimate_gib * hbm_gib / peak if peak else r.estimate_gib
+        if same_kind and screened.estimate_gib >= bar:
+            compiled = f", compiled at {peak:.2f} GiB" if peak else ""
+            return (
+                f"{PASSED_OVER}: {r.candidate.label()} did not fit (estimate "
+                f"{r.estimate_gib:.2f} GiB{compiled}): its kind from {bar:.2f} GiB does not"
+            )
     return None
 
 

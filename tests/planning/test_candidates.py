@@ -95,20 +95,23 @@ def test_a_plan_without_a_target_is_refused_in_one_line(capsys):
     ]
 
 
-def test_a_refusal_passes_over_the_same_kind_with_no_smaller_estimate():
-    """remat minimal at 13.4 GiB did not fit: minimal at 13.4 or more is passed over; minimal at
-    13.3, remat full at any estimate and a pipelined minimal are not (their estimates err
-    otherwise)."""
-    refused = [Screened(_candidate("minimal", fsdp=256), 13.4, 1.0)]
-    alike = lambda c, gib: plan.refused_alike(Screened(c, gib, 1.0), refused)  # noqa: E731
-    why = alike(_candidate("minimal", fsdp=128, expert=2), 13.4)
-    assert (
-        why
-        == "passed over: fsdp 256 | remat minimal | accum 1 did not fit at an estimate of 13.40 GiB"
+def test_a_refusal_passes_over_the_same_kind_from_the_bar_it_sets():
+    """remat minimal at an estimate of 13.4 GiB refused by the compiler: minimal from 13.4 GiB
+    is passed over; at 12 it is not, nor is remat full at any estimate nor a pipelined minimal
+    (their estimates err otherwise). Compiled at 20 GiB over a 16 GiB chip, the same estimate
+    sets the bar at 13.4 x 16 / 20 = 10.72 GiB."""
+    minimal = Screened(_candidate("minimal", fsdp=256), 13.4, 1.0)
+    alike = lambda c, gib, peak: plan.refused_alike(Screened(c, gib, 1.0), [(minimal, peak)], 16)  # noqa: E731
+    why = alike(_candidate("minimal", fsdp=128, expert=2), 13.4, None)
+    assert why == (
+        "passed over: fsdp 256 | remat minimal | accum 1 did not fit (estimate 13.40 GiB): "
+        "its kind from 13.40 GiB does not"
     )
-    assert alike(_candidate("minimal", fsdp=128, expert=2), 13.3) is None
-    assert alike(_candidate("full", fsdp=256), 14.0) is None
-    assert alike(_candidate("minimal", fsdp=128, stage=2), 14.0) is None
+    assert alike(_candidate("minimal", fsdp=128, expert=2), 12.0, None) is None
+    assert alike(_candidate("full", fsdp=256), 14.0, None) is None
+    assert alike(_candidate("minimal", fsdp=128, stage=2), 14.0, None) is None
+    assert "from 10.72 GiB" in alike(_candidate("minimal", fsdp=128, expert=2), 10.72, 20.0)
+    assert alike(_candidate("minimal", fsdp=128, expert=2), 10.7, 20.0) is None
 
 
 def test_the_pool_takes_groups_in_order_up_to_the_limit_not_counting_those_passed_over(
